@@ -1,0 +1,1 @@
+"""hspec: lossless speculative decoding with the H-Spec drafter and its baselines."""

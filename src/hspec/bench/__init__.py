@@ -1,0 +1,1 @@
+"""Benchmark commands: each writes JSON + markdown under results/, stating machine, commit and settings."""

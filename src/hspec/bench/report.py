@@ -1,0 +1,69 @@
+"""Provenance and writing of benchmark results (JSON + markdown side by side)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def provenance(command: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Machine, commit, date, command and settings, recorded with every result."""
+    return {
+        "command": command,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
+        "settings": settings,
+    }
+
+
+def provenance_markdown(meta: dict[str, Any]) -> str:
+    m = meta["machine"]
+    device = m["cuda"] or f"CPU ({m['processor']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads)"
+    settings = ", ".join(f"{k}={v}" for k, v in meta["settings"].items())
+    return (f"- command: `{meta['command']}`\n- date: {meta['date']}\n- commit: {meta['commit']}\n"
+            f"- machine: {device}, {m['platform']}, torch {m['torch']}\n- settings: {settings}\n")
+
+
+def write_results(out_dir: Path, stem: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    """Write `<stem>.json` and `<stem>.md` atomically (a killed run never leaves half a file)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = (out_dir / f"{stem}.json", out_dir / f"{stem}.md")
+    for path, text in zip(paths, (json.dumps(payload, indent=2, default=_jsonable) + "\n", markdown)):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return paths
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and x != x:
+        return None
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return str(x)
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

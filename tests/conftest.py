@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny random-config targets of each family, built locally (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hspec.models.loading import Target, load_target
+
+FAMILIES = ("llama", "llama3-scaled", "qwen2", "qwen3", "mistral", "smollm2-like")
+
+
+def hf_config(family: str, vocab_size: int = 96, max_positions: int = 512):
+    """A tiny transformers config of `family` (random weights come from the model's own init)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    if family == "llama3-scaled":
+        return LlamaConfig(**common, rope_theta=500000.0, tie_word_embeddings=False,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if family == "smollm2-like":
+        return LlamaConfig(**{**common, "num_attention_heads": 6, "hidden_size": 96}, head_dim=16,
+                           rope_theta=100000.0, tie_word_embeddings=True)
+    if family == "qwen2":
+        return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=24, rope_theta=1000000.0, tie_word_embeddings=True)
+    if family == "mistral":
+        return MistralConfig(**common, rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+def build_tiny_checkpoint(directory: Path, family: str, seed: int = 0, vocab_size: int = 96,
+                          max_positions: int = 512) -> Path:
+    """Save a randomly initialised HF model of `family` as config.json + model.safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, vocab_size, max_positions))
+    # Random init gives near-uniform next-token distributions; larger output weights make them peaked,
+    # like a trained model's, so greedy ties are vanishingly unlikely and acceptance is exercised.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+class _ByteTokenizer:
+    """A stand-in tokenizer for tiny targets: one token per character code modulo the vocabulary."""
+
+    def __init__(self, vocab_size: int, eos: int = 2) -> None:
+        self.vocab_size, self.eos_token_ids = vocab_size, (eos,)
+
+    def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+        return [1] + [3 + ord(c) % (self.vocab_size - 3) for c in prompt]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + (i % 26)) for i in ids)
+
+
+def load_tiny(directory: Path) -> Target:
+    """Load a tiny checkpoint through the real loader, without a HF tokenizer."""
+    from hspec.models import loading
+
+    config = loading.read_config(directory)
+    model = loading.build_model(config, loading.read_state_dict(directory), torch.float32, "cpu")
+    return Target(directory.name, directory, config, model, _ByteTokenizer(config.vocab_size))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_targets")
+    return {f: build_tiny_checkpoint(root / f, f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_dirs) -> Target:
+    """The default tiny target (Llama family) for decoding tests."""
+    return load_tiny(tiny_dirs["llama"])
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Target:
+    """The real embedded default target (slow tests only)."""
+    return load_target("smollm2")

@@ -1,0 +1,183 @@
+"""Losslessness of the generate loop, for every registered drafter kind and a random test drafter.
+
+Greedy: speculative output == plain greedy output, token for token. Sampling: the output has the
+target's distribution (a chi-square test with a stated false-failure probability, no reruns).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hspec.decoding.generate import SpeculativeDecoder
+from hspec.decoding.sampling import SamplingParams
+from hspec.drafters import DRAFTERS, create_drafter
+from hspec.drafters.base import DraftBatch, Drafter, Proposal
+
+PROMPTS = ["hello world, hello world", "abcabcabcabc", "the quick brown fox"]
+
+
+class RandomDrafter(Drafter):
+    """Drafts from random distributions: the harshest input for the verifier."""
+
+    kind = "random-test"
+
+    def __init__(self, vocab_size: int, sharpness: float = 3.0) -> None:
+        self.vocab_size, self.sharpness = vocab_size, sharpness
+
+    def propose(self, batch: DraftBatch, K: int) -> Proposal:
+        rows_t, rows_q = [], []
+        for g in batch.generators:
+            q = torch.softmax(self.sharpness * torch.randn(K, self.vocab_size, generator=g), -1)
+            rows_q.append(q)
+            rows_t.append(torch.multinomial(q, 1, generator=g).squeeze(-1))
+        return Proposal(torch.stack(rows_t), torch.stack(rows_q))
+
+
+def _decoder(target, drafter, K):
+    return SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids, target.tokenizer.decode)
+
+
+def _make(kind, target):
+    return RandomDrafter(target.config.vocab_size) if kind == "random-test" else create_drafter(kind, target.config)
+
+
+ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test"]
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("B,K", list(itertools.product([1, 3], [1, 3, 4, 5, 7])))
+def test_greedy_equals_plain(tiny_target, kind, B, K):
+    prompts = [tiny_target.tokenizer.encode_prompt(p) for p in PROMPTS[:B]]
+    plain = _decoder(tiny_target, create_drafter("none", tiny_target.config), 1)
+    spec = _decoder(tiny_target, _make(kind, tiny_target), K)
+    expected = plain.generate(prompts, SamplingParams(), 40)
+    got = spec.generate(prompts, SamplingParams(), 40)
+    for e, s in zip(expected.sequences, got.sequences):
+        assert s.token_ids == e.token_ids and s.finish_reason == e.finish_reason
+        assert all(0 <= n <= K for n in s.num_accepted)
+
+
+def test_eos_inside_a_block_ends_the_sequence(tiny_target):
+    """Make the token greedy decoding emits 5th an EOS: speculative output must stop exactly there."""
+    prompts = [tiny_target.tokenizer.encode_prompt(p) for p in PROMPTS]
+    plain = _decoder(tiny_target, create_drafter("none", tiny_target.config), 1)
+    reference = plain.generate(prompts, SamplingParams(), 30).sequences
+    eos = reference[0].token_ids[4]
+    for K in (4, 7):
+        spec = SpeculativeDecoder(tiny_target.model, RandomDrafter(tiny_target.config.vocab_size), K, [eos])
+        plain_eos = SpeculativeDecoder(tiny_target.model, create_drafter("none", tiny_target.config), 1, [eos])
+        a = plain_eos.generate(prompts, SamplingParams(), 30).sequences
+        b = spec.generate(prompts, SamplingParams(), 30).sequences
+        assert a[0].token_ids == reference[0].token_ids[: reference[0].token_ids.index(eos) + 1]
+        assert [s.token_ids for s in a] == [s.token_ids for s in b]
+        assert b[0].finish_reason == "eos"
+
+
+def test_stop_string_inside_a_block(tiny_target):
+    prompts = [tiny_target.tokenizer.encode_prompt(PROMPTS[1])]
+    plain = _decoder(tiny_target, create_drafter("none", tiny_target.config), 1)
+    full = plain.generate(prompts, SamplingParams(), 30).sequences[0]
+    text = tiny_target.tokenizer.decode(full.token_ids)
+    stop = text[6:8]
+    a = plain.generate(prompts, SamplingParams(), 30, stop=[stop]).sequences[0]
+    b = _decoder(tiny_target, create_drafter("ngram", tiny_target.config), 7).generate(
+        prompts, SamplingParams(), 30, stop=[stop]).sequences[0]
+    assert a.token_ids == b.token_ids and b.finish_reason == "stop"
+    assert stop in tiny_target.tokenizer.decode(b.token_ids)
+    assert stop not in tiny_target.tokenizer.decode(b.token_ids[:-1])
+
+
+def test_max_new_tokens_inside_a_block(tiny_target):
+    prompts = [tiny_target.tokenizer.encode_prompt(PROMPTS[1])]
+    out = _decoder(tiny_target, RandomDrafter(tiny_target.config.vocab_size), 7).generate(
+        prompts, SamplingParams(), 10)
+    assert len(out.sequences[0].token_ids) == 10 and out.sequences[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_batched_equals_one_by_one_when_sampling(tiny_target, kind):
+    """Per-row generators make each row's draws independent of who else is in the batch."""
+    prompts = [tiny_target.tokenizer.encode_prompt(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    decoder = _decoder(tiny_target, _make(kind, tiny_target), 4)
+    batched = decoder.generate(prompts, params, 25, seeds=[11, 12, 13]).sequences
+    singles = [decoder.generate([p], params, 25, seeds=[s]).sequences[0] for p, s in zip(prompts, [11, 12, 13])]
+    assert [s.token_ids for s in batched] == [s.token_ids for s in singles]
+
+
+def _exact_joint(target, prompt, params, n_tokens):
+    """P(first n_tokens tokens) under the target alone, by enumerating every continuation."""
+    from hspec.decoding.sampling import SamplingBatch
+
+    sampling = SamplingBatch.from_params([params])
+    V = target.config.vocab_size
+    probs = {(): 1.0}
+    for _ in range(n_tokens):
+        new = {}
+        prefixes = list(probs)
+        pool = target.model.new_pool(num_blocks=len(prefixes) * 4, block_size=8)
+        ids = torch.tensor([prompt + list(p) for p in prefixes])
+        for i in range(len(prefixes)):
+            pool.add_sequence(i)
+        with torch.no_grad():
+            logits = target.model(ids, pool, list(range(len(prefixes))), last_logits_only=True).logits
+        dist = sampling.select([0] * len(prefixes)).probs(logits)[:, -1].double()
+        for i, prefix in enumerate(prefixes):
+            for t in range(V):
+                if dist[i, t] > 0:
+                    new[prefix + (t,)] = probs[prefix] * float(dist[i, t])
+        probs = new
+    return probs
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_sampled_output_has_target_distribution(tiny_dirs, kind):
+    """Chi-square goodness of fit of 3-token continuations (4,000 samples, K = 2).
+
+    Cells with expected count < 5 are pooled. The test fails when the p-value < 1e-4, so a correct
+    implementation fails with probability 1e-4 per kind; the seeds are fixed, there are no reruns.
+    """
+    from conftest import build_tiny_checkpoint, load_tiny
+
+    directory = tiny_dirs["llama"].parent / "tiny_vocab8"
+    if not directory.exists():
+        build_tiny_checkpoint(directory, "llama", seed=5, vocab_size=8)
+    target = load_tiny(directory)
+    params = SamplingParams(temperature=1.3, top_k=6)
+    prompt = [1, 4, 5, 6, 3]
+    exact = _exact_joint(target, prompt, params, 3)
+    N = 4000
+    decoder = SpeculativeDecoder(target.model, _make(kind, target), 2, eos_token_ids=())
+    out = decoder.generate([prompt] * N, params, 3, seeds=range(1000, 1000 + N))
+    counts: dict[tuple, int] = {}
+    for s in out.sequences:
+        counts[tuple(s.token_ids)] = counts.get(tuple(s.token_ids), 0) + 1
+    assert set(counts) <= set(exact), "sampled a continuation the target gives zero probability"
+    observed, expected, pooled_o, pooled_e = [], [], 0.0, 0.0
+    for cell, prob in exact.items():
+        if prob * N >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(prob * N)
+        else:
+            pooled_o += counts.get(cell, 0)
+            pooled_e += prob * N
+    observed.append(pooled_o)
+    expected.append(pooled_e)
+    o, e = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    chi2 = float(((o - e) ** 2 / e).sum())
+    dof = len(observed) - 1
+    p_value = 1 - float(torch.distributions.Chi2(torch.tensor(float(dof))).cdf(torch.tensor(chi2)))
+    assert p_value > 1e-4, f"chi2={chi2:.1f}, dof={dof}, p={p_value:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B,K", list(itertools.product([1, 3], [1, 4, 7])))
+def test_greedy_equals_plain_on_smollm2(smollm2, B, K):
+    prompts = [smollm2.tokenizer.encode_prompt(p) for p in
+               ("Write a haiku about autumn.", "What is 12 times 13?", "List three primary colors.")[:B]]
+    plain = _decoder(smollm2, create_drafter("none", smollm2.config), 1).generate(prompts, SamplingParams(), 48)
+    spec = _decoder(smollm2, create_drafter("ngram", smollm2.config), K).generate(prompts, SamplingParams(), 48)
+    assert [s.token_ids for s in spec.sequences] == [s.token_ids for s in plain.sequences]
