@@ -125,7 +125,7 @@ class TargetModel(nn.Module):
         if last_logits_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))
-        hidden = torch.stack([collected[l] for l in hidden_layers], dim=2) if hidden_layers else None
+        hidden = torch.stack([collected[i] for i in hidden_layers], dim=2) if hidden_layers else None
         return TargetOutput(logits, hidden)
 
 
