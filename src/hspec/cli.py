@@ -59,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--k", type=int, default=7)
     demo.add_argument("--max-new-tokens", type=int, default=128)
 
+    data = sub.add_parser("data", help="training data: the target's own responses")
+    data_sub = data.add_subparsers(dest="data", required=True)
+    dgen = data_sub.add_parser("generate", help="generate the target's responses to training prompts (resumable)",
+                               description="Batched greedy (or sampled) responses of the target to the training "
+                                           "prompts, appended to a JSONL file; rerun the same command to resume.")
+    _add_target(dgen)
+    dgen.add_argument("--prompts", default="train_prompts.jsonl",
+                      help="prompt JSONL (normalized format), a path or a file in the shared data dir")
+    dgen.add_argument("--num-prompts", type=int, default=None, help="how many prompts (default all)")
+    dgen.add_argument("--max-prompt-tokens", type=int, default=384)
+    dgen.add_argument("--max-new-tokens", type=int, default=256)
+    dgen.add_argument("--batch-size", type=int, default=16)
+    _add_sampling(dgen)
+    dgen.add_argument("--out", default="runs/data/smollm2_responses.jsonl", help="output JSONL")
+
     bench = sub.add_parser("bench", help="benchmarks that write results/*.json and *.md")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bdec = bench_sub.add_parser("decode", help="plain-decode ITL vs transformers; verify cost vs K",
@@ -82,6 +97,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args.target, [k for k in args.drafters.split(",") if k], args.k,
                             args.max_new_tokens, list(DEMO_PROMPTS))
+        if args.command == "data" and args.data == "generate":
+            from pathlib import Path
+
+            from hspec.training.datagen import DataGenSettings, generate_corpus
+
+            settings = DataGenSettings(args.target, args.prompts, args.num_prompts, args.max_prompt_tokens,
+                                       args.max_new_tokens, args.temperature, args.top_p, args.top_k,
+                                       args.batch_size, args.seed)
+            print(f"wrote {generate_corpus(settings, Path(args.out))}")
+            return 0
         if args.command == "bench" and args.bench == "decode":
             from hspec.bench.decode import run_decode_bench
 
