@@ -41,7 +41,9 @@ def _decoder(target, drafter, K):
 
 
 def _make(kind, target):
-    return RandomDrafter(target.config.vocab_size) if kind == "random-test" else create_drafter(kind, target.config)
+    if kind == "random-test":
+        return RandomDrafter(target.config.vocab_size)
+    return create_drafter(kind, target.config, target_model=target.model)
 
 
 ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test"]

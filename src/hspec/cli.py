@@ -73,6 +73,27 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--batch-size", type=int, default=16)
     _add_sampling(dgen)
     dgen.add_argument("--out", default="runs/data/smollm2_responses.jsonl", help="output JSONL")
+    dfeat = data_sub.add_parser("features", help="cache the target features all drafters train from (resumable)",
+                                description="Run the target once over every generated sequence and cache the "
+                                            "selected layers' hidden states, their K/V and the final hidden state.")
+    _add_target(dfeat)
+    dfeat.add_argument("--corpus", default="runs/data/smollm2_responses.jsonl", help="output of `data generate`")
+    dfeat.add_argument("--out", default="runs/features/smollm2", help="feature cache directory")
+    dfeat.add_argument("--max-sequences", type=int, default=None)
+
+    train = sub.add_parser("train", help="train a drafter with the unified recipe (resumable; torchrun for DDP)",
+                           description="0.1 CE + 0.9 TV with position weights exp(-(k-1)/4), AdamW, 1%% warmup "
+                                       "then half-cosine. Rerun the same command to resume after a kill.")
+    _add_target(train)
+    train.add_argument("--drafter", required=True, help="drafter kind to train (see `hspec drafters describe`)")
+    train.add_argument("--features", default="runs/features/smollm2", help="feature cache from `data features`")
+    train.add_argument("--out", default=None, help="run directory (default runs/train/<kind>)")
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--seqs-per-step", type=int, default=4)
+    train.add_argument("--anchors-per-seq", type=int, default=16)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--val-every", type=int, default=100)
 
     bench = sub.add_parser("bench", help="benchmarks that write results/*.json and *.md")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -84,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     bdec.add_argument("--max-new-tokens", type=int, default=64)
     bdec.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     bdec.add_argument("--out", default="results", help="output directory")
+    _add_serving_parsers(sub, bench_sub)
+    bdraft = bench_sub.add_parser("draft", help="draft forward cost T_D(K) / verify cost T_T per drafter kind",
+                                  description="Interleaved timing of one propose(K=7) per kind against the "
+                                              "target's 8-token verify, for several batch sizes and contexts "
+                                              "(random drafter weights); writes results/draft_cost_<device>.*")
+    _add_target(bdraft)
+    bdraft.add_argument("--drafters", default="", help="comma-separated kinds (default: every registered kind)")
+    bdraft.add_argument("--batch-sizes", default="1,16", help="comma-separated B (default 1,16)")
+    bdraft.add_argument("--contexts", default="256,2048", help="comma-separated context lengths (default 256,2048)")
+    bdraft.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    bdraft.add_argument("--out", default="results", help="output directory")
     return parser
 
 
@@ -107,14 +139,53 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        args.batch_size, args.seed)
             print(f"wrote {generate_corpus(settings, Path(args.out))}")
             return 0
+        if args.command == "data" and args.data == "features":
+            from pathlib import Path
+
+            from hspec.training.run import build_features
+
+            print(f"wrote {build_features(args.target, Path(args.corpus), Path(args.out), args.max_sequences)}")
+            return 0
+        if args.command == "train":
+            from pathlib import Path
+
+            from hspec.training.run import train as run_training
+            from hspec.training.trainer import TrainConfig
+
+            config = TrainConfig(steps=args.steps, lr=args.lr, seqs_per_step=args.seqs_per_step,
+                                 anchors_per_seq=args.anchors_per_seq, seed=args.seed,
+                                 cod_keep=args.drafter == "peagle")
+            out = Path(args.out or f"runs/train/{args.drafter}")
+            print(f"wrote {run_training(args.drafter, args.target, Path(args.features), out, config, val_every=args.val_every)}")
+            return 0
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "bench" and args.bench == "serve":
+            return _bench_serve(args)
         if args.command == "bench" and args.bench == "decode":
             from hspec.bench.decode import run_decode_bench
 
             return run_decode_bench(args.target, args.num_prompts, args.max_new_tokens, args.repeats, args.out)
+        if args.command == "bench" and args.bench == "draft":
+            from hspec.bench.draft import run_draft_bench
+
+            return run_draft_bench(args.target, [k for k in args.drafters.split(",") if k], args.out, args.repeats,
+                                   _ints(args.batch_sizes), _ints(args.contexts))
     except (ValueError, FileNotFoundError) as err:
         print(f"hspec: error: {err}", file=sys.stderr)
         return 2
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _ints(text: str) -> list[int]:
+    """'1,16' -> [1, 16]; raises ValueError naming the bad list."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -129,7 +200,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.k < 1:
         raise ValueError(f"--k must be >= 1, got {args.k}")
     target = load_target(args.target)
-    drafter = create_drafter(args.drafter, target.config)
+    drafter = create_drafter(args.drafter, target.config, target_model=target.model)
     decoder = SpeculativeDecoder(target.model, drafter, args.k, target.tokenizer.eos_token_ids,
                                  target.tokenizer.decode)
     prompt_ids = target.tokenizer.encode_prompt(args.prompt, raw=args.raw)
@@ -159,6 +230,95 @@ def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
     cuts = [text.find(s) for s in stop if s in text]
     return text[: min(cuts)] if cuts else text
 
+
+
+def _add_serving_parsers(sub, bench_sub) -> None:
+    """`hspec serve` and `hspec bench serve`."""
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with continuous batching",
+        description="Serve the target with speculative decoding over a paged KV pool: /v1/models, "
+                    "/v1/completions and /v1/chat/completions (SSE streaming with \"stream\": true), "
+                    "/metrics (Prometheus) and /health. Requests are batched continuously; when the pool "
+                    "is full they wait, or the youngest is preempted and later recomputed; output equals "
+                    "the target's own. Extension: `top_k` in request bodies.")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    _add_target(serve)
+    _add_drafter(serve, "ngram")
+    serve.add_argument("--drafter-path", default=None,
+                       help="trained drafter checkpoint directory (Speculators format); its kind must match --drafter")
+    _add_pool_options(serve, default_budget_mib=512.0)
+    serve.add_argument("--kv-blocks", type=int, default=None, help="pool size in blocks (overrides --kv-budget-mib)")
+    serve.add_argument("--served-model-name", default=None, help="the `model` id clients send (default: target name)")
+    serve.add_argument("--default-max-tokens", type=int, default=256,
+                       help="output limit of chat requests that give none (default 256)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+    bserve = bench_sub.add_parser(
+        "serve", help="closed-loop serving throughput and KV utilisation vs concurrency (paper Fig. 6)",
+        description="Starts one `hspec serve` per drafter kind on 127.0.0.1 with the same KV memory budget, "
+                    "then for each concurrency level runs C closed-loop HTTP clients (greedy chat requests "
+                    "over eval-set prompts) against each server in turn for --level-seconds. Writes "
+                    "<out>/serving/serve_bench.{json,md}, throughput_vs_concurrency.png, "
+                    "kv_vs_concurrency.png and the KV capacity in tokens per drafter kind at the budget.")
+    _add_target(bserve)
+    bserve.add_argument("--drafters", default="none,ngram",
+                        help="comma-separated kinds to serve (default none,ngram; none = plain decoding)")
+    bserve.add_argument("--concurrency", default="8,16,32,64,128", help="comma-separated client counts")
+    bserve.add_argument("--k", type=int, default=7, help="tokens drafted per step (default 7)")
+    bserve.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    bserve.add_argument("--level-seconds", type=float, default=60.0,
+                        help="time bound per level and kind: no new requests after it (default 60)")
+    bserve.add_argument("--tasks", default="spec_bench", help="comma-separated prompt sets (default spec_bench)")
+    bserve.add_argument("--num-prompts", type=int, default=240, help="items per task (default 240)")
+    bserve.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default 512)")
+    bserve.add_argument("--drafter-path", action="append", default=[], metavar="KIND=DIR",
+                        help="trained checkpoint for a kind (repeatable); trained kinds without one run with "
+                             "random weights, which keeps outputs exact but makes acceptance meaningless")
+    _add_pool_options(bserve, default_budget_mib=256.0)
+    bserve.add_argument("--out", default="results", help="output directory; files go to <out>/serving/")
+
+
+def _add_pool_options(p: argparse.ArgumentParser, default_budget_mib: float) -> None:
+    p.add_argument("--kv-budget-mib", type=float, default=default_budget_mib,
+                   help=f"KV pool memory in MiB, target + drafter layers (default {default_budget_mib:g})")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--max-running", type=int, default=128, help="largest decoding batch (default 128)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from hspec.serving.server import ServeSettings, serve
+
+    if args.k < 1:
+        raise ValueError(f"--k must be >= 1, got {args.k}")
+    serve(ServeSettings(args.target, args.drafter, args.k, args.drafter_path, args.kv_budget_mib, args.kv_blocks,
+                        args.block_size, args.max_running, args.served_model_name, args.default_max_tokens,
+                        args.host, args.port, args.log_level))
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from hspec.bench.serve import ServeBenchSettings, run_serve_bench
+
+    def ints(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(",") if x)
+        except ValueError as err:
+            raise ValueError(f"--concurrency must be comma-separated integers, got {text!r}") from err
+
+    settings = ServeBenchSettings(
+        args.target, tuple(k for k in args.drafters.split(",") if k), ints(args.concurrency), args.k,
+        args.max_tokens, args.level_seconds, tuple(t for t in args.tasks.split(",") if t), args.num_prompts,
+        args.max_prompt_tokens, args.kv_budget_mib, args.block_size, args.max_running, args.out,
+        tuple(_kind_path(x) for x in args.drafter_path))
+    return run_serve_bench(settings, "hspec " + " ".join(sys.argv[1:]))
+
+
+def _kind_path(text: str) -> tuple[str, str]:
+    kind, sep, path = text.partition("=")
+    if not sep or not kind or not path:
+        raise ValueError(f"--drafter-path must look like KIND=DIR, got {text!r}")
+    return kind, path
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,8 +21,8 @@ def run_demo(target_name: str, drafter_kinds: Sequence[str], K: int, max_new_tok
              prompts: Sequence[str]) -> int:
     target = load_target(target_name)
     kinds = ["none", *[k for k in drafter_kinds if k != "none"]]
-    decoders = {kind: SpeculativeDecoder(target.model, create_drafter(kind, target.config), K,
-                                         target.tokenizer.eos_token_ids) for kind in kinds}
+    decoders = {kind: SpeculativeDecoder(target.model, create_drafter(kind, target.config, target_model=target.model),
+                                         K, target.tokenizer.eos_token_ids) for kind in kinds}
     greedy = SamplingParams()
     decode_s = dict.fromkeys(kinds, 0.0)
     tokens = dict.fromkeys(kinds, 0)

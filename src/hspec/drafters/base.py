@@ -69,6 +69,9 @@ class Drafter(ABC):
     num_pool_layers: int = 0
     # False for plain decoding, which drafts nothing (K is forced to 0).
     drafts: bool = True
+    # True for trained kinds, which share the target's embedding, LM head and RoPE (`create_drafter`
+    # then requires `target_model`).
+    needs_target_model: bool = False
 
     def check_target(self, config: TargetConfig) -> None:
         """Raise ValueError, naming both shapes, if this drafter cannot serve `config`."""
@@ -96,9 +99,18 @@ def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return probs.scatter_(-1, tokens[..., None], 1.0)
 
 
-def create_drafter(kind: str, config: TargetConfig, **options) -> Drafter:
-    """Instantiate a registered kind for the target `config`."""
+def create_drafter(kind: str, config: TargetConfig, target_model: torch.nn.Module | None = None,
+                   **options) -> Drafter:
+    """Instantiate a registered kind for the target `config`.
+
+    `target_model` (the `TargetModel`) is required by trained kinds, which share its embedding, LM
+    head and RoPE; model-free kinds ignore it.
+    """
     cls = DRAFTERS.get(kind)
+    if cls.needs_target_model:
+        if target_model is None:
+            raise ValueError(f"drafter kind {kind!r} needs the target model: pass target_model=")
+        options["target_model"] = target_model
     drafter = cls(config, **options)
     drafter.check_target(config)
     return drafter

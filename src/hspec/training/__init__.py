@@ -1,0 +1,1 @@
+"""Training drafters on their target: data generation, features, anchors, losses, trainer, checkpoints."""

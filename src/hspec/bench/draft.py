@@ -1,0 +1,192 @@
+"""`hspec bench draft`: the cost of one draft forward T_D(K) against the target's verify T_T.
+
+The latency model (paper §2) puts T_D(K) / T_T next to the mean accepted length: a drafter is only
+worth its acceptance if its forward is cheap next to the (K+1)-token verify it saves. For each
+batch size B and context length S:
+
+1. a KV pool holds B sequences of S positions (random K/V: timings do not depend on values), and
+   each drafter has committed a random hidden state for them;
+2. per round, interleaved: the target's verify (a K+1 = 8-token forward over the pool, asking for
+   the 5 selected layers' hidden states), then for every kind `propose(batch, K)` (T_D) and
+   `commit` of K+1 newly verified tokens (the per-step context update: a no-op for H-Spec, the
+   drafter-side KV write for DFlash-style kinds), then the verify again; T_T is the mean of the
+   two verifies around the drafters, so slow drift hits both sides alike;
+3. ratios T_D / T_T and T_commit / T_T per round, reported as min / median / max.
+
+Drafters have random weights: cost does not depend on training. Results go to
+results/draft_cost_<device>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from hspec.bench.report import provenance, provenance_markdown, write_results
+from hspec.decoding.sampling import SamplingBatch, SamplingParams
+from hspec.drafters import DRAFTERS, create_drafter
+from hspec.drafters.base import DraftBatch, Drafter
+from hspec.drafters.common import select_target_layers
+from hspec.models.llama import TargetModel
+from hspec.models.loading import load_target
+
+GOAL = "hspec T_D(7) / T_T <= 0.25 at B = 1"
+
+
+class _Setting:
+    """One (B, S) setting: a pool of B sequences of S positions and a draft batch over them."""
+
+    def __init__(self, model: TargetModel, drafters: dict[str, Drafter], B: int, S: int, K: int, seed: int) -> None:
+        self.model, self.drafters, self.B, self.S, self.K = model, drafters, B, S, K
+        g = torch.Generator().manual_seed(seed)
+        c = model.config
+        block = 16
+        drafter_layers = max((d.num_pool_layers for d in drafters.values()), default=0)
+        self.pool = model.new_pool(B * -(-(S + 2 * (K + 1)) // block), block, drafter_layers)
+        self.seq_ids = list(range(B))
+        for s in self.seq_ids:
+            self.pool.add_sequence(s)
+        self.pool.extend(self.seq_ids, S)
+        self.pool.k.normal_(generator=g)
+        self.pool.v.normal_(generator=g)
+        self.hidden_layers = select_target_layers(c.num_layers)
+        histories = [torch.randint(0, c.vocab_size, (S + 1,), generator=g).tolist() for _ in self.seq_ids]
+        self.batch = DraftBatch(self.seq_ids, torch.tensor([h[-1] for h in histories]), histories, self.pool,
+                                SamplingBatch.from_params([SamplingParams()] * B),
+                                [torch.Generator().manual_seed(seed + s) for s in self.seq_ids])
+        self.verify_ids = torch.randint(0, c.vocab_size, (B, K + 1), generator=g)
+        for drafter in drafters.values():
+            # Each sequence's prefix was "verified" once: the drafter keeps what it keeps per sequence.
+            self._commit(drafter, 1)
+
+    def time_verify(self) -> float:
+        """Seconds of one (K+1)-token target forward over every sequence (then rolled back)."""
+        start = time.perf_counter()
+        self.model(self.verify_ids, self.pool, self.seq_ids, self.hidden_layers)
+        elapsed = time.perf_counter() - start
+        for s in self.seq_ids:
+            self.pool.truncate(s, self.S)
+        return elapsed
+
+    def time_propose(self, kind: str) -> float:
+        start = time.perf_counter()
+        self.drafters[kind].propose(self.batch, self.K)
+        return time.perf_counter() - start
+
+    def time_commit(self, kind: str) -> float:
+        """Seconds of committing K+1 newly verified positions (the drafter's per-step context update)."""
+        return self._commit(self.drafters[kind], self.K + 1)
+
+    def _commit(self, drafter: Drafter, n: int) -> float:
+        if not drafter.drafts:
+            return 0.0
+        for s in self.seq_ids:  # the last n positions become the "newly verified" ones
+            self.pool.truncate(s, max(self.S - n, 0))
+        self.pool.extend(self.seq_ids, n)
+        H = self.model.config.hidden_size
+        dtype = self.model.embed_tokens.weight.dtype
+        hidden = torch.randn(self.B, n, len(drafter.hidden_layers), H, dtype=dtype) if drafter.hidden_layers else None
+        start = time.perf_counter()
+        drafter.commit(self.pool, self.seq_ids, hidden, torch.full((self.B,), n, dtype=torch.long))
+        return time.perf_counter() - start
+
+
+def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str | Path, repeats: int = 5,
+                    batch_sizes: Sequence[int] = (1, 16), contexts: Sequence[int] = (256, 2048), K: int = 7,
+                    seed: int = 0) -> int:
+    """Time every kind's draft forward against the target's verify; write draft_cost_<device>.{json,md}."""
+    target = load_target(target_name)
+    model = target.model.eval()
+    kinds = [k for k in (kinds or DRAFTERS.names()) if k != "none"]
+    torch.manual_seed(seed)
+    drafters = {k: create_drafter(k, target.config, target_model=model) for k in kinds}
+    for drafter in drafters.values():
+        if isinstance(drafter, torch.nn.Module):
+            drafter.eval()
+    device = "gpu" if model.embed_tokens.weight.is_cuda else "cpu"
+    rows = []
+    with torch.inference_mode():
+        for B in batch_sizes:
+            for S in contexts:
+                rows.append(_measure(model, drafters, B, S, K, repeats, seed))
+                print(_format_row_summary(rows[-1]), flush=True)
+    settings = {"target": target.name, "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+                "K": K, "batch_sizes": list(batch_sizes), "contexts": list(contexts), "repeats": repeats,
+                "kinds": kinds, "sampling": "greedy", "drafter_weights": "random"}
+    command = (f"hspec bench draft --target {target_name} --drafters {','.join(kinds)} --repeats {repeats} "
+               f"--batch-sizes {','.join(map(str, batch_sizes))} --contexts {','.join(map(str, contexts))}")
+    payload = {"provenance": provenance(command, settings), "goal": GOAL,
+               "params": {k: _num_params(d) for k, d in drafters.items()}, "results": rows}
+    markdown = _markdown(payload)
+    json_path, md_path = write_results(Path(out_dir), f"draft_cost_{device}", payload, markdown)
+    print(markdown)
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def _measure(model: TargetModel, drafters: dict[str, Drafter], B: int, S: int, K: int, repeats: int,
+             seed: int) -> dict:
+    setting = _Setting(model, drafters, B, S, K, seed)
+    setting.time_verify()  # warm-up
+    for kind in drafters:
+        setting.time_propose(kind)
+        setting.time_commit(kind)
+    verify_s: list[float] = []
+    per_kind: dict[str, dict[str, list[float]]] = {k: {"propose": [], "commit": [], "ratio": [], "commit_ratio": []}
+                                                   for k in drafters}
+    for _ in range(repeats):
+        before = setting.time_verify()
+        times = {k: (setting.time_propose(k), setting.time_commit(k)) for k in drafters}
+        t_t = (before + setting.time_verify()) / 2
+        verify_s.append(t_t)
+        for kind, (t_d, t_c) in times.items():
+            m = per_kind[kind]
+            m["propose"].append(t_d)
+            m["commit"].append(t_c)
+            m["ratio"].append(t_d / t_t)
+            m["commit_ratio"].append(t_c / t_t)
+    del setting
+    return {
+        "B": B, "S": S,
+        "verify_ms": _summary([1000 * t for t in verify_s]),
+        "kinds": {k: {"propose_ms": _summary([1000 * t for t in m["propose"]]),
+                      "commit_ms": _summary([1000 * t for t in m["commit"]]),
+                      "T_D_over_T_T": _summary(m["ratio"]),
+                      "commit_over_T_T": _summary(m["commit_ratio"])} for k, m in per_kind.items()},
+    }
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+def _num_params(drafter: Drafter) -> int:
+    return sum(p.numel() for p in drafter.parameters()) if isinstance(drafter, torch.nn.Module) else 0
+
+
+def _format_row_summary(row: dict) -> str:
+    parts = [f"{k} {v['T_D_over_T_T']['median']:.3f}" for k, v in row["kinds"].items()]
+    return f"[draft] B={row['B']} S={row['S']} T_T {row['verify_ms']['median']:.1f} ms; T_D/T_T: " + ", ".join(parts)
+
+
+def _markdown(payload: dict) -> str:
+    lines = ["# Draft cost: T_D(K) / T_T\n", provenance_markdown(payload["provenance"]),
+             f"\nGoal: {payload['goal']}. T_T is one K+1 = 8-token target verify; T_D one `propose(K=7)`; "
+             "commit is the per-step context update after verifying K+1 tokens (H-Spec: keep one hidden "
+             "vector; DFlash-style kinds: write drafter K/V). Ratios per interleaved round, min / median / max.\n"]
+    for row in payload["results"]:
+        v = row["verify_ms"]
+        lines += [f"\n## B = {row['B']}, context S = {row['S']} (T_T median {v['median']:.1f} ms, "
+                  f"min {v['min']:.1f}, max {v['max']:.1f})\n",
+                  "| kind | trainable params | T_D median (ms) | T_D / T_T min | median | max | commit / T_T median |",
+                  "|---|---|---|---|---|---|---|"]
+        for kind, m in row["kinds"].items():
+            r = m["T_D_over_T_T"]
+            lines.append(f"| {kind} | {payload['params'][kind] / 1e6:.1f}M | {m['propose_ms']['median']:.2f} | "
+                         f"{r['min']:.3f} | {r['median']:.3f} | {r['max']:.3f} | "
+                         f"{m['commit_over_T_T']['median']:.3f} |")
+    return "\n".join(lines) + "\n"

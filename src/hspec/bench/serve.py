@@ -1,0 +1,338 @@
+"""`hspec bench serve`: closed-loop serving throughput and KV utilisation vs concurrency (paper Fig. 6).
+
+1. Start one `hspec serve` subprocess per drafter kind on loopback (127.0.0.1, a free port), each
+   with the same KV memory budget, so a kind that keeps drafter-side KV gets fewer tokens.
+2. For each concurrency level C, and for each kind in turn (the order alternates per level, so slow
+   drift of the machine hits every kind alike): C clients each send a chat request, wait for it,
+   and send the next (closed loop), over the same prompt sequence for every kind, until the level's
+   time bound; then the in-flight requests finish.
+   Throughput = output tokens / (last finish - start). Mean KV utilisation = the increase of the
+   server's `hspec_kv_cache_usage_seconds_total` over that window / its length.
+3. Write results/serving/serve_bench.{json,md}, throughput_vs_concurrency.png and
+   kv_vs_concurrency.png, and the KV capacity in tokens at the budget for every registered kind
+   (`PagedKVPool.from_memory_budget` with the kind's `num_pool_layers`).
+
+Greedy decoding throughout, and the first prompt's output must be identical on every server
+(losslessness, end to end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hspec.bench.report import provenance, provenance_markdown, write_results
+from hspec.cache.paged_pool import PagedKVPool
+from hspec.drafters import DRAFTERS, create_drafter
+from hspec.eval.tasks import load_suite
+from hspec.models.loading import load_target
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServeBenchSettings:
+    target: str = "smollm2"
+    drafters: tuple[str, ...] = ("none", "ngram")  # kinds to serve; "none" = plain decoding
+    concurrency: tuple[int, ...] = (8, 16, 32, 64, 128)  # closed-loop clients per level
+    K: int = 7  # tokens drafted per step
+    max_tokens: int = 64  # output tokens per request (greedy; EOS may end it sooner)
+    level_seconds: float = 60.0  # clients stop sending new requests after this; in-flight ones finish
+    tasks: tuple[str, ...] = ("spec_bench",)  # prompt sets (first user turn of each item)
+    num_prompts: int = 240  # evenly spaced items per task
+    max_prompt_tokens: int = 512  # longer prompts are skipped (the count is reported)
+    kv_budget_mib: float = 256.0  # KV memory budget of every server (target + drafter layers)
+    block_size: int = 16
+    max_running: int = 128  # largest batch the engine runs
+    out: str = "results"  # results go to <out>/serving/
+    drafter_paths: tuple[tuple[str, str], ...] = ()  # (kind, trained checkpoint dir) pairs
+
+    def __post_init__(self) -> None:
+        if not self.drafters:
+            raise ValueError("give at least one drafter kind (none = plain decoding)")
+        for kind in self.drafters:
+            DRAFTERS.get(kind)  # raises ValueError listing the registered kinds
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        for name in ("K", "max_tokens", "num_prompts", "max_prompt_tokens", "block_size", "max_running"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        unknown = sorted({kind for kind, _ in self.drafter_paths} - set(self.drafters))
+        if unknown:
+            raise ValueError(f"--drafter-path given for kinds not in --drafters: {unknown}")
+        if self.level_seconds <= 0 or self.kv_budget_mib <= 0:
+            raise ValueError(f"level_seconds and kv_budget_mib must be > 0, got {self.level_seconds}, "
+                             f"{self.kv_budget_mib}")
+
+
+def run_serve_bench(settings: ServeBenchSettings, command: str) -> int:
+    target = load_target(settings.target)
+    capacity = kv_capacity_table(target, settings.kv_budget_mib * MIB, settings.block_size)
+    prompts, skipped = _prompts(target.tokenizer, settings)
+    print(f"[bench serve] {len(prompts)} prompts ({skipped} longer than {settings.max_prompt_tokens} tokens "
+          f"skipped); kinds {', '.join(settings.drafters)}; concurrency {settings.concurrency}", flush=True)
+    model_name = target.name
+    del target  # the servers load their own copies
+
+    logs = Path(tempfile.mkdtemp(prefix="hspec-bench-serve-"))
+    servers = {kind: _Server(kind, settings, logs / f"{kind}.log") for kind in settings.drafters}
+    levels: dict[str, list[dict[str, Any]]] = {kind: [] for kind in settings.drafters}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        _check_lossless(servers, model_name, prompts[0], settings.max_tokens)
+        for i, c in enumerate(settings.concurrency):
+            order = list(settings.drafters) if i % 2 == 0 else list(reversed(settings.drafters))
+            for kind in order:
+                result = asyncio.run(_run_level(servers[kind], model_name, prompts, c, settings))
+                levels[kind].append(result)
+                print(f"[bench serve] {kind:>8} C={c:<4} {result['throughput_tok_s']:8.1f} tok/s  "
+                      f"KV {100 * result['mean_kv_utilization']:5.1f}%  MAL {result['mean_accepted_length']:.2f}  "
+                      f"{result['num_requests']} requests, {result['preemptions']} preemptions", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    payload = {
+        "provenance": provenance(command, {**asdict(settings), "prompts": len(prompts),
+                                           "prompts_skipped": skipped, "model": model_name}),
+        "levels": levels,
+        "servers": {kind: s.info for kind, s in servers.items()},
+        "drafter_weights": {kind: _weights(kind, settings) for kind in settings.drafters},
+        "kv_capacity": capacity,
+    }
+    out = Path(settings.out) / "serving"
+    markdown = _markdown(payload, settings)
+    json_path, md_path = write_results(out, "serve_bench", payload, markdown)
+    plots = _plots(levels, out)
+    print(markdown)
+    print(f"wrote {json_path}, {md_path}, " + ", ".join(str(p) for p in plots))
+    return 0
+
+
+def kv_capacity_table(target, budget_bytes: float, block_size: int) -> list[dict[str, Any]]:
+    """KV capacity in tokens at `budget_bytes` for every registered kind (pool built on `meta`: no memory)."""
+    c = target.config
+    dtype = target.model.embed_tokens.weight.dtype
+    rows = []
+    for kind in DRAFTERS.names():
+        try:
+            layers = create_drafter(kind, c, target_model=target.model).num_pool_layers
+        except (ValueError, TypeError) as err:
+            rows.append({"drafter": kind, "error": str(err)})
+            continue
+        pool = PagedKVPool.from_memory_budget(int(budget_bytes), c.num_layers, c.num_kv_heads, c.head_dim,
+                                              block_size, layers, dtype, device="meta")
+        rows.append({"drafter": kind, "drafter_kv_layers": layers, "capacity_tokens": pool.capacity_tokens,
+                     "kv_bytes_per_token": PagedKVPool.bytes_per_token(c.num_layers + layers, c.num_kv_heads,
+                                                                       c.head_dim, dtype),
+                     "kv_inflation": (c.num_layers + layers) / c.num_layers})
+    return rows
+
+
+def _weights(kind: str, settings: ServeBenchSettings) -> str:
+    path = dict(settings.drafter_paths).get(kind)
+    if path:
+        return f"trained: {path}"
+    return "random (untrained)" if DRAFTERS.get(kind).needs_target_model else "model-free"
+
+
+# ---- servers and clients ------------------------------------------------------------------------
+
+
+class _Server:
+    """An `hspec serve` subprocess on 127.0.0.1 and a free port."""
+
+    def __init__(self, kind: str, settings: ServeBenchSettings, log_path: Path) -> None:
+        self.kind = kind
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        args = [sys.executable, "-m", "hspec.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                "--target", settings.target, "--drafter", kind, "--k", str(settings.K),
+                "--kv-budget-mib", str(settings.kv_budget_mib), "--block-size", str(settings.block_size),
+                "--max-running", str(settings.max_running), "--log-level", "warning"]
+        path = dict(settings.drafter_paths).get(kind)
+        if path:
+            args += ["--drafter-path", path]
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.info: dict[str, Any] = {}
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server for {self.kind} exited with {self.process.returncode}:\n{self._tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.info = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server for {self.kind} not ready after {timeout_s:.0f} s:\n{self._tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        """The numeric samples of /metrics, by name with labels."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
+
+    def _tail(self) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0}
+
+
+def _check_lossless(servers: dict[str, _Server], model: str, prompt: str, max_tokens: int) -> None:
+    """Warm every server up with the same greedy request; outputs must be identical."""
+    texts = {kind: httpx.post(f"{s.url}/v1/chat/completions", json=_body(model, prompt, max_tokens), timeout=600)
+             .json()["choices"][0]["message"]["content"] for kind, s in servers.items()}
+    if len(set(texts.values())) != 1:
+        raise RuntimeError(f"greedy outputs differ between servers (lossless bug): {texts}")
+
+
+async def _run_level(server: _Server, model: str, prompts: Sequence[str], concurrency: int,
+                     settings: ServeBenchSettings) -> dict[str, Any]:
+    """C closed-loop clients until the time bound; every kind sees the same prompt sequence."""
+    before = server.metrics()
+    next_prompt = itertools.count()
+    tokens: list[int] = []
+    latencies: list[float] = []
+    start = time.perf_counter()
+    stop_at = start + settings.level_seconds
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while time.perf_counter() < stop_at:
+            prompt = prompts[next(next_prompt) % len(prompts)]
+            t0 = time.perf_counter()
+            response = await http.post(f"{server.url}/v1/chat/completions",
+                                       json=_body(model, prompt, settings.max_tokens))
+            response.raise_for_status()
+            tokens.append(response.json()["usage"]["completion_tokens"])
+            latencies.append(time.perf_counter() - t0)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as http:
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("hspec_spec_decode_steps_total")
+    accepted = [delta(f'hspec_spec_decode_accepted_tokens_total{{position="{k}"}}') for k in range(1, settings.K + 1)]
+    return {
+        "concurrency": concurrency,
+        "num_requests": len(tokens),
+        "output_tokens": sum(tokens),
+        "elapsed_s": elapsed,
+        "throughput_tok_s": sum(tokens) / elapsed,
+        "mean_kv_utilization": delta("hspec_kv_cache_usage_seconds_total") / elapsed,
+        "mean_latency_s": sum(latencies) / len(latencies),
+        "mean_accepted_length": 1.0 + sum(accepted) / steps if steps else 1.0,
+        "preemptions": int(delta("hspec_preemptions_total")),
+        "engine_steps": int(delta("hspec_engine_steps_total")),
+        "mean_batch": delta("hspec_decode_rows_total") / max(delta("hspec_engine_steps_total"), 1.0),
+    }
+
+
+def _prompts(tokenizer, settings: ServeBenchSettings) -> tuple[list[str], int]:
+    """First user turns of the tasks' items, interleaved across tasks, without over-long ones."""
+    tasks = load_suite(settings.tasks, settings.num_prompts)
+    turns = [item.turns[0] for group in itertools.zip_longest(*(t.items for t in tasks)) for item in group if item]
+    kept = [t for t in turns if len(tokenizer.encode_prompt(t)) <= settings.max_prompt_tokens]
+    if not kept:
+        raise ValueError(f"no prompt of {settings.tasks} fits in max_prompt_tokens={settings.max_prompt_tokens}")
+    return kept, len(turns) - len(kept)
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def _markdown(payload: dict[str, Any], settings: ServeBenchSettings) -> str:
+    levels = payload["levels"]
+    md = ["# Serving: closed-loop throughput and KV utilisation vs concurrency\n",
+          provenance_markdown(payload["provenance"]),
+          f"\nEach level: C clients, greedy chat requests of at most {settings.max_tokens} tokens, new requests "
+          f"for {settings.level_seconds:.0f} s then drain; KV budget {settings.kv_budget_mib:g} MiB per server. "
+          "Kinds run interleaved per level.\n",
+          "| drafter | C | output tok/s | vs plain | mean KV util. | MAL | mean batch | requests | "
+          "mean latency (s) | preemptions |", "|---|---|---|---|---|---|---|---|---|---|"]
+    plain = {r["concurrency"]: r["throughput_tok_s"] for r in levels.get("none", [])}
+    for kind, rows in levels.items():
+        for r in rows:
+            ratio = f"{r['throughput_tok_s'] / plain[r['concurrency']]:.2f}x" if r["concurrency"] in plain else "-"
+            md.append(f"| {kind} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {ratio} | "
+                      f"{100 * r['mean_kv_utilization']:.1f}% | {r['mean_accepted_length']:.2f} | "
+                      f"{r['mean_batch']:.1f} | {r['num_requests']} | {r['mean_latency_s']:.1f} | "
+                      f"{r['preemptions']} |")
+    md += [f"\n## KV capacity at a {settings.kv_budget_mib:g} MiB budget (block size {settings.block_size})\n",
+           "| drafter | drafter KV layers | KV bytes/token | capacity (tokens) | KV inflation |",
+           "|---|---|---|---|---|"]
+    for row in payload["kv_capacity"]:
+        if "error" in row:
+            md.append(f"| {row['drafter']} | - | - | - | not built: {row['error']} |")
+        else:
+            md.append(f"| {row['drafter']} | {row['drafter_kv_layers']} | {row['kv_bytes_per_token']} | "
+                      f"{row['capacity_tokens']} | {row['kv_inflation']:.3f} |")
+    return "\n".join(md) + "\n"
+
+
+def _plots(levels: dict[str, list[dict[str, Any]]], out: Path) -> list[Path]:
+    """Throughput and mean KV utilisation vs concurrency, one line per kind (paper Fig. 6)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    paths = []
+    for key, label, scale, stem in (("throughput_tok_s", "output tokens / s", 1.0, "throughput_vs_concurrency"),
+                                    ("mean_kv_utilization", "mean KV utilisation (%)", 100.0, "kv_vs_concurrency")):
+        fig = Figure(figsize=(5.5, 3.8), tight_layout=True)
+        ax = fig.add_subplot()
+        for kind, rows in levels.items():
+            ax.plot([r["concurrency"] for r in rows], [scale * r[key] for r in rows], marker="o",
+                    label="plain" if kind == "none" else kind)
+        ax.set_xscale("log", base=2)
+        levels_c = sorted({r["concurrency"] for rows in levels.values() for r in rows})
+        ax.set_xticks(levels_c, [str(c) for c in levels_c])
+        ax.set_xlabel("concurrency (closed-loop clients)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        path = out / f"{stem}.png"
+        FigureCanvasAgg(fig).print_png(str(path))
+        paths.append(path)
+    return paths

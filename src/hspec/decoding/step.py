@@ -1,0 +1,193 @@
+"""The stages of one speculative decoding step, shared by the generate loop and the serving engine.
+
+`DecodeStages` couples a target, a drafter and K, and exposes each stage of DESIGN.md §3 on its own,
+so a caller chooses which sequences take part in each step:
+
+- `prefill`:  run a sequence's context into the pool (its first turn, or a recompute after
+              preemption) and give the drafter the hidden states of every position;
+- `first_token`: draw the first anchor x0 from the prefill's last logits;
+- `step`:     for a batch of running sequences, 1. draft, 2. verify, 3. commit/rollback, with ragged
+              acceptance per row;
+- `emit`:     4. append a row's new tokens, ending it at EOS, the token limit or a stop string.
+
+Every random draw comes from the row's own `torch.Generator` and a step always draws the same number
+of uniforms per row (1 for the first token, K+1 per step), so a row's output does not depend on the
+other rows of its batch, nor on whether it was preempted and recomputed in between.
+
+Legend: B batch, K drafted tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hspec.cache.paged_pool import PagedKVPool
+from hspec.decoding.sampling import SamplingBatch, draw_uniforms, sample_with_uniform
+from hspec.decoding.verify import verify
+from hspec.drafters.base import DraftBatch, Drafter
+from hspec.models.llama import TargetModel
+
+
+@dataclass
+class SequenceOutput:
+    """One sequence's result. `num_accepted` has one entry per speculative step (0..K)."""
+
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos", "length" or "stop"
+    num_accepted: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one batched draft -> verify -> commit step produced, one entry per row."""
+
+    num_accepted: list[int]  # drafts accepted per row, 0..K
+    new_tokens: list[list[int]]  # accepted drafts + the recovered/bonus token, per row
+    draft_s: float  # seconds in the drafter (whole batch)
+    verify_s: float  # seconds in the target forward + verification + commit (whole batch)
+
+
+class DecodeStages:
+    """The stages of the decoding loop for one target, drafter and K (K = 0 for plain decoding)."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter, K: int, eos_token_ids: Sequence[int],
+                 decode_text: Callable[[list[int]], str] | None = None) -> None:
+        if drafter.drafts and K < 1:
+            raise ValueError(f"K (tokens drafted per step) must be >= 1, got {K}")
+        drafter.check_target(target.config)
+        self.target = target
+        self.drafter = drafter
+        self.K = K if drafter.drafts else 0
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode_text = decode_text
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.embed_tokens.weight.device
+
+    def positions_needed(self, prompt_length: int, max_new_tokens: int) -> int:
+        """Most positions a request ever holds in the pool: prompt, outputs and one draft block."""
+        return prompt_length + max_new_tokens + self.K + 1
+
+    # ---- stages -------------------------------------------------------------------------------
+
+    def prefill(self, pool: PagedKVPool, seq_id: int, tokens: Sequence[int]) -> torch.Tensor:
+        """Add `seq_id` to the pool holding `tokens` and commit them to the drafter.
+
+        Used for a prompt (then the caller draws x0 with `first_token`) and for a recompute after
+        preemption, where `tokens` is the history without its last token, which is already x0.
+        Returns the last position's logits, (1, V).
+        """
+        pool.add_sequence(seq_id)
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # (1, T)
+        out = self.target(ids, pool, [seq_id], self.drafter.hidden_layers, last_logits_only=True)
+        self.drafter.commit(pool, [seq_id], out.hidden, torch.tensor([len(tokens)], device=self.device))
+        return out.logits[:, -1]
+
+    def first_token(self, logits: torch.Tensor, sampling: SamplingBatch, generator: torch.Generator) -> int:
+        """Draw x0 from the prefill's last logits (1, V) with one uniform of the row's generator."""
+        probs = sampling.probs(logits[:, None])[:, -1]  # (1, V)
+        return int(sample_with_uniform(probs, draw_uniforms([generator], 1, self.device)[:, 0])[0])
+
+    def step(self, pool: PagedKVPool, seq_ids: Sequence[int], histories: Sequence[Sequence[int]],
+             sampling: SamplingBatch, generators: Sequence[torch.Generator]) -> StepResult:
+        """Stages 1-3 for a batch of running sequences; `histories[b]` ends with row b's anchor x0.
+
+        The pool must be able to grow every row by K+1 positions (the caller's scheduler checks
+        `pool.can_hold`); after the step each row keeps x0 and its accepted drafts.
+        """
+        t0 = time.perf_counter()
+        anchors = torch.tensor([h[-1] for h in histories], dtype=torch.long, device=self.device)  # (B,)
+        # 1. draft: d_1..d_K and the distributions they were drawn from.
+        proposal = self.drafter.propose(
+            DraftBatch(list(seq_ids), anchors, histories, pool, sampling, list(generators)), self.K)
+        t1 = time.perf_counter()
+        # 2. verify: the target scores [x0, d_1..d_K] at positions p..p+K in one forward.
+        block = torch.cat([anchors[:, None], proposal.draft_tokens], dim=1)  # (B, K+1)
+        out = self.target(block, pool, seq_ids, self.drafter.hidden_layers)
+        target_probs = sampling.probs(out.logits)  # (B, K+1, V)
+        uniforms = draw_uniforms(generators, self.K + 1, self.device)  # (B, K+1)
+        result = verify(target_probs, proposal.draft_probs, proposal.draft_tokens,
+                        uniforms[:, : self.K], uniforms[:, self.K])
+        accepted = result.num_accepted.tolist()  # the step's one host sync
+        next_tokens = result.next_tokens.tolist()
+        drafts = proposal.draft_tokens.tolist()
+        # 3. commit: keep x0 and the accepted drafts; the new token is the next anchor, not yet cached.
+        for row, seq_id in enumerate(seq_ids):
+            pool.truncate(seq_id, pool.length(seq_id) - self.K + accepted[row])
+        self.drafter.commit(pool, seq_ids, out.hidden, result.num_accepted + 1)
+        new_tokens = [drafts[row][: accepted[row]] + [next_tokens[row]] for row in range(len(seq_ids))]
+        return StepResult(accepted, new_tokens, t1 - t0, time.perf_counter() - t1)
+
+    def emit(self, output: SequenceOutput, tokens: Sequence[int], max_new_tokens: int,
+             stop: Sequence[str] = ()) -> list[int]:
+        """4. Append a block of tokens, ending the sequence at EOS, the limit or a stop string.
+
+        Returns the tokens that joined the output (a prefix of `tokens`, possibly empty only if
+        `tokens` is). Earlier outputs are never cut: a stop string must end inside the new tokens.
+        """
+        before = len(output.token_ids)
+        for token in tokens:
+            output.token_ids.append(token)
+            if token in self.eos_token_ids:
+                output.finish_reason = "eos"
+                break
+            if len(output.token_ids) >= max_new_tokens:
+                output.finish_reason = "length"
+                break
+        if stop and self.decode_text is not None:
+            cut = stop_prefix_length(output.token_ids, before, stop, self.decode_text)
+            if cut is not None:
+                del output.token_ids[cut:]
+                output.finish_reason = "stop"
+        return output.token_ids[before:]
+
+    def release(self, pool: PagedKVPool, seq_id: int) -> None:
+        """Free a sequence's KV blocks and the drafter's state for it."""
+        if pool.has_sequence(seq_id):
+            pool.free(seq_id)
+        self.drafter.release(seq_id)
+
+    # ---- validation ---------------------------------------------------------------------------
+
+    def check_request(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
+                      name: str = "prompt") -> None:
+        """Raise ValueError, naming the bad value, if this request cannot run on the target."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if stop and self.decode_text is None:
+            raise ValueError("stop strings need a decode_text function")
+        if len(prompt) == 0:
+            raise ValueError(f"{name} is empty")
+        context = self.target.config.max_position_embeddings
+        needed = self.positions_needed(len(prompt), max_new_tokens)
+        if needed > context:
+            raise ValueError(
+                f"{name} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} and K={self.K} "
+                f"it needs {needed} positions, more than the target's context of {context}"
+            )
+        vocab = self.target.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+
+def stop_prefix_length(token_ids: list[int], checked: int, stop: Sequence[str],
+                       decode_text: Callable[[list[int]], str]) -> int | None:
+    """Smallest n > checked such that decode(token_ids[:n]) contains a stop string, or None.
+
+    The first `checked` tokens were already searched, so a new match must end after them. Searching
+    token by token makes the cut independent of how many tokens a step emitted, so plain and
+    speculative decoding stop at the same token.
+    """
+    if not any(s in decode_text(token_ids) for s in stop):
+        return None
+    for n in range(checked + 1, len(token_ids) + 1):
+        if any(s in decode_text(token_ids[:n]) for s in stop):
+            return n
+    return None

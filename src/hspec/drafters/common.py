@@ -1,0 +1,609 @@
+"""What every trained (neural) drafter shares: configuration, the draft block, the pruned-vocabulary
+head, the Markov head, block attention over context K/V, and `NeuralDrafter`, the base class that
+turns a kind's `block_logits` into proposals.
+
+One block forward (DESIGN.md §3-§4):
+1. `build_block`: the block [x0, MASK x (K-1)] at positions p..p+K-1;
+2. `BlockContext`: everything the forward reads from the target (the selected layers' hidden states
+   at position p-1, context K/V with a visibility mask); built from the KV pool at inference and
+   from a full target forward in training, so both run the same `block_logits`;
+3. `block_logits`: the kind's backbone, U_k over the pruned vocabulary (before the Markov head);
+4. the Markov correction l_k = U_k + W2(W1[prev_k]) applied sequentially while drafting (teacher
+   forced in training), then the same sampling transform as the target's.
+
+MASK: the block's MASK slots hold `config.mask_token_id = V` (one past the target vocabulary). That id
+has no row in the target's embedding; `NeuralDrafter.embed_block` maps it to the drafter's own learned
+`mask_embedding` (H,), trained and saved with the drafter. Real tokens use the target's frozen rows.
+
+The target's embedding, LM head and RoPE are shared with the drafter, never copied into its
+parameters: they live in `TargetParts`, which `nn.Module` does not register, so they are neither
+trained nor saved in `state_dict()`.
+
+Legend: B batch, N block rows (B at inference, anchors in training), K block, S context keys,
+V vocab, Vp pruned vocab, H hidden, Hq/Hkv heads, D head dim, r Markov rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hspec.cache.paged_pool import PagedKVPool
+from hspec.decoding.sampling import SamplingBatch, draw_uniforms, sample_with_uniform
+from hspec.drafters.base import DraftBatch, Drafter, Proposal
+from hspec.models.config import RopeScaling, TargetConfig
+from hspec.models.layers import QKVProjection
+
+# ---- target layers ---------------------------------------------------------------------------------
+
+
+def select_target_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
+    """HF hidden-state indices of `count` evenly spaced target layers: floor(linspace(1, L-2, count)).
+
+    Reproduces the paper's choices (App. B.1): Llama-3.1-8B (L=32) -> (1, 8, 15, 22, 30), Qwen3 (L=36)
+    -> (1, 9, 17, 25, 34). Integer arithmetic gives the exact floor. Small targets may repeat a layer.
+    """
+    if num_layers < 3:
+        raise ValueError(f"need a target with >= 3 layers to select from 1..L-2, got num_layers={num_layers}")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if count == 1:
+        return (1,)
+    return tuple(1 + (i * (num_layers - 3)) // (count - 1) for i in range(count))
+
+
+def kv_layer_of(hidden_layer: int) -> int:
+    """Pool layer (0-based decoder layer) whose K/V belongs with HF hidden-state index l: l - 1."""
+    if hidden_layer < 1:
+        raise ValueError(f"hidden layer {hidden_layer} has no K/V (0 is the embedding output)")
+    return hidden_layer - 1
+
+
+# ---- configuration -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """A trained drafter's configuration, derived from the target it drafts for.
+
+    Families subclass it to add their own fields (all with defaults). `to_dict`/`from_dict` round-trip
+    it through JSON; `kind` tells a loader which drafter class (and config class) to use.
+    """
+
+    kind: str  # registered drafter kind
+    target: TargetConfig  # the target the drafter was built for (dims, RoPE, vocabulary)
+    target_layers: tuple[int, ...]  # M: HF hidden-state indices of the selected target layers
+    draft_vocab_size: int  # Vp: pruned draft vocabulary (paper: 32,000 most frequent tokens)
+    markov_rank: int = 256  # r of the DSpark Markov head; 0 = no Markov head
+    block_size: int = 7  # K_train: block length trained for; inference may use any K <= it
+    sliding_window: int = 2048  # context keys visible to a block: positions p - window .. p - 1
+
+    def __post_init__(self) -> None:
+        L = self.target.num_layers
+        if not self.target_layers:
+            raise ValueError("target_layers is empty; select at least one target layer")
+        bad = [layer for layer in self.target_layers if not 1 <= layer <= L]
+        if bad:
+            raise ValueError(f"target_layers {bad} outside 1..{L} (the target's decoder layers)")
+        if not 1 <= self.draft_vocab_size <= self.target.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{self.target.vocab_size}, got {self.draft_vocab_size}")
+        for name in ("block_size", "sliding_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0 (0 = no Markov head), got {self.markov_rank}")
+
+    @classmethod
+    def from_target(cls, kind: str, target: TargetConfig, **overrides: Any) -> DrafterConfig:
+        """The defaults for `target`: 5 selected layers, Vp = min(32000, V), then `overrides`."""
+        fields: dict[str, Any] = {"target_layers": select_target_layers(target.num_layers),
+                                  "draft_vocab_size": min(32000, target.vocab_size)}
+        fields.update(overrides)
+        return cls(kind=kind, target=target, **fields)
+
+    # Target dimensions, by their usual names.
+    hidden_size = property(lambda self: self.target.hidden_size)  # H
+    num_heads = property(lambda self: self.target.num_heads)  # Hq
+    num_kv_heads = property(lambda self: self.target.num_kv_heads)  # Hkv
+    head_dim = property(lambda self: self.target.head_dim)  # D
+    intermediate_size = property(lambda self: self.target.intermediate_size)  # I
+    rms_norm_eps = property(lambda self: self.target.rms_norm_eps)
+    vocab_size = property(lambda self: self.target.vocab_size)  # V
+
+    @property
+    def mask_token_id(self) -> int:
+        """The MASK id, V: no target token has it; it selects the drafter's learned mask embedding."""
+        return self.target.vocab_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (tuples become lists)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DrafterConfig:
+        """Inverse of `to_dict` (lists become tuples again)."""
+        raw = dict(raw)
+        target = dict(raw.pop("target"))
+        target["rope_scaling"] = RopeScaling(**target["rope_scaling"])
+        target["eos_token_ids"] = tuple(target["eos_token_ids"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {unknown}; allowed: {sorted(known)}")
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+        return cls(target=TargetConfig(**target), **values)
+
+
+def dspark_trainable_params(config: DrafterConfig, num_layers: int = 5) -> int:
+    """Trainable parameters of the DSpark baseline (DESIGN.md §5) for `config`'s target, by formula.
+
+    Per layer (Qwen3-style, no biases): q/k/v/o with the target's (Hq, Hkv, D), per-head q/k-norm (2D),
+    SwiGLU with the target's I, 2 RMSNorms. Plus W_fc: n_sel*H -> H with its RMSNorm, the final RMSNorm,
+    the learned MASK embedding (H), and the Markov head W1 (V x r) + W2 (r x Vp) when r > 0. The target's
+    embedding and LM head are frozen and not counted.
+    """
+    H, Hq, Hkv, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    attention = H * Hq * D + 2 * H * Hkv * D + Hq * D * H + 2 * D
+    layer = attention + 3 * H * config.intermediate_size + 2 * H
+    fusion = len(config.target_layers) * H * H + H
+    return num_layers * layer + fusion + H + H + markov_params(config)
+
+
+def markov_params(config: DrafterConfig) -> int:
+    """Parameters of the Markov head: W1 (V x r) + W2 (r x Vp); 0 without one."""
+    r = config.markov_rank
+    return config.vocab_size * r + r * config.draft_vocab_size if r else 0
+
+
+# ---- the draft block ---------------------------------------------------------------------------------
+
+
+def build_block(anchor_tokens: torch.Tensor, positions_start: torch.Tensor, K: int, mask_token_id: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block [x0, MASK x (K-1)] and its positions p..p+K-1.
+
+    anchor_tokens (N,) long; positions_start (N,) long, p per row. Returns block_tokens (N, K) and
+    positions (N, K), both long.
+    """
+    if anchor_tokens.dim() != 1 or positions_start.shape != anchor_tokens.shape:
+        raise ValueError(f"anchor_tokens and positions_start must both be (N,), got "
+                         f"{tuple(anchor_tokens.shape)} and {tuple(positions_start.shape)}")
+    if K < 1:
+        raise ValueError(f"K must be >= 1, got {K}")
+    n = anchor_tokens.shape[0]
+    block = torch.full((n, K), mask_token_id, dtype=torch.long, device=anchor_tokens.device)  # (N, K)
+    block[:, 0] = anchor_tokens
+    positions = positions_start.long()[:, None] + torch.arange(K, device=anchor_tokens.device)  # (N, K)
+    return block, positions
+
+
+@dataclass(frozen=True)
+class BlockContext:
+    """Everything one block forward reads, at inference and in training.
+
+    block_tokens: (N, K) long, [x0, MASK, ..., MASK].
+    positions: (N, K) long, p .. p+K-1 (RoPE positions continuing the prefix).
+    last_hidden: (N, n_sel, H) target hidden states of the selected layers at position p-1.
+    context_kv: per attention module that reads context, (k, v) each (N, S, Hkv, D), K post-RoPE
+        (views or expands allowed). Key index s need not equal its position: only the mask matters.
+    context_mask: (N, S) bool, True where key s is visible to row n (a position < p_n within the
+        sliding window, and in row n's own sequence when sequences are packed).
+    """
+
+    block_tokens: torch.Tensor
+    positions: torch.Tensor
+    last_hidden: torch.Tensor
+    context_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    context_mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n, k = self.block_tokens.shape
+        if self.positions.shape != (n, k):
+            raise ValueError(f"positions must be {(n, k)}, got {tuple(self.positions.shape)}")
+        if self.last_hidden.dim() != 3 or self.last_hidden.shape[0] != n:
+            raise ValueError(f"last_hidden must be ({n}, n_sel, H), got {tuple(self.last_hidden.shape)}")
+        s = self.context_mask.shape[1] if self.context_mask.dim() == 2 else -1
+        if self.context_mask.shape != (n, s):
+            raise ValueError(f"context_mask must be ({n}, S), got {tuple(self.context_mask.shape)}")
+        for i, (key, value) in enumerate(self.context_kv):
+            if key.shape[:2] != (n, s) or value.shape != key.shape:
+                raise ValueError(f"context_kv[{i}] must be ({n}, {s}, Hkv, D) twice, got "
+                                 f"{tuple(key.shape)} and {tuple(value.shape)}")
+
+    @property
+    def K(self) -> int:
+        return self.block_tokens.shape[1]
+
+
+# ---- heads -------------------------------------------------------------------------------------------
+
+
+class PrunedVocabHead(nn.Module):
+    """The target's frozen LM head restricted to the draft vocabulary `draft_vocab_ids` (Vp,).
+
+    The ids are a buffer saved with the drafter (default: the first Vp ids, until training picks the
+    most frequent tokens, `set_vocab`). The restricted rows are cached (a Vp x H copy) when the ids
+    are not simply 0..V-1. A token outside the draft vocabulary is never drafted (paper B.2).
+    """
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.register_buffer("draft_vocab_ids", torch.arange(draft_vocab_size))  # (Vp,) long
+        self._weight: torch.Tensor | None = None  # (V, H) the target's head, detached, not registered
+        self._rows: torch.Tensor | None = None  # (Vp, H) cached rows
+        self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
+
+    def attach(self, lm_head_weight: torch.Tensor) -> None:
+        """Use the target's LM head weight (V, H); it stays the target's (detached, never trained)."""
+        if lm_head_weight.shape[0] != self.vocab_size:
+            raise ValueError(f"LM head has {lm_head_weight.shape[0]} rows, the drafter expects V={self.vocab_size}")
+        self._weight = lm_head_weight.detach()
+        self._refresh()
+
+    def set_vocab(self, ids: torch.Tensor) -> None:
+        """Replace the draft vocabulary with `ids` (Vp,), distinct ids in 0..V-1."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        vp = self.draft_vocab_ids.shape[0]
+        if ids.shape != (vp,) or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be ({vp},) in 0..{self.vocab_size - 1}, "
+                             f"got shape {tuple(ids.shape)}")
+        if ids.unique().numel() != vp:
+            raise ValueError("draft vocabulary ids must be distinct")
+        self.draft_vocab_ids.copy_(ids)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        ids = self.draft_vocab_ids
+        identity = ids.shape[0] == self.vocab_size and bool((ids == torch.arange(len(ids), device=ids.device)).all())
+        self._rows = None if self._weight is None or identity else self._weight[ids.to(self._weight.device)]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, K, H) -> logits (N, K, Vp)."""
+        if self._weight is None:
+            raise RuntimeError("the pruned vocabulary head has no LM head attached; call attach() first")
+        weight = self._weight if self._rows is None else self._rows  # (Vp, H)
+        return F.linear(hidden, weight.to(hidden.dtype))
+
+    def to_full(self, probs: torch.Tensor) -> torch.Tensor:
+        """(..., Vp) probabilities -> (..., V), zero outside the draft vocabulary."""
+        full = probs.new_zeros((*probs.shape[:-1], self.vocab_size))
+        ids = self.draft_vocab_ids.expand(*probs.shape[:-1], -1)
+        return full.scatter_(-1, ids, probs)
+
+    def to_target_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices (...) -> target token ids (...)."""
+        return self.draft_vocab_ids[local]
+
+
+PrunedVocab = PrunedVocabHead
+
+
+class MarkovHead(nn.Module):
+    """DSpark's first-order correction: logits_k += W2(W1[prev_k]) (paper §3.3.3).
+
+    W1 is an embedding over the full target vocabulary (the previous token may be any token, e.g. the
+    anchor or a teacher-forced ground truth), rank r; W2 maps r -> Vp. W2 starts at zero, so an
+    untrained head leaves the backbone's prediction unchanged.
+    """
+
+    def __init__(self, vocab_size: int, rank: int, draft_vocab_size: int) -> None:
+        super().__init__()
+        self.W1 = nn.Embedding(vocab_size, rank)
+        self.W2 = nn.Linear(rank, draft_vocab_size, bias=False)
+        nn.init.normal_(self.W1.weight, std=rank ** -0.5)
+        nn.init.zeros_(self.W2.weight)
+
+    def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """prev_tokens (N, K) long target ids -> logit corrections (N, K, Vp)."""
+        return self.W2(self.W1(prev_tokens))
+
+
+# ---- attention over context + block --------------------------------------------------------------
+
+
+class BlockAttention(nn.Module):
+    """Attention of a draft block over context K/V plus the block's own K/V (Qwen3-style, paper B.2).
+
+    Dimensions are the target's (Hq, Hkv, D), so the context may be the target's own cached K/V read
+    in place. Queries and the block's keys/values come from this module's projections with per-head
+    q/k-norm, rotated with the target's RoPE at the block positions. `causal` masks later block
+    positions (H-Spec); DFlash-style blocks are bidirectional. The block's K/V are transient.
+    """
+
+    def __init__(self, config: DrafterConfig, causal: bool) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.causal = causal
+        self.qkv = QKVProjection(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, bias=False,
+                                 qk_norm=True, eps=c.rms_norm_eps)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                context: tuple[torch.Tensor, torch.Tensor] | None, context_mask: torch.Tensor | None
+                ) -> torch.Tensor:
+        """x (N, K, H); cos/sin (N, K, D); context (k, v) each (N, S, Hkv, D) with context_mask (N, S),
+        or None for a block that sees only itself. Returns (N, K, H)."""
+        q, k, v = self.qkv(x, cos, sin)  # (N, K, Hq, D), (N, K, Hkv, D) x2
+        out = attend_block(q, k, v, context, context_mask, self.causal)  # (N, K, Hq*D)
+        return self.o_proj(out)
+
+
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 context: tuple[torch.Tensor, torch.Tensor] | None, context_mask: torch.Tensor | None,
+                 causal: bool) -> torch.Tensor:
+    """Softmax attention of the block queries over [context keys ; block keys], with GQA.
+
+    q (N, K, Hq, D); k, v (N, K, Hkv, D); context (N, S, Hkv, D) x2 or None; context_mask (N, S) bool.
+    Scores against the context and the block are computed separately and share one softmax, so the
+    context K/V are read where they are (a pool view) instead of being copied next to the block's.
+    Returns (N, K, Hq * D).
+    """
+    n, K, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    # Query head h reads KV head h // g (HF repeat_kv order): group the g heads of one KV head.
+    qg = q.view(n, K, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * K, d)  # (N, Hkv, g*K, D)
+    scale = 1.0 / math.sqrt(d)
+    block_scores = (qg @ k.permute(0, 2, 3, 1)).float() * scale  # (N, Hkv, g*K, K)
+    if causal:
+        visible = torch.ones(K, K, dtype=torch.bool, device=q.device).tril()  # (K, K) query i sees keys <= i
+        block_scores = block_scores.masked_fill(~visible.repeat(g, 1), float("-inf"))
+    if context is None:
+        probs = torch.softmax(block_scores, dim=-1).to(v.dtype)
+        out = probs @ v.transpose(1, 2)  # (N, Hkv, g*K, D)
+    else:
+        ck, cv = context
+        s = ck.shape[1]
+        ctx_scores = (qg @ ck.permute(0, 2, 3, 1)).float() * scale  # (N, Hkv, g*K, S)
+        if context_mask is not None:
+            ctx_scores = ctx_scores.masked_fill(~context_mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(torch.cat([ctx_scores, block_scores], dim=-1), dim=-1).to(v.dtype)
+        out = probs[..., :s] @ cv.transpose(1, 2) + probs[..., s:] @ v.transpose(1, 2)  # (N, Hkv, g*K, D)
+    return out.view(n, hkv, g, K, d).permute(0, 3, 1, 2, 4).reshape(n, K, hq * d)
+
+
+# ---- the base class of trained drafters ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TargetParts:
+    """The target's frozen pieces a drafter uses, shared (not copied) and not registered as modules.
+
+    embed_weight: (V, H) detached. lm_head_weight: (V, H) detached. rope: positions (N, K), dtype ->
+    cos, sin (N, K, D), the target's own RoPE (theta and scaling).
+    """
+
+    embed_weight: torch.Tensor
+    lm_head_weight: torch.Tensor
+    rope: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+
+
+class NeuralDrafter(Drafter, nn.Module):
+    """Base of every trained kind: proposes with one `block_logits` forward + the Markov head.
+
+    A subclass sets `config_class`, implements `default_config`, `build` (its modules) and
+    `block_logits`; DFlash-style kinds with their own context K/V also override
+    `context_pool_layers` (read their drafter layers) and `commit` (write them, then call super).
+
+    Per sequence the base keeps only `last_hidden` (n_sel, H): the selected layers' hidden states at
+    the last committed position.
+    """
+
+    needs_target_model = True
+    config_class: type[DrafterConfig] = DrafterConfig
+
+    def __init__(self, target_config: TargetConfig, target_model: nn.Module | None = None,
+                 config: DrafterConfig | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        nn.Module.__init__(self)
+        config = self.default_config(target_config) if config is None else config
+        if config.kind != self.kind:
+            raise ValueError(f"config is for kind {config.kind!r}, this drafter is {self.kind!r}")
+        self.config = config
+        self.hidden_layers = tuple(config.target_layers)
+        weight = target_model.embed_tokens.weight if target_model is not None else None  # type: ignore[union-attr]
+        device = device if device is not None else (weight.device if weight is not None else "cpu")
+        dtype = dtype if dtype is not None else (weight.dtype if weight is not None else torch.float32)
+        with torch.device(device):
+            std = float(weight.detach().float().std()) if weight is not None and weight.device.type != "meta" else 0.02
+            self.mask_embedding = nn.Parameter(torch.randn(config.hidden_size) * std)  # (H,)
+            self.head = PrunedVocabHead(config.vocab_size, config.draft_vocab_size)
+            self.markov = (MarkovHead(config.vocab_size, config.markov_rank, config.draft_vocab_size)
+                           if config.markov_rank else None)
+            self.build()
+        self.to(dtype)
+        self._target: TargetParts | None = None
+        self._last_hidden: dict[int, torch.Tensor] = {}  # seq_id -> (n_sel, H)
+        if target_model is not None:
+            self.attach_target(target_model)
+
+    # ---- to implement ----------------------------------------------------------------------------
+
+    @classmethod
+    def default_config(cls, target_config: TargetConfig) -> DrafterConfig:
+        """This kind's configuration for `target_config`."""
+        return cls.config_class.from_target(cls.kind, target_config)
+
+    def build(self) -> None:
+        """Create the kind's modules from `self.config` (called on the construction device)."""
+        raise NotImplementedError
+
+    def block_logits(self, ctx: BlockContext) -> torch.Tensor:
+        """Backbone logits U_k over the pruned vocabulary, (N, K, Vp), before the Markov head."""
+        raise NotImplementedError
+
+    def context_pool_layers(self, pool: PagedKVPool) -> list[int]:
+        """Pool layers whose K/V each context-reading attention module reads, in module order."""
+        return []
+
+    # ---- target ----------------------------------------------------------------------------------
+
+    def attach_target(self, target_model: nn.Module) -> None:
+        """Share the target's embedding, LM head and RoPE (after `check_target`)."""
+        self.check_target(target_model.config)  # type: ignore[arg-type]
+        self._target = TargetParts(target_model.embed_tokens.weight.detach(),  # type: ignore[union-attr]
+                                   target_model.lm_head.weight.detach(), target_model.rope)  # type: ignore[union-attr]
+        self.head.attach(self._target.lm_head_weight)
+
+    @property
+    def target_parts(self) -> TargetParts:
+        if self._target is None:
+            raise RuntimeError(f"drafter {self.kind!r} has no target attached; pass target_model= or "
+                               "call attach_target(target_model)")
+        return self._target
+
+    def reused_kv_layers(self) -> list[int]:
+        """Target decoder layers whose K/V this kind reads in place (checked against the target)."""
+        return []
+
+    def check_target(self, config: TargetConfig) -> None:
+        """The target must have this drafter's vocabulary, hidden size and, for reused layers, (Hkv, D)."""
+        mine = self.config.target
+        if config.vocab_size != mine.vocab_size or config.hidden_size != mine.hidden_size:
+            raise ValueError(f"drafter {self.kind!r} was built for (V, H) = ({mine.vocab_size}, {mine.hidden_size}); "
+                             f"the target has (V, H) = ({config.vocab_size}, {config.hidden_size})")
+        if max(self.config.target_layers) > config.num_layers:
+            raise ValueError(f"drafter {self.kind!r} reads target layers {self.config.target_layers}; the target "
+                             f"has {config.num_layers} layers")
+        if self.reused_kv_layers() and (config.num_kv_heads, config.head_dim) != (mine.num_kv_heads, mine.head_dim):
+            raise ValueError(f"drafter {self.kind!r} reuses the K/V of target layers {self.reused_kv_layers()} with "
+                             f"(Hkv, D) = ({mine.num_kv_heads}, {mine.head_dim}); the target's K/V are "
+                             f"(Hkv, D) = ({config.num_kv_heads}, {config.head_dim}) (paper §5: reused K/V dims "
+                             "must match)")
+        theirs = (config.rope_theta, config.rope_scaling)
+        if self.reused_kv_layers() and theirs != (mine.rope_theta, mine.rope_scaling):
+            raise ValueError(f"drafter {self.kind!r} reads post-RoPE target keys built with (theta, scaling) = "
+                             f"({mine.rope_theta}, {mine.rope_scaling}); the target uses {theirs}")
+
+    # ---- pieces of a forward ---------------------------------------------------------------------
+
+    def embed_block(self, block_tokens: torch.Tensor) -> torch.Tensor:
+        """(N, K) ids, MASK = V -> (N, K, H): the target's frozen rows, the learned embedding for MASK."""
+        weight = self.target_parts.embed_weight
+        is_mask = block_tokens == self.config.mask_token_id  # (N, K)
+        emb = F.embedding(block_tokens.clamp(max=self.config.vocab_size - 1), weight)  # (N, K, H)
+        return torch.where(is_mask[..., None], self.mask_embedding.to(emb.dtype), emb)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's RoPE cos/sin (N, K, D) at `positions` (N, K)."""
+        return self.target_parts.rope(positions, dtype)
+
+    def markov_logits(self, prev_tokens: torch.Tensor) -> torch.Tensor | None:
+        """Markov corrections (N, K, Vp) for prev_tokens (N, K), or None without a Markov head."""
+        return None if self.markov is None else self.markov(prev_tokens)
+
+    def teacher_forced_logits(self, ctx: BlockContext, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """Training logits (N, K, Vp): U + W2(W1[prev]) with prev = [x0, x_{p+1}, ..., x_{p+K-1}]."""
+        logits = self.block_logits(ctx)
+        correction = self.markov_logits(prev_tokens)
+        return logits if correction is None else logits + correction
+
+    def context_kv_from_pool(self, pool: PagedKVPool, seq_ids: Sequence[int], lengths: Sequence[int]
+                             ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Context K/V of `context_pool_layers` for the last min(p, window) positions of each row.
+
+        Keys are right-aligned: key j of row n is position p_n - S + j, S = min(max p, window); keys
+        at negative positions are masked. A single sequence gets zero-copy views of the pool.
+        Returns ([(k, v) each (B, S, Hkv, D)], context_mask (B, S)).
+        """
+        layers = self.context_pool_layers(pool)
+        device = pool.k.device
+        b = len(seq_ids)
+        if not layers:
+            return [], torch.zeros((b, 0), dtype=torch.bool, device=device)
+        max_len = max(lengths)
+        s = min(max_len, self.config.sliding_window)
+        table = pool.slot_table(seq_ids)
+        if table.contiguous_start is not None:
+            start = table.contiguous_start + max_len - s
+            kv = [(pool.layer(i).k[start:start + s][None], pool.layer(i).v[start:start + s][None]) for i in layers]
+            return kv, torch.ones((1, s), dtype=torch.bool, device=device)
+        lengths_t = torch.as_tensor(list(lengths), dtype=torch.long, device=device)
+        positions = lengths_t[:, None] - s + torch.arange(s, device=device)  # (B, S)
+        slots = table.slots.gather(1, positions.clamp(min=0))  # (B, S)
+        kv = [(pool.layer(i).k[slots], pool.layer(i).v[slots]) for i in layers]
+        return kv, positions >= 0
+
+    def last_hidden_of(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        """(B, n_sel, H) the kept hidden states of each sequence's last committed position."""
+        missing = [s for s in seq_ids if s not in self._last_hidden]
+        if missing:
+            raise KeyError(f"sequences {missing} have no committed hidden state; commit the prefill first")
+        return torch.stack([self._last_hidden[s] for s in seq_ids])
+
+    # ---- Drafter interface -----------------------------------------------------------------------
+
+    def propose(self, batch: DraftBatch, K: int) -> Proposal:
+        """One block forward, then the sequential Markov correction and sampling (module docstring)."""
+        if not 1 <= K <= self.config.block_size:
+            raise ValueError(f"K must be in 1..{self.config.block_size} (the trained block size), got {K}")
+        lengths = batch.pool.lengths(batch.seq_ids)
+        device = batch.anchor_tokens.device
+        p = torch.tensor(lengths, dtype=torch.long, device=device)  # (B,)
+        block_tokens, positions = build_block(batch.anchor_tokens, p, K, self.config.mask_token_id)
+        context_kv, context_mask = self.context_kv_from_pool(batch.pool, batch.seq_ids, lengths)
+        ctx = BlockContext(block_tokens, positions, self.last_hidden_of(batch.seq_ids), context_kv, context_mask)
+        logits = self.block_logits(ctx)  # (B, K, Vp)
+        local, probs = self.sample_block(logits, batch.anchor_tokens, batch.sampling, batch.generators)
+        return Proposal(self.head.to_target_ids(local), self.head.to_full(probs))
+
+    def sample_block(self, logits: torch.Tensor, anchor_tokens: torch.Tensor, sampling: SamplingBatch,
+                     generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw d_1..d_K slot by slot: l_k = U_k + W2(W1[prev_k]), prev_0 = x0, prev_k = d_k.
+
+        logits (B, K, Vp) backbone logits; anchor_tokens (B,). The target's sampling transform is
+        applied to each l_k; greedy rows take the argmax. Returns the drafts as draft-vocabulary
+        indices (B, K) and their distributions (B, K, Vp) fp32.
+        """
+        b, K, _ = logits.shape
+        all_greedy = bool((sampling.temperature == 0).all())
+        # One draw of K uniforms per row from its own generator, so a row's draws do not depend on
+        # which other rows share the batch.
+        uniforms = None if all_greedy else draw_uniforms(generators, K, logits.device)  # (B, K)
+        prev = anchor_tokens  # (B,) target ids
+        tokens, probs = [], []
+        for k in range(K):
+            l_k = logits[:, k]  # (B, Vp)
+            if self.markov is not None:
+                l_k = l_k + self.markov(prev[:, None])[:, 0]
+            if uniforms is None:
+                d_k = l_k.argmax(-1)  # (B,)
+                p_k = torch.zeros_like(l_k, dtype=torch.float32).scatter_(-1, d_k[:, None], 1.0)
+            else:
+                p_k = sampling.probs(l_k[:, None])[:, 0]  # (B, Vp)
+                d_k = sample_with_uniform(p_k, uniforms[:, k])
+            tokens.append(d_k)
+            probs.append(p_k)
+            prev = self.head.to_target_ids(d_k)
+        return torch.stack(tokens, 1), torch.stack(probs, 1)
+
+    def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
+               num_committed: torch.Tensor) -> None:
+        """Keep the hidden states of each row's last committed position (O(1) per sequence)."""
+        if hidden is None:
+            raise ValueError(f"drafter {self.kind!r} needs the hidden states of layers {self.hidden_layers}")
+        rows = torch.arange(len(seq_ids), device=hidden.device)
+        last = hidden[rows, num_committed.to(hidden.device) - 1]  # (B, n_sel, H)
+        for row, seq_id in enumerate(seq_ids):
+            self._last_hidden[seq_id] = last[row]
+
+    def release(self, seq_id: int) -> None:
+        self._last_hidden.pop(seq_id, None)
+
+    # ---- parameters ------------------------------------------------------------------------------
+
+    def drafter_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint saves: trainable weights + the draft vocabulary (never the target's)."""
+        return self.state_dict()
+
+    def num_trainable_params(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -1,0 +1,289 @@
+"""Continuous batching over the paged KV pool: requests join and leave between decoding steps.
+
+One `Engine.step()`:
+1. schedule: ask the pure policy (`scheduler.schedule`) which running sequences to preempt and which
+   waiting requests to admit, given the pool's free blocks and the K+1 positions every running
+   sequence appends in a step;
+2. preempt: free each victim's blocks and drafter state and put it back in the waiting queue, with
+   its prompt + outputs so far as the prefix to recompute (same generator, so its output is unchanged);
+3. admit: prefill each admitted request (a new one also draws and emits its first token x0);
+4. decode: one batched draft -> verify -> commit step for all running sequences, ragged acceptance;
+5. emit: append each row's tokens (EOS, max_tokens, stop strings), finish and free finished rows.
+
+The engine is single-threaded and synchronous; `worker.EngineWorker` runs it in one background thread
+for the HTTP server. It never raises for a full pool: requests wait, or the youngest is preempted.
+A request that could not run even alone in the whole pool is refused when added (`validate`).
+
+Exactness: every random draw comes from the request's own generator, and a recompute restarts at a
+step boundary with the same history, so a request's tokens are the ones `SpeculativeDecoder.generate`
+gives it alone (bit-exact up to float reassociation across batch shapes, which greedy decoding
+absorbs unless two logits tie).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hspec.cache.paged_pool import PagedKVPool
+from hspec.decoding.sampling import SamplingBatch, SamplingParams
+from hspec.decoding.step import DecodeStages, SequenceOutput
+from hspec.serving.scheduler import RunningSeq, WaitingSeq, blocks_for, schedule
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request as the engine receives it (already tokenised)."""
+
+    request_id: str  # unique among the engine's live requests
+    prompt_ids: tuple[int, ...]
+    max_tokens: int  # most new tokens
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0  # seeds the request's own generator: output independent of the batch
+    stop: tuple[str, ...] = ()  # stop strings; output ends at the token completing one
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """New output of one request after a step; the last update of a request has `finish_reason`."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]  # tokens emitted in this step (may be empty on finish)
+    num_output_tokens: int  # output length so far
+    finish_reason: str | None = None  # "eos", "length", "stop", "cancelled" or "error"
+    error: str | None = None  # message when finish_reason == "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one `Engine.step` did, for delivery and metrics."""
+
+    updates: list[RequestUpdate]
+    num_decoded: int  # rows of the batched decoding step (0 when nothing ran)
+    num_accepted: list[int]  # per row of the speculative step (empty for plain decoding or no step)
+    K: int
+    num_prefill_tokens: int  # positions prefilled, recomputes included
+    num_new_tokens: int  # tokens emitted to outputs
+    num_preempted: int
+    num_running: int  # after the step
+    num_waiting: int
+    kv_usage: float  # pool blocks in use / total, after the step
+    duration_s: float
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one request."""
+
+    request: Request
+    key: int  # the pool / drafter sequence id
+    arrival: int  # admission order, never changes: preempted requests keep their age
+    generator: torch.Generator
+    sampling: SamplingBatch  # one row
+    output: SequenceOutput
+    history: list[int]  # prompt + outputs; ends with the anchor x0 once the first token exists
+    num_preemptions: int = 0
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What a prefill must write: the prompt, or after a preemption the history without x0."""
+        return self.history if not self.output.token_ids else self.history[:-1]
+
+
+class Engine:
+    """Continuous batching for one target + drafter over one KV pool."""
+
+    def __init__(self, stages: DecodeStages, pool: PagedKVPool, max_running: int = 256) -> None:
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if pool.num_drafter_layers < stages.drafter.num_pool_layers:
+            raise ValueError(f"the drafter needs {stages.drafter.num_pool_layers} pool layers, the pool has "
+                             f"{pool.num_drafter_layers}")
+        self.stages = stages
+        self.pool = pool
+        self.max_running = max_running
+        self._waiting: dict[str, _Sequence] = {}  # by request id, in arrival order
+        self._running: dict[str, _Sequence] = {}
+        self._next_key = 0
+        self.num_preemptions = 0
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    @property
+    def K(self) -> int:
+        return self.stages.K
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def validate(self, request: Request) -> None:
+        """Raise ValueError, naming the limit, if `request` could never run. Reads only constants."""
+        self.stages.check_request(request.prompt_ids, request.max_tokens, request.stop)
+        needed = self.stages.positions_needed(len(request.prompt_ids), request.max_tokens)
+        if blocks_for(needed, self.pool.block_size) > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt has {len(request.prompt_ids)} tokens; with max_tokens={request.max_tokens} and "
+                f"K={self.K} it needs {needed} KV positions, more than the pool's capacity of "
+                f"{self.pool.capacity_tokens} tokens"
+            )
+
+    def add(self, request: Request) -> None:
+        """Queue a request (raises ValueError if it is invalid or its id is live)."""
+        if request.request_id in self._waiting or request.request_id in self._running:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        self.validate(request)
+        device = self.stages.device
+        key = self._next_key
+        self._next_key += 1
+        self._waiting[request.request_id] = _Sequence(
+            request, key, key, torch.Generator(device=device).manual_seed(request.seed),
+            SamplingBatch.from_params([request.sampling], device), SequenceOutput(list(request.prompt_ids)),
+            list(request.prompt_ids))
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a live request and free what it holds; True if it was live. No update is sent for it."""
+        seq = self._waiting.pop(request_id, None) or self._running.pop(request_id, None)
+        if seq is None:
+            return False
+        self.stages.release(self.pool, seq.key)
+        return True
+
+    def abort_all(self, message: str) -> list[RequestUpdate]:
+        """Fail every live request (after an unexpected error) and free the pool."""
+        updates = []
+        for request_id in list(self._running) + list(self._waiting):
+            seq = self._running.get(request_id) or self._waiting[request_id]
+            self.cancel(request_id)
+            updates.append(RequestUpdate(request_id, (), len(seq.output.token_ids), "error", message))
+        return updates
+
+    def output(self, request_id: str) -> SequenceOutput:
+        """The output so far of a live request (for tests and inspection)."""
+        seq = self._running.get(request_id) or self._waiting[request_id]
+        return seq.output
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> StepReport:
+        """Run stages 1-5 once; returns every request's new tokens and the step's statistics."""
+        start = time.perf_counter()
+        updates: list[RequestUpdate] = []
+        new_tokens: dict[str, list[int]] = {}
+
+        # 1. schedule.
+        bs = self.pool.block_size
+        lengths = self.pool.lengths([s.key for s in self._running.values()])
+        # The pool holds exactly ceil(length / block_size) blocks per sequence (truncate frees the rest).
+        running = [RunningSeq(s.key, s.arrival, n, blocks_for(n, bs)) for s, n in zip(self._running.values(), lengths)]
+        waiting = [WaitingSeq(s.key, s.arrival, len(s.prefill_tokens)) for s in self._waiting.values()]
+        plan = schedule(running, waiting, self.pool.num_free_blocks, self.pool.block_size, self.K + 1,
+                        self.max_running)
+        by_key = {s.key: s for s in [*self._running.values(), *self._waiting.values()]}
+
+        # 2. preempt with recompute: free everything now, rebuild from the history on readmission.
+        for key in plan.preempt:
+            seq = by_key[key]
+            self.stages.release(self.pool, seq.key)
+            del self._running[seq.request.request_id]
+            seq.num_preemptions += 1
+            self._waiting[seq.request.request_id] = seq
+        self._waiting = dict(sorted(self._waiting.items(), key=lambda item: item[1].arrival))
+        self.num_preemptions += len(plan.preempt)
+
+        # 3. admit and prefill; a new request draws its first token x0 here.
+        num_prefill = 0
+        for key in plan.admit:
+            seq = by_key[key]
+            request_id = seq.request.request_id
+            del self._waiting[request_id]
+            tokens = seq.prefill_tokens
+            try:
+                logits = self.stages.prefill(self.pool, seq.key, tokens)
+                num_prefill += len(tokens)
+                if not seq.output.token_ids:
+                    token = self.stages.first_token(logits, seq.sampling, seq.generator)
+                    seq.history.append(token)
+                    self._emit(seq, [token], new_tokens)
+            except Exception as err:  # a bad request must not take the engine down
+                updates.append(self._fail(seq, f"prefill failed: {type(err).__name__}: {err}"))
+                continue
+            if seq.output.finish_reason is None:
+                self._running[request_id] = seq
+            else:
+                self.stages.release(self.pool, seq.key)
+                updates.append(self._finished_update(seq, new_tokens))
+
+        # 4. one batched speculative step for every running sequence.
+        num_accepted: list[int] = []
+        num_decoded = len(self._running)
+        if self._running:
+            num_accepted = self._decode(updates, new_tokens)
+        for request_id, tokens in new_tokens.items():
+            if request_id in self._running and tokens:
+                seq = self._running[request_id]
+                updates.append(RequestUpdate(request_id, tuple(tokens), len(seq.output.token_ids)))
+        return StepReport(updates, num_decoded, num_accepted, self.K, num_prefill,
+                          sum(len(u.new_token_ids) for u in updates), len(plan.preempt), len(self._running),
+                          len(self._waiting), self.pool.utilization(), time.perf_counter() - start)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _decode(self, updates: list[RequestUpdate], new_tokens: dict[str, list[int]]) -> list[int]:
+        """Stages 4-5 for every running sequence; returns the accepted counts (empty when K = 0)."""
+        batch = list(self._running.values())
+        try:
+            result = self.stages.step(self.pool, [s.key for s in batch], [s.history for s in batch],
+                                      _stack_sampling([s.sampling for s in batch]), [s.generator for s in batch])
+        except Exception as err:  # fail this batch's requests, keep serving the rest
+            message = f"decoding step failed: {type(err).__name__}: {err}"
+            for seq in batch:
+                del self._running[seq.request.request_id]
+                updates.append(self._fail(seq, message))
+            return []
+        # 5. emit, finish and free.
+        for row, seq in enumerate(batch):
+            if self.K:
+                seq.output.num_accepted.append(result.num_accepted[row])
+            seq.history.extend(result.new_tokens[row])
+            self._emit(seq, result.new_tokens[row], new_tokens)
+            if seq.output.finish_reason is not None:
+                del self._running[seq.request.request_id]
+                self.stages.release(self.pool, seq.key)
+                updates.append(self._finished_update(seq, new_tokens))
+        return list(result.num_accepted) if self.K else []
+
+    def _emit(self, seq: _Sequence, tokens: Sequence[int], new_tokens: dict[str, list[int]]) -> None:
+        r = seq.request
+        emitted = self.stages.emit(seq.output, tokens, r.max_tokens, r.stop)
+        new_tokens.setdefault(r.request_id, []).extend(emitted)
+
+    def _finished_update(self, seq: _Sequence, new_tokens: dict[str, list[int]]) -> RequestUpdate:
+        tokens = tuple(new_tokens.pop(seq.request.request_id, ()))
+        return RequestUpdate(seq.request.request_id, tokens, len(seq.output.token_ids), seq.output.finish_reason)
+
+    def _fail(self, seq: _Sequence, message: str) -> RequestUpdate:
+        self.stages.release(self.pool, seq.key)
+        return RequestUpdate(seq.request.request_id, (), len(seq.output.token_ids), "error", message)
+
+
+def _stack_sampling(rows: Sequence[SamplingBatch]) -> SamplingBatch:
+    """Concatenate one-row sampling batches into one (B rows)."""
+    return SamplingBatch(torch.cat([r.temperature for r in rows]), torch.cat([r.top_p for r in rows]),
+                         torch.cat([r.top_k for r in rows]))

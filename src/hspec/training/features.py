@@ -1,0 +1,60 @@
+"""Target features for drafter training, computed once per sequence and shared by every drafter kind.
+
+For a training sequence (prompt + the target's response) the target runs once and we keep:
+- the hidden states of the selected layers at every position (S, n_sel, H) — the drafter's context;
+- the K/V of the target layers some drafter reads in place, (S, Hkv, D) each, post-RoPE;
+- the final normed hidden state (S, H), from which the target's distribution at any position is
+  rebuilt exactly with the frozen LM head (storing V-sized distributions would be V/H times larger).
+
+Legend: S sequence length, n_sel selected layers, H hidden, Hkv KV heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hspec.models.llama import TargetModel
+
+
+@dataclass(frozen=True)
+class SequenceFeatures:
+    tokens: torch.Tensor  # (S,) long
+    prompt_length: int  # responses start here; anchors are drawn from the response
+    hidden: torch.Tensor  # (S, n_sel, H) at the layers in `hidden_layers`
+    hidden_layers: tuple[int, ...]
+    final_hidden: torch.Tensor  # (S, H) after the target's final norm
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # pool layer -> (k, v), each (S, Hkv, D)
+
+    def target_probs(self, model: TargetModel, positions: torch.Tensor) -> torch.Tensor:
+        """The target's next-token distribution at `positions` (...), shape (..., V), fp32."""
+        h = self.final_hidden[positions].to(model.lm_head.weight.dtype)
+        return torch.softmax(model.lm_head(h).float(), dim=-1)
+
+
+@torch.inference_mode()
+def compute_features(model: TargetModel, tokens: Sequence[int], prompt_length: int, hidden_layers: Sequence[int],
+                     kv_layers: Sequence[int], block_size: int = 64) -> SequenceFeatures:
+    """Run the target over `tokens` once and keep what training needs (see module docstring)."""
+    L = model.config.num_layers
+    wanted = tuple(sorted(set(hidden_layers) | {L}))
+    ids = torch.tensor([list(tokens)], dtype=torch.long, device=model.embed_tokens.weight.device)
+    pool = model.new_pool(num_blocks=-(-ids.shape[1] // block_size), block_size=block_size)
+    pool.add_sequence(0)
+    out = model(ids, pool, [0], hidden_layers=wanted, last_logits_only=True)
+    by_layer = {layer: out.hidden[0, :, i] for i, layer in enumerate(wanted)}  # each (S, H)
+    table = pool.slot_table([0])
+    kv = {}
+    for layer in kv_layers:
+        k, v = pool.gather(layer, table)  # (1, S, Hkv, D) views into the temporary pool
+        kv[layer] = (k[0].clone(), v[0].clone())
+    return SequenceFeatures(
+        tokens=ids[0].cpu(),
+        prompt_length=prompt_length,
+        hidden=torch.stack([by_layer[layer] for layer in hidden_layers], dim=1).clone(),
+        hidden_layers=tuple(hidden_layers),
+        final_hidden=model.norm(by_layer[L]).clone(),
+        kv=kv,
+    )

@@ -1,0 +1,73 @@
+"""`hspec train report`: a markdown summary and loss-curve plot of one or more training runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hspec.bench.report import provenance, provenance_markdown
+
+
+def read_history(run_dir: Path) -> dict[str, Any]:
+    """Config, step logs and validations of a run directory's history.jsonl."""
+    config: dict[str, Any] = {}
+    steps, validations = [], []
+    for line in (run_dir / "history.jsonl").read_text().split("\n"):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        event = record.pop("event")
+        if event == "config":
+            config, steps, validations = record, [], []  # a restarted-from-scratch run starts over
+        elif event == "step":
+            steps.append(record)
+        elif event == "validation":
+            validations.append(record)
+    return {"config": config, "steps": steps, "validations": validations}
+
+
+def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra: dict[str, Any] | None = None) -> Path:
+    """Plot the loss curves (PNG next to `out_md`) and tabulate the runs' final validation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {d.name: read_history(d) for d in run_dirs}
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in runs.items():
+        xs = [s["step"] for s in run["steps"]]
+        ax_loss.plot(xs, [s["loss"] for s in run["steps"]], label=name)
+        if run["validations"]:
+            last = run["validations"][-1]
+            acc = [a if a is not None else float("nan") for a in last["acceptance_by_position"]]
+            ax_acc.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {last['mean_accepted_length']:.2f})")
+    ax_loss.set(xlabel="optimizer step", ylabel="loss (0.1 CE + 0.9 TV, weighted)", title="training loss")
+    ax_acc.set(xlabel="block position k", ylabel="P(accept k | accepted k-1)", title="validation acceptance (greedy)",
+               ylim=(0, 1))
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = out_md.with_suffix(".png")
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+    meta = provenance(f"hspec train report {' '.join(str(d) for d in run_dirs)}", extra or {})
+    lines = [f"# {title}\n", provenance_markdown(meta), f"\n![loss curves]({png.name})\n",
+             "| run | train seqs | val seqs | steps | wall (min) | trainable params | final loss | val tau | "
+             "val acceptance by position |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, run in runs.items():
+        c, steps, vals = run["config"], run["steps"], run["validations"]
+        wall = sum(s["seconds"] for s in steps) * (c.get("steps", len(steps)) / max(len(steps), 1)) / 60
+        final = vals[-1] if vals else {}
+        acc = ", ".join("-" if a is None else f"{a:.2f}" for a in final.get("acceptance_by_position", []))
+        tau = final.get("mean_accepted_length")
+        lines.append(f"| {name} | {c.get('train_sequences')} | {c.get('val_sequences')} | {c.get('steps')} | "
+                     f"{wall:.1f} | {c.get('trainable_params', 0):,} | {steps[-1]['loss'] if steps else float('nan'):.3f} | "
+                     f"{'-' if tau is None else f'{tau:.2f}'} | {acc} |")
+    lines.append("\nWall time is estimated from the logged steps' durations (every logged step's time x steps / logged).")
+    out_md.write_text("\n".join(lines) + "\n")
+    return out_md

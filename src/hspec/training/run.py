@@ -1,0 +1,116 @@
+"""`hspec train`: features → vocabulary → drafter → the recipe, with resumable checkpoints.
+
+Layout of a run directory:
+    run_dir/state/          latest training state (weights + optimizer + step), written atomically
+    run_dir/history.jsonl   one line per logged step / validation
+    run_dir/drafter/        the final drafter in the Speculators format (config.json + model.safetensors)
+Rerunning the same command resumes from `state/` and continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from hspec.drafters import create_drafter
+from hspec.drafters.common import kv_layer_of, select_target_layers
+from hspec.models.loading import load_target
+from hspec.training.checkpoint import load_training_state, save_drafter, save_training_state
+from hspec.training.datagen import read_corpus
+from hspec.training.store import FeatureStore
+from hspec.training.trainer import Trainer, TrainConfig
+from hspec.training.vocab import most_frequent_tokens
+
+
+def is_validation(record_id: str, every: int = 20) -> bool:
+    """A fixed 1-in-`every` split by id hash, independent of corpus order and size."""
+    return zlib.crc32(record_id.encode()) % every == 0
+
+
+def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_sequences: int | None = None) -> Path:
+    """`hspec data features`: cache the target features every drafter kind needs (5 selected layers)."""
+    target = load_target(target_name)
+    records = [r for r in read_corpus(corpus_path) if r["response_ids"]]
+    records.sort(key=lambda r: r["id"])
+    if max_sequences is not None:
+        records = records[:max_sequences]
+    layers = select_target_layers(target.config.num_layers)
+    kv_layers = [kv_layer_of(layer) for layer in layers]
+    FeatureStore.build(out_dir, target.model, target.name, records, layers, kv_layers)
+    return out_dir
+
+
+def train(kind: str, target_name: str, features_dir: Path, run_dir: Path, config: TrainConfig,
+          log_every: int = 10, val_every: int = 100, val_sequences: int = 24) -> Path:
+    """Train `kind` on the cached features; resumable; returns the saved drafter directory."""
+    rank, world = _init_distributed()
+    torch.manual_seed(config.seed)
+    target = load_target(target_name)
+    store = FeatureStore(features_dir)
+    available = store.available()
+    train_ids = [i for i in available if not is_validation(store.ids[i])]
+    val_ids = [i for i in available if is_validation(store.ids[i])][:val_sequences]
+    drafter = create_drafter(kind, target.config, target_model=target.model)
+    drafter.head.set_vocab(_draft_vocabulary(store, train_ids, target.config.vocab_size,
+                                             drafter.config.draft_vocab_size))
+    trainer = Trainer(drafter, target.model, store.load, train_ids, config, rank, world)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = 0
+    if (run_dir / "state").exists():
+        start, _ = load_training_state(run_dir / "state", drafter, trainer.optimizer)
+        print(f"[train] resuming {kind} at step {start}/{config.steps}", flush=True)
+    history = run_dir / "history.jsonl"
+    if rank == 0 and start == 0:
+        history.write_text(json.dumps({"event": "config", "kind": kind, "target": target.name,
+                                       "train_sequences": len(train_ids), "val_sequences": len(val_ids),
+                                       "trainable_params": drafter.num_trainable_params(),
+                                       "world_size": world, **asdict(config)}, default=str) + "\n")
+    bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
+    for step in range(start, config.steps):
+        log = trainer.train_step(step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{log.loss:.3f}", lr=f"{log.lr:.1e}")
+        last = step + 1 == config.steps
+        if rank == 0 and (step % log_every == 0 or last):
+            _append(history, {"event": "step", **asdict(log)})
+        if rank == 0 and val_ids and ((step + 1) % val_every == 0 or last):
+            stats = trainer.validate(val_ids)
+            _append(history, {"event": "validation", "step": step + 1, **stats.to_dict()})
+            bar.write(f"[train] step {step + 1}: validation tau {stats.mean_accepted_length:.2f}, "
+                      f"acceptance {[round(a, 2) for a in stats.acceptance_by_position]}")
+        if rank == 0 and ((step + 1) % val_every == 0 or last):
+            save_training_state(run_dir / "state", drafter, trainer.optimizer, step + 1, {"kind": kind})
+    bar.close()
+    out = run_dir / "drafter"
+    if rank == 0:
+        save_drafter(drafter, out, verifier_name_or_path=target.name,
+                     verifier_architectures=[target.config.architecture])
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return out
+
+
+def _draft_vocabulary(store: FeatureStore, train_ids: list[int], vocab_size: int, keep: int) -> torch.Tensor:
+    """The pruned vocabulary: the `keep` most frequent tokens of the training sequences."""
+    return most_frequent_tokens((store.tokens(i).tolist() for i in train_ids), vocab_size, keep)
+
+
+def _init_distributed() -> tuple[int, int]:
+    """(rank, world size); under torchrun, joins the process group (gloo on CPU, nccl on GPU)."""
+    if "RANK" not in os.environ or dist.is_initialized():
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _append(path: Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record, default=str) + "\n")

@@ -1,0 +1,91 @@
+"""An on-disk cache of target features: one safetensors file per training sequence.
+
+`hspec data features` fills it once; every drafter of a comparison then trains from the same files
+(DESIGN.md §6). Hidden states are stored in bf16 (their range can be large), the normed final hidden
+and K/V in fp16; loading returns fp32. Files are written atomically, so an interrupted run resumes by
+skipping files that exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from hspec.models.llama import TargetModel
+from hspec.training.features import SequenceFeatures, compute_features
+
+
+class FeatureStore:
+    """Features of a corpus under `root`: `index.json` + `seq_XXXXX.safetensors`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        index = self.root / "index.json"
+        if not index.exists():
+            raise FileNotFoundError(f"no feature cache at {self.root} (index.json missing); run `hspec data features`")
+        meta = json.loads(index.read_text())
+        self.hidden_layers = tuple(meta["hidden_layers"])
+        self.kv_layers = tuple(meta["kv_layers"])
+        self.ids: list[str] = meta["ids"]
+        self.lengths: list[int] = meta["lengths"]
+        self.target = meta["target"]
+
+    def available(self) -> list[int]:
+        """Indices of sequences whose feature file exists."""
+        return [i for i in range(len(self.ids)) if self._path(i).exists()]
+
+    def load(self, i: int) -> SequenceFeatures:
+        with safe_open(str(self._path(i)), framework="pt") as f:
+            meta = f.metadata()
+            get = f.get_tensor
+            kv = {layer: (get(f"k.{layer}").float(), get(f"v.{layer}").float()) for layer in self.kv_layers}
+            return SequenceFeatures(tokens=get("tokens").long(), prompt_length=int(meta["prompt_length"]),
+                                    hidden=get("hidden").float(), hidden_layers=self.hidden_layers,
+                                    final_hidden=get("final_hidden").float(), kv=kv)
+
+    def tokens(self, i: int) -> torch.Tensor:
+        """Only the token ids of sequence i, (S,) long (cheap: reads one tensor)."""
+        with safe_open(str(self._path(i)), framework="pt") as f:
+            return f.get_tensor("tokens").long()
+
+    def _path(self, i: int) -> Path:
+        return self.root / f"seq_{i:05d}.safetensors"
+
+    @staticmethod
+    def build(root: Path, model: TargetModel, target_name: str, records: Sequence[dict],
+              hidden_layers: Sequence[int], kv_layers: Sequence[int]) -> FeatureStore:
+        """Compute (or finish computing) the features of `records` (prompt_ids + response_ids)."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        meta = {"target": target_name, "hidden_layers": list(hidden_layers), "kv_layers": list(kv_layers),
+                "ids": [r["id"] for r in records],
+                "lengths": [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]}
+        index = root / "index.json"
+        if index.exists():
+            old = json.loads(index.read_text())
+            if {k: old[k] for k in meta} != meta:
+                raise ValueError(f"{root} holds features of another corpus or layer set; use another directory")
+        else:
+            index.write_text(json.dumps(meta))
+        store = FeatureStore(root)
+        todo = [i for i in range(len(records)) if not store._path(i).exists()]
+        for i in tqdm(todo, desc="features", unit="seq"):
+            r = records[i]
+            feats = compute_features(model, list(r["prompt_ids"]) + list(r["response_ids"]), len(r["prompt_ids"]),
+                                     hidden_layers, kv_layers)
+            tensors = {"tokens": feats.tokens.int(), "hidden": feats.hidden.bfloat16(),
+                       "final_hidden": feats.final_hidden.half()}
+            for layer, (k, v) in feats.kv.items():
+                tensors[f"k.{layer}"], tensors[f"v.{layer}"] = k.half(), v.half()
+            tmp = store._path(i).with_suffix(".tmp")
+            save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp),
+                      metadata={"prompt_length": str(feats.prompt_length)})
+            os.replace(tmp, store._path(i))
+        return store

@@ -1,0 +1,244 @@
+"""The unified training recipe for every drafter kind (DESIGN.md §6, paper App. B.3).
+
+One step:
+1. pick `seqs_per_step` training sequences and, in each, `anchors_per_seq` random anchors p in the
+   response (a block [x_p, MASK x (K-1)] at positions p..p+K-1 whose slots predict x_{p+1..p+K});
+2. every anchor is one row: it sees the target's context strictly before p (its own sequence only,
+   within the sliding window) and its own block — rows never see each other, which is the
+   block-diagonal packing of the paper written as a batch;
+3. loss = weighted 0.1 CE + 0.9 TV (training/losses.py), teacher-forced Markov inputs;
+4. gradients averaged over sequences (and over processes under torchrun: all-reduce over the
+   process group, gloo on CPU and nccl on GPU), clipped to norm 1, AdamW step with 1% linear warmup
+   then half-cosine to 0.
+
+Randomness is derived from (seed, step, sequence slot), so a resumed run draws exactly what an uninterrupted
+one would; checkpoints hold the weights, the optimizer state and the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hspec.drafters.common import BlockContext, NeuralDrafter, build_block
+from hspec.metrics import AcceptanceStats, acceptance_stats, merge_stats
+from hspec.models.llama import TargetModel
+from hspec.training.features import SequenceFeatures
+from hspec.training.losses import LossWeights, drafter_loss, greedy_acceptance
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The recipe. Defaults are the paper's where it states them."""
+
+    steps: int = 1000  # optimizer steps; the same for every drafter of a comparison
+    lr: float = 6e-4  # peak learning rate
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    warmup_fraction: float = 0.01  # linear warmup over this share of the steps, then half-cosine to 0
+    seqs_per_step: int = 4  # sequences per optimizer step (per process)
+    anchors_per_seq: int = 16  # blocks drawn per sequence
+    seed: int = 0
+    loss: LossWeights = field(default_factory=LossWeights)
+    cod_keep: bool = False  # P-Eagle's COD sampling: keep max(0.6^d, 0.2) of anchors at depth d
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seqs_per_step", "anchors_per_seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """lr at optimizer step `step` (0-based): linear warmup, then half-cosine decay to 0."""
+    warmup = max(1, round(config.warmup_fraction * config.steps))
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, config.steps - warmup)
+    return config.lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def step_generator(seed: int, step: int, slot: int) -> torch.Generator:
+    """The random source of one sequence slot of one step (stateless, so resume is exact)."""
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{step}:{slot}".encode()))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The rows of one sequence's blocks: everything the loss needs."""
+
+    ctx: BlockContext
+    prev_tokens: torch.Tensor  # (N, K) teacher-forced Markov inputs [x_p, x_{p+1}, ..., x_{p+K-1}]
+    labels: torch.Tensor  # (N, K) x_{p+1..p+K}
+    target_probs: torch.Tensor  # (N, K, V)
+    valid: torch.Tensor  # (N, K) bool: label inside the sequence (and kept by COD sampling)
+
+
+def sample_anchors(feats: SequenceFeatures, count: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to `count` distinct anchors p in the response with 1 <= p <= S-2, sorted, (N,)."""
+    s = feats.tokens.shape[0]
+    low, high = max(feats.prompt_length, 1), s - 2
+    if high < low:
+        return torch.empty(0, dtype=torch.long)
+    candidates = torch.arange(low, high + 1)
+    pick = torch.randperm(candidates.numel(), generator=generator)[:count]
+    return candidates[pick].sort().values
+
+
+def context_kv_for(drafter: NeuralDrafter, feats: SequenceFeatures, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Context K/V for `rows` blocks of one sequence, each (rows, S, Hkv, D) (expanded views).
+
+    Kinds with their own context KV compute it from the target hidden states (with gradients);
+    kinds that reuse the target's K/V read the cached target layers.
+    """
+    s = feats.tokens.shape[0]
+    if hasattr(drafter, "context_kv_from_hidden"):
+        positions = torch.arange(s)[None]  # (1, S)
+        pairs = drafter.context_kv_from_hidden(feats.hidden[None], positions)
+    else:
+        missing = [layer for layer in drafter.reused_kv_layers() if layer not in feats.kv]
+        if missing:
+            raise ValueError(f"feature cache lacks the K/V of target layers {missing} that {drafter.kind!r} reads")
+        pairs = [(feats.kv[layer][0][None], feats.kv[layer][1][None]) for layer in drafter.reused_kv_layers()]
+    return [(k.expand(rows, *k.shape[1:]), v.expand(rows, *v.shape[1:])) for k, v in pairs]
+
+
+def make_batch(drafter: NeuralDrafter, target: TargetModel, feats: SequenceFeatures, anchors: torch.Tensor,
+               K: int, cod_generator: torch.Generator | None = None) -> Batch:
+    """Blocks at `anchors` (N,) of one sequence (see module docstring, step 1-2)."""
+    tokens = feats.tokens
+    s = tokens.shape[0]
+    n = anchors.shape[0]
+    block_tokens, positions = build_block(tokens[anchors], anchors, K, drafter.config.mask_token_id)
+    key_pos = torch.arange(s)
+    window = drafter.config.sliding_window
+    context_mask = (key_pos[None] < anchors[:, None]) & (key_pos[None] >= anchors[:, None] - window)  # (N, S)
+    ctx = BlockContext(block_tokens, positions, feats.hidden[anchors - 1], context_kv_for(drafter, feats, n),
+                       context_mask)
+    offsets = torch.arange(K)
+    label_pos = anchors[:, None] + 1 + offsets  # (N, K)
+    valid = label_pos <= s - 1
+    label_pos = label_pos.clamp(max=s - 1)
+    prev_tokens = tokens[(anchors[:, None] + offsets).clamp(max=s - 1)]
+    if cod_generator is not None:
+        # P-Eagle's COD sampling: depth d keeps a max(0.6^d, 0.2) share of the anchors.
+        keep = torch.tensor([max(0.6**d, 0.2) for d in range(K)])
+        valid &= torch.rand((n, K), generator=cod_generator) < keep
+    return Batch(ctx, prev_tokens, tokens[label_pos], feats.target_probs(target, label_pos - 1), valid)
+
+
+def all_reduce_gradients(params: Sequence[torch.nn.Parameter]) -> None:
+    """Average gradients over the process group (no-op in a single process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= world
+
+
+@dataclass
+class StepLog:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    seconds: float
+    ce: list[float]
+    tv: list[float]
+
+
+class Trainer:
+    """Runs the recipe for one drafter over a list of sequence loaders."""
+
+    def __init__(self, drafter: NeuralDrafter, target: TargetModel, load_sequence: Callable[[int], SequenceFeatures],
+                 train_ids: Sequence[int], config: TrainConfig, rank: int = 0, world_size: int = 1) -> None:
+        if not train_ids:
+            raise ValueError("no training sequences")
+        self.drafter, self.target, self.load_sequence = drafter, target, load_sequence
+        self.train_ids, self.config = list(train_ids), config
+        self.rank, self.world_size = rank, world_size
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=config.lr, betas=(0.9, 0.95))
+        self.K = drafter.config.block_size
+
+    def sequences_for_step(self, step: int) -> list[tuple[int, int]]:
+        """This process's (slot, sequence) pairs at `step`: one seeded draw for all ranks, sharded by rank.
+
+        The slot (the sequence's index in the global draw) seeds its anchors, so a run on N processes
+        draws exactly the blocks a single process would.
+        """
+        g = step_generator(self.config.seed, step, -1)
+        total = self.config.seqs_per_step * self.world_size
+        order = torch.randint(len(self.train_ids), (total,), generator=g).tolist()
+        slots = list(range(total))[self.rank::self.world_size]
+        return [(slot, self.train_ids[order[slot]]) for slot in slots]
+
+    def compute_gradients(self, step: int) -> tuple[float, list[float], list[float]]:
+        """Forward + backward of one step's sequences; returns (loss, ce by position, tv by position)."""
+        pairs = self.sequences_for_step(step)
+        total, ce_sum, tv_sum = 0.0, torch.zeros(self.K), torch.zeros(self.K)
+        for slot, seq in pairs:
+            g = step_generator(self.config.seed, step, slot)
+            feats = self.load_sequence(seq)
+            anchors = sample_anchors(feats, self.config.anchors_per_seq, g)
+            if anchors.numel() == 0:
+                continue
+            batch = make_batch(self.drafter, self.target, feats, anchors, self.K, g if self.config.cod_keep else None)
+            logits = self.drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens)  # (N, K, Vp)
+            parts = drafter_loss(logits, batch.target_probs, batch.labels, self.drafter.head.draft_vocab_ids,
+                                 batch.valid, self.config.loss)
+            (parts.loss / len(pairs)).backward()
+            total += float(parts.loss) / len(pairs)
+            ce_sum += parts.ce / len(pairs)
+            tv_sum += parts.tv / len(pairs)
+        return total, ce_sum.tolist(), tv_sum.tolist()
+
+    def train_step(self, step: int) -> StepLog:
+        start = time.perf_counter()
+        self.drafter.train()
+        lr = learning_rate(step, self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, ce, tv = self.compute_gradients(step)
+        all_reduce_gradients(self.params)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip))
+        self.optimizer.step()
+        return StepLog(step, loss, lr, grad_norm, time.perf_counter() - start, ce, tv)
+
+    @torch.no_grad()
+    def validate(self, val_ids: Sequence[int], anchors_per_seq: int = 32) -> AcceptanceStats:
+        """Greedy acceptance per position on held-out sequences (fixed anchors)."""
+        self.drafter.eval()
+        stats = []
+        for seq in val_ids:
+            feats = self.load_sequence(seq)
+            anchors = sample_anchors(feats, anchors_per_seq, step_generator(self.config.seed, -1, seq))
+            if anchors.numel() == 0:
+                continue
+            batch = make_batch(self.drafter, self.target, feats, anchors, self.K)
+            full = batch.valid.all(-1)  # only blocks whose K labels all exist
+            if not bool(full.any()):
+                continue
+            logits = self.drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens)
+            accepted = greedy_acceptance(logits[full], batch.target_probs[full], self.drafter.head.draft_vocab_ids)
+            stats.append(acceptance_stats(accepted, self.K))
+        if not stats:
+            raise ValueError("no validation blocks: validation sequences are too short")
+        return merge_stats(stats)

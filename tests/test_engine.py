@@ -1,0 +1,137 @@
+"""The continuous-batching engine against the single-request loop, for every registered drafter kind.
+
+Golden test: a mixed batch (prompt lengths, limits, greedy and sampled rows, a stop string) run by
+the engine, with requests joining while others decode and with a pool small enough to force
+preemption, gives every request exactly the tokens `SpeculativeDecoder.generate` gives it alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hspec.decoding.generate import SpeculativeDecoder
+from hspec.decoding.sampling import SamplingParams
+from hspec.decoding.step import DecodeStages
+from hspec.drafters import DRAFTERS, create_drafter
+from hspec.serving.engine import Engine, Request
+
+TEXTS = ["hello world, hello world", "abcabcabcabc", "the quick brown fox", "zz", "one two one two one two",
+         "a much longer prompt that spans several blocks of the pool, a much longer prompt"]
+K = 4
+
+
+def _drafter(target, kind):
+    return create_drafter(kind, target.config, target_model=target.model)
+
+
+def _mixed_requests(target, stop_text=None):
+    """Requests of every flavour: greedy and sampled, short and long, one with a stop string."""
+    requests = []
+    for i, text in enumerate(TEXTS * 2):
+        params = SamplingParams() if i % 3 else SamplingParams(temperature=0.9, top_p=0.95, top_k=20)
+        stop = (stop_text,) if (stop_text and i == 4) else ()
+        requests.append(Request(f"r{i}", tuple(target.tokenizer.encode_prompt(text)), 12 + 5 * (i % 5),
+                                params, seed=100 + i, stop=stop))
+    return requests
+
+
+def _alone(target, drafter, request):
+    decoder = SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids, target.tokenizer.decode)
+    out = decoder.generate([list(request.prompt_ids)], request.sampling, request.max_tokens, stop=request.stop,
+                           seeds=[request.seed]).sequences[0]
+    return out.token_ids, out.finish_reason
+
+
+def _run(engine, requests, join_every=0, max_steps=2000):
+    """Step until every request finished; with join_every > 0, add one request every that many steps."""
+    pending = list(requests)
+    outputs: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    steps = 0
+    while pending or engine.has_work:
+        if pending and (join_every == 0 or steps % join_every == 0):
+            for request in pending[: None if join_every == 0 else 1]:
+                engine.add(request)
+            pending = [] if join_every == 0 else pending[1:]
+        report = engine.step()
+        for update in report.updates:
+            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+            if update.finished:
+                reasons[update.request_id] = update.finish_reason
+        steps += 1
+        assert steps < max_steps, "engine made no progress"
+    return outputs, reasons
+
+
+def _engine(target, drafter, num_blocks, block_size=8, max_running=64):
+    stages = DecodeStages(target.model, drafter, K, target.tokenizer.eos_token_ids, target.tokenizer.decode)
+    return Engine(stages, target.model.new_pool(num_blocks, block_size, drafter.num_pool_layers), max_running)
+
+
+# Model-free kinds run every schedule; each other registered kind (random weights here) runs the
+# hardest one: requests joining mid-flight into a pool small enough to force preemption.
+_CASES = [(k, n, j) for k in ("none", "ngram") for n, j in ((400, 0), (400, 3), (24, 2))] + \
+    [(k, 10, 2) for k in DRAFTERS.names() if k not in ("none", "ngram")]
+
+
+@pytest.mark.parametrize("kind,num_blocks,join_every", _CASES)
+def test_engine_equals_single_request_loop(tiny_target, kind, num_blocks, join_every):
+    drafter = _drafter(tiny_target, kind)
+    requests = _mixed_requests(tiny_target, stop_text="ab")
+    if kind not in ("none", "ngram"):
+        requests = requests[:5]
+    expected = {r.request_id: _alone(tiny_target, drafter, r) for r in requests}
+    engine = _engine(tiny_target, drafter, num_blocks)
+    outputs, reasons = _run(engine, requests, join_every)
+    for r in requests:
+        assert (outputs[r.request_id], reasons[r.request_id]) == expected[r.request_id], r.request_id
+    if num_blocks < 100:
+        assert engine.num_preemptions > 0, "the small pool should have forced preemption"
+    assert engine.pool.utilization() == 0.0 and engine.pool.sequence_ids() == []
+
+
+def test_full_pool_queues_instead_of_failing(tiny_target):
+    """A pool that holds about one request: the others wait (or are preempted) and all finish exactly."""
+    drafter = _drafter(tiny_target, "ngram")
+    requests = [Request(f"q{i}", tuple(tiny_target.tokenizer.encode_prompt(t)), 20) for i, t in enumerate(TEXTS[:4])]
+    engine = _engine(tiny_target, drafter, num_blocks=7, block_size=8)  # 56 positions
+    for r in requests:
+        engine.add(r)
+    outputs: dict[str, list[int]] = {}
+    max_waiting = 0
+    while engine.has_work:
+        report = engine.step()
+        max_waiting = max(max_waiting, report.num_waiting)
+        assert report.kv_usage <= 1.0
+        for update in report.updates:
+            assert update.finish_reason != "error", update.error
+            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+    assert max_waiting >= 2
+    assert all(outputs[r.request_id] == _alone(tiny_target, drafter, r)[0] for r in requests)
+
+
+def test_cancel_frees_blocks_and_sends_nothing_more(tiny_target):
+    drafter = _drafter(tiny_target, "ngram")
+    engine = _engine(tiny_target, drafter, num_blocks=100)
+    a, b = (Request(n, tuple(tiny_target.tokenizer.encode_prompt(t)), 40) for n, t in zip("ab", TEXTS))
+    engine.add(a)
+    engine.add(b)
+    first = {u.request_id: list(u.new_token_ids) for u in engine.step().updates}
+    assert engine.cancel("a") and not engine.cancel("a")
+    outputs, _ = _run(engine, [])
+    assert "a" not in outputs and engine.pool.utilization() == 0.0 and engine.pool.sequence_ids() == []
+    assert first["b"] + outputs["b"] == _alone(tiny_target, drafter, b)[0]
+
+
+def test_requests_that_can_never_run_are_refused(tiny_target):
+    drafter = _drafter(tiny_target, "none")
+    engine = _engine(tiny_target, drafter, num_blocks=4, block_size=8)  # 32 positions
+    with pytest.raises(ValueError, match="more than the pool's capacity of 32 tokens"):
+        engine.add(Request("long", tuple(range(3, 23)), 20))
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        engine.add(Request("zero", (1, 5), 0))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add(Request("oov", (1, 10_000), 4))
+    engine.add(Request("ok", (1, 5, 6), 8))
+    with pytest.raises(ValueError, match="already live"):
+        engine.add(Request("ok", (1, 5, 6), 8))

@@ -1,0 +1,197 @@
+"""The OpenAI-compatible server, live on loopback, driven by the official `openai` client.
+
+A tiny random target serves through the real stack (uvicorn thread -> FastAPI -> engine thread).
+Its stand-in tokenizer decodes injectively (one character per token id), so equal texts mean equal
+tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import _ByteTokenizer, load_tiny
+from hspec.drafters import create_drafter
+from hspec.serving.server import ServerThread, TextStream, build_engine, create_app
+
+MODEL = "tiny-llama"
+K = 4
+
+
+class ChatByteTokenizer(_ByteTokenizer):
+    """The byte stand-in plus a minimal chat template and an injective decode."""
+
+    def encode_chat(self, messages):
+        return self.encode_prompt("".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>")
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(0x100 + i) for i in ids if not (skip_special_tokens and i in self.eos_token_ids))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs):
+    target = load_tiny(tiny_dirs["llama"])
+    target.tokenizer = ChatByteTokenizer(target.config.vocab_size)
+    return target
+
+
+def _server(target, kind: str, num_blocks: int, block_size: int = 8) -> ServerThread:
+    drafter = create_drafter(kind, target.config, target_model=target.model)
+    engine = build_engine(target.model, drafter, target.tokenizer, K, num_blocks=num_blocks, block_size=block_size)
+    return ServerThread(create_app(engine, target.tokenizer, MODEL))
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with _server(tiny, "ngram", num_blocks=512) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+PROMPTS = ["hello world, hello world", "abcabcabcabc", "the quick brown fox", "zz top", "one two one two one",
+           "to be or not to be", "lorem ipsum dolor sit amet", "aaaa bbbb aaaa bbbb"]
+
+
+def _metric(url: str, name: str, default: float | None = None) -> float:
+    """One sample of /metrics; `default` when absent (a labelled series appears on first use)."""
+    text = httpx.get(f"{url}/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    if match is None and default is not None:
+        return default
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("hspec_http_requests_total", "hspec_generation_tokens_total", "hspec_kv_cache_usage_fraction",
+                 "hspec_num_requests_waiting", "hspec_mean_accepted_length", "hspec_spec_decode_steps_total"):
+        assert name in text
+
+
+def test_completion_chat_and_streaming(server, client):
+    done = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    choice = done.choices[0]
+    assert done.usage.completion_tokens == len(choice.text) and choice.finish_reason in ("stop", "length")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True))
+    assert streamed == choice.text
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi there"}],
+                                          max_tokens=20, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi there"}], max_tokens=20, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+    # the engine's acceptance counters moved: ngram drafts were verified
+    assert _metric(server.url, "hspec_spec_decode_steps_total") > 0
+
+
+def test_stop_string_is_cut_from_text(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0).choices[0].text
+    stop = full[5:7]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[: full.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop], stream=True))
+    assert streamed == cut.choices[0].text
+
+
+def _request_args(i: int) -> dict:
+    """32 distinct requests: greedy, with a few seeded sampled ones mixed in."""
+    args = dict(model=MODEL, prompt=f"{PROMPTS[i % len(PROMPTS)]} #{i}", max_tokens=8 + (i * 7) % 25)
+    return args | (dict(temperature=0.8, top_p=0.9, seed=i) if i % 8 == 7 else dict(temperature=0))
+
+
+def _texts_concurrently(url: str, requests: list[dict]) -> list[str]:
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            done = await asyncio.gather(*(c.completions.create(**r) for r in requests))
+        return [d.choices[0].text for d in done]
+
+    return asyncio.run(run())
+
+
+def test_32_concurrent_requests_equal_each_alone(server, client):
+    requests = [_request_args(i) for i in range(32)]
+    alone = [client.completions.create(**r).choices[0].text for r in requests]
+    rows, steps = _metric(server.url, "hspec_spec_decode_steps_total"), _metric(server.url, "hspec_engine_steps_total")
+    assert _texts_concurrently(server.url, requests) == alone
+    rows = _metric(server.url, "hspec_spec_decode_steps_total") - rows
+    steps = _metric(server.url, "hspec_engine_steps_total") - steps
+    assert rows / steps > 4, "the concurrent requests were not batched together"
+
+
+def test_full_pool_queues_or_preempts_instead_of_failing(tiny):
+    """24 blocks of 8 hold about two of these requests at full length; eight arrive at once."""
+    requests = [dict(model=MODEL, prompt=p, max_tokens=90, temperature=0) for p in PROMPTS]
+    with _server(tiny, "ngram", num_blocks=24) as small:
+        with openai.OpenAI(base_url=f"{small.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            alone = [c.completions.create(**r).choices[0].text for r in requests]
+        assert _texts_concurrently(small.url, requests) == alone
+        assert _metric(small.url, "hspec_preemptions_total") > 0
+
+
+def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(server, client):
+    def status_and_message(**kwargs):
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(**kwargs)
+        return info.value.status_code, info.value.message
+
+    status, message = status_and_message(model="no-such-model", prompt="hi")
+    assert status == 404 and "no-such-model" in message
+    status, message = status_and_message(model=MODEL, prompt="hi", max_tokens=-3)
+    assert status == 400 and "max_tokens" in message
+    status, message = status_and_message(model=MODEL, prompt="x" * 600, max_tokens=8)  # context is 512
+    assert status == 400 and "context" in message
+    status, message = status_and_message(model=MODEL, prompt="hi", temperature=-1)
+    assert status == 400 and "temperature" in message
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+
+    raw = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"model": "tiny-llama", "messages": [',
+                     headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and "malformed JSON" in raw.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=4, temperature=0).choices[0].text
+
+
+def test_oversize_for_the_pool_is_refused(tiny):
+    with _server(tiny, "none", num_blocks=4) as small:  # 32 KV positions
+        response = httpx.post(f"{small.url}/v1/completions",
+                              json=dict(model=MODEL, prompt="a prompt of forty characters, give or take", max_tokens=4))
+        assert response.status_code == 400 and "pool's capacity" in response.json()["error"]["message"]
+
+
+def test_client_disconnect_cancels_the_request(server, client):
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=400, temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 10
+    while _metric(server.url, 'hspec_requests_finished_total{reason="cancelled"}', 0) < 1 \
+            or httpx.get(f"{server.url}/health").json()["running"]:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.05)
+
+
+def test_text_stream_holds_back_a_possible_stop_prefix():
+    decode = "".join  # token "ids" are characters here
+    stream = TextStream(decode, stop=["xyz"])
+    assert stream.push(["a", "b", "x"], finished=False) == "a"  # "bx" could start "xyz"
+    assert stream.push(["y", "q"], finished=False) == "bx"
+    assert stream.push(["x", "y", "z", "!"], finished=True) == "yq"

@@ -1,0 +1,169 @@
+"""The training recipe: loss exactness, anchors and masks, schedule, exact resume, DDP == single process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hspec.drafters import create_drafter
+from hspec.drafters.common import kv_layer_of, select_target_layers
+from hspec.training.features import compute_features
+from hspec.training.losses import LossWeights, drafter_loss, position_weights, total_variation
+from hspec.training.trainer import Trainer, TrainConfig, learning_rate, make_batch, sample_anchors
+from hspec.training.vocab import most_frequent_tokens
+
+
+def test_tv_term_is_exact_half_l1():
+    g = torch.Generator().manual_seed(0)
+    V, vocab = 10, torch.tensor([1, 3, 4, 8])
+    p = torch.softmax(torch.randn(3, V, generator=g), -1)
+    q = torch.softmax(torch.randn(3, 4, generator=g), -1)
+    q_full = torch.zeros(3, V)
+    q_full[:, vocab] = q
+    assert torch.allclose(total_variation(q, p, vocab), 0.5 * (q_full - p).abs().sum(-1), atol=1e-7)
+
+
+def test_loss_weights_and_mixture():
+    K, V = 3, 5
+    vocab = torch.arange(V)
+    logits = torch.randn(2, K, V)
+    p = torch.softmax(torch.randn(2, K, V), -1)
+    labels = torch.randint(0, V, (2, K))
+    parts = drafter_loss(logits, p, labels, vocab, weights=LossWeights(ce=0.1, tv=0.9, gamma=4.0))
+    w = torch.tensor([1.0, math.exp(-1 / 4), math.exp(-2 / 4)])
+    assert torch.allclose(position_weights(3), w)
+    q = torch.softmax(logits, -1)
+    tv = 0.5 * (q - p).abs().sum(-1).mean(0)
+    ce = -torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1).mean(0)
+    expected = (w * (0.1 * ce + 0.9 * tv)).sum() / w.sum()
+    assert torch.allclose(parts.loss, expected, atol=1e-6)
+
+
+def test_schedule_warmup_then_half_cosine():
+    c = TrainConfig(steps=200, lr=6e-4, warmup_fraction=0.01)
+    assert learning_rate(0, c) == pytest.approx(3e-4) and learning_rate(1, c) == pytest.approx(6e-4)
+    assert learning_rate(101, c) == pytest.approx(3e-4, rel=1e-2)
+    assert learning_rate(199, c) < 1e-6 * 6e-4 * 1e4
+
+
+def test_vocab_pruning_keeps_most_frequent():
+    ids = most_frequent_tokens([[5, 5, 5, 2, 2, 9], [9, 9, 9, 9]], vocab_size=12, keep=2)
+    assert ids.tolist() == [5, 9]
+
+
+@pytest.fixture(scope="module")
+def features(tiny_target):
+    g = torch.Generator().manual_seed(0)
+    layers = select_target_layers(tiny_target.config.num_layers)
+    seqs = []
+    for n in (40, 55, 33, 60):
+        tokens = torch.randint(3, tiny_target.config.vocab_size, (n,), generator=g).tolist()
+        seqs.append(compute_features(tiny_target.model, tokens, 10, layers, [kv_layer_of(x) for x in layers]))
+    return seqs
+
+
+def _drafter(tiny_target, kind="hspec", seed=0):
+    torch.manual_seed(seed)
+    return create_drafter(kind, tiny_target.config, target_model=tiny_target.model)
+
+
+def test_anchor_masks_never_see_own_future_or_other_blocks(tiny_target, features):
+    drafter = _drafter(tiny_target)
+    feats = features[0]
+    anchors = sample_anchors(feats, 8, torch.Generator().manual_seed(1))
+    assert bool((anchors >= feats.prompt_length).all()) and bool((anchors <= len(feats.tokens) - 2).all())
+    batch = make_batch(drafter, tiny_target.model, feats, anchors, 7)
+    key_pos = torch.arange(len(feats.tokens))
+    assert torch.equal(batch.ctx.context_mask, key_pos[None] < anchors[:, None])
+    # Changing the context at or after a block's anchor must not change that block's logits.
+    drafter.eval()
+    with torch.no_grad():
+        base = drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens)
+        kv = [(k.clone(), v.clone()) for k, v in batch.ctx.context_kv]
+        first = int(anchors[0])
+        for k, v in kv:
+            k[:, first:] += 5.0
+            v[:, first:] -= 5.0
+        changed = type(batch.ctx)(batch.ctx.block_tokens, batch.ctx.positions, batch.ctx.last_hidden, kv,
+                                  batch.ctx.context_mask)
+        after = drafter.teacher_forced_logits(changed, batch.prev_tokens)
+    assert torch.allclose(after[0], base[0], atol=1e-5)
+    # Rows are independent: dropping every other block leaves the rest unchanged.
+    with torch.no_grad():
+        half = make_batch(drafter, tiny_target.model, feats, anchors[::2], 7)
+        assert torch.allclose(drafter.teacher_forced_logits(half.ctx, half.prev_tokens), base[::2], atol=1e-5)
+
+
+def _trainer(tiny_target, features, drafter, steps, rank=0, world=1, seqs=2):
+    config = TrainConfig(steps=steps, seqs_per_step=seqs, anchors_per_seq=6, seed=3)
+    return Trainer(drafter, tiny_target.model, features.__getitem__, list(range(len(features))), config, rank, world)
+
+
+def test_resume_is_exact(tiny_target, features, tmp_path):
+    from hspec.training.checkpoint import load_training_state, save_training_state
+
+    straight = _drafter(tiny_target, seed=1)
+    t = _trainer(tiny_target, features, straight, steps=6)
+    for step in range(6):
+        t.train_step(step)
+    interrupted = _drafter(tiny_target, seed=1)
+    t1 = _trainer(tiny_target, features, interrupted, steps=6)
+    for step in range(3):
+        t1.train_step(step)
+    save_training_state(tmp_path / "state", interrupted, t1.optimizer, 3, {})
+    resumed = _drafter(tiny_target, seed=99)  # different init: everything must come from the checkpoint
+    t2 = _trainer(tiny_target, features, resumed, steps=6)
+    start, _ = load_training_state(tmp_path / "state", resumed, t2.optimizer)
+    for step in range(start, 6):
+        t2.train_step(step)
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+def _ddp_worker(rank, world, init_file, tiny_dir, result_file):
+    import torch.distributed as dist
+
+    from conftest import load_tiny
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    target = load_tiny(tiny_dir)
+    layers = select_target_layers(target.config.num_layers)
+    g = torch.Generator().manual_seed(0)
+    feats = [compute_features(target.model, torch.randint(3, target.config.vocab_size, (n,), generator=g).tolist(),
+                              10, layers, [kv_layer_of(x) for x in layers]) for n in (40, 55, 33, 60)]
+    torch.manual_seed(0)
+    drafter = create_drafter("hspec", target.config, target_model=target.model)
+    trainer = Trainer(drafter, target.model, feats.__getitem__, [0, 1, 2, 3],
+                      TrainConfig(steps=2, seqs_per_step=1, anchors_per_seq=6, seed=3), rank, world)
+    trainer.compute_gradients(0)
+    from hspec.training.trainer import all_reduce_gradients
+
+    all_reduce_gradients(trainer.params)
+    if rank == 0:
+        torch.save([p.grad.clone() for p in trainer.params], result_file)
+    dist.destroy_process_group()
+
+
+def test_two_process_gloo_matches_single_process(tiny_dirs, tmp_path):
+    import torch.multiprocessing as mp
+
+    from conftest import load_tiny
+
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), tiny_dirs["llama"], str(tmp_path / "g.pt")), nprocs=2)
+    ddp_grads = torch.load(tmp_path / "g.pt")
+    target = load_tiny(tiny_dirs["llama"])
+    layers = select_target_layers(target.config.num_layers)
+    g = torch.Generator().manual_seed(0)
+    feats = [compute_features(target.model, torch.randint(3, target.config.vocab_size, (n,), generator=g).tolist(),
+                              10, layers, [kv_layer_of(x) for x in layers]) for n in (40, 55, 33, 60)]
+    torch.manual_seed(0)
+    drafter = create_drafter("hspec", target.config, target_model=target.model)
+    trainer = Trainer(drafter, target.model, feats.__getitem__, [0, 1, 2, 3],
+                      TrainConfig(steps=2, seqs_per_step=2, anchors_per_seq=6, seed=3))
+    trainer.compute_gradients(0)
+    for a, p in zip(ddp_grads, trainer.params):
+        b = p.grad if p.grad is not None else torch.zeros_like(p)
+        assert torch.allclose(a, b, atol=1e-6)
