@@ -74,6 +74,15 @@ def load_tiny(directory: Path) -> Target:
     return Target(directory.name, directory, config, model, _ByteTokenizer(config.vocab_size))  # type: ignore[arg-type]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _single_thread():
+    """Tiny models run faster on one thread than fighting over two cores (and CI shares the machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_targets")

@@ -94,7 +94,7 @@ def test_pruned_vocab_head_restricts_maps_back_and_saves_its_ids():
 def test_markov_head_starts_neutral_and_reads_the_full_vocabulary():
     head = MarkovHead(vocab_size=100, rank=8, draft_vocab_size=10)
     assert torch.equal(head(torch.tensor([[99, 0]])), torch.zeros(1, 2, 10))
-    torch.nn.init.normal_(head.W2.weight)
+    torch.nn.init.normal_(head.W2)
     out = head(torch.tensor([[99, 0, 99]]))
     assert out.shape == (1, 3, 10) and torch.equal(out[0, 0], out[0, 2])
 

@@ -69,7 +69,7 @@ def _drafter(target, kind="hspec", seed=0, **overrides):
     config = HSpecConfig.from_target(kind, target.config, **overrides)
     drafter = DRAFTERS.get(kind)(target.config, target_model=target.model, config=config)
     if drafter.markov is not None:  # a trained-looking Markov head, so the correction matters
-        torch.nn.init.normal_(drafter.markov.W2.weight, std=0.5)
+        torch.nn.init.normal_(drafter.markov.W2, std=0.5)
     return drafter.eval()
 
 

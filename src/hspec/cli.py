@@ -116,6 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     bdraft.add_argument("--contexts", default="256,2048", help="comma-separated context lengths (default 256,2048)")
     bdraft.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     bdraft.add_argument("--out", default="results", help="output directory")
+    kvt = sub.add_parser("kv-table", help="KV inflation per token from model configs (the paper's Table 1)",
+                         description="(target KV + drafter KV per token) / target KV for Qwen3-4B, Qwen3-8B, "
+                                     "Llama-3.1-8B-Instruct and SmolLM2-135M with a 5-layer DFlash drafter and "
+                                     "with H-Spec, from the models' published config values.")
+    kvt.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
+    drafters = sub.add_parser("drafters", help="inspect the registered drafter kinds")
+    drafters_sub = drafters.add_subparsers(dest="drafters", required=True)
+    describe = drafters_sub.add_parser(
+        "describe", help="parameters, drafter-side KV and per-sequence state of every kind",
+        description="Per registered kind: trainable/total parameters, drafter KV bytes per token, per-sequence "
+                    "state bytes and KV inflation. --target takes what `generate` takes, or a literal config "
+                    "(qwen3-4b, qwen3-8b, llama-3.1-8b-instruct, smollm2-135m) built without weights.")
+    _add_target(describe)
+    describe.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                          help="element size for the byte counts (default bf16)")
+    describe.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     return parser
 
 
@@ -171,6 +187,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_draft_bench(args.target, [k for k in args.drafters.split(",") if k], args.out, args.repeats,
                                    _ints(args.batch_sizes), _ints(args.contexts))
+        if args.command == "kv-table":
+            from hspec.kv_accounting import format_kv_table, kv_table
+
+            rows = kv_table()
+            print(json.dumps([r.to_dict() for r in rows], indent=1) if args.json else format_kv_table(rows))
+            return 0
+        if args.command == "drafters" and args.drafters == "describe":
+            from hspec.drafters.describe import describe_kinds, format_descriptions
+
+            described = describe_kinds(args.target, dtype=args.dtype)
+            print(json.dumps([r.to_dict() for r in described], indent=1) if args.json
+                  else format_descriptions(described))
+            return 0
     except (ValueError, FileNotFoundError) as err:
         print(f"hspec: error: {err}", file=sys.stderr)
         return 2
@@ -252,6 +281,8 @@ def _add_serving_parsers(sub, bench_sub) -> None:
     serve.add_argument("--served-model-name", default=None, help="the `model` id clients send (default: target name)")
     serve.add_argument("--default-max-tokens", type=int, default=256,
                        help="output limit of chat requests that give none (default 256)")
+    serve.add_argument("--threads", type=int, default=0,
+                       help="torch CPU threads (default 0 = torch's default; 1 is faster on a busy machine)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     bserve = bench_sub.add_parser(
@@ -271,7 +302,9 @@ def _add_serving_parsers(sub, bench_sub) -> None:
                         help="time bound per level and kind: no new requests after it (default 60)")
     bserve.add_argument("--tasks", default="spec_bench", help="comma-separated prompt sets (default spec_bench)")
     bserve.add_argument("--num-prompts", type=int, default=240, help="items per task (default 240)")
-    bserve.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default 512)")
+    bserve.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts (default 256)")
+    bserve.add_argument("--server-threads", type=int, default=0,
+                        help="torch threads of each server (default 0 = torch's default)")
     bserve.add_argument("--drafter-path", action="append", default=[], metavar="KIND=DIR",
                         help="trained checkpoint for a kind (repeatable); trained kinds without one run with "
                              "random weights, which keeps outputs exact but makes acceptance meaningless")
@@ -291,9 +324,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.k < 1:
         raise ValueError(f"--k must be >= 1, got {args.k}")
-    serve(ServeSettings(args.target, args.drafter, args.k, args.drafter_path, args.kv_budget_mib, args.kv_blocks,
-                        args.block_size, args.max_running, args.served_model_name, args.default_max_tokens,
-                        args.host, args.port, args.log_level))
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    serve(ServeSettings(
+        target=args.target, drafter=args.drafter, K=args.k, drafter_path=args.drafter_path,
+        kv_budget_mib=args.kv_budget_mib, kv_blocks=args.kv_blocks, block_size=args.block_size,
+        max_running=args.max_running, model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
+        host=args.host, port=args.port, log_level=args.log_level, threads=args.threads))
     return 0
 
 
@@ -307,10 +344,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--concurrency must be comma-separated integers, got {text!r}") from err
 
     settings = ServeBenchSettings(
-        args.target, tuple(k for k in args.drafters.split(",") if k), ints(args.concurrency), args.k,
-        args.max_tokens, args.level_seconds, tuple(t for t in args.tasks.split(",") if t), args.num_prompts,
-        args.max_prompt_tokens, args.kv_budget_mib, args.block_size, args.max_running, args.out,
-        tuple(_kind_path(x) for x in args.drafter_path))
+        target=args.target, drafters=tuple(k for k in args.drafters.split(",") if k),
+        concurrency=ints(args.concurrency), K=args.k, max_tokens=args.max_tokens, level_seconds=args.level_seconds,
+        tasks=tuple(t for t in args.tasks.split(",") if t), num_prompts=args.num_prompts,
+        max_prompt_tokens=args.max_prompt_tokens, kv_budget_mib=args.kv_budget_mib, block_size=args.block_size,
+        max_running=args.max_running, server_threads=args.server_threads, out=args.out,
+        drafter_paths=tuple(_kind_path(x) for x in args.drafter_path))
     return run_serve_bench(settings, "hspec " + " ".join(sys.argv[1:]))
 
 

@@ -7,11 +7,13 @@ batch size B and context length S:
 1. a KV pool holds B sequences of S positions (random K/V: timings do not depend on values), and
    each drafter has committed a random hidden state for them;
 2. per round, interleaved: the target's verify (a K+1 = 8-token forward over the pool, asking for
-   the 5 selected layers' hidden states), then for every kind `propose(batch, K)` (T_D) and
-   `commit` of K+1 newly verified tokens (the per-step context update: a no-op for H-Spec, the
-   drafter-side KV write for DFlash-style kinds), then the verify again; T_T is the mean of the
-   two verifies around the drafters, so slow drift hits both sides alike;
-3. ratios T_D / T_T and T_commit / T_T per round, reported as min / median / max.
+   the 5 selected layers' hidden states), then `propose(batch, K)` of every kind (T_D), then the
+   verify again; T_T is the mean of the two verifies around the drafters, so slow drift hits both
+   sides alike;
+3. then, per round, a verify and the `commit` of K+1 newly verified positions to every kind (the
+   per-step context update: one hidden vector for H-Spec, the drafter-side K/V write for
+   DFlash-style kinds); these rounds grow the context by K+1 each, so they come last;
+4. ratios T_D / T_T and T_commit / T_T per round, reported as min / median / max.
 
 Drafters have random weights: cost does not depend on training. Results go to
 results/draft_cost_<device>.{json,md}.
@@ -38,15 +40,23 @@ GOAL = "hspec T_D(7) / T_T <= 0.25 at B = 1"
 
 
 class _Setting:
-    """One (B, S) setting: a pool of B sequences of S positions and a draft batch over them."""
+    """One (B, S) setting: a pool of B sequences of S positions and a draft batch over them.
 
-    def __init__(self, model: TargetModel, drafters: dict[str, Drafter], B: int, S: int, K: int, seed: int) -> None:
-        self.model, self.drafters, self.B, self.S, self.K = model, drafters, B, S, K
+    Every drafter has committed all S positions (DFlash-style kinds hold their drafter K/V for
+    them), as after a prefill. `commit_round` then appends K+1 positions and commits them to every
+    drafter, as a fully accepted step would; it runs after the propose rounds so the context those
+    rounds see stays S.
+    """
+
+    def __init__(self, model: TargetModel, drafters: dict[str, Drafter], B: int, S: int, K: int, repeats: int,
+                 seed: int) -> None:
+        self.model, self.drafters, self.B, self.length, self.K = model, drafters, B, S, K
         g = torch.Generator().manual_seed(seed)
         c = model.config
         block = 16
         drafter_layers = max((d.num_pool_layers for d in drafters.values()), default=0)
-        self.pool = model.new_pool(B * -(-(S + 2 * (K + 1)) // block), block, drafter_layers)
+        per_seq = S + (repeats + 3) * (K + 1)  # context + commit rounds + one verify block
+        self.pool = model.new_pool(B * -(-per_seq // block), block, drafter_layers)
         self.seq_ids = list(range(B))
         for s in self.seq_ids:
             self.pool.add_sequence(s)
@@ -60,8 +70,7 @@ class _Setting:
                                 [torch.Generator().manual_seed(seed + s) for s in self.seq_ids])
         self.verify_ids = torch.randint(0, c.vocab_size, (B, K + 1), generator=g)
         for drafter in drafters.values():
-            # Each sequence's prefix was "verified" once: the drafter keeps what it keeps per sequence.
-            self._commit(drafter, 1)
+            self._commit(drafter, S)  # the "prefill": every context position is verified
 
     def time_verify(self) -> float:
         """Seconds of one (K+1)-token target forward over every sequence (then rolled back)."""
@@ -69,7 +78,7 @@ class _Setting:
         self.model(self.verify_ids, self.pool, self.seq_ids, self.hidden_layers)
         elapsed = time.perf_counter() - start
         for s in self.seq_ids:
-            self.pool.truncate(s, self.S)
+            self.pool.truncate(s, self.length)
         return elapsed
 
     def time_propose(self, kind: str) -> float:
@@ -77,19 +86,19 @@ class _Setting:
         self.drafters[kind].propose(self.batch, self.K)
         return time.perf_counter() - start
 
-    def time_commit(self, kind: str) -> float:
-        """Seconds of committing K+1 newly verified positions (the drafter's per-step context update)."""
-        return self._commit(self.drafters[kind], self.K + 1)
+    def commit_round(self) -> dict[str, float]:
+        """Append K+1 verified positions; seconds each drafter takes to commit them."""
+        n = self.K + 1
+        self.pool.extend(self.seq_ids, n)
+        self.length += n
+        return {kind: self._commit(drafter, n) for kind, drafter in self.drafters.items()}
 
     def _commit(self, drafter: Drafter, n: int) -> float:
-        if not drafter.drafts:
-            return 0.0
-        for s in self.seq_ids:  # the last n positions become the "newly verified" ones
-            self.pool.truncate(s, max(self.S - n, 0))
-        self.pool.extend(self.seq_ids, n)
-        H = self.model.config.hidden_size
-        dtype = self.model.embed_tokens.weight.dtype
-        hidden = torch.randn(self.B, n, len(drafter.hidden_layers), H, dtype=dtype) if drafter.hidden_layers else None
+        """Commit the last n pool positions of every sequence to `drafter`; returns seconds."""
+        hidden = None
+        if drafter.hidden_layers:
+            hidden = torch.empty(self.B, n, len(drafter.hidden_layers), self.model.config.hidden_size,
+                                 dtype=self.model.embed_tokens.weight.dtype).normal_()
         start = time.perf_counter()
         drafter.commit(self.pool, self.seq_ids, hidden, torch.full((self.B,), n, dtype=torch.long))
         return time.perf_counter() - start
@@ -130,33 +139,38 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
 
 def _measure(model: TargetModel, drafters: dict[str, Drafter], B: int, S: int, K: int, repeats: int,
              seed: int) -> dict:
-    setting = _Setting(model, drafters, B, S, K, seed)
+    setting = _Setting(model, drafters, B, S, K, repeats, seed)
     setting.time_verify()  # warm-up
     for kind in drafters:
         setting.time_propose(kind)
-        setting.time_commit(kind)
     verify_s: list[float] = []
-    per_kind: dict[str, dict[str, list[float]]] = {k: {"propose": [], "commit": [], "ratio": [], "commit_ratio": []}
-                                                   for k in drafters}
+    propose_s: dict[str, list[float]] = {k: [] for k in drafters}
+    ratios: dict[str, list[float]] = {k: [] for k in drafters}
     for _ in range(repeats):
         before = setting.time_verify()
-        times = {k: (setting.time_propose(k), setting.time_commit(k)) for k in drafters}
+        times = {k: setting.time_propose(k) for k in drafters}
         t_t = (before + setting.time_verify()) / 2
         verify_s.append(t_t)
-        for kind, (t_d, t_c) in times.items():
-            m = per_kind[kind]
-            m["propose"].append(t_d)
-            m["commit"].append(t_c)
-            m["ratio"].append(t_d / t_t)
-            m["commit_ratio"].append(t_c / t_t)
+        for kind, t_d in times.items():
+            propose_s[kind].append(t_d)
+            ratios[kind].append(t_d / t_t)
+    # Commits append positions, so they run last; each round is set against that round's verify.
+    setting.commit_round()  # warm-up
+    commit_s: dict[str, list[float]] = {k: [] for k in drafters}
+    commit_ratios: dict[str, list[float]] = {k: [] for k in drafters}
+    for _ in range(repeats):
+        t_t = setting.time_verify()
+        for kind, t_c in setting.commit_round().items():
+            commit_s[kind].append(t_c)
+            commit_ratios[kind].append(t_c / t_t)
     del setting
     return {
         "B": B, "S": S,
         "verify_ms": _summary([1000 * t for t in verify_s]),
-        "kinds": {k: {"propose_ms": _summary([1000 * t for t in m["propose"]]),
-                      "commit_ms": _summary([1000 * t for t in m["commit"]]),
-                      "T_D_over_T_T": _summary(m["ratio"]),
-                      "commit_over_T_T": _summary(m["commit_ratio"])} for k, m in per_kind.items()},
+        "kinds": {k: {"propose_ms": _summary([1000 * t for t in propose_s[k]]),
+                      "commit_ms": _summary([1000 * t for t in commit_s[k]]),
+                      "T_D_over_T_T": _summary(ratios[k]),
+                      "commit_over_T_T": _summary(commit_ratios[k])} for k in drafters},
     }
 
 

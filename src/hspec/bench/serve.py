@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import re
 import socket
 import subprocess
@@ -52,10 +53,11 @@ class ServeBenchSettings:
     level_seconds: float = 60.0  # clients stop sending new requests after this; in-flight ones finish
     tasks: tuple[str, ...] = ("spec_bench",)  # prompt sets (first user turn of each item)
     num_prompts: int = 240  # evenly spaced items per task
-    max_prompt_tokens: int = 512  # longer prompts are skipped (the count is reported)
+    max_prompt_tokens: int = 256  # longer prompts are skipped (the count is reported)
     kv_budget_mib: float = 256.0  # KV memory budget of every server (target + drafter layers)
     block_size: int = 16
     max_running: int = 128  # largest batch the engine runs
+    server_threads: int = 0  # torch threads per server (0 = torch's default)
     out: str = "results"  # results go to <out>/serving/
     drafter_paths: tuple[tuple[str, str], ...] = ()  # (kind, trained checkpoint dir) pairs
 
@@ -96,7 +98,7 @@ def run_serve_bench(settings: ServeBenchSettings, command: str) -> int:
         for i, c in enumerate(settings.concurrency):
             order = list(settings.drafters) if i % 2 == 0 else list(reversed(settings.drafters))
             for kind in order:
-                result = asyncio.run(_run_level(servers[kind], model_name, prompts, c, settings))
+                result = asyncio.run(run_level(servers[kind].url, model_name, prompts, c, settings))
                 levels[kind].append(result)
                 print(f"[bench serve] {kind:>8} C={c:<4} {result['throughput_tok_s']:8.1f} tok/s  "
                       f"KV {100 * result['mean_kv_utilization']:5.1f}%  MAL {result['mean_accepted_length']:.2f}  "
@@ -164,7 +166,8 @@ class _Server:
         args = [sys.executable, "-m", "hspec.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--target", settings.target, "--drafter", kind, "--k", str(settings.K),
                 "--kv-budget-mib", str(settings.kv_budget_mib), "--block-size", str(settings.block_size),
-                "--max-running", str(settings.max_running), "--log-level", "warning"]
+                "--max-running", str(settings.max_running), "--threads", str(settings.server_threads),
+                "--log-level", "warning"]
         path = dict(settings.drafter_paths).get(kind)
         if path:
             args += ["--drafter-path", path]
@@ -185,11 +188,6 @@ class _Server:
             time.sleep(0.5)
         raise RuntimeError(f"server for {self.kind} not ready after {timeout_s:.0f} s:\n{self._tail()}")
 
-    def metrics(self) -> dict[str, float]:
-        """The numeric samples of /metrics, by name with labels."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
-
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -203,6 +201,12 @@ class _Server:
     def _tail(self) -> str:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """The numeric samples of a server's /metrics, by name with labels."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
 
 
 def _free_port() -> int:
@@ -224,10 +228,10 @@ def _check_lossless(servers: dict[str, _Server], model: str, prompt: str, max_to
         raise RuntimeError(f"greedy outputs differ between servers (lossless bug): {texts}")
 
 
-async def _run_level(server: _Server, model: str, prompts: Sequence[str], concurrency: int,
+async def run_level(url: str, model: str, prompts: Sequence[str], concurrency: int,
                      settings: ServeBenchSettings) -> dict[str, Any]:
     """C closed-loop clients until the time bound; every kind sees the same prompt sequence."""
-    before = server.metrics()
+    before = scrape_metrics(url)
     next_prompt = itertools.count()
     tokens: list[int] = []
     latencies: list[float] = []
@@ -235,34 +239,48 @@ async def _run_level(server: _Server, model: str, prompts: Sequence[str], concur
     stop_at = start + settings.level_seconds
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
 
+    async def scrape_at_stop() -> tuple[float, dict[str, float]]:
+        """/metrics when the clients stop sending: the window in which all C were busy ends here."""
+        await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+        now = time.perf_counter()
+        return now, await asyncio.to_thread(scrape_metrics, url)
+
     async def client(http: httpx.AsyncClient) -> None:
         while time.perf_counter() < stop_at:
             prompt = prompts[next(next_prompt) % len(prompts)]
             t0 = time.perf_counter()
-            response = await http.post(f"{server.url}/v1/chat/completions",
+            response = await http.post(f"{url}/v1/chat/completions",
                                        json=_body(model, prompt, settings.max_tokens))
             response.raise_for_status()
             tokens.append(response.json()["usage"]["completion_tokens"])
             latencies.append(time.perf_counter() - t0)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as http:
+        scrape = asyncio.create_task(scrape_at_stop())
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        window_end, at_stop = await scrape
     elapsed = time.perf_counter() - start
-    after = server.metrics()
+    window = window_end - start
+    after = scrape_metrics(url)
 
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
+    def delta(name: str, end: dict[str, float] = after) -> float:
+        return end.get(name, 0.0) - before.get(name, 0.0)
 
     steps = delta("hspec_spec_decode_steps_total")
     accepted = [delta(f'hspec_spec_decode_accepted_tokens_total{{position="{k}"}}') for k in range(1, settings.K + 1)]
     return {
         "concurrency": concurrency,
+        # Over the window [start, stop]: all C clients busy (ramp-up included, drain excluded).
+        "window_s": window,
+        "throughput_tok_s": delta("hspec_generation_tokens_total", at_stop) / window,
+        "mean_kv_utilization": delta("hspec_kv_cache_usage_seconds_total", at_stop) / window,
+        # Over the whole level, drain included: completed requests.
         "num_requests": len(tokens),
         "output_tokens": sum(tokens),
         "elapsed_s": elapsed,
-        "throughput_tok_s": sum(tokens) / elapsed,
-        "mean_kv_utilization": delta("hspec_kv_cache_usage_seconds_total") / elapsed,
+        "throughput_completed_tok_s": sum(tokens) / elapsed,
         "mean_latency_s": sum(latencies) / len(latencies),
+        "load_avg_1m": os.getloadavg()[0],
         "mean_accepted_length": 1.0 + sum(accepted) / steps if steps else 1.0,
         "preemptions": int(delta("hspec_preemptions_total")),
         "engine_steps": int(delta("hspec_engine_steps_total")),
@@ -287,19 +305,21 @@ def _markdown(payload: dict[str, Any], settings: ServeBenchSettings) -> str:
     levels = payload["levels"]
     md = ["# Serving: closed-loop throughput and KV utilisation vs concurrency\n",
           provenance_markdown(payload["provenance"]),
-          f"\nEach level: C clients, greedy chat requests of at most {settings.max_tokens} tokens, new requests "
-          f"for {settings.level_seconds:.0f} s then drain; KV budget {settings.kv_budget_mib:g} MiB per server. "
-          "Kinds run interleaved per level.\n",
-          "| drafter | C | output tok/s | vs plain | mean KV util. | MAL | mean batch | requests | "
-          "mean latency (s) | preemptions |", "|---|---|---|---|---|---|---|---|---|---|"]
+          f"\nEach level: C closed-loop clients send greedy chat requests of at most {settings.max_tokens} tokens "
+          f"for {settings.level_seconds:.0f} s, then the in-flight ones finish; KV budget "
+          f"{settings.kv_budget_mib:g} MiB per server; kinds interleaved per level. Output tok/s and mean KV "
+          "utilisation are over the window in which all C clients were busy (server counters); completed tok/s "
+          "counts finished requests over the whole level, drain included. MAL and mean batch are over the level.\n",
+          "| drafter | C | output tok/s | vs plain | mean KV util. | MAL | mean batch | completed tok/s | requests | "
+          "mean latency (s) | preemptions | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plain = {r["concurrency"]: r["throughput_tok_s"] for r in levels.get("none", [])}
     for kind, rows in levels.items():
         for r in rows:
             ratio = f"{r['throughput_tok_s'] / plain[r['concurrency']]:.2f}x" if r["concurrency"] in plain else "-"
             md.append(f"| {kind} | {r['concurrency']} | {r['throughput_tok_s']:.1f} | {ratio} | "
                       f"{100 * r['mean_kv_utilization']:.1f}% | {r['mean_accepted_length']:.2f} | "
-                      f"{r['mean_batch']:.1f} | {r['num_requests']} | {r['mean_latency_s']:.1f} | "
-                      f"{r['preemptions']} |")
+                      f"{r['mean_batch']:.1f} | {r['throughput_completed_tok_s']:.1f} | {r['num_requests']} | "
+                      f"{r['mean_latency_s']:.1f} | {r['preemptions']} | {r['load_avg_1m']:.1f} |")
     md += [f"\n## KV capacity at a {settings.kv_budget_mib:g} MiB budget (block size {settings.block_size})\n",
            "| drafter | drafter KV layers | KV bytes/token | capacity (tokens) | KV inflation |",
            "|---|---|---|---|---|"]

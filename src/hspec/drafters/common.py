@@ -17,7 +17,8 @@ has no row in the target's embedding; `NeuralDrafter.embed_block` maps it to the
 
 The target's embedding, LM head and RoPE are shared with the drafter, never copied into its
 parameters: they live in `TargetParts`, which `nn.Module` does not register, so they are neither
-trained nor saved in `state_dict()`.
+trained nor saved in `state_dict()`. The heads live in `heads.py` and block attention in
+`block_attention.py`; both are re-exported here.
 
 Legend: B batch, N block rows (B at inference, anchors in training), K block, S context keys,
 V vocab, Vp pruned vocab, H hidden, Hq/Hkv heads, D head dim, r Markov rank.
@@ -26,7 +27,6 @@ V vocab, Vp pruned vocab, H hidden, Hq/Hkv heads, D head dim, r Markov rank.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +38,15 @@ from torch import nn
 from hspec.cache.paged_pool import PagedKVPool
 from hspec.decoding.sampling import SamplingBatch, draw_uniforms, sample_with_uniform
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
+from hspec.drafters.block_attention import BlockAttention, attend_block
+from hspec.drafters.heads import MarkovHead, PrunedVocab, PrunedVocabHead
 from hspec.models.config import RopeScaling, TargetConfig
-from hspec.models.layers import QKVProjection
+
+__all__ = [
+    "BlockAttention", "BlockContext", "DrafterConfig", "MarkovHead", "NeuralDrafter", "PrunedVocab",
+    "PrunedVocabHead", "TargetParts", "attend_block", "build_block", "dspark_trainable_params", "kv_layer_of",
+    "markov_params", "select_target_layers",
+]
 
 # ---- target layers ---------------------------------------------------------------------------------
 
@@ -220,155 +227,6 @@ class BlockContext:
     @property
     def K(self) -> int:
         return self.block_tokens.shape[1]
-
-
-# ---- heads -------------------------------------------------------------------------------------------
-
-
-class PrunedVocabHead(nn.Module):
-    """The target's frozen LM head restricted to the draft vocabulary `draft_vocab_ids` (Vp,).
-
-    The ids are a buffer saved with the drafter (default: the first Vp ids, until training picks the
-    most frequent tokens, `set_vocab`). The restricted rows are cached (a Vp x H copy) when the ids
-    are not simply 0..V-1. A token outside the draft vocabulary is never drafted (paper B.2).
-    """
-
-    def __init__(self, vocab_size: int, draft_vocab_size: int) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-        self.register_buffer("draft_vocab_ids", torch.arange(draft_vocab_size))  # (Vp,) long
-        self._weight: torch.Tensor | None = None  # (V, H) the target's head, detached, not registered
-        self._rows: torch.Tensor | None = None  # (Vp, H) cached rows
-        self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
-
-    def attach(self, lm_head_weight: torch.Tensor) -> None:
-        """Use the target's LM head weight (V, H); it stays the target's (detached, never trained)."""
-        if lm_head_weight.shape[0] != self.vocab_size:
-            raise ValueError(f"LM head has {lm_head_weight.shape[0]} rows, the drafter expects V={self.vocab_size}")
-        self._weight = lm_head_weight.detach()
-        self._refresh()
-
-    def set_vocab(self, ids: torch.Tensor) -> None:
-        """Replace the draft vocabulary with `ids` (Vp,), distinct ids in 0..V-1."""
-        ids = torch.as_tensor(ids, dtype=torch.long)
-        vp = self.draft_vocab_ids.shape[0]
-        if ids.shape != (vp,) or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            raise ValueError(f"draft vocabulary ids must be ({vp},) in 0..{self.vocab_size - 1}, "
-                             f"got shape {tuple(ids.shape)}")
-        if ids.unique().numel() != vp:
-            raise ValueError("draft vocabulary ids must be distinct")
-        self.draft_vocab_ids.copy_(ids)
-        self._refresh()
-
-    def _refresh(self) -> None:
-        ids = self.draft_vocab_ids
-        identity = ids.shape[0] == self.vocab_size and bool((ids == torch.arange(len(ids), device=ids.device)).all())
-        self._rows = None if self._weight is None or identity else self._weight[ids.to(self._weight.device)]
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, K, H) -> logits (N, K, Vp)."""
-        if self._weight is None:
-            raise RuntimeError("the pruned vocabulary head has no LM head attached; call attach() first")
-        weight = self._weight if self._rows is None else self._rows  # (Vp, H)
-        return F.linear(hidden, weight.to(hidden.dtype))
-
-    def to_full(self, probs: torch.Tensor) -> torch.Tensor:
-        """(..., Vp) probabilities -> (..., V), zero outside the draft vocabulary."""
-        full = probs.new_zeros((*probs.shape[:-1], self.vocab_size))
-        ids = self.draft_vocab_ids.expand(*probs.shape[:-1], -1)
-        return full.scatter_(-1, ids, probs)
-
-    def to_target_ids(self, local: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary indices (...) -> target token ids (...)."""
-        return self.draft_vocab_ids[local]
-
-
-PrunedVocab = PrunedVocabHead
-
-
-class MarkovHead(nn.Module):
-    """DSpark's first-order correction: logits_k += W2(W1[prev_k]) (paper §3.3.3).
-
-    W1 is an embedding over the full target vocabulary (the previous token may be any token, e.g. the
-    anchor or a teacher-forced ground truth), rank r; W2 maps r -> Vp. W2 starts at zero, so an
-    untrained head leaves the backbone's prediction unchanged.
-    """
-
-    def __init__(self, vocab_size: int, rank: int, draft_vocab_size: int) -> None:
-        super().__init__()
-        self.W1 = nn.Embedding(vocab_size, rank)
-        self.W2 = nn.Linear(rank, draft_vocab_size, bias=False)
-        nn.init.normal_(self.W1.weight, std=rank ** -0.5)
-        nn.init.zeros_(self.W2.weight)
-
-    def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """prev_tokens (N, K) long target ids -> logit corrections (N, K, Vp)."""
-        return self.W2(self.W1(prev_tokens))
-
-
-# ---- attention over context + block --------------------------------------------------------------
-
-
-class BlockAttention(nn.Module):
-    """Attention of a draft block over context K/V plus the block's own K/V (Qwen3-style, paper B.2).
-
-    Dimensions are the target's (Hq, Hkv, D), so the context may be the target's own cached K/V read
-    in place. Queries and the block's keys/values come from this module's projections with per-head
-    q/k-norm, rotated with the target's RoPE at the block positions. `causal` masks later block
-    positions (H-Spec); DFlash-style blocks are bidirectional. The block's K/V are transient.
-    """
-
-    def __init__(self, config: DrafterConfig, causal: bool) -> None:
-        super().__init__()
-        c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.causal = causal
-        self.qkv = QKVProjection(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, bias=False,
-                                 qk_norm=True, eps=c.rms_norm_eps)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                context: tuple[torch.Tensor, torch.Tensor] | None, context_mask: torch.Tensor | None
-                ) -> torch.Tensor:
-        """x (N, K, H); cos/sin (N, K, D); context (k, v) each (N, S, Hkv, D) with context_mask (N, S),
-        or None for a block that sees only itself. Returns (N, K, H)."""
-        q, k, v = self.qkv(x, cos, sin)  # (N, K, Hq, D), (N, K, Hkv, D) x2
-        out = attend_block(q, k, v, context, context_mask, self.causal)  # (N, K, Hq*D)
-        return self.o_proj(out)
-
-
-def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 context: tuple[torch.Tensor, torch.Tensor] | None, context_mask: torch.Tensor | None,
-                 causal: bool) -> torch.Tensor:
-    """Softmax attention of the block queries over [context keys ; block keys], with GQA.
-
-    q (N, K, Hq, D); k, v (N, K, Hkv, D); context (N, S, Hkv, D) x2 or None; context_mask (N, S) bool.
-    Scores against the context and the block are computed separately and share one softmax, so the
-    context K/V are read where they are (a pool view) instead of being copied next to the block's.
-    Returns (N, K, Hq * D).
-    """
-    n, K, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
-    # Query head h reads KV head h // g (HF repeat_kv order): group the g heads of one KV head.
-    qg = q.view(n, K, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * K, d)  # (N, Hkv, g*K, D)
-    scale = 1.0 / math.sqrt(d)
-    block_scores = (qg @ k.permute(0, 2, 3, 1)).float() * scale  # (N, Hkv, g*K, K)
-    if causal:
-        visible = torch.ones(K, K, dtype=torch.bool, device=q.device).tril()  # (K, K) query i sees keys <= i
-        block_scores = block_scores.masked_fill(~visible.repeat(g, 1), float("-inf"))
-    if context is None:
-        probs = torch.softmax(block_scores, dim=-1).to(v.dtype)
-        out = probs @ v.transpose(1, 2)  # (N, Hkv, g*K, D)
-    else:
-        ck, cv = context
-        s = ck.shape[1]
-        ctx_scores = (qg @ ck.permute(0, 2, 3, 1)).float() * scale  # (N, Hkv, g*K, S)
-        if context_mask is not None:
-            ctx_scores = ctx_scores.masked_fill(~context_mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(torch.cat([ctx_scores, block_scores], dim=-1), dim=-1).to(v.dtype)
-        out = probs[..., :s] @ cv.transpose(1, 2) + probs[..., s:] @ v.transpose(1, 2)  # (N, Hkv, g*K, D)
-    return out.view(n, hkv, g, K, d).permute(0, 3, 1, 2, 4).reshape(n, K, hq * d)
 
 
 # ---- the base class of trained drafters ----------------------------------------------------------

@@ -1,0 +1,2 @@
+"""Serving: the pure scheduler, the continuous-batching engine, its worker thread, the OpenAI-compatible
+HTTP server and its Prometheus metrics."""

@@ -84,7 +84,7 @@ class _Sequence:
 
     request: Request
     key: int  # the pool / drafter sequence id
-    arrival: int  # admission order, never changes: preempted requests keep their age
+    arrival: int  # order of `add`; never changes, so a preempted request keeps its age and place
     generator: torch.Generator
     sampling: SamplingBatch  # one row
     output: SequenceOutput

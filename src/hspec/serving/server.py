@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -351,6 +352,7 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    threads: int = 0  # torch CPU threads; 0 = torch's default
 
 
 def serve(settings: ServeSettings) -> None:
@@ -358,6 +360,8 @@ def serve(settings: ServeSettings) -> None:
     from hspec.drafters import create_drafter
     from hspec.models.loading import load_target
 
+    if settings.threads:
+        torch.set_num_threads(settings.threads)  # this process's setting, made once by its entry point
     target = load_target(settings.target)
     if settings.drafter_path:
         from hspec.training.checkpoint import load_drafter
@@ -401,7 +405,8 @@ class ServerThread:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host, self.port = host, self._socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
                                         name="hspec-http", daemon=True)
         self.start_timeout_s = start_timeout_s

@@ -101,8 +101,10 @@ def context_kv_for(drafter: NeuralDrafter, feats: SequenceFeatures, rows: int) -
     kinds that reuse the target's K/V read the cached target layers.
     """
     s = feats.tokens.shape[0]
-    if hasattr(drafter, "context_kv_from_hidden"):
-        positions = torch.arange(s)[None]  # (1, S)
+    positions = torch.arange(s)[None]  # (1, S)
+    if hasattr(drafter, "context_kv_from_sequence"):  # P-Eagle: context entries need the tokens too
+        pairs = drafter.context_kv_from_sequence(feats.tokens[None], feats.hidden[None], positions)
+    elif hasattr(drafter, "context_kv_from_hidden"):
         pairs = drafter.context_kv_from_hidden(feats.hidden[None], positions)
     else:
         missing = [layer for layer in drafter.reused_kv_layers() if layer not in feats.kv]
@@ -130,9 +132,10 @@ def make_batch(drafter: NeuralDrafter, target: TargetModel, feats: SequenceFeatu
     label_pos = label_pos.clamp(max=s - 1)
     prev_tokens = tokens[(anchors[:, None] + offsets).clamp(max=s - 1)]
     if cod_generator is not None:
-        # P-Eagle's COD sampling: depth d keeps a max(0.6^d, 0.2) share of the anchors.
+        # P-Eagle's COD sampling: depth d keeps a max(0.6^d, 0.2) share of the anchors, nested (one
+        # draw per anchor, so a kept depth implies every shallower depth is kept too).
         keep = torch.tensor([max(0.6**d, 0.2) for d in range(K)])
-        valid &= torch.rand((n, K), generator=cod_generator) < keep
+        valid &= torch.rand((n, 1), generator=cod_generator) < keep
     return Batch(ctx, prev_tokens, tokens[label_pos], feats.target_probs(target, label_pos - 1), valid)
 
 

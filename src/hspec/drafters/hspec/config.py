@@ -14,7 +14,7 @@ count is within the tolerance, which reproduces the paper's three numbers. A tar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from hspec.drafters.common import DrafterConfig, dspark_trainable_params, markov_params
@@ -150,7 +150,3 @@ def choose_mamba_heads(target: TargetConfig, tolerance: float = 0.03, **fields: 
     assert best is not None
     return best[1], best[2]
 
-
-def with_mamba_heads(config: HSpecConfig, nheads: int, headdim: int | None = None) -> HSpecConfig:
-    """A copy of `config` with other Mamba head sizes (for sweeps and tests)."""
-    return replace(config, mamba_nheads=nheads, mamba_headdim=headdim or config.mamba_headdim)

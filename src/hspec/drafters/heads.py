@@ -1,0 +1,94 @@
+"""Output heads shared by trained drafters: the pruned-vocabulary LM head and DSpark's Markov head.
+
+Both are re-exported by `hspec.drafters.common`. Legend: N rows, K block, H hidden, V vocab,
+Vp pruned vocab, r Markov rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PrunedVocabHead(nn.Module):
+    """The target's frozen LM head restricted to the draft vocabulary `draft_vocab_ids` (Vp,).
+
+    The ids are a buffer saved with the drafter (default: the first Vp ids, until training picks the
+    most frequent tokens, `set_vocab`). A token outside the draft vocabulary is never drafted (paper
+    B.2). The restricted rows are cached as one transposed (H, Vp) copy, neither trained nor saved,
+    refreshed whenever the ids or the attached weight change: gathering Vp rows per call would cost
+    more than the product, and hidden @ (H, Vp) streams the matrix faster than a (Vp, H) `F.linear`.
+    """
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.register_buffer("draft_vocab_ids", torch.arange(draft_vocab_size))  # (Vp,) long
+        self._weight: torch.Tensor | None = None  # (V, H) the target's head, detached, not registered
+        self._rows_t: torch.Tensor | None = None  # (H, Vp) cached restricted rows, transposed
+        self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
+
+    def attach(self, lm_head_weight: torch.Tensor) -> None:
+        """Use the target's LM head weight (V, H); it stays the target's (detached, never trained)."""
+        if lm_head_weight.shape[0] != self.vocab_size:
+            raise ValueError(f"LM head has {lm_head_weight.shape[0]} rows, the drafter expects V={self.vocab_size}")
+        self._weight = lm_head_weight.detach()
+        self._refresh()
+
+    def set_vocab(self, ids: torch.Tensor) -> None:
+        """Replace the draft vocabulary with `ids` (Vp,), distinct ids in 0..V-1."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        vp = self.draft_vocab_ids.shape[0]
+        if ids.shape != (vp,) or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be ({vp},) in 0..{self.vocab_size - 1}, "
+                             f"got shape {tuple(ids.shape)}")
+        if ids.unique().numel() != vp:
+            raise ValueError("draft vocabulary ids must be distinct")
+        self.draft_vocab_ids.copy_(ids)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        if self._weight is not None:
+            self._rows_t = self._weight[self.draft_vocab_ids.to(self._weight.device)].t().contiguous()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, K, H) -> logits (N, K, Vp)."""
+        if self._rows_t is None:
+            raise RuntimeError("the pruned vocabulary head has no LM head attached; call attach() first")
+        return hidden @ self._rows_t.to(hidden.dtype)  # (N, K, H) @ (H, Vp)
+
+    def to_full(self, probs: torch.Tensor) -> torch.Tensor:
+        """(..., Vp) probabilities -> (..., V), zero outside the draft vocabulary."""
+        full = probs.new_zeros((*probs.shape[:-1], self.vocab_size))
+        ids = self.draft_vocab_ids.expand(*probs.shape[:-1], -1)
+        return full.scatter_(-1, ids, probs)
+
+    def to_target_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices (...) -> target token ids (...)."""
+        return self.draft_vocab_ids[local]
+
+
+PrunedVocab = PrunedVocabHead
+
+
+class MarkovHead(nn.Module):
+    """DSpark's first-order correction: logits_k += W2(W1[prev_k]) (paper §3.3.3).
+
+    W1 is an embedding over the full target vocabulary (the previous token may be any token, e.g. the
+    anchor or a teacher-forced ground truth), rank r; W2 (r, Vp) maps r -> Vp. W2 starts at zero, so
+    an untrained head leaves the backbone's prediction unchanged. W2 is stored (r, Vp), not as an
+    `nn.Linear` (Vp, r): drafting multiplies one row per sequence by it once per slot, and that
+    vector-matrix product streams the row-major (r, Vp) matrix ~3x faster on CPU.
+    """
+
+    def __init__(self, vocab_size: int, rank: int, draft_vocab_size: int) -> None:
+        super().__init__()
+        self.W1 = nn.Embedding(vocab_size, rank)
+        self.W2 = nn.Parameter(torch.zeros(rank, draft_vocab_size))  # (r, Vp)
+        nn.init.normal_(self.W1.weight, std=rank**-0.5)
+
+    def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """prev_tokens (N, K) long target ids -> logit corrections (N, K, Vp)."""
+        return self.W1(prev_tokens) @ self.W2  # (N, K, r) @ (r, Vp)
+
+
