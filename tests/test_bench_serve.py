@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_serving import MODEL, _server
 
 from hspec.bench.serve import ServeBenchSettings, _markdown, _plots, kv_capacity_table, run_level
 from hspec.cli import build_parser
 from hspec.drafters import DRAFTERS
+from test_serving import MODEL, _server
 
 
 @pytest.fixture(scope="module")

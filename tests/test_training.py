@@ -11,7 +11,7 @@ from hspec.drafters import create_drafter
 from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.training.features import compute_features
 from hspec.training.losses import LossWeights, drafter_loss, position_weights, total_variation
-from hspec.training.trainer import Trainer, TrainConfig, learning_rate, make_batch, sample_anchors
+from hspec.training.trainer import TrainConfig, Trainer, learning_rate, make_batch, sample_anchors
 from hspec.training.vocab import most_frequent_tokens
 
 

@@ -33,6 +33,8 @@ def _add_drafter(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--drafter", default=default,
                    help=f"drafter kind: {', '.join(DRAFTERS.names())} (default {default}; none = plain decoding)")
     p.add_argument("--k", type=int, default=7, help="tokens drafted per step, K >= 1 (default 7)")
+    p.add_argument("--drafter-path", default=None,
+                   help="trained drafter checkpoint dir (default: the one shipped for the embedded target)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +97,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--val-every", type=int, default=100)
 
+    ev = sub.add_parser("eval", help="drafters vs plain decoding on the task suites (tau, speedup, CIs)",
+                        description="Runs plain decoding and each drafter item by item (interleaved) on fixed "
+                                    "subsets of the task suites; writes JSON + markdown under --out.")
+    _add_target(ev)
+    ev.add_argument("--drafters", default="ngram,hspec",
+                    help="comma-separated kinds, optionally KIND=CHECKPOINT_DIR (plain decoding always runs)")
+    ev.add_argument("--tasks", default="spec_bench", help="comma-separated task names (see hspec.eval.tasks)")
+    ev.add_argument("--size", type=int, default=24, help="items per task (evenly spaced, fixed; default 24)")
+    ev.add_argument("--k", type=int, default=7)
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    _add_sampling(ev)
+    ev.add_argument("--out", default="results", help="output directory")
+    ev.add_argument("--name", default=None, help="file stem (default eval_<tasks>_k<K>_<greedy|sampled>)")
+
+    rep = sub.add_parser("train-report", help="loss curves + validation acceptance of training runs (markdown + PNG)")
+    rep.add_argument("runs", nargs="+", help="run directories of `hspec train`")
+    rep.add_argument("--out", default="results/train_report.md")
+    rep.add_argument("--title", default="Drafter training")
+
     bench = sub.add_parser("bench", help="benchmarks that write results/*.json and *.md")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bdec = bench_sub.add_parser("decode", help="plain-decode ITL vs transformers; verify cost vs K",
@@ -155,6 +176,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        args.batch_size, args.seed)
             print(f"wrote {generate_corpus(settings, Path(args.out))}")
             return 0
+        if args.command == "eval":
+            from pathlib import Path
+
+            from hspec.decoding.sampling import SamplingParams
+            from hspec.eval.runner import MethodSpec, run_eval
+
+            sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+            methods = [MethodSpec(*spec.split("=", 1)) if "=" in spec else MethodSpec(spec)
+                       for spec in args.drafters.split(",") if spec]
+            mode = "greedy" if sampling.greedy else "sampled"
+            stem = args.name or f"eval_{args.tasks.replace(',', '+')}_k{args.k}_{mode}"
+            command = "hspec " + " ".join(sys.argv[1:]) if argv is None else "hspec " + " ".join(argv)
+            run_eval(args.target, methods, args.tasks.split(","), args.size, args.k, sampling,
+                     args.max_new_tokens, Path(args.out), stem, args.seed, command)
+            print(f"wrote {Path(args.out) / stem}.json and .md")
+            return 0
+        if args.command == "train-report":
+            from pathlib import Path
+
+            from hspec.training.report import write_training_report
+
+            print(f"wrote {write_training_report([Path(r) for r in args.runs], Path(args.out), args.title)}")
+            return 0
         if args.command == "data" and args.data == "features":
             from pathlib import Path
 
@@ -172,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  anchors_per_seq=args.anchors_per_seq, seed=args.seed,
                                  cod_keep=args.drafter == "peagle")
             out = Path(args.out or f"runs/train/{args.drafter}")
-            print(f"wrote {run_training(args.drafter, args.target, Path(args.features), out, config, val_every=args.val_every)}")
+            saved = run_training(args.drafter, args.target, Path(args.features), out, config, val_every=args.val_every)
+            print(f"wrote {saved}")
             return 0
         if args.command == "serve":
             return _serve(args)
@@ -222,14 +267,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     from hspec.decoding.generate import SpeculativeDecoder
     from hspec.decoding.sampling import SamplingParams
-    from hspec.drafters import create_drafter
     from hspec.models.loading import load_target
+    from hspec.runtime import build_drafter
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)  # validate before loading
     if args.k < 1:
         raise ValueError(f"--k must be >= 1, got {args.k}")
     target = load_target(args.target)
-    drafter = create_drafter(args.drafter, target.config, target_model=target.model)
+    drafter = build_drafter(args.drafter, target, args.drafter_path)
     decoder = SpeculativeDecoder(target.model, drafter, args.k, target.tokenizer.eos_token_ids,
                                  target.tokenizer.decode)
     prompt_ids = target.tokenizer.encode_prompt(args.prompt, raw=args.raw)
@@ -274,13 +319,13 @@ def _add_serving_parsers(sub, bench_sub) -> None:
     serve.add_argument("--port", type=int, default=8000)
     _add_target(serve)
     _add_drafter(serve, "ngram")
-    serve.add_argument("--drafter-path", default=None,
-                       help="trained drafter checkpoint directory (Speculators format); its kind must match --drafter")
     _add_pool_options(serve, default_budget_mib=512.0)
     serve.add_argument("--kv-blocks", type=int, default=None, help="pool size in blocks (overrides --kv-budget-mib)")
     serve.add_argument("--served-model-name", default=None, help="the `model` id clients send (default: target name)")
     serve.add_argument("--default-max-tokens", type=int, default=256,
                        help="output limit of chat requests that give none (default 256)")
+    serve.add_argument("--random-drafter-weights", action="store_true",
+                       help="serve a trained kind untrained (exact outputs, meaningless acceptance; for timing)")
     serve.add_argument("--threads", type=int, default=0,
                        help="torch CPU threads (default 0 = torch's default; 1 is faster on a busy machine)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -306,8 +351,9 @@ def _add_serving_parsers(sub, bench_sub) -> None:
     bserve.add_argument("--server-threads", type=int, default=0,
                         help="torch threads of each server (default 0 = torch's default)")
     bserve.add_argument("--drafter-path", action="append", default=[], metavar="KIND=DIR",
-                        help="trained checkpoint for a kind (repeatable); trained kinds without one run with "
-                             "random weights, which keeps outputs exact but makes acceptance meaningless")
+                        help="trained checkpoint for a kind (repeatable); default: the one shipped for the target")
+    bserve.add_argument("--random-drafter-weights", action="store_true",
+                        help="serve trained kinds untrained where no checkpoint exists (timing / KV only)")
     _add_pool_options(bserve, default_budget_mib=256.0)
     bserve.add_argument("--out", default="results", help="output directory; files go to <out>/serving/")
 
@@ -330,7 +376,8 @@ def _serve(args: argparse.Namespace) -> int:
         target=args.target, drafter=args.drafter, K=args.k, drafter_path=args.drafter_path,
         kv_budget_mib=args.kv_budget_mib, kv_blocks=args.kv_blocks, block_size=args.block_size,
         max_running=args.max_running, model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
-        host=args.host, port=args.port, log_level=args.log_level, threads=args.threads))
+        host=args.host, port=args.port, log_level=args.log_level, threads=args.threads,
+        random_drafter_weights=args.random_drafter_weights))
     return 0
 
 
@@ -349,6 +396,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         tasks=tuple(t for t in args.tasks.split(",") if t), num_prompts=args.num_prompts,
         max_prompt_tokens=args.max_prompt_tokens, kv_budget_mib=args.kv_budget_mib, block_size=args.block_size,
         max_running=args.max_running, server_threads=args.server_threads, out=args.out,
+        random_drafter_weights=args.random_drafter_weights,
         drafter_paths=tuple(_kind_path(x) for x in args.drafter_path))
     return run_serve_bench(settings, "hspec " + " ".join(sys.argv[1:]))
 

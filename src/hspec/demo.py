@@ -12,16 +12,16 @@ import torch
 
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.sampling import SamplingParams
-from hspec.drafters import create_drafter
 from hspec.metrics import merge_stats
 from hspec.models.loading import load_target
+from hspec.runtime import build_drafter
 
 
 def run_demo(target_name: str, drafter_kinds: Sequence[str], K: int, max_new_tokens: int,
              prompts: Sequence[str]) -> int:
     target = load_target(target_name)
     kinds = ["none", *[k for k in drafter_kinds if k != "none"]]
-    decoders = {kind: SpeculativeDecoder(target.model, create_drafter(kind, target.config, target_model=target.model),
+    decoders = {kind: SpeculativeDecoder(target.model, build_drafter(kind, target),
                                          K, target.tokenizer.eos_token_ids) for kind in kinds}
     greedy = SamplingParams()
     decode_s = dict.fromkeys(kinds, 0.0)

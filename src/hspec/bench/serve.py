@@ -60,6 +60,7 @@ class ServeBenchSettings:
     server_threads: int = 0  # torch threads per server (0 = torch's default)
     out: str = "results"  # results go to <out>/serving/
     drafter_paths: tuple[tuple[str, str], ...] = ()  # (kind, trained checkpoint dir) pairs
+    random_drafter_weights: bool = False  # trained kinds without a checkpoint run untrained (timing / KV only)
 
     def __post_init__(self) -> None:
         if not self.drafters:
@@ -148,7 +149,9 @@ def _weights(kind: str, settings: ServeBenchSettings) -> str:
     path = dict(settings.drafter_paths).get(kind)
     if path:
         return f"trained: {path}"
-    return "random (untrained)" if DRAFTERS.get(kind).needs_target_model else "model-free"
+    if not getattr(DRAFTERS.get(kind), "needs_target_model", False):
+        return "model-free"
+    return "random (untrained)" if settings.random_drafter_weights else "shipped checkpoint for the target"
 
 
 # ---- servers and clients ------------------------------------------------------------------------
@@ -171,6 +174,8 @@ class _Server:
         path = dict(settings.drafter_paths).get(kind)
         if path:
             args += ["--drafter-path", path]
+        elif settings.random_drafter_weights:
+            args.append("--random-drafter-weights")
         self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         self.info: dict[str, Any] = {}
 

@@ -342,7 +342,7 @@ class ServeSettings:
     target: str = "smollm2"  # checkpoint dir, .gguf or the embedded default's name
     drafter: str = "ngram"  # drafter kind; "none" = plain decoding
     K: int = 7  # tokens drafted per step
-    drafter_path: str | None = None  # a trained drafter checkpoint (its kind must equal `drafter`)
+    drafter_path: str | None = None  # a trained checkpoint (default: the one shipped for the target)
     kv_budget_mib: float | None = 512.0  # KV pool memory (target + drafter layers); or give kv_blocks
     kv_blocks: int | None = None
     block_size: int = 16
@@ -353,27 +353,21 @@ class ServeSettings:
     port: int = 8000
     log_level: str = "info"
     threads: int = 0  # torch CPU threads; 0 = torch's default
+    random_drafter_weights: bool = False  # an untrained drafter: for timing and KV accounting only
 
 
 def serve(settings: ServeSettings) -> None:
     """Load the target and drafter, build the engine and serve until interrupted."""
-    from hspec.drafters import create_drafter
     from hspec.models.loading import load_target
+    from hspec.runtime import build_drafter
 
     if settings.threads:
         torch.set_num_threads(settings.threads)  # this process's setting, made once by its entry point
     target = load_target(settings.target)
-    if settings.drafter_path:
-        from hspec.training.checkpoint import load_drafter
-
-        drafter = load_drafter(settings.drafter_path, target.model)
-        if drafter.kind != settings.drafter:
-            raise ValueError(f"{settings.drafter_path} holds a {drafter.kind!r} drafter, not {settings.drafter!r}")
-    else:
-        drafter = create_drafter(settings.drafter, target.config, target_model=target.model)
-        if getattr(drafter, "needs_target_model", False):
-            log.warning("serving an untrained %r drafter (random weights): outputs stay exact, acceptance is "
-                        "meaningless; pass --drafter-path for a trained one", settings.drafter)
+    drafter = build_drafter(settings.drafter, target, settings.drafter_path, settings.random_drafter_weights)
+    if settings.random_drafter_weights and getattr(drafter, "needs_target_model", False):
+        log.warning("serving an untrained %r drafter (random weights): outputs stay exact, acceptance is "
+                    "meaningless", settings.drafter)
     blocks = settings.kv_blocks
     budget = None if blocks is not None else int((settings.kv_budget_mib or 512.0) * (1 << 20))
     engine = build_engine(target.model, drafter, target.tokenizer, settings.K, budget, blocks, settings.block_size,

@@ -12,7 +12,6 @@ Legend: N blocks, K block positions, Vp pruned vocab, V full vocab.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -42,7 +42,8 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
         if run["validations"]:
             last = run["validations"][-1]
             acc = [a if a is not None else float("nan") for a in last["acceptance_by_position"]]
-            ax_acc.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {last['mean_accepted_length']:.2f})")
+            label = f"{name} (tau {last['mean_accepted_length']:.2f})"
+            ax_acc.plot(range(1, len(acc) + 1), acc, marker="o", label=label)
     ax_loss.set(xlabel="optimizer step", ylabel="loss (0.1 CE + 0.9 TV, weighted)", title="training loss")
     ax_acc.set(xlabel="block position k", ylabel="P(accept k | accepted k-1)", title="validation acceptance (greedy)",
                ylim=(0, 1))
@@ -66,8 +67,9 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in final.get("acceptance_by_position", []))
         tau = final.get("mean_accepted_length")
         lines.append(f"| {name} | {c.get('train_sequences')} | {c.get('val_sequences')} | {c.get('steps')} | "
-                     f"{wall:.1f} | {c.get('trainable_params', 0):,} | {steps[-1]['loss'] if steps else float('nan'):.3f} | "
+                     f"{wall:.1f} | {c.get('trainable_params', 0):,} | "
+                     f"{steps[-1]['loss'] if steps else float('nan'):.3f} | "
                      f"{'-' if tau is None else f'{tau:.2f}'} | {acc} |")
-    lines.append("\nWall time is estimated from the logged steps' durations (every logged step's time x steps / logged).")
+    lines.append("\nWall time is estimated from the logged steps' durations (mean logged step time x steps).")
     out_md.write_text("\n".join(lines) + "\n")
     return out_md

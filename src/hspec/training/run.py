@@ -25,7 +25,7 @@ from hspec.models.loading import load_target
 from hspec.training.checkpoint import load_training_state, save_drafter, save_training_state
 from hspec.training.datagen import read_corpus
 from hspec.training.store import FeatureStore
-from hspec.training.trainer import Trainer, TrainConfig
+from hspec.training.trainer import TrainConfig, Trainer
 from hspec.training.vocab import most_frequent_tokens
 
 

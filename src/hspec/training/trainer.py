@@ -94,7 +94,8 @@ def sample_anchors(feats: SequenceFeatures, count: int, generator: torch.Generat
     return candidates[pick].sort().values
 
 
-def context_kv_for(drafter: NeuralDrafter, feats: SequenceFeatures, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def context_kv_for(drafter: NeuralDrafter, feats: SequenceFeatures, rows: int
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Context K/V for `rows` blocks of one sequence, each (rows, S, Hkv, D) (expanded views).
 
     Kinds with their own context KV compute it from the target hidden states (with gradients);

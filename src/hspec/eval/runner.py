@@ -1,0 +1,156 @@
+"""`hspec eval`: drafters against plain decoding on the task suites, interleaved item by item.
+
+For every item (and every turn of a multi-turn item) the methods run back to back on the same
+prompt — plain decoding first — so machine noise hits all of them alike. Greedy outputs must equal
+plain decoding's token for token (checked on every item). Per method and task we report MAL tau,
+the decode-phase speedup (plain ITL / method ITL), per-position conditional acceptance, and paired
+bootstrap 95% CIs of each drafter's relative difference to the best other drafter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from hspec.bench.report import provenance, provenance_markdown, write_results
+from hspec.decoding.generate import SpeculativeDecoder
+from hspec.decoding.sampling import SamplingParams
+from hspec.eval.bootstrap import RatioOfSums, paired_bootstrap_relative_diff
+from hspec.eval.tasks import load_task
+from hspec.metrics import acceptance_stats, merge_stats
+from hspec.models.loading import load_target
+from hspec.runtime import build_drafter
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    kind: str  # drafter kind; "none" is plain decoding
+    path: str | None = None  # checkpoint (trained kinds); None = the shipped one
+
+    @property
+    def label(self) -> str:
+        return self.kind if self.path is None else f"{self.kind}@{Path(self.path).name}"
+
+
+def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequence[str], size: int | None, K: int,
+             sampling: SamplingParams, max_new_tokens: int, out_dir: Path, stem: str, seed: int = 0,
+             command: str = "hspec eval") -> dict[str, Any]:
+    target = load_target(target_name)
+    specs = [MethodSpec("none"), *[m for m in methods if m.kind != "none"]]
+    decoders = {m.label: SpeculativeDecoder(target.model, build_drafter(m.kind, target, m.path), K,
+                                            target.tokenizer.eos_token_ids) for m in specs}
+    records: list[dict[str, Any]] = []
+    tasks = [load_task(name, size) for name in task_names]
+    total_turns = sum(len(item.turns) for task in tasks for item in task.items)
+    bar = tqdm(total=total_turns, desc="eval", unit="turn")
+    for task in tasks:
+        for item in task.items:
+            messages: list[dict[str, str]] = []
+            for turn_index, turn in enumerate(item.turns):
+                messages.append({"role": "user", "content": turn})
+                prompt = target.tokenizer.encode_chat(messages)
+                outputs = {label: dec.generate([prompt], sampling, max_new_tokens, seeds=[seed])
+                           for label, dec in decoders.items()}
+                reference = outputs["none"].sequences[0].token_ids
+                for label, out in outputs.items():
+                    seq = out.sequences[0]
+                    if sampling.greedy and seq.token_ids != reference:
+                        raise RuntimeError(f"{label} changed the greedy output on {item.id}: lossless bug")
+                    records.append({"task": task.name, "category": item.category, "item": item.id,
+                                    "turn": turn_index, "method": label, "tokens": len(seq.token_ids),
+                                    "decode_s": out.decode_s, "num_accepted": seq.num_accepted})
+                messages.append({"role": "assistant", "content": target.tokenizer.decode(reference)})
+                bar.update(1)
+    bar.close()
+    settings = {"target": target.name, "K": K, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k, "max_new_tokens": max_new_tokens, "tasks": ",".join(task_names),
+                "size_per_task": size, "seed": seed, "methods": ",".join(m.label for m in specs)}
+    summary = summarize(records, [m.label for m in specs], K)
+    payload = {"provenance": provenance(command, settings), "summary": summary, "records": records}
+    write_results(out_dir, stem, payload, render_markdown(payload))
+    return payload
+
+
+def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[str, Any]:
+    """tau, speedup and acceptance per task (and 'all') and method, plus bootstrap CIs."""
+    tasks = sorted({r["task"] for r in records}) + ["all"]
+    out: dict[str, Any] = {"tasks": {}, "ci": {}}
+    for task in tasks:
+        rows = [r for r in records if task == "all" or r["task"] == task]
+        per_method = {}
+        plain = _per_unit(rows, "none")
+        for label in labels:
+            units = _per_unit(rows, label)
+            itl = sum(u["decode_s"] for u in units) / max(sum(u["tokens"] - 1 for u in units), 1)
+            plain_itl = sum(u["decode_s"] for u in plain) / max(sum(u["tokens"] - 1 for u in plain), 1)
+            entry = {"itl_ms": 1000 * itl, "speedup": plain_itl / itl, "units": len(units)}
+            if label != "none":
+                stats = merge_stats([acceptance_stats(u["num_accepted"], K) for u in units])
+                entry.update(stats.to_dict())
+            per_method[label] = entry
+        out["tasks"][task] = per_method
+    drafters = [label for label in labels if label != "none"]
+    if len(drafters) >= 2:
+        units = {label: _per_unit(records, label) for label in drafters}
+        best = max(drafters, key=lambda d: out["tasks"]["all"][d]["mean_accepted_length"])
+        for label in drafters:
+            if label == best:
+                continue
+            tau = paired_bootstrap_relative_diff(_tau_ratio(units[best]), _tau_ratio(units[label]), seed=0)
+            speed = paired_bootstrap_relative_diff(_itl_ratio(units[label]), _itl_ratio(units[best]), seed=0)
+            out["ci"][f"{best} vs {label}"] = {"tau_relative_diff": tau.to_dict(),
+                                                "speedup_relative_diff": speed.to_dict()}
+    return out
+
+
+def _per_unit(rows: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
+    return [r for r in rows if r["method"] == label]
+
+
+def _tau_ratio(units: list[dict[str, Any]]) -> RatioOfSums:
+    num = np.array([sum(n + 1 for n in u["num_accepted"]) for u in units], dtype=float)
+    den = np.array([max(len(u["num_accepted"]), 1) for u in units], dtype=float)
+    return RatioOfSums(num + (den == 0), den)
+
+
+def _itl_ratio(units: list[dict[str, Any]]) -> RatioOfSums:
+    """Time per token as a ratio of sums (a method's ITL over items)."""
+    return RatioOfSums(np.array([u["decode_s"] for u in units]), np.array([max(u["tokens"] - 1, 1) for u in units],
+                                                                           dtype=float))
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    summary = payload["summary"]
+    labels = list(next(iter(summary["tasks"].values())).keys())
+    lines = ["# Speculative decoding evaluation\n", provenance_markdown(payload["provenance"]),
+             "\n## MAL tau and decode speedup over plain decoding (same runtime, interleaved)\n",
+             "| task | " + " | ".join(f"{m} tau | {m} speedup" for m in labels) + " |",
+             "|---|" + "---|---|" * len(labels)]
+    for task, per in summary["tasks"].items():
+        cells = []
+        for m in labels:
+            tau = per[m].get("mean_accepted_length")
+            tau_text = "1.00" if m == "none" else ("-" if tau is None else f"{tau:.2f}")
+            cells.append(f"{tau_text} | {per[m]['speedup']:.2f}x")
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    lines += ["\n## Per-position conditional acceptance (all tasks)\n",
+              "| method | " + " | ".join(f"k={k + 1}" for k in range(payload["provenance"]["settings"]["K"])) + " |",
+              "|---|" + "---|" * payload["provenance"]["settings"]["K"]]
+    for m in labels:
+        if m == "none":
+            continue
+        acc = summary["tasks"]["all"][m]["acceptance_by_position"]
+        lines.append(f"| {m} | " + " | ".join("-" if a is None else f"{a:.3f}" for a in acc) + " |")
+    if summary["ci"]:
+        lines += ["\n## Paired bootstrap 95% CIs (best drafter by tau vs each other; 10,000 resamples)\n",
+                  "| comparison | tau: relative diff [CI] | speed: relative diff [CI] |", "|---|---|---|"]
+        for name, ci in summary["ci"].items():
+            t, s = ci["tau_relative_diff"], ci["speedup_relative_diff"]
+            lines.append(f"| {name} | {t['estimate']:+.1%} [{t['low']:+.1%}, {t['high']:+.1%}] | "
+                         f"{s['estimate']:+.1%} [{s['low']:+.1%}, {s['high']:+.1%}] |")
+    return "\n".join(lines) + "\n"

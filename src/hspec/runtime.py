@@ -1,0 +1,39 @@
+"""From command-line names to ready objects: a drafter of a kind for a loaded target.
+
+Trained kinds load a checkpoint: the one given, or the drafter shipped for the embedded default
+target under `hspec/assets/<kind>-<target>/`. Model-free kinds (`none`, `ngram`) need nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hspec.drafters import DRAFTERS, Drafter, create_drafter
+from hspec.models.loading import Target
+from hspec.training.checkpoint import load_drafter
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def shipped_drafter_path(kind: str, target_name: str) -> Path:
+    """Where the drafter of `kind` shipped for `target_name` lives (it may not exist)."""
+    return ASSETS / f"{kind}-{target_name.lower()}"
+
+
+def build_drafter(kind: str, target: Target, path: str | Path | None = None, random_weights: bool = False) -> Drafter:
+    """A drafter of `kind` for `target`: loaded from `path` (or the shipped one), or random for tests/timing."""
+    cls = DRAFTERS.get(kind)
+    if not getattr(cls, "needs_target_model", False):
+        return create_drafter(kind, target.config)
+    if random_weights:
+        return create_drafter(kind, target.config, target_model=target.model)
+    checkpoint = Path(path) if path is not None else shipped_drafter_path(kind, target.name)
+    if not (checkpoint / "config.json").exists():
+        raise FileNotFoundError(
+            f"no trained {kind!r} drafter at {checkpoint}; pass --drafter-path DIR (a checkpoint from "
+            f"`hspec train --drafter {kind}`), or use --drafter ngram / none"
+        )
+    drafter = load_drafter(checkpoint, target.model)
+    if drafter.kind != kind:
+        raise ValueError(f"checkpoint {checkpoint} holds a {drafter.kind!r} drafter, not {kind!r}")
+    return drafter.eval()
