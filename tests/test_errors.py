@@ -104,4 +104,4 @@ def test_pool_full_mid_generation_is_an_error_not_corruption(tiny_target):
     pool = tiny_target.model.new_pool(num_blocks=1, block_size=4)
     with pytest.raises(PoolFullError):
         decoder.generate([[1, 5, 6, 7, 8, 9, 10]], SamplingParams(), 4, pool=pool)
-    assert torch.all(pool.k == 0)
+    assert torch.all(pool.k == 0) and pool.sequence_ids() == []

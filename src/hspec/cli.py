@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "then half-cosine. Rerun the same command to resume after a kill.")
     _add_target(train)
     train.add_argument("--drafter", required=True, help="drafter kind to train (see `hspec drafters describe`)")
-    train.add_argument("--features", default="runs/features/smollm2", help="feature cache from `data features`")
+    train.add_argument("--features", default="runs/features/smollm2",
+                       help="feature cache dir(s) from `data features`, comma-separated")
     train.add_argument("--out", default=None, help="run directory (default runs/train/<kind>)")
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--lr", type=float, default=6e-4)
@@ -110,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(ev)
     ev.add_argument("--out", default="results", help="output directory")
     ev.add_argument("--name", default=None, help="file stem (default eval_<tasks>_k<K>_<greedy|sampled>)")
+
+    exp = sub.add_parser("export-drafter", help="copy a drafter checkpoint with weights stored in bf16/fp16",
+                         description="Ship a trained drafter smaller: floating weights are cast to --dtype "
+                                     "(loading casts them back); the draft vocabulary ids stay exact.")
+    exp.add_argument("src", help="checkpoint directory (config.json + model.safetensors)")
+    exp.add_argument("dst", help="output directory")
+    exp.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
 
     rep = sub.add_parser("train-report", help="loss curves + validation acceptance of training runs (markdown + PNG)")
     rep.add_argument("runs", nargs="+", help="run directories of `hspec train`")
@@ -192,6 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                      args.max_new_tokens, Path(args.out), stem, args.seed, command)
             print(f"wrote {Path(args.out) / stem}.json and .md")
             return 0
+        if args.command == "export-drafter":
+            import torch
+
+            from hspec.training.checkpoint import export_drafter
+
+            dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+            print(f"wrote {export_drafter(args.src, args.dst, dtype)}")
+            return 0
         if args.command == "train-report":
             from pathlib import Path
 
@@ -216,7 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  anchors_per_seq=args.anchors_per_seq, seed=args.seed,
                                  cod_keep=args.drafter == "peagle")
             out = Path(args.out or f"runs/train/{args.drafter}")
-            saved = run_training(args.drafter, args.target, Path(args.features), out, config, val_every=args.val_every)
+            saved = run_training(args.drafter, args.target, [Path(p) for p in args.features.split(",")], out,
+                                 config, val_every=args.val_every)
             print(f"wrote {saved}")
             return 0
         if args.command == "serve":

@@ -93,6 +93,12 @@ class _Setting:
         self.length += n
         return {kind: self._commit(drafter, n) for kind, drafter in self.drafters.items()}
 
+    def close(self) -> None:
+        """Make every drafter forget these sequences (the next setting reuses their ids)."""
+        for drafter in self.drafters.values():
+            for s in self.seq_ids:
+                drafter.release(s)
+
     def _commit(self, drafter: Drafter, n: int) -> float:
         """Commit the last n pool positions of every sequence to `drafter`; returns seconds."""
         hidden = None
@@ -163,7 +169,7 @@ def _measure(model: TargetModel, drafters: dict[str, Drafter], B: int, S: int, K
         for kind, t_c in setting.commit_round().items():
             commit_s[kind].append(t_c)
             commit_ratios[kind].append(t_c / t_t)
-    del setting
+    setting.close()
     return {
         "B": B, "S": S,
         "verify_ms": _summary([1000 * t for t in verify_s]),

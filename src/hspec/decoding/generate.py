@@ -119,31 +119,35 @@ class SpeculativeDecoder:
         histories = [list(p) for p in prompts]
         sampling_all = SamplingBatch.from_params(params, device)
 
-        start = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            logits = stages.prefill(pool, seq_ids[i], prompt)
-            token = stages.first_token(logits, sampling_all.select([i]), generators[i])
-            histories[i].append(token)
-            stages.emit(outputs[i], [token], max_new_tokens, stop)
-        prefill_s = time.perf_counter() - start
+        # Whatever happens (a full caller-supplied pool, an interrupt), the pool and drafter end as
+        # they started: every sequence this call added is released.
+        try:
+            start = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                logits = stages.prefill(pool, seq_ids[i], prompt)
+                token = stages.first_token(logits, sampling_all.select([i]), generators[i])
+                histories[i].append(token)
+                stages.emit(outputs[i], [token], max_new_tokens, stop)
+            prefill_s = time.perf_counter() - start
 
-        draft_s: list[float] = []
-        verify_s: list[float] = []
-        active = [i for i in range(len(prompts)) if outputs[i].finish_reason is None]
-        while active:
-            result = stages.step(pool, [seq_ids[i] for i in active], [histories[i] for i in active],
-                                 sampling_all.select(active), [generators[i] for i in active])
-            draft_s.append(result.draft_s)
-            verify_s.append(result.verify_s)
-            for row, i in enumerate(active):
-                if self.K:
-                    outputs[i].num_accepted.append(result.num_accepted[row])
-                histories[i].extend(result.new_tokens[row])
-                stages.emit(outputs[i], result.new_tokens[row], max_new_tokens, stop)
-            active = [i for i in active if outputs[i].finish_reason is None]
-        decode_s = time.perf_counter() - start - prefill_s
-        for s in seq_ids:
-            stages.release(pool, s)
+            draft_s: list[float] = []
+            verify_s: list[float] = []
+            active = [i for i in range(len(prompts)) if outputs[i].finish_reason is None]
+            while active:
+                result = stages.step(pool, [seq_ids[i] for i in active], [histories[i] for i in active],
+                                     sampling_all.select(active), [generators[i] for i in active])
+                draft_s.append(result.draft_s)
+                verify_s.append(result.verify_s)
+                for row, i in enumerate(active):
+                    if self.K:
+                        outputs[i].num_accepted.append(result.num_accepted[row])
+                    histories[i].extend(result.new_tokens[row])
+                    stages.emit(outputs[i], result.new_tokens[row], max_new_tokens, stop)
+                active = [i for i in active if outputs[i].finish_reason is None]
+            decode_s = time.perf_counter() - start - prefill_s
+        finally:
+            for s in seq_ids:
+                stages.release(pool, s)
         return GenerationOutput(outputs, self.K, prefill_s, decode_s, draft_s, verify_s)
 
     @staticmethod

@@ -446,3 +446,29 @@ def load_training_state(directory: str | Path, drafter: NeuralDrafter, optimizer
     except (ValueError, KeyError) as err:
         raise ValueError(f"{trainer_path}: optimizer state does not fit this optimizer ({err})") from err
     return int(state["step"]), state["extra"]
+
+
+def export_drafter(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Copy a drafter checkpoint with its floating-point weights stored as `dtype` (to ship it smaller).
+
+    Loading casts back to the model's dtype, so a bf16 export of an fp32-trained drafter loses only the
+    low mantissa bits of its weights. Integer buffers (the draft vocabulary ids) are kept exactly.
+    """
+    src, dst = Path(src), Path(dst)
+    info = read_checkpoint(src)
+    state = load_file(str(src / "model.safetensors"))
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    config = json.loads((src / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "kind": info.kind})
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if dst.exists():
+            shutil.rmtree(dst)
+        staging.rename(dst)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return dst

@@ -24,7 +24,7 @@ from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.models.loading import load_target
 from hspec.training.checkpoint import load_training_state, save_drafter, save_training_state
 from hspec.training.datagen import read_corpus
-from hspec.training.store import FeatureStore
+from hspec.training.store import FeatureStore, FeatureStores
 from hspec.training.trainer import TrainConfig, Trainer
 from hspec.training.vocab import most_frequent_tokens
 
@@ -47,13 +47,13 @@ def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_seque
     return out_dir
 
 
-def train(kind: str, target_name: str, features_dir: Path, run_dir: Path, config: TrainConfig,
+def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path, config: TrainConfig,
           log_every: int = 10, val_every: int = 100, val_sequences: int = 24) -> Path:
     """Train `kind` on the cached features; resumable; returns the saved drafter directory."""
     rank, world = _init_distributed()
     torch.manual_seed(config.seed)
     target = load_target(target_name)
-    store = FeatureStore(features_dir)
+    store = FeatureStores(features_dirs)
     available = store.available()
     train_ids = [i for i in available if not is_validation(store.ids[i])]
     val_ids = [i for i in available if is_validation(store.ids[i])][:val_sequences]
@@ -98,7 +98,7 @@ def train(kind: str, target_name: str, features_dir: Path, run_dir: Path, config
     return out
 
 
-def _draft_vocabulary(store: FeatureStore, train_ids: list[int], vocab_size: int, keep: int) -> torch.Tensor:
+def _draft_vocabulary(store: FeatureStores, train_ids: list[int], vocab_size: int, keep: int) -> torch.Tensor:
     """The pruned vocabulary: the `keep` most frequent tokens of the training sequences."""
     return most_frequent_tokens((store.tokens(i).tolist() for i in train_ids), vocab_size, keep)
 

@@ -89,3 +89,32 @@ class FeatureStore:
                       metadata={"prompt_length": str(feats.prompt_length)})
             os.replace(tmp, store._path(i))
         return store
+
+
+class FeatureStores:
+    """Several feature caches read as one (e.g. a corpus cached in parts); indices run across them."""
+
+    def __init__(self, roots: Sequence[Path]) -> None:
+        if not roots:
+            raise ValueError("no feature cache directories given")
+        self.stores = [FeatureStore(r) for r in roots]
+        first = self.stores[0]
+        for store in self.stores[1:]:
+            if (store.hidden_layers, store.kv_layers, store.target) != (first.hidden_layers, first.kv_layers,
+                                                                         first.target):
+                raise ValueError(f"feature caches {first.root} and {store.root} differ in target or layers")
+        self.hidden_layers, self.kv_layers, self.target = first.hidden_layers, first.kv_layers, first.target
+        self._where = [(s, i) for s in self.stores for i in range(len(s.ids))]
+        self.ids = [s.ids[i] for s, i in self._where]
+
+    def available(self) -> list[int]:
+        return [j for j, (s, i) in enumerate(self._where) if s._path(i).exists()]
+
+    def load(self, j: int) -> SequenceFeatures:
+        store, i = self._where[j]
+        return store.load(i)
+
+    def tokens(self, j: int) -> torch.Tensor:
+        store, i = self._where[j]
+        return store.tokens(i)
+
