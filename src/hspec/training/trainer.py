@@ -208,7 +208,7 @@ class Trainer:
             parts = drafter_loss(logits, batch.target_probs, batch.labels, self.drafter.head.draft_vocab_ids,
                                  batch.valid, self.config.loss)
             (parts.loss / len(pairs)).backward()
-            total += float(parts.loss) / len(pairs)
+            total += float(parts.loss.detach()) / len(pairs)
             ce_sum += parts.ce / len(pairs)
             tv_sum += parts.tv / len(pairs)
         return total, ce_sum.tolist(), tv_sum.tolist()
