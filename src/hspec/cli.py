@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Runs plain decoding and each drafter on a few prompts, interleaved, "
                                       "checks that outputs match, and prints text, MAL, tokens/s, speedup.")
     _add_target(demo)
-    demo.add_argument("--drafters", default="ngram", help="comma-separated drafter kinds (default ngram)")
+    demo.add_argument("--drafters", default="ngram,hspec",
+                      help="comma-separated drafter kinds (default ngram,hspec: the shipped H-Spec drafter)")
     demo.add_argument("--k", type=int, default=7)
     demo.add_argument("--max-new-tokens", type=int, default=128)
 

@@ -99,9 +99,9 @@ def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return probs.scatter_(-1, tokens[..., None], 1.0)
 
 
-def create_drafter(kind: str, config: TargetConfig, target_model: torch.nn.Module | None = None,
+def create_drafter(kind: str, target_config: TargetConfig, target_model: torch.nn.Module | None = None,
                    **options) -> Drafter:
-    """Instantiate a registered kind for the target `config`.
+    """Instantiate a registered kind for the target `target_config`.
 
     `target_model` (the `TargetModel`) is required by trained kinds, which share its embedding, LM
     head and RoPE; model-free kinds ignore it.
@@ -111,6 +111,6 @@ def create_drafter(kind: str, config: TargetConfig, target_model: torch.nn.Modul
         if target_model is None:
             raise ValueError(f"drafter kind {kind!r} needs the target model: pass target_model=")
         options["target_model"] = target_model
-    drafter = cls(config, **options)
-    drafter.check_target(config)
+    drafter = cls(target_config, **options)
+    drafter.check_target(target_config)
     return drafter

@@ -56,17 +56,21 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
-    meta = provenance(f"hspec train report {' '.join(str(d) for d in run_dirs)}", extra or {})
+    recipe = {k: v for k, v in next(iter(runs.values()))["config"].items()
+              if k in ("target", "steps", "lr", "weight_decay", "grad_clip", "warmup_fraction", "seqs_per_step",
+                       "anchors_per_seq", "seed", "loss", "world_size")}
+    meta = provenance(f"hspec train-report {' '.join(str(d) for d in run_dirs)}", {**recipe, **(extra or {})})
     lines = [f"# {title}\n", provenance_markdown(meta), f"\n![loss curves]({png.name})\n",
-             "| run | train seqs | val seqs | steps | wall (min) | trainable params | final loss | val tau | "
+             "| run | train seqs | val seqs | steps run / scheduled | wall (min) | trainable params | final loss | val tau | "
              "val acceptance by position |", "|---|---|---|---|---|---|---|---|---|"]
     for name, run in runs.items():
         c, steps, vals = run["config"], run["steps"], run["validations"]
-        wall = sum(s["seconds"] for s in steps) * (c.get("steps", len(steps)) / max(len(steps), 1)) / 60
+        steps_run = max([s["step"] + 1 for s in steps[-1:]] + [v["step"] for v in vals[-1:]] + [0])
+        wall = sum(s["seconds"] for s in steps) / max(len(steps), 1) * steps_run / 60
         final = vals[-1] if vals else {}
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in final.get("acceptance_by_position", []))
         tau = final.get("mean_accepted_length")
-        lines.append(f"| {name} | {c.get('train_sequences')} | {c.get('val_sequences')} | {c.get('steps')} | "
+        lines.append(f"| {name} | {c.get('train_sequences')} | {c.get('val_sequences')} | {steps_run} / {c.get('steps')} | "
                      f"{wall:.1f} | {c.get('trainable_params', 0):,} | "
                      f"{steps[-1]['loss'] if steps else float('nan'):.3f} | "
                      f"{'-' if tau is None else f'{tau:.2f}'} | {acc} |")

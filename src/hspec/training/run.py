@@ -67,6 +67,8 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         start, _ = load_training_state(run_dir / "state", drafter, trainer.optimizer)
         print(f"[train] resuming {kind} at step {start}/{config.steps}", flush=True)
     history = run_dir / "history.jsonl"
+    if rank == 0 and start > 0 and history.exists():
+        _trim_history(history, start)
     if rank == 0 and start == 0:
         history.write_text(json.dumps({"event": "config", "kind": kind, "target": target.name,
                                        "train_sequences": len(train_ids), "val_sequences": len(val_ids),
@@ -109,6 +111,19 @@ def _init_distributed() -> tuple[int, int]:
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+def _trim_history(path: Path, step: int) -> None:
+    """Drop log records of steps after `step`: a resumed run redoes them (or they were discarded)."""
+    kept = []
+    for line in path.read_text().split("\n"):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        logged_step = record["step"] + 1 if record.get("event") == "step" else record.get("step", 0)
+        if logged_step <= step:
+            kept.append(line)
+    path.write_text("\n".join(kept) + "\n")
 
 
 def _append(path: Path, record: dict) -> None:
