@@ -122,13 +122,10 @@ def test_resume_is_exact(tiny_target, features, tmp_path):
         assert torch.equal(a, b), name
 
 
-def _ddp_worker(rank, world, init_file, tiny_dir, result_file):
-    import torch.distributed as dist
-
+def _gradient_trainer(tiny_dir, seqs_per_step: int, rank: int = 0, world: int = 1) -> Trainer:
+    """The same 4 random sequences and the same initial drafter in every process; gradients of step 0."""
     from conftest import load_tiny
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     target = load_tiny(tiny_dir)
     layers = select_target_layers(target.config.num_layers)
     g = torch.Generator().manual_seed(0)
@@ -137,10 +134,19 @@ def _ddp_worker(rank, world, init_file, tiny_dir, result_file):
     torch.manual_seed(0)
     drafter = create_drafter("hspec", target.config, target_model=target.model)
     trainer = Trainer(drafter, target.model, feats.__getitem__, [0, 1, 2, 3],
-                      TrainConfig(steps=2, seqs_per_step=1, anchors_per_seq=6, seed=3), rank, world)
+                      TrainConfig(steps=2, seqs_per_step=seqs_per_step, anchors_per_seq=6, seed=3), rank, world)
     trainer.compute_gradients(0)
+    return trainer
+
+
+def _ddp_worker(rank, world, init_file, tiny_dir, result_file):
+    import torch.distributed as dist
+
     from hspec.training.trainer import all_reduce_gradients
 
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    trainer = _gradient_trainer(tiny_dir, seqs_per_step=1, rank=rank, world=world)
     all_reduce_gradients(trainer.params)
     if rank == 0:
         torch.save([p.grad.clone() for p in trainer.params], result_file)
@@ -148,22 +154,12 @@ def _ddp_worker(rank, world, init_file, tiny_dir, result_file):
 
 
 def test_two_process_gloo_matches_single_process(tiny_dirs, tmp_path):
+    """Each of 2 gloo processes takes one of the step's 2 sequences; averaged gradients equal one process's."""
     import torch.multiprocessing as mp
-
-    from conftest import load_tiny
 
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), tiny_dirs["llama"], str(tmp_path / "g.pt")), nprocs=2)
     ddp_grads = torch.load(tmp_path / "g.pt")
-    target = load_tiny(tiny_dirs["llama"])
-    layers = select_target_layers(target.config.num_layers)
-    g = torch.Generator().manual_seed(0)
-    feats = [compute_features(target.model, torch.randint(3, target.config.vocab_size, (n,), generator=g).tolist(),
-                              10, layers, [kv_layer_of(x) for x in layers]) for n in (40, 55, 33, 60)]
-    torch.manual_seed(0)
-    drafter = create_drafter("hspec", target.config, target_model=target.model)
-    trainer = Trainer(drafter, target.model, feats.__getitem__, [0, 1, 2, 3],
-                      TrainConfig(steps=2, seqs_per_step=2, anchors_per_seq=6, seed=3))
-    trainer.compute_gradients(0)
+    trainer = _gradient_trainer(tiny_dirs["llama"], seqs_per_step=2)
     for a, p in zip(ddp_grads, trainer.params):
         b = p.grad if p.grad is not None else torch.zeros_like(p)
         assert torch.allclose(a, b, atol=1e-6)
