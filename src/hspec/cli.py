@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("dst", help="output directory")
     exp.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
 
+    erep = sub.add_parser("eval-report", help="re-render an eval run's markdown and plots from its JSON",
+                          description="Recompute the summary (per task and category, CIs) and the plots from the "
+                                      "records saved in an `hspec eval` JSON file; nothing is re-run.")
+    erep.add_argument("json", help="results/eval_*.json written by `hspec eval`")
+
     rep = sub.add_parser("train-report", help="loss curves + validation acceptance of training runs (markdown + PNG)")
     rep.add_argument("runs", nargs="+", help="run directories of `hspec train`")
     rep.add_argument("--out", default="results/train_report.md")
@@ -200,6 +205,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_eval(args.target, methods, args.tasks.split(","), args.size, args.k, sampling,
                      args.max_new_tokens, Path(args.out), stem, args.seed, command)
             print(f"wrote {Path(args.out) / stem}.json and .md")
+            return 0
+        if args.command == "eval-report":
+            from pathlib import Path
+
+            from hspec.eval.runner import summarize, write_report
+
+            path = Path(args.json)
+            payload = json.loads(path.read_text())
+            labels = list(dict.fromkeys(r["method"] for r in payload["records"]))
+            payload["summary"] = summarize(payload["records"], labels, payload["provenance"]["settings"]["K"])
+            payload["provenance"]["report_command"] = f"hspec eval-report {path}"
+            write_report(payload, path.parent, path.stem)
+            print(f"wrote {path.with_suffix('.md')} and plots")
             return 0
         if args.command == "export-drafter":
             import torch

@@ -72,16 +72,15 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 "size_per_task": size, "seed": seed, "methods": ",".join(m.label for m in specs)}
     summary = summarize(records, [m.label for m in specs], K)
     payload = {"provenance": provenance(command, settings), "summary": summary, "records": records}
-    write_results(out_dir, stem, payload, render_markdown(payload))
+    write_report(payload, out_dir, stem)
     return payload
 
 
 def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[str, Any]:
     """tau, speedup and acceptance per task (and 'all') and method, plus bootstrap CIs."""
-    tasks = sorted({r["task"] for r in records}) + ["all"]
+    groups = _groups(records)
     out: dict[str, Any] = {"tasks": {}, "ci": {}}
-    for task in tasks:
-        rows = [r for r in records if task == "all" or r["task"] == task]
+    for task, rows in groups.items():
         per_method = {}
         plain = _per_unit(rows, "none")
         for label in labels:
@@ -108,6 +107,31 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
     return out
 
 
+def _groups(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Rows per task, per category where a task has several (Spec-Bench's six), and 'all'."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for task in sorted({r["task"] for r in records}):
+        rows = [r for r in records if r["task"] == task]
+        categories = sorted({r["category"] for r in rows})
+        if len(categories) > 1:
+            for category in categories:
+                groups[f"{task}/{category}"] = [r for r in rows if r["category"] == category]
+        groups[task] = rows
+    groups["all"] = records
+    return groups
+
+
+def write_report(payload: dict[str, Any], out_dir: Path, stem: str) -> None:
+    """JSON + markdown + plots of an evaluation payload."""
+    from hspec.eval.plots import plot_eval
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = payload["provenance"]["settings"]
+    title = f"{settings['target']}, K={settings['K']}, T={settings['temperature']}"
+    pngs = plot_eval(payload["summary"], out_dir / stem, title)
+    write_results(out_dir, stem, payload, render_markdown(payload, [p.name for p in pngs]))
+
+
 def _per_unit(rows: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
     return [r for r in rows if r["method"] == label]
 
@@ -124,10 +148,12 @@ def _itl_ratio(units: list[dict[str, Any]]) -> RatioOfSums:
                                                                            dtype=float))
 
 
-def render_markdown(payload: dict[str, Any]) -> str:
+def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
     summary = payload["summary"]
     labels = list(next(iter(summary["tasks"].values())).keys())
+    rerendered = payload["provenance"].get("report_command")
     lines = ["# Speculative decoding evaluation\n", provenance_markdown(payload["provenance"]),
+             f"- tables and plots re-rendered from the saved records by `{rerendered}`\n" if rerendered else "",
              "\n## MAL tau and decode speedup over plain decoding (same runtime, interleaved)\n",
              "| task | " + " | ".join(f"{m} tau | {m} speedup" for m in labels) + " |",
              "|---|" + "---|---|" * len(labels)]
@@ -146,6 +172,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
             continue
         acc = summary["tasks"]["all"][m]["acceptance_by_position"]
         lines.append(f"| {m} | " + " | ".join("-" if a is None else f"{a:.3f}" for a in acc) + " |")
+    lines += [f"\n![{name}]({name})" for name in images]
     if summary["ci"]:
         lines += ["\n## Paired bootstrap 95% CIs (best drafter by tau vs each other; 10,000 resamples)\n",
                   "| comparison | tau: relative diff [CI] | speed: relative diff [CI] |", "|---|---|---|"]

@@ -61,7 +61,8 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
                        "anchors_per_seq", "seed", "loss", "world_size")}
     meta = provenance(f"hspec train-report {' '.join(str(d) for d in run_dirs)}", {**recipe, **(extra or {})})
     lines = [f"# {title}\n", provenance_markdown(meta), f"\n![loss curves]({png.name})\n",
-             "| run | train seqs | val seqs | steps run / scheduled | wall (min) | trainable params | final loss | val tau | "
+             "| run | train seqs | val seqs | steps run / scheduled | wall (min) | trainable params | final loss "
+             "| val tau | "
              "val acceptance by position |", "|---|---|---|---|---|---|---|---|---|"]
     for name, run in runs.items():
         c, steps, vals = run["config"], run["steps"], run["validations"]
@@ -70,7 +71,8 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
         final = vals[-1] if vals else {}
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in final.get("acceptance_by_position", []))
         tau = final.get("mean_accepted_length")
-        lines.append(f"| {name} | {c.get('train_sequences')} | {c.get('val_sequences')} | {steps_run} / {c.get('steps')} | "
+        lines.append(f"| {name} | {c.get('train_sequences')} | {c.get('val_sequences')} | "
+                     f"{steps_run} / {c.get('steps')} | "
                      f"{wall:.1f} | {c.get('trainable_params', 0):,} | "
                      f"{steps[-1]['loss'] if steps else float('nan'):.3f} | "
                      f"{'-' if tau is None else f'{tau:.2f}'} | {acc} |")
