@@ -460,15 +460,7 @@ def export_drafter(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
     config = json.loads((src / "config.json").read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with _atomic_directory(dst) as staging:
         save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "kind": info.kind})
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if dst.exists():
-            shutil.rmtree(dst)
-        staging.rename(dst)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return dst
