@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hspec.kv_accounting import kv_bytes_per_token
+
 
 class PoolFullError(RuntimeError):
     """Raised when a reservation needs more free blocks than the pool has; nothing was changed."""
@@ -107,8 +109,8 @@ class PagedKVPool:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K and V bytes one token takes over `num_layers` layers."""
-        return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        """K and V bytes one token takes over `num_layers` layers (the formula of `kv_accounting`)."""
+        return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
 
     # ---- capacity -----------------------------------------------------------------------------
 

@@ -83,11 +83,6 @@ class TargetConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies across all layers in fp32 (scale for other dtypes)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
-
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> TargetConfig:
         """Build from a HF `config.json` dict (both the `rope_scaling` and `rope_parameters` spellings)."""
