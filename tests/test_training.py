@@ -150,6 +150,7 @@ def _ddp_worker(rank, world, init_file, tiny_dir, result_file):
     all_reduce_gradients(trainer.params)
     if rank == 0:
         torch.save([p.grad.clone() for p in trainer.params], result_file)
+    dist.barrier()
     dist.destroy_process_group()
 
 
