@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--prompts", default="train_prompts.jsonl",
                       help="prompt JSONL (normalized format), a path or a file in the shared data dir")
     dgen.add_argument("--num-prompts", type=int, default=None, help="how many prompts (default all)")
+    dgen.add_argument("--skip-prompts", type=int, default=0,
+                      help="start this far into the shuffled prompt order, so corpus parts made by separate "
+                           "(parallel) runs never overlap (default 0)")
     dgen.add_argument("--max-prompt-tokens", type=int, default=384)
     dgen.add_argument("--max-new-tokens", type=int, default=256)
     dgen.add_argument("--batch-size", type=int, default=16)
@@ -85,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     dfeat.add_argument("--max-sequences", type=int, default=None)
 
     train = sub.add_parser("train", help="train a drafter with the unified recipe (resumable; torchrun for DDP)",
-                           description="0.1 CE + 0.9 TV with position weights exp(-(k-1)/4), AdamW, 1%% warmup "
+                           description="0.1 CE + 0.9 TV with position weights exp(-(k-1)/4), AdamW, 1% warmup "
                                        "then half-cosine. Rerun the same command to resume after a kill.")
     _add_target(train)
     train.add_argument("--drafter", required=True, help="drafter kind to train (see `hspec drafters describe`)")
@@ -98,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--anchors-per-seq", type=int, default=16)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--val-every", type=int, default=100)
+    train.add_argument("--draft-vocab", type=int, default=None,
+                       help="pruned draft vocabulary size Vp: the most frequent training tokens (default: the "
+                            "paper's 32,000, or the whole vocabulary if smaller)")
 
     ev = sub.add_parser("eval", help="drafters vs plain decoding on the task suites (tau, speedup, CIs)",
                         description="Runs plain decoding and each drafter item by item (interleaved) on fixed "
@@ -150,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     bdraft.add_argument("--batch-sizes", default="1,16", help="comma-separated B (default 1,16)")
     bdraft.add_argument("--contexts", default="256,2048", help="comma-separated context lengths (default 256,2048)")
     bdraft.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    bdraft.add_argument("--draft-vocab", type=int, default=None,
+                        help="pruned draft vocabulary Vp of every trained kind (default: the paper's 32,000)")
     bdraft.add_argument("--out", default="results", help="output directory")
     kvt = sub.add_parser("kv-table", help="KV inflation per token from model configs (the paper's Table 1)",
                          description="(target KV + drafter KV per token) / target KV for Qwen3-4B, Qwen3-8B, "
@@ -185,9 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             from hspec.training.datagen import DataGenSettings, generate_corpus
 
-            settings = DataGenSettings(args.target, args.prompts, args.num_prompts, args.max_prompt_tokens,
-                                       args.max_new_tokens, args.temperature, args.top_p, args.top_k,
-                                       args.batch_size, args.seed)
+            settings = DataGenSettings(
+                target=args.target, prompts_file=args.prompts, num_prompts=args.num_prompts,
+                skip_prompts=args.skip_prompts, max_prompt_tokens=args.max_prompt_tokens,
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, batch_size=args.batch_size, shuffle_seed=args.seed)
             print(f"wrote {generate_corpus(settings, Path(args.out))}")
             return 0
         if args.command == "eval":
@@ -252,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  cod_keep=args.drafter == "peagle")
             out = Path(args.out or f"runs/train/{args.drafter}")
             saved = run_training(args.drafter, args.target, [Path(p) for p in args.features.split(",")], out,
-                                 config, val_every=args.val_every)
+                                 config, val_every=args.val_every, draft_vocab_size=args.draft_vocab)
             print(f"wrote {saved}")
             return 0
         if args.command == "serve":
@@ -267,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from hspec.bench.draft import run_draft_bench
 
             return run_draft_bench(args.target, [k for k in args.drafters.split(",") if k], args.out, args.repeats,
-                                   _ints(args.batch_sizes), _ints(args.contexts))
+                                   _ints(args.batch_sizes), _ints(args.contexts), draft_vocab_size=args.draft_vocab)
         if args.command == "kv-table":
             from hspec.kv_accounting import format_kv_table, kv_table
 

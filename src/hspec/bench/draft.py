@@ -30,7 +30,7 @@ import torch
 
 from hspec.bench.report import provenance, provenance_markdown, write_results
 from hspec.decoding.sampling import SamplingBatch, SamplingParams
-from hspec.drafters import DRAFTERS, create_drafter
+from hspec.drafters import DRAFTERS, create_drafter, drafter_config
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.drafters.common import select_target_layers
 from hspec.models.llama import TargetModel
@@ -112,13 +112,17 @@ class _Setting:
 
 def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str | Path, repeats: int = 5,
                     batch_sizes: Sequence[int] = (1, 16), contexts: Sequence[int] = (256, 2048), K: int = 7,
-                    seed: int = 0) -> int:
-    """Time every kind's draft forward against the target's verify; write draft_cost_<device>.{json,md}."""
+                    seed: int = 0, draft_vocab_size: int | None = None) -> int:
+    """Time every kind's draft forward against the target's verify; write draft_cost_<device>.{json,md}.
+
+    `draft_vocab_size` sets Vp of every trained kind (default: each kind's own, the paper's 32,000);
+    the files then end in `_vp<Vp>`.
+    """
     target = load_target(target_name)
     model = target.model.eval()
     kinds = [k for k in (kinds or DRAFTERS.names()) if k != "none"]
     torch.manual_seed(seed)
-    drafters = {k: create_drafter(k, target.config, target_model=model) for k in kinds}
+    drafters = {k: _create(k, target.config, model, draft_vocab_size) for k in kinds}
     for drafter in drafters.values():
         if isinstance(drafter, torch.nn.Module):
             drafter.eval()
@@ -131,13 +135,17 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
                 print(_format_row_summary(rows[-1]), flush=True)
     settings = {"target": target.name, "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "K": K, "batch_sizes": list(batch_sizes), "contexts": list(contexts), "repeats": repeats,
-                "kinds": kinds, "sampling": "greedy", "drafter_weights": "random"}
+                "kinds": kinds, "sampling": "greedy", "drafter_weights": "random",
+                "draft_vocab_size": draft_vocab_size or "each kind's default"}
     command = (f"hspec bench draft --target {target_name} --drafters {','.join(kinds)} --repeats {repeats} "
                f"--batch-sizes {','.join(map(str, batch_sizes))} --contexts {','.join(map(str, contexts))}")
+    if draft_vocab_size is not None:
+        command += f" --draft-vocab {draft_vocab_size}"
     payload = {"provenance": provenance(command, settings), "goal": GOAL,
                "params": {k: _num_params(d) for k, d in drafters.items()}, "results": rows}
     markdown = _markdown(payload)
-    json_path, md_path = write_results(Path(out_dir), f"draft_cost_{device}", payload, markdown)
+    name = f"draft_cost_{device}" + (f"_vp{draft_vocab_size}" if draft_vocab_size else "")
+    json_path, md_path = write_results(Path(out_dir), name, payload, markdown)
     print(markdown)
     print(f"wrote {json_path} and {md_path}")
     return 0
@@ -182,6 +190,14 @@ def _measure(model: TargetModel, drafters: dict[str, Drafter], B: int, S: int, K
 
 def _summary(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
+
+
+def _create(kind: str, target_config, model: TargetModel, draft_vocab_size: int | None) -> Drafter:
+    """A kind with random weights; trained kinds get Vp = `draft_vocab_size` when it is given."""
+    if draft_vocab_size is None or not getattr(DRAFTERS.get(kind), "config_class", None):
+        return create_drafter(kind, target_config, target_model=model)
+    config = drafter_config(kind, target_config, draft_vocab_size=draft_vocab_size)
+    return create_drafter(kind, target_config, target_model=model, config=config)
 
 
 def _num_params(drafter: Drafter) -> int:

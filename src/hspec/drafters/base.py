@@ -114,3 +114,14 @@ def create_drafter(kind: str, target_config: TargetConfig, target_model: torch.n
     drafter = cls(target_config, **options)
     drafter.check_target(target_config)
     return drafter
+
+
+def drafter_config(kind: str, target_config: TargetConfig, **overrides):
+    """The default configuration of trained kind `kind` for the target, with `overrides` applied
+    (e.g. `draft_vocab_size`); pass it to `create_drafter(..., config=...)`."""
+    cls = DRAFTERS.get(kind)
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None:
+        raise ValueError(f"drafter kind {kind!r} has no trained configuration (it takes no options like "
+                         f"{sorted(overrides)})")
+    return config_class.from_target(kind, target_config, **overrides)

@@ -31,6 +31,7 @@ class DataGenSettings:
     target: str = "smollm2"
     prompts_file: str = "train_prompts.jsonl"  # under the shared normalized data dir, or a path
     num_prompts: int | None = None  # None = all (after the length filter), in shuffled order
+    skip_prompts: int = 0  # start this far into the shuffled order: parts of one order never overlap
     max_prompt_tokens: int = 384  # longer prompts are skipped (they cost much and teach little)
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -47,6 +48,8 @@ class DataGenSettings:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if self.skip_prompts < 0:
+            raise ValueError(f"skip_prompts must be >= 0, got {self.skip_prompts}")
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -62,8 +65,8 @@ def generate_corpus(settings: DataGenSettings, out_path: Path) -> Path:
     """Generate (or resume) the corpus at `out_path` (JSONL, one record per prompt)."""
     settings_path = out_path.with_suffix(".settings.json")
     if settings_path.exists() and out_path.exists():
-        previous = json.loads(settings_path.read_text())
-        if previous != asdict(settings):
+        previous = DataGenSettings(**json.loads(settings_path.read_text()))
+        if previous != settings:
             raise ValueError(f"{out_path} was generated with different settings ({settings_path}); "
                              "pass another --out or delete it")
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,8 +85,9 @@ def generate_corpus(settings: DataGenSettings, out_path: Path) -> Path:
         ids = tokenizer.encode_prompt(row["turns"][0])
         if len(ids) <= settings.max_prompt_tokens:
             todo.append((row["id"], ids))
-        if settings.num_prompts is not None and len(todo) >= settings.num_prompts:
+        if settings.num_prompts is not None and len(todo) >= settings.skip_prompts + settings.num_prompts:
             break
+    todo = todo[settings.skip_prompts:]
     done = _written_ids(out_path)
     todo = [(rid, ids) for rid, ids in todo if rid not in done]
     decoder = SpeculativeDecoder(target.model, create_drafter("none", target.config), 1, tokenizer.eos_token_ids)

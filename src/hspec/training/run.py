@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from hspec.drafters import create_drafter
+from hspec.drafters import create_drafter, drafter_config
 from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.models.loading import load_target
 from hspec.training.checkpoint import load_training_state, save_drafter, save_training_state
@@ -48,8 +48,12 @@ def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_seque
 
 
 def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path, config: TrainConfig,
-          log_every: int = 10, val_every: int = 100, val_sequences: int = 24) -> Path:
-    """Train `kind` on the cached features; resumable; returns the saved drafter directory."""
+          log_every: int = 10, val_every: int = 100, val_sequences: int = 24,
+          draft_vocab_size: int | None = None) -> Path:
+    """Train `kind` on the cached features; resumable; returns the saved drafter directory.
+
+    `draft_vocab_size` (Vp) overrides the kind's default pruned vocabulary (the paper's 32,000).
+    """
     rank, world = _init_distributed()
     torch.manual_seed(config.seed)
     target = load_target(target_name)
@@ -57,7 +61,9 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     available = store.available()
     train_ids = [i for i in available if not is_validation(store.ids[i])]
     val_ids = [i for i in available if is_validation(store.ids[i])][:val_sequences]
-    drafter = create_drafter(kind, target.config, target_model=target.model)
+    overrides = {} if draft_vocab_size is None else {"config": drafter_config(kind, target.config,
+                                                                               draft_vocab_size=draft_vocab_size)}
+    drafter = create_drafter(kind, target.config, target_model=target.model, **overrides)
     drafter.head.set_vocab(_draft_vocabulary(store, train_ids, target.config.vocab_size,
                                              drafter.config.draft_vocab_size))
     trainer = Trainer(drafter, target.model, store.load, train_ids, config, rank, world)
@@ -73,6 +79,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         history.write_text(json.dumps({"event": "config", "kind": kind, "target": target.name,
                                        "train_sequences": len(train_ids), "val_sequences": len(val_ids),
                                        "trainable_params": drafter.num_trainable_params(),
+                                       "draft_vocab_size": drafter.config.draft_vocab_size,
                                        "world_size": world, **asdict(config)}, default=str) + "\n")
     bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
     for step in range(start, config.steps):

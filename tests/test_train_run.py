@@ -1,0 +1,63 @@
+"""`hspec train` end to end on a tiny target: features -> pruned vocabulary -> steps -> saved drafter,
+and `hspec bench draft` with a chosen draft vocabulary."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from hspec.bench import draft as draft_bench
+from hspec.drafters.common import kv_layer_of, select_target_layers
+from hspec.training import run as train_run
+from hspec.training.checkpoint import load_drafter
+from hspec.training.store import FeatureStore
+from hspec.training.trainer import TrainConfig
+
+
+@pytest.fixture()
+def feature_dir(tmp_path, tiny_target):
+    g = torch.Generator().manual_seed(3)
+    V = tiny_target.config.vocab_size
+    records = [{"id": f"seq/{i}", "prompt_ids": torch.randint(3, V, (8,), generator=g).tolist(),
+                "response_ids": torch.randint(3, V // 2, (30,), generator=g).tolist()} for i in range(6)]
+    layers = select_target_layers(tiny_target.config.num_layers)
+    FeatureStore.build(tmp_path / "features", tiny_target.model, "tiny", records, layers,
+                       [kv_layer_of(x) for x in layers])
+    return tmp_path / "features"
+
+
+def test_train_with_a_smaller_draft_vocabulary(tmp_path, tiny_target, feature_dir, monkeypatch):
+    monkeypatch.setattr(train_run, "load_target", lambda name: tiny_target)
+    config = TrainConfig(steps=2, seqs_per_step=2, anchors_per_seq=2)
+    saved = train_run.train("hspec", "tiny", [feature_dir], tmp_path / "run", config, val_every=2,
+                            draft_vocab_size=20)
+    drafter = load_drafter(saved, tiny_target.model)
+    assert drafter.config.draft_vocab_size == 20
+    store = FeatureStore(feature_dir)
+    counts = Counter(t for i in store.available() if not train_run.is_validation(store.ids[i])
+                     for t in store.tokens(i).tolist())
+    kept = set(drafter.head.draft_vocab_ids.tolist())
+    least_kept = min(counts.get(t, 0) for t in kept)
+    assert all(counts[t] <= least_kept for t in counts if t not in kept)  # the most frequent tokens
+    first = json.loads((tmp_path / "run" / "history.jsonl").read_text().split("\n")[0])
+    assert first["draft_vocab_size"] == 20
+
+
+def test_bench_draft_with_a_draft_vocabulary(tmp_path, tiny_target, monkeypatch):
+    monkeypatch.setattr(draft_bench, "load_target", lambda name: tiny_target)
+    draft_bench.run_draft_bench("tiny", ["hspec", "ngram"], tmp_path, repeats=1, batch_sizes=(1,), contexts=(16,),
+                                draft_vocab_size=24)
+    payload = json.loads((tmp_path / "draft_cost_cpu_vp24.json").read_text())
+    assert payload["provenance"]["settings"]["draft_vocab_size"] == 24
+    assert "--draft-vocab 24" in payload["provenance"]["command"]
+    assert set(payload["results"][0]["kinds"]) == {"hspec", "ngram"}
+
+
+def test_draft_vocabulary_of_a_model_free_kind_is_refused(tiny_target):
+    from hspec.drafters import drafter_config
+
+    with pytest.raises(ValueError, match="'ngram'"):
+        drafter_config("ngram", tiny_target.config, draft_vocab_size=10)
