@@ -164,3 +164,29 @@ def test_two_process_gloo_matches_single_process(tiny_dirs, tmp_path):
     for a, p in zip(ddp_grads, trainer.params):
         b = p.grad if p.grad is not None else torch.zeros_like(p)
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["hspec", "dflash", "peagle"])
+@torch.no_grad()
+def test_training_blocks_see_what_inference_sees(tiny_target, features, kind):
+    """The block a training anchor builds from cached features drafts exactly what `propose` drafts
+    after a prefill of the same prefix (same last hidden state, context K/V, positions, Markov path)."""
+    from hspec.decoding.sampling import SamplingBatch, SamplingParams
+    from hspec.drafters.base import DraftBatch
+
+    drafter = _drafter(tiny_target, kind, seed=4).eval()
+    feats, K = features[1], 5
+    tokens = feats.tokens
+    for p in (feats.prompt_length, feats.prompt_length + 17):
+        pool = tiny_target.model.new_pool(16, 8, drafter.num_pool_layers)
+        pool.add_sequence(0)
+        out = tiny_target.model(tokens[None, :p], pool, [0], drafter.hidden_layers)
+        drafter.commit(pool, [0], out.hidden, torch.tensor([p]))
+        batch = DraftBatch([0], tokens[p:p + 1], [tokens[:p + 1].tolist()], pool,
+                           SamplingBatch.from_params([SamplingParams()]), [torch.Generator()])
+        proposal = drafter.propose(batch, K)
+        blocks = make_batch(drafter, tiny_target.model, feats, torch.tensor([p]), K)
+        prev = torch.cat([tokens[p:p + 1], proposal.draft_tokens[0, :-1]])[None]
+        logits = drafter.teacher_forced_logits(blocks.ctx, prev)
+        assert drafter.head.to_target_ids(logits.argmax(-1)).tolist() == proposal.draft_tokens.tolist()
+        drafter.release(0)
