@@ -41,3 +41,78 @@ def test_markdown_and_plots(tmp_path):
     assert "| spec_bench/qa |" in text and "a vs b" in text
     paths = plot_eval(summary, tmp_path / "run", "test")
     assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
+
+
+def _sweep_records():
+    """Two drafters at K = 3 and K = 5 on two items, plain decoding once."""
+    rows = []
+    for i in range(2):
+        common = {"task": "spec_bench", "category": "qa", "item": f"x{i}", "turn": 0, "tokens": 11}
+        rows.append({**common, "method": "none", "K": 3, "decode_s": 1.0, "num_accepted": []})
+        rows.append({**common, "method": "hspec k=3", "K": 3, "decode_s": 0.5, "num_accepted": [3, 3, 0]})
+        rows.append({**common, "method": "dspark k=3", "K": 3, "decode_s": 0.6, "num_accepted": [1, 3, 0]})
+        rows.append({**common, "method": "hspec k=5", "K": 5, "decode_s": 0.4, "num_accepted": [5, 2]})
+        rows.append({**common, "method": "dspark k=5", "K": 5, "decode_s": 0.7, "num_accepted": [4, 0]})
+    return rows
+
+
+def test_draft_length_sweep_uses_each_runs_K_and_compares_within_K(tmp_path):
+    from hspec.eval.plots import plot_k_sensitivity
+
+    labels = ["none", "hspec k=3", "dspark k=3", "hspec k=5", "dspark k=5"]
+    summary = summarize(_sweep_records(), labels, K=3)
+    overall = summary["tasks"]["all"]
+    assert summary["K"] == {"hspec k=3": 3, "dspark k=3": 3, "hspec k=5": 5, "dspark k=5": 5}
+    assert len(overall["hspec k=5"]["acceptance_by_position"]) == 5
+    assert overall["hspec k=5"]["mean_accepted_length"] == pytest.approx(9 / 2)  # (6 + 3) / 2 steps
+    assert set(summary["ci"]) == {"hspec k=3 vs dspark k=3", "hspec k=5 vs dspark k=5"}
+    payload = {"provenance": {"command": "test", "date": "d", "commit": "c",
+                              "machine": {"cuda": None, "processor": "x", "cpu_count": 2, "torch_threads": 1,
+                                          "platform": "p", "torch": "t"},
+                              "settings": {"K": [3, 5], "target": "tiny", "temperature": 0.0}},
+               "summary": summary}
+    text = render_markdown(payload)
+    assert "| hspec | 3.00 / 2.00x | 4.50 / 2.50x |" in text and "k=5 |" in text
+    paths = plot_k_sensitivity(summary, tmp_path / "run", "test")
+    assert len(paths) == 1 and paths[0].stat().st_size > 1000
+
+
+def test_ablation_plot_needs_two_kinds_of_a_group(tmp_path):
+    from hspec.eval.plots import plot_ablations
+
+    rows = []
+    for method in ("none", "hspec", "hspec-kvreuse-only", "ngram"):
+        rows.append({"task": "t", "category": "c", "item": "x", "turn": 0, "tokens": 9, "method": method, "K": 3,
+                     "decode_s": 1.0, "num_accepted": [] if method == "none" else [1, 2]})
+    summary = summarize(rows, ["none", "hspec", "hspec-kvreuse-only", "ngram"], K=3)
+    paths = plot_ablations(summary, tmp_path / "run", "test")
+    assert len(paths) == 1 and paths[0].stat().st_size > 1000
+    lone = summarize([r for r in rows if r["method"] != "hspec-kvreuse-only"], ["none", "hspec", "ngram"], K=3)
+    assert plot_ablations(lone, tmp_path / "lone", "test") == []
+
+
+def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
+    """Plain decoding once per turn, n-gram once per K; greedy outputs are checked equal inside."""
+    import dataclasses
+
+    from hspec.decoding.sampling import SamplingParams
+    from hspec.eval import runner
+
+    class ChatStub:
+        def __init__(self, inner):
+            self.inner, self.eos_token_ids = inner, inner.eos_token_ids
+
+        def encode_chat(self, messages):
+            return self.inner.encode_prompt(" ".join(m["content"][:40] for m in messages))
+
+        def decode(self, ids):
+            return self.inner.decode(ids)
+
+    target = dataclasses.replace(tiny_target, tokenizer=ChatStub(tiny_target.tokenizer))
+    monkeypatch.setattr(runner, "load_target", lambda name: target)
+    payload = runner.run_eval("tiny", [runner.MethodSpec("ngram")], ["mt_bench"], 2, [2, 4], SamplingParams(), 12,
+                              tmp_path, "sweep")
+    methods = [r["method"] for r in payload["records"]]
+    assert methods.count("none") == 4 and methods.count("ngram k=2") == 4 and methods.count("ngram k=4") == 4
+    assert payload["summary"]["K"] == {"ngram k=2": 2, "ngram k=4": 4}
+    assert (tmp_path / "sweep_k_sensitivity.png").exists() and (tmp_path / "sweep.md").exists()

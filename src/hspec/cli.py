@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated kinds, optionally KIND=CHECKPOINT_DIR (plain decoding always runs)")
     ev.add_argument("--tasks", default="spec_bench", help="comma-separated task names (see hspec.eval.tasks)")
     ev.add_argument("--size", type=int, default=24, help="items per task (evenly spaced, fixed; default 24)")
-    ev.add_argument("--k", type=int, default=7)
+    ev.add_argument("--k", default="7",
+                    help="draft length K, or several comma-separated (e.g. 3,5,7: the draft-length sensitivity; "
+                         "each drafter runs once per K, interleaved) (default 7)")
     ev.add_argument("--max-new-tokens", type=int, default=128)
     _add_sampling(ev)
     ev.add_argument("--out", default="results", help="output directory")
@@ -210,9 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             methods = [MethodSpec(*spec.split("=", 1)) if "=" in spec else MethodSpec(spec)
                        for spec in args.drafters.split(",") if spec]
             mode = "greedy" if sampling.greedy else "sampled"
-            stem = args.name or f"eval_{args.tasks.replace(',', '+')}_k{args.k}_{mode}"
+            ks = _ints(args.k)
+            stem = args.name or f"eval_{args.tasks.replace(',', '+')}_k{'+'.join(map(str, ks))}_{mode}"
             command = "hspec " + " ".join(sys.argv[1:]) if argv is None else "hspec " + " ".join(argv)
-            run_eval(args.target, methods, args.tasks.split(","), args.size, args.k, sampling,
+            run_eval(args.target, methods, args.tasks.split(","), args.size, ks if len(ks) > 1 else ks[0], sampling,
                      args.max_new_tokens, Path(args.out), stem, args.seed, command)
             print(f"wrote {Path(args.out) / stem}.json and .md")
             return 0
@@ -224,7 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = Path(args.json)
             payload = json.loads(path.read_text())
             labels = list(dict.fromkeys(r["method"] for r in payload["records"]))
-            payload["summary"] = summarize(payload["records"], labels, payload["provenance"]["settings"]["K"])
+            k_setting = payload["provenance"]["settings"]["K"]
+            payload["summary"] = summarize(payload["records"], labels, k_setting if isinstance(k_setting, int)
+                                           else k_setting[0])
             payload["provenance"]["report_command"] = f"hspec eval-report {path}"
             write_report(payload, path.parent, path.stem)
             print(f"wrote {path.with_suffix('.md')} and plots")

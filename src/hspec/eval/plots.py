@@ -1,5 +1,6 @@
 """Plots of an evaluation run (matplotlib, PNG): acceptance per position (paper Fig. 4), tau and
-speedup per task or category (the shape of the paper's Table 2)."""
+speedup per task or category (the shape of the paper's Table 2), the ablations (Fig. 7) and the
+draft-length sensitivity (Table 4)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,88 @@ def plot_eval(summary: dict[str, Any], out_prefix: Path, title: str) -> list[Pat
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths
+
+
+ABLATION_GROUPS = {
+    "(a) target-context source": ("hspec", "hspec-lasttoken-only", "hspec-kvreuse-only"),
+    "(b) drafter architecture (no Markov head)": ("mamba-only", "attention-only", "hspec-nomarkov"),
+}
+
+
+def _kind_of(label: str) -> str:
+    """'hspec@run k=5' -> 'hspec'."""
+    return label.split(" k=")[0].split("@")[0]
+
+
+def plot_ablations(summary: dict[str, Any], out_prefix: Path, title: str) -> list[Path]:
+    """The paper's Fig. 7: tau and speedup (all tasks) of the ablation variants beside full H-Spec.
+
+    Draws one panel pair per group with at least two of its kinds present (at the run's largest K);
+    writes `<prefix>_ablations.png`, or nothing when no group qualifies.
+    """
+    overall = summary["tasks"]["all"]
+    k_of = summary.get("K", {})
+    top_k = max(k_of.values(), default=None)
+    by_kind = {_kind_of(label): label for label in overall if label != "none" and k_of.get(label) == top_k}
+    groups = {name: [k for k in kinds if k in by_kind] for name, kinds in ABLATION_GROUPS.items()}
+    groups = {name: kinds for name, kinds in groups.items() if len(kinds) >= 2}
+    if not groups:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.6 * len(groups)), squeeze=False)
+    for row, (name, kinds) in enumerate(groups.items()):
+        for col, (metric, ylabel) in enumerate((("mean_accepted_length", "MAL tau"), ("speedup", "speedup"))):
+            ax = axes[row][col]
+            values = [overall[by_kind[k]][metric] for k in kinds]
+            bars = ax.bar(kinds, values, color=[f"C{i}" for i in range(len(kinds))])
+            ax.bar_label(bars, fmt="%.2f", fontsize=8)
+            ax.set(ylabel=ylabel, title=f"{name}: {ylabel}")
+            ax.tick_params(axis="x", labelrotation=15)
+            ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"Ablations (all tasks), {title}")
+    fig.tight_layout()
+    path = out_prefix.with_name(out_prefix.name + "_ablations.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def plot_k_sensitivity(summary: dict[str, Any], out_prefix: Path, title: str) -> list[Path]:
+    """The paper's Table 4 as a plot: tau and speedup against the inference-time draft length K.
+
+    Only for runs with several K; writes `<prefix>_k_sensitivity.png`.
+    """
+    k_of = summary.get("K", {})
+    if len(set(k_of.values())) < 2:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    overall = summary["tasks"]["all"]
+    methods: dict[str, list[tuple[int, str]]] = {}
+    for label, k in k_of.items():
+        methods.setdefault(label.rsplit(" k=", 1)[0], []).append((k, label))
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, points in methods.items():
+        points.sort()
+        ks = [k for k, _ in points]
+        ax_tau.plot(ks, [overall[label]["mean_accepted_length"] for _, label in points], marker="o", label=name)
+        ax_speed.plot(ks, [overall[label]["speedup"] for _, label in points], marker="o", label=name)
+    for ax, ylabel in ((ax_tau, "MAL tau"), (ax_speed, "decode speedup vs plain")):
+        ax.set(xlabel="draft length K", ylabel=ylabel)
+        ax.set_xticks(sorted(set(k_of.values())))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_speed.axhline(1.0, color="black", lw=0.8)
+    fig.suptitle(f"Draft-length sensitivity, {title}")
+    fig.tight_layout()
+    path = out_prefix.with_name(out_prefix.name + "_k_sensitivity.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -37,13 +37,25 @@ class MethodSpec:
         return self.kind if self.path is None else f"{self.kind}@{Path(self.path).name}"
 
 
-def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequence[str], size: int | None, K: int,
-             sampling: SamplingParams, max_new_tokens: int, out_dir: Path, stem: str, seed: int = 0,
-             command: str = "hspec eval") -> dict[str, Any]:
+def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequence[str], size: int | None,
+             K: int | Sequence[int], sampling: SamplingParams, max_new_tokens: int, out_dir: Path, stem: str,
+             seed: int = 0, command: str = "hspec eval") -> dict[str, Any]:
+    """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
+
+    With several K (the draft-length sensitivity, paper Table 4) each drafter runs once per K on
+    every item, labelled "<method> k=<K>"; plain decoding runs once per item.
+    """
     target = load_target(target_name)
+    ks = [K] if isinstance(K, int) else list(K)
+    if not ks or any(k < 1 for k in ks):
+        raise ValueError(f"K must be one or more draft lengths >= 1, got {K}")
     specs = [MethodSpec("none"), *[m for m in methods if m.kind != "none"]]
-    decoders = {m.label: SpeculativeDecoder(target.model, build_drafter(m.kind, target, m.path), K,
-                                            target.tokenizer.eos_token_ids) for m in specs}
+    drafters = {m.label: build_drafter(m.kind, target, m.path) for m in specs}
+    runs: dict[str, tuple[SpeculativeDecoder, int]] = {}  # label -> (decoder, K)
+    for m in specs:
+        for k in ([ks[0]] if m.kind == "none" else ks):
+            label = m.label if (len(ks) == 1 or m.kind == "none") else f"{m.label} k={k}"
+            runs[label] = (SpeculativeDecoder(target.model, drafters[m.label], k, target.tokenizer.eos_token_ids), k)
     records: list[dict[str, Any]] = []
     tasks = [load_task(name, size) for name in task_names]
     total_turns = sum(len(item.turns) for task in tasks for item in task.items)
@@ -55,31 +67,38 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 messages.append({"role": "user", "content": turn})
                 prompt = target.tokenizer.encode_chat(messages)
                 outputs = {label: dec.generate([prompt], sampling, max_new_tokens, seeds=[seed])
-                           for label, dec in decoders.items()}
+                           for label, (dec, _) in runs.items()}
                 reference = outputs["none"].sequences[0].token_ids
                 for label, out in outputs.items():
                     seq = out.sequences[0]
                     if sampling.greedy and seq.token_ids != reference:
                         raise RuntimeError(f"{label} changed the greedy output on {item.id}: lossless bug")
                     records.append({"task": task.name, "category": item.category, "item": item.id,
-                                    "turn": turn_index, "method": label, "tokens": len(seq.token_ids),
-                                    "decode_s": out.decode_s, "num_accepted": seq.num_accepted})
+                                    "turn": turn_index, "method": label, "K": runs[label][1],
+                                    "tokens": len(seq.token_ids), "decode_s": out.decode_s,
+                                    "num_accepted": seq.num_accepted})
                 messages.append({"role": "assistant", "content": target.tokenizer.decode(reference)})
                 bar.update(1)
     bar.close()
-    settings = {"target": target.name, "K": K, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                "top_k": sampling.top_k, "max_new_tokens": max_new_tokens, "tasks": ",".join(task_names),
-                "size_per_task": size, "seed": seed, "methods": ",".join(m.label for m in specs)}
-    summary = summarize(records, [m.label for m in specs], K)
+    settings = {"target": target.name, "K": ks[0] if len(ks) == 1 else ks, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": max_new_tokens,
+                "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,
+                "methods": ",".join(m.label for m in specs)}
+    summary = summarize(records, list(runs), ks[0])
     payload = {"provenance": provenance(command, settings), "summary": summary, "records": records}
     write_report(payload, out_dir, stem)
     return payload
 
 
 def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[str, Any]:
-    """tau, speedup and acceptance per task (and 'all') and method, plus bootstrap CIs."""
+    """tau, speedup and acceptance per task (and 'all') and method, plus bootstrap CIs.
+
+    A record's own "K" (draft-length sweeps) overrides `K`. CIs compare, among the drafters run at the
+    same K, the best by tau with each other one.
+    """
     groups = _groups(records)
-    out: dict[str, Any] = {"tasks": {}, "ci": {}}
+    k_of = {label: next((r.get("K", K) for r in records if r["method"] == label), K) for label in labels}
+    out: dict[str, Any] = {"tasks": {}, "ci": {}, "K": {label: k_of[label] for label in labels if label != "none"}}
     for task, rows in groups.items():
         per_method = {}
         plain = _per_unit(rows, "none")
@@ -89,12 +108,14 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
             plain_itl = sum(u["decode_s"] for u in plain) / max(sum(u["tokens"] - 1 for u in plain), 1)
             entry = {"itl_ms": 1000 * itl, "speedup": plain_itl / itl, "units": len(units)}
             if label != "none":
-                stats = merge_stats([acceptance_stats(u["num_accepted"], K) for u in units])
+                stats = merge_stats([acceptance_stats(u["num_accepted"], k_of[label]) for u in units])
                 entry.update(stats.to_dict())
             per_method[label] = entry
         out["tasks"][task] = per_method
-    drafters = [label for label in labels if label != "none"]
-    if len(drafters) >= 2:
+    for k in sorted(set(out["K"].values())):
+        drafters = [label for label, lk in out["K"].items() if lk == k]
+        if len(drafters) < 2 or len(_per_unit(records, drafters[0])) < 2:  # a bootstrap needs 2+ prompts
+            continue
         units = {label: _per_unit(records, label) for label in drafters}
         best = max(drafters, key=lambda d: out["tasks"]["all"][d]["mean_accepted_length"])
         for label in drafters:
@@ -123,12 +144,14 @@ def _groups(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 def write_report(payload: dict[str, Any], out_dir: Path, stem: str) -> None:
     """JSON + markdown + plots of an evaluation payload."""
-    from hspec.eval.plots import plot_eval
+    from hspec.eval.plots import plot_ablations, plot_eval, plot_k_sensitivity
 
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = payload["provenance"]["settings"]
     title = f"{settings['target']}, K={settings['K']}, T={settings['temperature']}"
     pngs = plot_eval(payload["summary"], out_dir / stem, title)
+    pngs += plot_ablations(payload["summary"], out_dir / stem, title)
+    pngs += plot_k_sensitivity(payload["summary"], out_dir / stem, title)
     write_results(out_dir, stem, payload, render_markdown(payload, [p.name for p in pngs]))
 
 
@@ -164,14 +187,16 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
             tau_text = "1.00" if m == "none" else ("-" if tau is None else f"{tau:.2f}")
             cells.append(f"{tau_text} | {per[m]['speedup']:.2f}x")
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    max_k = max(summary.get("K", {}).values(), default=_max_k(payload["provenance"]["settings"]["K"]))
     lines += ["\n## Per-position conditional acceptance (all tasks)\n",
-              "| method | " + " | ".join(f"k={k + 1}" for k in range(payload["provenance"]["settings"]["K"])) + " |",
-              "|---|" + "---|" * payload["provenance"]["settings"]["K"]]
+              "| method | " + " | ".join(f"k={k + 1}" for k in range(max_k)) + " |", "|---|" + "---|" * max_k]
     for m in labels:
         if m == "none":
             continue
         acc = summary["tasks"]["all"][m]["acceptance_by_position"]
+        acc = acc + [None] * (max_k - len(acc))
         lines.append(f"| {m} | " + " | ".join("-" if a is None else f"{a:.3f}" for a in acc) + " |")
+    lines += _k_sensitivity_table(summary)
     lines += [f"\n![{name}]({name})" for name in images]
     if summary["ci"]:
         lines += ["\n## Paired bootstrap 95% CIs (best drafter by tau vs each other; 10,000 resamples)\n",
@@ -181,3 +206,25 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
             lines.append(f"| {name} | {t['estimate']:+.1%} [{t['low']:+.1%}, {t['high']:+.1%}] | "
                          f"{s['estimate']:+.1%} [{s['low']:+.1%}, {s['high']:+.1%}] |")
     return "\n".join(lines) + "\n"
+
+
+def _max_k(setting: int | list[int]) -> int:
+    return setting if isinstance(setting, int) else max(setting)
+
+
+def _k_sensitivity_table(summary: dict[str, Any]) -> list[str]:
+    """Rows per drafter, columns per K: tau / speedup over all tasks (only for draft-length sweeps)."""
+    ks = sorted(set(summary.get("K", {}).values()))
+    if len(ks) < 2:
+        return []
+    methods = list(dict.fromkeys(label.rsplit(" k=", 1)[0] for label in summary["K"]))
+    lines = ["\n## Draft-length sensitivity (all tasks; drafters trained with K = 7): tau / speedup\n",
+             "| method | " + " | ".join(f"K={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+    overall = summary["tasks"]["all"]
+    for m in methods:
+        cells = []
+        for k in ks:
+            entry = overall.get(f"{m} k={k}")
+            cells.append("-" if entry is None else f"{entry['mean_accepted_length']:.2f} / {entry['speedup']:.2f}x")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
