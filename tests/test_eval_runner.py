@@ -116,3 +116,15 @@ def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
     assert methods.count("none") == 4 and methods.count("ngram k=2") == 4 and methods.count("ngram k=4") == 4
     assert payload["summary"]["K"] == {"ngram k=2": 2, "ngram k=4": 4}
     assert (tmp_path / "sweep_k_sensitivity.png").exists() and (tmp_path / "sweep.md").exists()
+
+
+def test_method_labels_name_the_run_and_must_be_distinct():
+    from hspec.eval.runner import MethodSpec, run_eval
+
+    assert MethodSpec("hspec").label == "hspec"
+    assert MethodSpec("hspec", "runs/compare/hspec/drafter").label == "hspec"
+    assert MethodSpec("hspec", "runs/train/hspec_v2/drafter").label == "hspec@hspec_v2"
+    assert MethodSpec("dspark", "ckpt/dspark-small").label == "dspark@dspark-small"
+    with pytest.raises(ValueError, match="share a label"):
+        run_eval("unused", [MethodSpec("hspec"), MethodSpec("hspec", "x/hspec")], ["mt_bench"], 1, 3, None, 4,
+                 None, "x")

@@ -34,7 +34,13 @@ class MethodSpec:
 
     @property
     def label(self) -> str:
-        return self.kind if self.path is None else f"{self.kind}@{Path(self.path).name}"
+        """The kind, or "<kind>@<run>" for a checkpoint of another name (a run directory's `drafter/`
+        is named after its run)."""
+        if self.path is None:
+            return self.kind
+        path = Path(self.path)
+        name = path.parent.name if path.name == "drafter" else path.name
+        return self.kind if name == self.kind else f"{self.kind}@{name}"
 
 
 def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequence[str], size: int | None,
@@ -45,11 +51,14 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     With several K (the draft-length sensitivity, paper Table 4) each drafter runs once per K on
     every item, labelled "<method> k=<K>"; plain decoding runs once per item.
     """
-    target = load_target(target_name)
     ks = [K] if isinstance(K, int) else list(K)
     if not ks or any(k < 1 for k in ks):
         raise ValueError(f"K must be one or more draft lengths >= 1, got {K}")
     specs = [MethodSpec("none"), *[m for m in methods if m.kind != "none"]]
+    labels = [m.label for m in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"two methods share a label in {labels}; give their checkpoints distinct directory names")
+    target = load_target(target_name)
     drafters = {m.label: build_drafter(m.kind, target, m.path) for m in specs}
     runs: dict[str, tuple[SpeculativeDecoder, int]] = {}  # label -> (decoder, K)
     for m in specs:
