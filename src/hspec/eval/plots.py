@@ -10,10 +10,7 @@ from typing import Any
 
 def plot_eval(summary: dict[str, Any], out_prefix: Path, title: str) -> list[Path]:
     """Write `<prefix>_acceptance.png` and `<prefix>_tau_speedup.png`; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     groups = summary["tasks"]
     labels = list(groups["all"].keys())
@@ -28,10 +25,7 @@ def plot_eval(summary: dict[str, Any], out_prefix: Path, title: str) -> list[Pat
     ax.set(xlabel="block position k", ylabel="P(accept k | accepted k-1)", ylim=(0, 1), title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_prefix.with_name(out_prefix.name + "_acceptance.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, out_prefix, "acceptance"))
 
     names = [g for g in groups if g != "all"] + ["all"]
     width = 0.8 / max(len(labels), 1)
@@ -47,11 +41,29 @@ def plot_eval(summary: dict[str, Any], out_prefix: Path, title: str) -> list[Pat
         ax.legend(fontsize=8)
     ax_speed.axhline(1.0, color="black", lw=0.8)
     fig.suptitle(title)
-    fig.tight_layout()
-    paths.append(out_prefix.with_name(out_prefix.name + "_tau_speedup.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, out_prefix, "tau_speedup"))
     return paths
+
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out_prefix: Path, suffix: str) -> Path:
+    """Lay out, write `<prefix>_<suffix>.png`, close; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = out_prefix.with_name(f"{out_prefix.name}_{suffix}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 ABLATION_GROUPS = {
@@ -79,10 +91,7 @@ def plot_ablations(summary: dict[str, Any], out_prefix: Path, title: str) -> lis
     groups = {name: kinds for name, kinds in groups.items() if len(kinds) >= 2}
     if not groups:
         return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, axes = plt.subplots(len(groups), 2, figsize=(10, 3.6 * len(groups)), squeeze=False)
     for row, (name, kinds) in enumerate(groups.items()):
@@ -95,11 +104,7 @@ def plot_ablations(summary: dict[str, Any], out_prefix: Path, title: str) -> lis
             ax.tick_params(axis="x", labelrotation=15)
             ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"Ablations (all tasks), {title}")
-    fig.tight_layout()
-    path = out_prefix.with_name(out_prefix.name + "_ablations.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out_prefix, "ablations")]
 
 
 def plot_k_sensitivity(summary: dict[str, Any], out_prefix: Path, title: str) -> list[Path]:
@@ -110,10 +115,7 @@ def plot_k_sensitivity(summary: dict[str, Any], out_prefix: Path, title: str) ->
     k_of = summary.get("K", {})
     if len(set(k_of.values())) < 2:
         return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     overall = summary["tasks"]["all"]
     methods: dict[str, list[tuple[int, str]]] = {}
@@ -132,8 +134,4 @@ def plot_k_sensitivity(summary: dict[str, Any], out_prefix: Path, title: str) ->
         ax.legend(fontsize=8)
     ax_speed.axhline(1.0, color="black", lw=0.8)
     fig.suptitle(f"Draft-length sensitivity, {title}")
-    fig.tight_layout()
-    path = out_prefix.with_name(out_prefix.name + "_k_sensitivity.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out_prefix, "k_sensitivity")]
