@@ -43,7 +43,12 @@ def test_train_with_a_smaller_draft_vocabulary(tmp_path, tiny_target, feature_di
     least_kept = min(counts.get(t, 0) for t in kept)
     assert all(counts[t] <= least_kept for t in counts if t not in kept)  # the most frequent tokens
     first = json.loads((tmp_path / "run" / "history.jsonl").read_text().split("\n")[0])
-    assert first["draft_vocab_size"] == 20
+    train_ids = [i for i in store.available() if not train_run.is_validation(store.ids[i])]
+    assert first["draft_vocab_size"] == 20 and first["train_tokens"] == sum(store.lengths[i] for i in train_ids)
+    from hspec.training.report import write_training_report
+
+    report = write_training_report([tmp_path / "run"], tmp_path / "report.md", "tiny").read_text()
+    assert "draft_vocab_size=20" in report and f"| {first['train_tokens']} |" in report
 
 
 def test_bench_draft_with_a_draft_vocabulary(tmp_path, tiny_target, monkeypatch):

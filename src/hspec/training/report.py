@@ -35,11 +35,13 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
     import matplotlib.pyplot as plt
 
     runs = {d.name: read_history(d) for d in run_dirs}
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_tau, ax_acc) = plt.subplots(1, 3, figsize=(16, 4))
     for name, run in runs.items():
         xs = [s["step"] for s in run["steps"]]
         ax_loss.plot(xs, [s["loss"] for s in run["steps"]], label=name)
         if run["validations"]:
+            ax_tau.plot([v["step"] for v in run["validations"]],
+                        [v["mean_accepted_length"] for v in run["validations"]], marker=".", label=name)
             last = run["validations"][-1]
             acc = [a if a is not None else float("nan") for a in last["acceptance_by_position"]]
             label = f"{name} (tau {last['mean_accepted_length']:.2f})"
@@ -47,9 +49,12 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
     ax_loss.set(xlabel="optimizer step", ylabel="loss (0.1 CE + 0.9 TV, weighted)", title="training loss")
     ax_acc.set(xlabel="block position k", ylabel="P(accept k | accepted k-1)", title="validation acceptance (greedy)",
                ylim=(0, 1))
-    for ax in (ax_loss, ax_acc):
+    ax_tau.set(xlabel="optimizer step", ylabel="validation tau (greedy, teacher-forced)",
+               title="validation MAL during training")
+    for ax in (ax_loss, ax_tau, ax_acc):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     png = out_md.with_suffix(".png")
     out_md.parent.mkdir(parents=True, exist_ok=True)
@@ -58,12 +63,11 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
 
     recipe = {k: v for k, v in next(iter(runs.values()))["config"].items()
               if k in ("target", "steps", "lr", "weight_decay", "grad_clip", "warmup_fraction", "seqs_per_step",
-                       "anchors_per_seq", "seed", "loss", "world_size")}
+                       "anchors_per_seq", "seed", "loss", "world_size", "draft_vocab_size")}
     meta = provenance(f"hspec train-report {' '.join(str(d) for d in run_dirs)}", {**recipe, **(extra or {})})
     lines = [f"# {title}\n", provenance_markdown(meta), f"\n![loss curves]({png.name})\n",
-             "| run | train seqs | val seqs | steps run / scheduled | wall (min) | trainable params | final loss "
-             "| val tau | "
-             "val acceptance by position |", "|---|---|---|---|---|---|---|---|---|"]
+             "| run | train seqs | train tokens | val seqs | steps run / scheduled | wall (min) | trainable params "
+             "| final loss | val tau | val acceptance by position |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, run in runs.items():
         c, steps, vals = run["config"], run["steps"], run["validations"]
         steps_run = max([s["step"] + 1 for s in steps[-1:]] + [v["step"] for v in vals[-1:]] + [0])
@@ -71,8 +75,8 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
         final = vals[-1] if vals else {}
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in final.get("acceptance_by_position", []))
         tau = final.get("mean_accepted_length")
-        lines.append(f"| {name} | {c.get('train_sequences')} | {c.get('val_sequences')} | "
-                     f"{steps_run} / {c.get('steps')} | "
+        lines.append(f"| {name} | {c.get('train_sequences')} | {c.get('train_tokens', '-')} | "
+                     f"{c.get('val_sequences')} | {steps_run} / {c.get('steps')} | "
                      f"{wall:.1f} | {c.get('trainable_params', 0):,} | "
                      f"{steps[-1]['loss'] if steps else float('nan'):.3f} | "
                      f"{'-' if tau is None else f'{tau:.2f}'} | {acc} |")

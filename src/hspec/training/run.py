@@ -78,6 +78,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     if rank == 0 and start == 0:
         history.write_text(json.dumps({"event": "config", "kind": kind, "target": target.name,
                                        "train_sequences": len(train_ids), "val_sequences": len(val_ids),
+                                       "train_tokens": sum(store.lengths[i] for i in train_ids),
                                        "trainable_params": drafter.num_trainable_params(),
                                        "draft_vocab_size": drafter.config.draft_vocab_size,
                                        "world_size": world, **asdict(config)}, default=str) + "\n")

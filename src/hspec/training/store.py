@@ -106,6 +106,7 @@ class FeatureStores:
         self.hidden_layers, self.kv_layers, self.target = first.hidden_layers, first.kv_layers, first.target
         self._where = [(s, i) for s in self.stores for i in range(len(s.ids))]
         self.ids = [s.ids[i] for s, i in self._where]
+        self.lengths = [s.lengths[i] for s, i in self._where]  # prompt + response tokens
 
     def available(self) -> list[int]:
         return [j for j, (s, i) in enumerate(self._where) if s._path(i).exists()]
