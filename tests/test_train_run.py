@@ -44,6 +44,8 @@ def test_train_with_a_smaller_draft_vocabulary(tmp_path, tiny_target, feature_di
     assert all(counts[t] <= least_kept for t in counts if t not in kept)  # the most frequent tokens
     first = json.loads((tmp_path / "run" / "history.jsonl").read_text().split("\n")[0])
     train_ids = [i for i in store.available() if not train_run.is_validation(store.ids[i])]
+    inside = sum(counts[t] for t in kept)
+    assert first["draft_vocab_coverage"]["train"] == pytest.approx(inside / sum(counts.values()))
     assert first["draft_vocab_size"] == 20 and first["train_tokens"] == sum(store.lengths[i] for i in train_ids)
     from hspec.training.report import write_training_report
 

@@ -63,7 +63,8 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
 
     recipe = {k: v for k, v in next(iter(runs.values()))["config"].items()
               if k in ("target", "steps", "lr", "weight_decay", "grad_clip", "warmup_fraction", "seqs_per_step",
-                       "anchors_per_seq", "seed", "loss", "world_size", "draft_vocab_size")}
+                       "anchors_per_seq", "seed", "loss", "world_size", "draft_vocab_size",
+                       "draft_vocab_coverage")}
     meta = provenance(f"hspec train-report {' '.join(str(d) for d in run_dirs)}", {**recipe, **(extra or {})})
     lines = [f"# {title}\n", provenance_markdown(meta), f"\n![loss curves]({png.name})\n",
              "| run | train seqs | train tokens | val seqs | steps run / scheduled | wall (min) | trainable params "

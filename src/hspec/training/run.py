@@ -66,6 +66,8 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     drafter = create_drafter(kind, target.config, target_model=target.model, **overrides)
     drafter.head.set_vocab(_draft_vocabulary(store, train_ids, target.config.vocab_size,
                                              drafter.config.draft_vocab_size))
+    coverage = {"train": _vocab_coverage(store, train_ids, drafter.head.draft_vocab_ids),
+                "val": _vocab_coverage(store, val_ids, drafter.head.draft_vocab_ids)}
     trainer = Trainer(drafter, target.model, store.load, train_ids, config, rank, world)
     run_dir.mkdir(parents=True, exist_ok=True)
     start = 0
@@ -81,6 +83,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                                        "train_tokens": sum(store.lengths[i] for i in train_ids),
                                        "trainable_params": drafter.num_trainable_params(),
                                        "draft_vocab_size": drafter.config.draft_vocab_size,
+                                       "draft_vocab_coverage": coverage,
                                        "world_size": world, **asdict(config)}, default=str) + "\n")
     bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
     for step in range(start, config.steps):
@@ -111,6 +114,16 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
 def _draft_vocabulary(store: FeatureStores, train_ids: list[int], vocab_size: int, keep: int) -> torch.Tensor:
     """The pruned vocabulary: the `keep` most frequent tokens of the training sequences."""
     return most_frequent_tokens((store.tokens(i).tolist() for i in train_ids), vocab_size, keep)
+
+
+def _vocab_coverage(store: FeatureStores, ids: list[int], vocab: torch.Tensor) -> float | None:
+    """The share of the tokens of sequences `ids` that lie inside the draft vocabulary (None: no tokens)."""
+    inside = total = 0
+    for i in ids:
+        tokens = store.tokens(i)
+        inside += int(torch.isin(tokens, vocab).sum())
+        total += tokens.numel()
+    return inside / total if total else None
 
 
 def _init_distributed() -> tuple[int, int]:
