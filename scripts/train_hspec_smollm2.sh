@@ -10,6 +10,10 @@ PARTS="part1 part2 part3 part4 part5 part6 part7"
 
 # 1. The target's own greedy responses to the shuffled training prompts, in parts of one prompt order
 #    (part1 = prompts 0-191, then 400 each), two 1-thread processes side by side. ~45 min on 2 cores.
+#    The corpus we trained on is committed in results/train_data/: it is copied in first, so these
+#    commands only check it (set REGENERATE=1 to make it anew).
+mkdir -p runs/data
+if [ -z "${REGENERATE:-}" ]; then cp -n results/train_data/corpus_part* runs/data/; fi
 gen() {  # gen NAME SKIP COUNT
   OMP_NUM_THREADS=1 $HSPEC data generate --skip-prompts "$2" --num-prompts "$3" --max-new-tokens 192 \
     --batch-size 32 --out "runs/data/corpus_$1.jsonl"
