@@ -183,3 +183,18 @@ def test_greedy_equals_plain_on_smollm2(smollm2, B, K):
     plain = _decoder(smollm2, create_drafter("none", smollm2.config), 1).generate(prompts, SamplingParams(), 48)
     spec = _decoder(smollm2, create_drafter("ngram", smollm2.config), K).generate(prompts, SamplingParams(), 48)
     assert [s.token_ids for s in spec.sequences] == [s.token_ids for s in plain.sequences]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B,K", [(1, 7), (3, 3)])
+def test_shipped_hspec_drafter_is_lossless_on_smollm2(smollm2, B, K):
+    """The trained drafter the README's main command uses: greedy output equals plain decoding, and it drafts."""
+    from hspec.runtime import build_drafter
+
+    drafter = build_drafter("hspec", smollm2)
+    prompts = [smollm2.tokenizer.encode_prompt(p) for p in
+               ("Explain what a hash table is.", "Translate 'good morning' into French.", "Name two planets.")[:B]]
+    plain = _decoder(smollm2, create_drafter("none", smollm2.config), 1).generate(prompts, SamplingParams(), 40)
+    spec = _decoder(smollm2, drafter, K).generate(prompts, SamplingParams(), 40)
+    assert [s.token_ids for s in spec.sequences] == [s.token_ids for s in plain.sequences]
+    assert spec.metrics()["mean_accepted_length"] > 1.0
