@@ -108,6 +108,16 @@ def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
         def decode(self, ids):
             return self.inner.decode(ids)
 
+    import json
+
+    from hspec.eval.tasks import DATA_DIR_ENV
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"id": f"mt_bench/{i}", "category": "writing", "turns": [f"Write {i} lines.", "Now shorter."]}
+            for i in range(3)]
+    (data / "mt_bench.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    monkeypatch.setenv(DATA_DIR_ENV, str(data))
     target = dataclasses.replace(tiny_target, tokenizer=ChatStub(tiny_target.tokenizer))
     monkeypatch.setattr(runner, "load_target", lambda name: target)
     payload = runner.run_eval("tiny", [runner.MethodSpec("ngram")], ["mt_bench"], 2, [2, 4], SamplingParams(), 12,
