@@ -34,5 +34,9 @@ OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${features%,}" --out 
 $HSPEC export-drafter runs/train/hspec_v2/drafter src/hspec/assets/hspec-smollm2-135m-instruct --dtype bf16
 $HSPEC train-report runs/train/hspec_v2 --out results/train_hspec_smollm2.md \
   --title "H-Spec on SmolLM2-135M-Instruct (CPU)"
-# 5. Greedy K = 7 (and K = 3, 5) on a fixed Spec-Bench subset, interleaved with plain decoding and n-gram drafting.
-$HSPEC eval --drafters ngram,hspec --tasks spec_bench --size 24 --k 7 --max-new-tokens 128 --out results
+# 5. Greedy K = 3, 5 and 7 on a fixed Spec-Bench subset, interleaved with plain decoding and n-gram drafting,
+#    and the draft cost at the shipped draft vocabulary.
+OMP_NUM_THREADS=2 $HSPEC eval --drafters ngram,hspec --tasks spec_bench --size 24 --k 3,5,7 --max-new-tokens 128 \
+  --out results
+OMP_NUM_THREADS=1 $HSPEC bench draft --target smollm2 --draft-vocab 8192 --repeats 5 --batch-sizes 1,16 \
+  --contexts 256,2048 --out results
