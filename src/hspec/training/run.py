@@ -61,13 +61,11 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     available = store.available()
     train_ids = [i for i in available if not is_validation(store.ids[i])]
     val_ids = [i for i in available if is_validation(store.ids[i])][:val_sequences]
-    overrides = {} if draft_vocab_size is None else {"config": drafter_config(kind, target.config,
-                                                                               draft_vocab_size=draft_vocab_size)}
-    drafter = create_drafter(kind, target.config, target_model=target.model, **overrides)
+    config_override = None if draft_vocab_size is None else drafter_config(kind, target.config,
+                                                                           draft_vocab_size=draft_vocab_size)
+    drafter = create_drafter(kind, target.config, target_model=target.model, config=config_override)
     drafter.head.set_vocab(_draft_vocabulary(store, train_ids, target.config.vocab_size,
                                              drafter.config.draft_vocab_size))
-    coverage = {"train": _vocab_coverage(store, train_ids, drafter.head.draft_vocab_ids),
-                "val": _vocab_coverage(store, val_ids, drafter.head.draft_vocab_ids)}
     trainer = Trainer(drafter, target.model, store.load, train_ids, config, rank, world)
     run_dir.mkdir(parents=True, exist_ok=True)
     start = 0
@@ -78,6 +76,8 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     if rank == 0 and start > 0 and history.exists():
         _trim_history(history, start)
     if rank == 0 and start == 0:
+        coverage = {"train": _vocab_coverage(store, train_ids, drafter.head.draft_vocab_ids),
+                    "val": _vocab_coverage(store, val_ids, drafter.head.draft_vocab_ids)}
         history.write_text(json.dumps({"event": "config", "kind": kind, "target": target.name,
                                        "train_sequences": len(train_ids), "val_sequences": len(val_ids),
                                        "train_tokens": sum(store.lengths[i] for i in train_ids),
