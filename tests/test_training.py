@@ -139,13 +139,13 @@ def _gradient_trainer(tiny_dir, seqs_per_step: int, rank: int = 0, world: int = 
     return trainer
 
 
-def _ddp_worker(rank, world, init_file, tiny_dir, result_file):
+def _ddp_worker(rank, world, init_method, tiny_dir, result_file):
     import torch.distributed as dist
 
     from hspec.training.trainer import all_reduce_gradients
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     trainer = _gradient_trainer(tiny_dir, seqs_per_step=1, rank=rank, world=world)
     all_reduce_gradients(trainer.params)
     if rank == 0:
@@ -156,9 +156,15 @@ def _ddp_worker(rank, world, init_file, tiny_dir, result_file):
 
 def test_two_process_gloo_matches_single_process(tiny_dirs, tmp_path):
     """Each of 2 gloo processes takes one of the step's 2 sequences; averaged gradients equal one process's."""
+    import socket
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), tiny_dirs["llama"], str(tmp_path / "g.pt")), nprocs=2)
+    # A TCP store on a free loopback port: the file store's teardown aborted a rank now and then under load.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, f"tcp://127.0.0.1:{port}", tiny_dirs["llama"], str(tmp_path / "g.pt")), nprocs=2)
     ddp_grads = torch.load(tmp_path / "g.pt")
     trainer = _gradient_trainer(tiny_dirs["llama"], seqs_per_step=2)
     for a, p in zip(ddp_grads, trainer.params):
