@@ -18,7 +18,7 @@ may even use different summaries. The interval is the percentile bootstrap inter
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,16 +116,6 @@ def paired_bootstrap_relative_diff(
         The relative difference on all prompts and its interval; e.g. estimate 0.2 means A's
         statistic is 20% above B's.
     """
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    if (
-        isinstance(num_resamples, bool)
-        or not isinstance(num_resamples, (int, np.integer))
-        or num_resamples < 1
-    ):
-        raise ValueError(f"num_resamples must be an integer >= 1, got {num_resamples!r}")
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
     ratio_a = _as_ratio("a", a)
     ratio_b = _as_ratio("b", b)
     if len(ratio_a) != len(ratio_b):
@@ -142,23 +132,64 @@ def paired_bootstrap_relative_diff(
             f"the baseline b must be > 0 for a relative difference; got {ratio_b.numerator[i]} at prompt {i}"
         )
 
-    estimate = ratio_a.value / ratio_b.value - 1.0
+    columns = np.stack([ratio_a.numerator, ratio_a.denominator, ratio_b.numerator, ratio_b.denominator], axis=1)
+    return paired_bootstrap(columns, relative_diff_of_ratios, seed=seed, num_resamples=num_resamples,
+                            confidence=confidence)
 
-    # 1. Draw resamples of prompt indices, the same indices for a and b (this is the pairing).
-    # 2. For each resample, the statistic of each system from its resampled sums.
-    # 3. The interval is given by the quantiles of the resampled relative differences.
+
+def paired_bootstrap(
+    per_prompt: np.ndarray,
+    statistic: Callable[[np.ndarray], np.ndarray],
+    *,
+    seed: int,
+    num_resamples: int = 10_000,
+    confidence: float = 0.95,
+) -> BootstrapCI:
+    """Percentile-bootstrap CI of any statistic of per-prompt sums, resampling whole prompts.
+
+    Args:
+        per_prompt: (N, C) additive per-prompt quantities (numerators, denominators, counts) of every
+            system compared; one row per prompt, so resampling rows keeps all systems paired.
+        statistic: maps column sums of shape (..., C) to values of shape (...); applied to the sums
+            over all prompts (the estimate) and over each resample. It must be finite on every resample.
+        seed, num_resamples, confidence: as in `paired_bootstrap_relative_diff`.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if (
+        isinstance(num_resamples, bool)
+        or not isinstance(num_resamples, (int, np.integer))
+        or num_resamples < 1
+    ):
+        raise ValueError(f"num_resamples must be an integer >= 1, got {num_resamples!r}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    per_prompt = np.asarray(per_prompt, dtype=np.float64)
+    if per_prompt.ndim != 2 or per_prompt.shape[0] < 2:
+        raise ValueError(f"per_prompt must be (N, C) with N >= 2 prompts, got shape {per_prompt.shape}")
+    _check_finite("per_prompt", per_prompt.reshape(-1))
+    n = per_prompt.shape[0]
+    estimate = float(statistic(per_prompt.sum(axis=0)))
+
+    # 1. Draw resamples of prompt indices, the same rows for every system (this is the pairing).
+    # 2. For each resample, the column sums and the statistic of them.
+    # 3. The interval is given by the quantiles of the resampled statistics.
     rng = np.random.default_rng(seed)
     rows_per_chunk = max(1, _INDICES_PER_CHUNK // n)
-    diffs = np.empty(num_resamples, dtype=np.float64)
+    values = np.empty(num_resamples, dtype=np.float64)
     for start in range(0, num_resamples, rows_per_chunk):
         rows = min(rows_per_chunk, num_resamples - start)
         idx = rng.integers(0, n, size=(rows, n))  # (R, N) prompt indices
-        stat_a = ratio_a.numerator[idx].sum(axis=1) / ratio_a.denominator[idx].sum(axis=1)  # (R,)
-        stat_b = ratio_b.numerator[idx].sum(axis=1) / ratio_b.denominator[idx].sum(axis=1)  # (R,)
-        diffs[start : start + rows] = stat_a / stat_b - 1.0
+        values[start : start + rows] = statistic(per_prompt[idx].sum(axis=1))  # (R, C) sums -> (R,)
+    _check_finite("the statistic on a resample", values)
     alpha = 1.0 - confidence
-    low, high = np.quantile(diffs, [alpha / 2, 1.0 - alpha / 2])
-    return BootstrapCI(estimate=float(estimate), low=float(low), high=float(high), confidence=confidence)
+    low, high = np.quantile(values, [alpha / 2, 1.0 - alpha / 2])
+    return BootstrapCI(estimate=estimate, low=float(low), high=float(high), confidence=confidence)
+
+
+def relative_diff_of_ratios(sums: np.ndarray) -> np.ndarray:
+    """(num_a / den_a) / (num_b / den_b) - 1 of column sums (..., 4)."""
+    return (sums[..., 0] / sums[..., 1]) / (sums[..., 2] / sums[..., 3]) - 1.0
 
 
 def _as_ratio(name: str, x: RatioOfSums | Sequence[float] | np.ndarray) -> RatioOfSums:

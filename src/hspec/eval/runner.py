@@ -21,6 +21,7 @@ from hspec.bench.report import provenance, provenance_markdown, write_results
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.sampling import SamplingParams
 from hspec.eval.bootstrap import RatioOfSums, paired_bootstrap_relative_diff
+from hspec.eval.findings import evaluate_claims, render_findings
 from hspec.eval.tasks import load_task
 from hspec.metrics import acceptance_stats, merge_stats
 from hspec.models.loading import load_target
@@ -134,6 +135,9 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
             speed = paired_bootstrap_relative_diff(_itl_ratio(units[label]), _itl_ratio(units[best]), seed=0)
             out["ci"][f"{best} vs {label}"] = {"tau_relative_diff": tau.to_dict(),
                                                 "speedup_relative_diff": speed.to_dict()}
+    ks = set(out["K"].values())
+    if len(ks) == 1 and len({(r["task"], r["item"], r["turn"]) for r in records}) >= 2:
+        out["findings"] = [f.to_dict() for f in evaluate_claims(records, ks.pop())]
     return out
 
 
@@ -214,6 +218,7 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
             t, s = ci["tau_relative_diff"], ci["speedup_relative_diff"]
             lines.append(f"| {name} | {t['estimate']:+.1%} [{t['low']:+.1%}, {t['high']:+.1%}] | "
                          f"{s['estimate']:+.1%} [{s['low']:+.1%}, {s['high']:+.1%}] |")
+    lines += render_findings(summary.get("findings", []))
     return "\n".join(lines) + "\n"
 
 

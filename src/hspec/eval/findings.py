@@ -1,0 +1,156 @@
+"""The paper's three comparative claims, tested on the records of one evaluation.
+
+1. H-Spec leads the baselines (DSpark, DFlash, DFlash with direct KV reuse, P-Eagle, and the
+   model-free n-gram drafter) on tau and on decode speed.
+2. Direct KV reuse alone decays at later block positions: a drafter whose attention reads the
+   target's cached K/V as its only context loses more acceptance at late positions than at the
+   first, compared with the same drafter given its own context.
+3. Both context sources are needed: H-Spec beats its single-source ablations on tau.
+
+Every test is a paired bootstrap over prompts (one prompt = one turn of one item, run by every
+method), so each finding carries a 95% CI, and its verdict says whether the CI lies on the side the
+paper predicts ("supports"), on the other side ("contradicts"), or spans zero ("unresolved"). A
+claim is tested only when its methods were in the run under their kind names (e.g. `hspec`,
+`dflash-kvreuse`), which is how `scripts/compare_smollm2.sh` labels them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hspec.eval.bootstrap import BootstrapCI, paired_bootstrap, relative_diff_of_ratios
+
+BASELINES = ("dspark", "dflash", "dflash-kvreuse", "peagle", "ngram")
+# (KV-reuse-only drafter, the reference it is compared with position by position)
+KV_REUSE_PAIRS = (("dflash-kvreuse", "dflash"), ("dflash-kvreuse", "hspec"), ("hspec-kvreuse-only", "hspec"))
+SINGLE_SOURCE_ABLATIONS = ("hspec-lasttoken-only", "hspec-kvreuse-only")
+FIRST_LATE_POSITION = 4  # "late" block positions are 4..K (1-based)
+
+
+@dataclass(frozen=True)
+class Finding:
+    claim: str  # which of the paper's claims this tests
+    comparison: str  # e.g. "hspec vs dspark"
+    metric: str  # what the estimate measures, in words
+    ci: BootstrapCI
+    prompts: int  # paired prompts the bootstrap resampled
+    paper_sign: int  # +1: the paper predicts estimate > 0; -1: < 0
+
+    @property
+    def verdict(self) -> str:
+        if self.ci.low > 0 or self.ci.high < 0:
+            return "supports" if (self.ci.low > 0) == (self.paper_sign > 0) else "contradicts"
+        return "unresolved"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"claim": self.claim, "comparison": self.comparison, "metric": self.metric,
+                "ci": self.ci.to_dict(), "prompts": self.prompts, "paper_sign": self.paper_sign,
+                "verdict": self.verdict}
+
+
+def evaluate_claims(records: Sequence[dict[str, Any]], K: int, seed: int = 0) -> list[Finding]:
+    """Every claim whose methods are among the records' labels (K: the draft length of the run)."""
+    per_method = _steps_by_prompt(records)
+    present = set(per_method)
+    findings: list[Finding] = []
+    if "hspec" in present:
+        for baseline in (b for b in BASELINES if b in present):
+            tau = _paired_columns(per_method, ["hspec", baseline], _tau_columns)
+            itl = _paired_columns(per_method, ["hspec", baseline], _time_columns)
+            findings.append(Finding("H-Spec leads", f"hspec vs {baseline}", "tau, relative difference",
+                                    _bootstrap(tau, relative_diff_of_ratios, seed), len(tau), +1))
+            findings.append(Finding("H-Spec leads", f"hspec vs {baseline}",
+                                    "decode speed (baseline ITL / hspec ITL - 1)",
+                                    _bootstrap(itl, _inverse_relative_diff, seed), len(itl), +1))
+        for ablation in (a for a in SINGLE_SOURCE_ABLATIONS if a in present):
+            tau = _paired_columns(per_method, ["hspec", ablation], _tau_columns)
+            findings.append(Finding("both context sources needed", f"hspec vs {ablation}",
+                                    "tau, relative difference", _bootstrap(tau, relative_diff_of_ratios, seed),
+                                    len(tau), +1))
+    if K >= FIRST_LATE_POSITION:
+        late = range(FIRST_LATE_POSITION, K + 1)
+        for reuse, reference in ((r, f) for r, f in KV_REUSE_PAIRS if r in present and f in present):
+            columns = _paired_columns(per_method, [reuse, reference], lambda steps: _acceptance_columns(steps, late))
+            reached_all = (columns[:, 1::2] > 0).all(axis=1)  # every pooled acceptance has a denominator
+            columns = columns[reached_all]
+            if len(columns) < 2:
+                continue
+            findings.append(Finding(
+                "direct KV reuse decays at later positions", f"{reuse} vs {reference}",
+                f"acceptance gap at positions {late.start}-{late.stop - 1} minus gap at position 1 (points)",
+                _bootstrap(columns, _gap_widening, seed), len(columns), -1))
+    return findings
+
+
+def render_findings(findings: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown lines: one row per finding (from `Finding.to_dict`)."""
+    if not findings:
+        return []
+    lines = ["\n## The paper's claims, tested (paired bootstrap 95% CIs over prompts)\n",
+             "| claim | comparison | metric | estimate [95% CI] | prompts | verdict |", "|---|---|---|---|---|---|"]
+    for f in findings:
+        ci = f["ci"]
+        points = "points" in f["metric"]
+        fmt = (lambda v: f"{100 * v:+.1f}") if points else (lambda v: f"{v:+.1%}")
+        lines.append(f"| {f['claim']} | {f['comparison']} | {f['metric']} | {fmt(ci['estimate'])} "
+                     f"[{fmt(ci['low'])}, {fmt(ci['high'])}] | {f['prompts']} | {f['verdict']} |")
+    return lines
+
+
+def _steps_by_prompt(records: Sequence[dict[str, Any]]) -> dict[str, dict[tuple, dict[str, Any]]]:
+    """method -> (task, item, turn) -> record."""
+    out: dict[str, dict[tuple, dict[str, Any]]] = {}
+    for r in records:
+        out.setdefault(r["method"], {})[(r["task"], r["item"], r["turn"])] = r
+    return out
+
+
+def _paired_columns(per_method, methods: list[str], columns_of) -> np.ndarray:
+    """(N, C * len(methods)): each method's per-prompt columns side by side, on the prompts all ran."""
+    keys = sorted(set.intersection(*(set(per_method[m]) for m in methods)))
+    blocks = [np.array([columns_of(per_method[m][key]) for key in keys], dtype=np.float64) for m in methods]
+    return np.concatenate(blocks, axis=1)
+
+
+def _tau_columns(record: dict[str, Any]) -> list[float]:
+    """tokens emitted by the drafted steps, steps (a prompt without steps counts as tau 1)."""
+    steps = record["num_accepted"]
+    return [sum(n + 1 for n in steps) if steps else 1.0, max(len(steps), 1)]
+
+
+def _time_columns(record: dict[str, Any]) -> list[float]:
+    """decode seconds, tokens decoded after the first."""
+    return [record["decode_s"], max(record["tokens"] - 1, 1)]
+
+
+def _acceptance_columns(record: dict[str, Any], late: range) -> list[float]:
+    """Conditional acceptance at position 1 and pooled over `late`, as (accepted, reached) counts.
+
+    Position k (1-based) is reached by a step that accepted >= k-1 drafts and accepted by one that
+    accepted >= k.
+    """
+    accepted = np.asarray(record["num_accepted"], dtype=np.int64)
+    first = [float((accepted >= 1).sum()), float(len(accepted))]
+    pooled = [float(sum((accepted >= k).sum() for k in late)), float(sum((accepted >= k - 1).sum() for k in late))]
+    return first + pooled
+
+
+def _bootstrap(columns: np.ndarray, statistic, seed: int) -> BootstrapCI:
+    return paired_bootstrap(columns, statistic, seed=seed)
+
+
+def _inverse_relative_diff(s: np.ndarray) -> np.ndarray:
+    """(b_num / b_den) / (a_num / a_den) - 1: B's time per token over A's, minus 1."""
+    return (s[..., 2] / s[..., 3]) / (s[..., 0] / s[..., 1]) - 1.0
+
+
+def _gap_widening(s: np.ndarray) -> np.ndarray:
+    """(late_a - late_b) - (first_a - first_b) from column sums (..., 8) laid out as
+    [first_acc_a, first_reached_a, late_acc_a, late_reached_a, first_acc_b, ..., late_reached_b]."""
+    first_a, late_a = s[..., 0] / s[..., 1], s[..., 2] / s[..., 3]
+    first_b, late_b = s[..., 4] / s[..., 5], s[..., 6] / s[..., 7]
+    return (late_a - late_b) - (first_a - first_b)
