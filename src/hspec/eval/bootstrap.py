@@ -133,7 +133,7 @@ def paired_bootstrap_relative_diff(
         )
 
     columns = np.stack([ratio_a.numerator, ratio_a.denominator, ratio_b.numerator, ratio_b.denominator], axis=1)
-    return paired_bootstrap(columns, relative_diff_of_ratios, seed=seed, num_resamples=num_resamples,
+    return paired_bootstrap(columns, _relative_diff_of_ratios, seed=seed, num_resamples=num_resamples,
                             confidence=confidence)
 
 
@@ -187,7 +187,7 @@ def paired_bootstrap(
     return BootstrapCI(estimate=estimate, low=float(low), high=float(high), confidence=confidence)
 
 
-def relative_diff_of_ratios(sums: np.ndarray) -> np.ndarray:
+def _relative_diff_of_ratios(sums: np.ndarray) -> np.ndarray:
     """(num_a / den_a) / (num_b / den_b) - 1 of column sums (..., 4)."""
     return (sums[..., 0] / sums[..., 1]) / (sums[..., 2] / sums[..., 3]) - 1.0
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from hspec.eval.bootstrap import BootstrapCI, paired_bootstrap, relative_diff_of_ratios
+from hspec.eval.bootstrap import BootstrapCI, RatioOfSums, paired_bootstrap, paired_bootstrap_relative_diff
 
 BASELINES = ("dspark", "dflash", "dflash-kvreuse", "peagle", "ngram")
 # (KV-reuse-only drafter, the reference it is compared with position by position)
@@ -60,22 +60,23 @@ def evaluate_claims(records: Sequence[dict[str, Any]], K: int, seed: int = 0) ->
     findings: list[Finding] = []
     if "hspec" in present:
         for baseline in (b for b in BASELINES if b in present):
-            tau = _paired_columns(per_method, ["hspec", baseline], _tau_columns)
-            itl = _paired_columns(per_method, ["hspec", baseline], _time_columns)
-            findings.append(Finding("H-Spec leads", f"hspec vs {baseline}", "tau, relative difference",
-                                    _bootstrap(tau, relative_diff_of_ratios, seed), len(tau), +1))
+            ours, theirs = _paired_units(per_method, ["hspec", baseline])
+            tau = paired_bootstrap_relative_diff(tau_ratio(ours), tau_ratio(theirs), seed=seed)
+            speed = paired_bootstrap_relative_diff(itl_ratio(theirs), itl_ratio(ours), seed=seed)
+            findings.append(Finding("H-Spec leads", f"hspec vs {baseline}", "tau, relative difference", tau,
+                                    len(ours), +1))
             findings.append(Finding("H-Spec leads", f"hspec vs {baseline}",
-                                    "decode speed (baseline ITL / hspec ITL - 1)",
-                                    _bootstrap(itl, _inverse_relative_diff, seed), len(itl), +1))
+                                    "decode speed (baseline ITL / hspec ITL - 1)", speed, len(ours), +1))
         for ablation in (a for a in SINGLE_SOURCE_ABLATIONS if a in present):
-            tau = _paired_columns(per_method, ["hspec", ablation], _tau_columns)
+            ours, theirs = _paired_units(per_method, ["hspec", ablation])
+            tau = paired_bootstrap_relative_diff(tau_ratio(ours), tau_ratio(theirs), seed=seed)
             findings.append(Finding("both context sources needed", f"hspec vs {ablation}",
-                                    "tau, relative difference", _bootstrap(tau, relative_diff_of_ratios, seed),
-                                    len(tau), +1))
+                                    "tau, relative difference", tau, len(ours), +1))
     if K >= FIRST_LATE_POSITION:
         late = range(FIRST_LATE_POSITION, K + 1)
         for reuse, reference in ((r, f) for r, f in KV_REUSE_PAIRS if r in present and f in present):
-            columns = _paired_columns(per_method, [reuse, reference], lambda steps: _acceptance_columns(steps, late))
+            columns = np.array([[c for record in prompt for c in _acceptance_columns(record, late)]
+                                for prompt in zip(*_paired_units(per_method, [reuse, reference]))])  # (N, 8)
             reached_all = (columns[:, 1::2] > 0).all(axis=1)  # every pooled acceptance has a denominator
             columns = columns[reached_all]
             if len(columns) < 2:
@@ -83,7 +84,7 @@ def evaluate_claims(records: Sequence[dict[str, Any]], K: int, seed: int = 0) ->
             findings.append(Finding(
                 "direct KV reuse decays at later positions", f"{reuse} vs {reference}",
                 f"acceptance gap at positions {late.start}-{late.stop - 1} minus gap at position 1 (points)",
-                _bootstrap(columns, _gap_widening, seed), len(columns), -1))
+                paired_bootstrap(columns, _gap_widening, seed=seed), len(columns), -1))
     return findings
 
 
@@ -110,22 +111,24 @@ def _steps_by_prompt(records: Sequence[dict[str, Any]]) -> dict[str, dict[tuple,
     return out
 
 
-def _paired_columns(per_method, methods: list[str], columns_of) -> np.ndarray:
-    """(N, C * len(methods)): each method's per-prompt columns side by side, on the prompts all ran."""
+def tau_ratio(units: Sequence[dict[str, Any]]) -> RatioOfSums:
+    """tau over prompts as a ratio of sums: tokens emitted by drafted steps / steps. A prompt that
+    ran no step (it ended at the first token) counts as one step emitting one token."""
+    num = np.array([sum(n + 1 for n in u["num_accepted"]) if u["num_accepted"] else 1 for u in units], dtype=float)
+    den = np.array([max(len(u["num_accepted"]), 1) for u in units], dtype=float)
+    return RatioOfSums(num, den)
+
+
+def itl_ratio(units: Sequence[dict[str, Any]]) -> RatioOfSums:
+    """Time per token over prompts as a ratio of sums: decode seconds / tokens after the first."""
+    return RatioOfSums(np.array([u["decode_s"] for u in units], dtype=float),
+                       np.array([max(u["tokens"] - 1, 1) for u in units], dtype=float))
+
+
+def _paired_units(per_method, methods: list[str]) -> list[list[dict[str, Any]]]:
+    """Each method's records on the prompts every one of them ran, in one prompt order."""
     keys = sorted(set.intersection(*(set(per_method[m]) for m in methods)))
-    blocks = [np.array([columns_of(per_method[m][key]) for key in keys], dtype=np.float64) for m in methods]
-    return np.concatenate(blocks, axis=1)
-
-
-def _tau_columns(record: dict[str, Any]) -> list[float]:
-    """tokens emitted by the drafted steps, steps (a prompt without steps counts as tau 1)."""
-    steps = record["num_accepted"]
-    return [sum(n + 1 for n in steps) if steps else 1.0, max(len(steps), 1)]
-
-
-def _time_columns(record: dict[str, Any]) -> list[float]:
-    """decode seconds, tokens decoded after the first."""
-    return [record["decode_s"], max(record["tokens"] - 1, 1)]
+    return [[per_method[m][key] for key in keys] for m in methods]
 
 
 def _acceptance_columns(record: dict[str, Any], late: range) -> list[float]:
@@ -138,15 +141,6 @@ def _acceptance_columns(record: dict[str, Any], late: range) -> list[float]:
     first = [float((accepted >= 1).sum()), float(len(accepted))]
     pooled = [float(sum((accepted >= k).sum() for k in late)), float(sum((accepted >= k - 1).sum() for k in late))]
     return first + pooled
-
-
-def _bootstrap(columns: np.ndarray, statistic, seed: int) -> BootstrapCI:
-    return paired_bootstrap(columns, statistic, seed=seed)
-
-
-def _inverse_relative_diff(s: np.ndarray) -> np.ndarray:
-    """(b_num / b_den) / (a_num / a_den) - 1: B's time per token over A's, minus 1."""
-    return (s[..., 2] / s[..., 3]) / (s[..., 0] / s[..., 1]) - 1.0
 
 
 def _gap_widening(s: np.ndarray) -> np.ndarray:

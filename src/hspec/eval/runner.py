@@ -14,14 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
 from hspec.bench.report import provenance, provenance_markdown, write_results
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.sampling import SamplingParams
-from hspec.eval.bootstrap import RatioOfSums, paired_bootstrap_relative_diff
-from hspec.eval.findings import evaluate_claims, render_findings
+from hspec.eval.bootstrap import paired_bootstrap_relative_diff
+from hspec.eval.findings import evaluate_claims, itl_ratio, render_findings, tau_ratio
 from hspec.eval.tasks import load_task
 from hspec.metrics import acceptance_stats, merge_stats
 from hspec.models.loading import load_target
@@ -131,8 +130,8 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
         for label in drafters:
             if label == best:
                 continue
-            tau = paired_bootstrap_relative_diff(_tau_ratio(units[best]), _tau_ratio(units[label]), seed=0)
-            speed = paired_bootstrap_relative_diff(_itl_ratio(units[label]), _itl_ratio(units[best]), seed=0)
+            tau = paired_bootstrap_relative_diff(tau_ratio(units[best]), tau_ratio(units[label]), seed=0)
+            speed = paired_bootstrap_relative_diff(itl_ratio(units[label]), itl_ratio(units[best]), seed=0)
             out["ci"][f"{best} vs {label}"] = {"tau_relative_diff": tau.to_dict(),
                                                 "speedup_relative_diff": speed.to_dict()}
     ks = set(out["K"].values())
@@ -170,18 +169,6 @@ def write_report(payload: dict[str, Any], out_dir: Path, stem: str) -> None:
 
 def _per_unit(rows: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
     return [r for r in rows if r["method"] == label]
-
-
-def _tau_ratio(units: list[dict[str, Any]]) -> RatioOfSums:
-    num = np.array([sum(n + 1 for n in u["num_accepted"]) for u in units], dtype=float)
-    den = np.array([max(len(u["num_accepted"]), 1) for u in units], dtype=float)
-    return RatioOfSums(num + (den == 0), den)
-
-
-def _itl_ratio(units: list[dict[str, Any]]) -> RatioOfSums:
-    """Time per token as a ratio of sums (a method's ITL over items)."""
-    return RatioOfSums(np.array([u["decode_s"] for u in units]), np.array([max(u["tokens"] - 1, 1) for u in units],
-                                                                           dtype=float))
 
 
 def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
