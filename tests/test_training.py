@@ -122,6 +122,22 @@ def test_resume_is_exact(tiny_target, features, tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_target_stays_frozen_and_gets_no_gradient(tiny_dirs, features):
+    """Loaded targets are frozen; a target handed over trainable is frozen by the trainer, so the tied
+    LM head that computes the target's distribution gets no full-vocabulary gradient."""
+    from conftest import load_tiny
+
+    target = load_tiny(tiny_dirs["llama"])
+    assert not any(p.requires_grad for p in target.model.parameters())
+    target.model.requires_grad_(True)
+    drafter = _drafter(target)
+    trainer = Trainer(drafter, target.model, features.__getitem__, list(range(len(features))),
+                      TrainConfig(steps=2, seqs_per_step=2, anchors_per_seq=6, seed=3))
+    trainer.train_step(0)
+    assert all(p.grad is None and not p.requires_grad for p in target.model.parameters())
+    assert all(p.grad is not None for p in trainer.params)
+
+
 def _gradient_trainer(tiny_dir, seqs_per_step: int, rank: int = 0, world: int = 1) -> Trainer:
     """The same 4 random sequences and the same initial drafter in every process; gradients of step 0."""
     from conftest import load_tiny

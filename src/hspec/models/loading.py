@@ -138,7 +138,8 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
         model.lm_head.weight = model.embed_tokens.weight
     # The RoPE table is not a checkpoint tensor: it was built on meta, so compute it for real here.
     model.inv_freq = rope_inverse_frequencies(config).to(device)
-    return model.eval()
+    # The target is never trained here: frozen, no gradient reaches (or is computed for) its weights.
+    return model.eval().requires_grad_(False)
 
 
 def _default_gguf_path() -> Path:

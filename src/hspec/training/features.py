@@ -28,6 +28,7 @@ class SequenceFeatures:
     final_hidden: torch.Tensor  # (S, H) after the target's final norm
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # pool layer -> (k, v), each (S, Hkv, D)
 
+    @torch.no_grad()
     def target_probs(self, model: TargetModel, positions: torch.Tensor) -> torch.Tensor:
         """The target's next-token distribution at `positions` (...), shape (..., V), fp32."""
         h = self.final_hidden[positions].to(model.lm_head.weight.dtype)

@@ -171,6 +171,9 @@ class Trainer:
         if not train_ids:
             raise ValueError("no training sequences")
         self.drafter, self.target, self.load_sequence = drafter, target, load_sequence
+        # The target is frozen: without this a tied LM head would get a full-vocabulary weight gradient
+        # every step (the target's distribution is computed from it), costing more than the drafter.
+        target.requires_grad_(False)
         self.train_ids, self.config = list(train_ids), config
         self.rank, self.world_size = rank, world_size
         self.params = [p for p in drafter.parameters() if p.requires_grad]
@@ -196,7 +199,7 @@ class Trainer:
     def compute_gradients(self, step: int) -> tuple[float, list[float], list[float]]:
         """Forward + backward of one step's sequences; returns (loss, ce by position, tv by position)."""
         pairs = self.sequences_for_step(step)
-        total, ce_sum, tv_sum = 0.0, torch.zeros(self.K), torch.zeros(self.K)
+        total, ce_sum, tv_sum = torch.zeros(()), torch.zeros(self.K), torch.zeros(self.K)
         for slot, seq in pairs:
             g = step_generator(self.config.seed, step, slot)
             feats = self.load_sequence(seq)
@@ -207,11 +210,12 @@ class Trainer:
             logits = self.drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens)  # (N, K, Vp)
             parts = drafter_loss(logits, batch.target_probs, batch.labels, self.drafter.head.draft_vocab_ids,
                                  batch.valid, self.config.loss)
-            (parts.loss / len(pairs)).backward()
-            total += float(parts.loss.detach()) / len(pairs)
+            total = total + parts.loss / len(pairs)
             ce_sum += parts.ce / len(pairs)
             tv_sum += parts.tv / len(pairs)
-        return total, ce_sum.tolist(), tv_sum.tolist()
+        if total.requires_grad:  # one backward for the step: sparse gradients (embeddings) are built once
+            total.backward()
+        return float(total.detach()), ce_sum.tolist(), tv_sum.tolist()
 
     def train_step(self, step: int) -> StepLog:
         start = time.perf_counter()
