@@ -30,9 +30,13 @@ class SequenceFeatures:
 
     @torch.no_grad()
     def target_probs(self, model: TargetModel, positions: torch.Tensor) -> torch.Tensor:
-        """The target's next-token distribution at `positions` (...), shape (..., V), fp32."""
-        h = self.final_hidden[positions].to(model.lm_head.weight.dtype)
-        return torch.softmax(model.lm_head(h).float(), dim=-1)
+        """The target's next-token distribution at `positions` (...), shape (..., V), fp32.
+
+        Overlapping blocks ask for the same position several times: each distinct one is computed once.
+        """
+        distinct, where = torch.unique(positions, return_inverse=True)
+        h = self.final_hidden[distinct].to(model.lm_head.weight.dtype)
+        return torch.softmax(model.lm_head(h).float(), dim=-1)[where]
 
 
 @torch.inference_mode()

@@ -181,7 +181,7 @@ class Trainer:
         no_decay = [p for p in self.params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=config.lr, betas=(0.9, 0.95))
+            lr=config.lr, betas=(0.9, 0.95), fused=all(p.device.type in ("cpu", "cuda") for p in self.params))
         self.K = drafter.config.block_size
 
     def sequences_for_step(self, step: int) -> list[tuple[int, int]]:
