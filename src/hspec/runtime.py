@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hspec.drafters import DRAFTERS, Drafter, create_drafter
 from hspec.models.loading import Target
+from hspec.models.weight_layout import store_linear_weights_column_major
 from hspec.training.checkpoint import load_drafter
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -26,7 +27,7 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     if not getattr(cls, "needs_target_model", False):
         return create_drafter(kind, target.config)
     if random_weights:
-        return create_drafter(kind, target.config, target_model=target.model)
+        return _for_inference(create_drafter(kind, target.config, target_model=target.model))
     checkpoint = Path(path) if path is not None else shipped_drafter_path(kind, target.name)
     if not (checkpoint / "config.json").exists():
         raise FileNotFoundError(
@@ -36,4 +37,10 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     drafter = load_drafter(checkpoint, target.model)
     if drafter.kind != kind:
         raise ValueError(f"checkpoint {checkpoint} holds a {drafter.kind!r} drafter, not {kind!r}")
+    return _for_inference(drafter)
+
+
+def _for_inference(drafter: Drafter) -> Drafter:
+    """Eval mode, linear weights in the layout multi-row CPU forwards prefer (see models/weight_layout)."""
+    store_linear_weights_column_major(drafter)
     return drafter.eval()

@@ -5,10 +5,13 @@
    interleaved prompt by prompt so machine noise hits both alike. Reported as ratios ours / HF.
 2. The cost of a (K+1)-token target forward (a verify) relative to a 1-token decode at the same
    context, for K = 3, 7, 15, interleaved.
+3. The weight layout: the same forwards (1 token and K+1 tokens) with the runtime's column-major
+   linear weights (models/weight_layout.py) and with a row-major copy of the target, interleaved.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from pathlib import Path
@@ -51,6 +54,7 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
                 print(f"[decode] round {r + 1}/{repeats} prompt {i + 1}/{len(prompts)}: "
                       f"ours {1000 * ours_s[-1]:.1f} ms/tok, transformers {1000 * hf_s[-1]:.1f} ms/tok", flush=True)
         verify_ratios = _verify_costs(target.model, prompts[0], repeats * 5)
+        layout_ms = _layout_costs(target.model, prompts[0], repeats * 5)
 
     ratios = [o / h for o, h in zip(ours_s, hf_s)]
     payload = {
@@ -66,6 +70,8 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
         },
         "verify_cost": {str(k): _summary(v) for k, v in verify_ratios.items()},
         "verify_goal": "K=7 (8 tokens) <= 1.8x a 1-token decode",
+        "weight_layout_ms": {layout: {str(n): _summary(v) for n, v in per_n.items()}
+                             for layout, per_n in layout_ms.items()},
     }
     md = ["# Plain decoding and verify cost on CPU\n", provenance_markdown(payload["provenance"]),
           "\n## Plain decode: time per token (prefill included, N tokens each, interleaved)\n",
@@ -79,6 +85,14 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
            "| K | tokens | min | median | max |", "|---|---|---|---|---|"]
     for k, s in payload["verify_cost"].items():
         md.append(f"| {k} | {int(k) + 1} | {s['min']:.2f} | {s['median']:.2f} | {s['max']:.2f} |")
+    md += ["\n## Weight layout: target forward time (ms, median) by new tokens, interleaved\n",
+           "| tokens | row-major (out, in) | column-major (runtime) | column / row | "
+           "row-major: ratio to 1 token | column-major: ratio to 1 token |", "|---|---|---|---|---|---|"]
+    medians = {layout: {n: s["median"] for n, s in per_n.items()} for layout, per_n in payload["weight_layout_ms"].items()}
+    for n in medians["row"]:
+        row, col = medians["row"][n], medians["column"][n]
+        md.append(f"| {n} | {row:.1f} | {col:.1f} | {col / row:.2f} | {row / medians['row']['1']:.2f} | "
+                  f"{col / medians['column']['1']:.2f} |")
     json_path, md_path = write_results(Path(out_dir), "decode_cpu", payload, "\n".join(md) + "\n")
     print("\n".join(md))
     print(f"\nwrote {json_path} and {md_path}")
@@ -108,6 +122,35 @@ def _verify_costs(model, prompt: list[int], rounds: int) -> dict[int, list[float
             one = timed(1)
             ratios[k].append(timed(k + 1) / one)
     return ratios
+
+
+def _layout_costs(model, prompt: list[int], rounds: int) -> dict[str, dict[int, list[float]]]:
+    """Milliseconds of 1- and (K+1)-token forwards after `prompt`, for the runtime's column-major
+    weights and for a row-major copy of the same model, alternating between the two."""
+    row_major = copy.deepcopy(model)
+    for module in row_major.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
+    if model.config.tie_word_embeddings:
+        row_major.embed_tokens.weight = row_major.lm_head.weight
+    sizes = (1, *(k + 1 for k in VERIFY_KS))
+    times: dict[str, dict[int, list[float]]] = {"row": {n: [] for n in sizes}, "column": {n: [] for n in sizes}}
+    pools = {}
+    for layout, m in (("row", row_major), ("column", model)):
+        pool = m.new_pool(num_blocks=-(-(len(prompt) + 32) // 16))
+        pool.add_sequence(0)
+        m(torch.tensor([prompt]), pool, [0])
+        pools[layout] = (m, pool)
+    vocab = model.config.vocab_size
+    for _ in range(rounds):
+        for n in sizes:
+            ids = torch.randint(0, vocab, (1, n))
+            for layout, (m, pool) in pools.items():
+                t = time.perf_counter()
+                m(ids, pool, [0])
+                times[layout][n].append(1000 * (time.perf_counter() - t))
+                pool.truncate(0, len(prompt))
+    return times
 
 
 def _summary(values: list[float]) -> dict[str, float]:

