@@ -34,7 +34,6 @@ def test_values_kept_ties_kept_outputs_equal():
 
 def test_loaded_target_and_drafter_use_it(tiny_dirs, tmp_path):
     from conftest import load_tiny
-
     from hspec.runtime import build_drafter
     from hspec.training.checkpoint import save_drafter
 

@@ -88,7 +88,8 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
     md += ["\n## Weight layout: target forward time (ms, median) by new tokens, interleaved\n",
            "| tokens | row-major (out, in) | column-major (runtime) | column / row | "
            "row-major: ratio to 1 token | column-major: ratio to 1 token |", "|---|---|---|---|---|---|"]
-    medians = {layout: {n: s["median"] for n, s in per_n.items()} for layout, per_n in payload["weight_layout_ms"].items()}
+    medians = {layout: {n: s["median"] for n, s in per_n.items()}
+               for layout, per_n in payload["weight_layout_ms"].items()}
     for n in medians["row"]:
         row, col = medians["row"][n], medians["column"][n]
         md.append(f"| {n} | {row:.1f} | {col:.1f} | {col / row:.2f} | {row / medians['row']['1']:.2f} | "

@@ -12,7 +12,6 @@ to the rounding of a different GEMM kernel.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 
