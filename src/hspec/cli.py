@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bdec = bench_sub.add_parser("decode", help="plain-decode ITL vs transformers; verify cost vs K",
                                 description="Interleaved plain-decode ITL of this runtime vs transformers' "
-                                            "eager generate, and the cost of a (K+1)-token verify.")
+                                            "eager generate, the cost of a (K+1)-token verify, and both "
+                                            "with row-major vs the runtime's column-major linear weights.")
     _add_target(bdec)
     bdec.add_argument("--num-prompts", type=int, default=4)
     bdec.add_argument("--max-new-tokens", type=int, default=64)
