@@ -32,6 +32,27 @@ def test_values_kept_ties_kept_outputs_equal():
     assert _is_column_major(model[0].weight)
 
 
+def test_embedding_tied_to_a_linear_keeps_sharing_it():
+    embed = nn.Embedding(10, 6)
+    head = nn.Linear(6, 10, bias=False)
+    head.weight = embed.weight
+    model = nn.ModuleDict({"embed": embed, "head": head})
+    rows = embed(torch.tensor([1, 7])).detach().clone()
+    store_linear_weights_column_major(model)
+    assert model["embed"].weight is model["head"].weight and _is_column_major(model["head"].weight)
+    assert torch.equal(model["embed"](torch.tensor([1, 7])), rows)
+
+
+def test_tied_tiny_target_keeps_its_tie(tiny_dirs):
+    from conftest import load_tiny
+
+    tied = [name for name in tiny_dirs if load_tiny(tiny_dirs[name]).config.tie_word_embeddings]
+    assert tied
+    target = load_tiny(tiny_dirs[tied[0]])
+    assert target.model.embed_tokens.weight is target.model.lm_head.weight
+    assert _is_column_major(target.model.lm_head.weight)
+
+
 def test_loaded_target_and_drafter_use_it(tiny_dirs, tmp_path):
     from conftest import load_tiny
     from hspec.runtime import build_drafter

@@ -102,26 +102,14 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
 
 def _verify_costs(model, prompt: list[int], rounds: int) -> dict[int, list[float]]:
     """Per K: ratios time(K+1-token forward) / time(1-token forward), both after the same prompt."""
-    pool = model.new_pool(num_blocks=-(-(len(prompt) + 32) // 16))
-    pool.add_sequence(0)
-    model(torch.tensor([prompt]), pool, [0])
-    base = len(prompt)
+    pool = _prefilled_pool(model, prompt)
     vocab = model.config.vocab_size
     ratios: dict[int, list[float]] = {k: [] for k in VERIFY_KS}
-
-    def timed(n: int) -> float:
-        ids = torch.randint(0, vocab, (1, n))
-        t = time.perf_counter()
-        model(ids, pool, [0])
-        elapsed = time.perf_counter() - t
-        pool.truncate(0, base)
-        return elapsed
-
-    timed(1)
+    _timed_forward(model, pool, torch.randint(0, vocab, (1, 1)))
     for _ in range(rounds):
         for k in VERIFY_KS:
-            one = timed(1)
-            ratios[k].append(timed(k + 1) / one)
+            one = _timed_forward(model, pool, torch.randint(0, vocab, (1, 1)))
+            ratios[k].append(_timed_forward(model, pool, torch.randint(0, vocab, (1, k + 1))) / one)
     return ratios
 
 
@@ -132,26 +120,36 @@ def _layout_costs(model, prompt: list[int], rounds: int) -> dict[str, dict[int, 
     for module in row_major.modules():
         if isinstance(module, torch.nn.Linear):
             module.weight = torch.nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
-    if model.config.tie_word_embeddings:
+    if model.lm_head.weight is model.embed_tokens.weight:
         row_major.embed_tokens.weight = row_major.lm_head.weight
     sizes = (1, *(k + 1 for k in VERIFY_KS))
-    times: dict[str, dict[int, list[float]]] = {"row": {n: [] for n in sizes}, "column": {n: [] for n in sizes}}
-    pools = {}
-    for layout, m in (("row", row_major), ("column", model)):
-        pool = m.new_pool(num_blocks=-(-(len(prompt) + 32) // 16))
-        pool.add_sequence(0)
-        m(torch.tensor([prompt]), pool, [0])
-        pools[layout] = (m, pool)
-    vocab = model.config.vocab_size
+    models = {"row": row_major, "column": model}
+    pools = {layout: _prefilled_pool(m, prompt) for layout, m in models.items()}
+    times: dict[str, dict[int, list[float]]] = {layout: {n: [] for n in sizes} for layout in models}
     for _ in range(rounds):
         for n in sizes:
-            ids = torch.randint(0, vocab, (1, n))
-            for layout, (m, pool) in pools.items():
-                t = time.perf_counter()
-                m(ids, pool, [0])
-                times[layout][n].append(1000 * (time.perf_counter() - t))
-                pool.truncate(0, len(prompt))
+            ids = torch.randint(0, model.config.vocab_size, (1, n))
+            for layout, m in models.items():
+                times[layout][n].append(1000 * _timed_forward(m, pools[layout], ids))
     return times
+
+
+def _prefilled_pool(model, prompt: list[int]):
+    """A pool holding sequence 0 with `prompt` cached and room for 32 more positions."""
+    pool = model.new_pool(num_blocks=-(-(len(prompt) + 32) // 16))
+    pool.add_sequence(0)
+    model(torch.tensor([prompt]), pool, [0])
+    return pool
+
+
+def _timed_forward(model, pool, ids: torch.Tensor) -> float:
+    """Seconds of one forward of `ids` (1, n) after the cached prompt; the pool is cut back after it."""
+    base = pool.length(0)
+    t = time.perf_counter()
+    model(ids, pool, [0])
+    elapsed = time.perf_counter() - t
+    pool.truncate(0, base)
+    return elapsed
 
 
 def _summary(values: list[float]) -> dict[str, float]:

@@ -137,9 +137,7 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
                           strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    store_linear_weights_column_major(model)
-    if config.tie_word_embeddings:  # the embedding keeps sharing the (re-stored) LM head tensor
-        model.embed_tokens.weight = model.lm_head.weight
+    store_linear_weights_column_major(model)  # a tied embedding keeps sharing the re-stored tensor
     # The RoPE table is not a checkpoint tensor: it was built on meta, so compute it for real here.
     model.inv_freq = rope_inverse_frequencies(config).to(device)
     # The target is never trained here: frozen, no gradient reaches (or is computed for) its weights.

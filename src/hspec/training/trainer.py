@@ -213,7 +213,7 @@ class Trainer:
             total = total + parts.loss / len(pairs)
             ce_sum += parts.ce / len(pairs)
             tv_sum += parts.tv / len(pairs)
-        if total.requires_grad:  # one backward for the step: sparse gradients (embeddings) are built once
+        if total.requires_grad:  # one backward a step: the Markov head's dense (V, r) gradient is built once
             total.backward()
         return float(total.detach()), ce_sum.tolist(), tv_sum.tolist()
 
