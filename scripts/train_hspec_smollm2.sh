@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 HSPEC=.venv/bin/hspec
 STEPS=${STEPS:-5000}
+TUNE_STEPS=${TUNE_STEPS:-3500}
 PARTS="part1 part2 part3 part4 part5 part6 part7"
+TARGETED_PARTS="part8 part9"
 
 # 1. The target's own greedy responses to the shuffled training prompts, in parts of one prompt order
 #    (part1 = prompts 0-191, then 400 each), two 1-thread processes side by side. ~45 min on 2 cores.
@@ -21,8 +23,20 @@ gen() {  # gen NAME SKIP COUNT
 (gen part1 0 192 && gen part2 192 400 && gen part4 992 400 && gen part6 1792 400) &
 (gen part3 592 400 && gen part5 1392 400 && gen part7 2192 400) &
 wait
+#    Then prompts closer to Spec-Bench's tasks (GSM8K train questions, prompts of 385-1,024 tokens, "Summarize:"
+#    prompts; see the script's docstring), none from an evaluation set: 876 more responses, ~45 min on 2 cores.
+python3 scripts/build_targeted_prompts.py runs/data/prompts_targeted.jsonl --gsm8k 240 --summaries 160 \
+  --exclude results/train_data/corpus_part[1-7].jsonl
+gen_targeted() {  # gen_targeted NAME SKIP [COUNT]
+  OMP_NUM_THREADS=1 $HSPEC data generate --prompts runs/data/prompts_targeted.jsonl --skip-prompts "$2" \
+    ${3:+--num-prompts "$3"} --max-prompt-tokens 1024 --max-new-tokens 192 --batch-size 16 \
+    --out "runs/data/corpus_$1.jsonl"
+}
+gen_targeted part8 0 447 &
+gen_targeted part9 447 &
+wait
 # 2. Target features (5 selected layers' hidden states, their K/V, final hidden), cached once per part.
-for part in $PARTS; do
+for part in $PARTS $TARGETED_PARTS; do
   OMP_NUM_THREADS=2 $HSPEC data features --corpus "runs/data/corpus_$part.jsonl" --out "runs/features/$part"
 done
 features=$(for part in $PARTS; do printf 'runs/features/%s,' "$part"; done)
@@ -30,9 +44,13 @@ features=$(for part in $PARTS; do printf 'runs/features/%s,' "$part"; done)
 #    of the 8,192 most frequent training tokens (see README: why not the paper's 32,000 on this target).
 OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${features%,}" --out runs/train/hspec_v3 \
   --steps "$STEPS" --val-every 500 --draft-vocab 8192
+# 3b. Continue from that drafter on all nine parts (the same recipe, its schedule started over).
+all_features=$(for part in $PARTS $TARGETED_PARTS; do printf 'runs/features/%s,' "$part"; done)
+OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${all_features%,}" --out runs/train/hspec_v4 \
+  --steps "$TUNE_STEPS" --val-every 500 --init-from runs/train/hspec_v3/drafter
 # 4. Ship it (bf16 weights) and report.
-$HSPEC export-drafter runs/train/hspec_v3/drafter src/hspec/assets/hspec-smollm2-135m-instruct --dtype bf16
-$HSPEC train-report runs/train/hspec_v3 --out results/train_hspec_smollm2.md \
+$HSPEC export-drafter runs/train/hspec_v4/drafter src/hspec/assets/hspec-smollm2-135m-instruct --dtype bf16
+$HSPEC train-report runs/train/hspec_v3 runs/train/hspec_v4 --out results/train_hspec_smollm2.md \
   --title "H-Spec on SmolLM2-135M-Instruct (CPU)"
 # 5. Greedy K = 7 on a fixed Spec-Bench subset (24 items, 28 turns), interleaved with plain decoding and
 #    n-gram drafting (the issue's measurement), and the draft cost at the shipped draft vocabulary.

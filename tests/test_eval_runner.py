@@ -138,3 +138,18 @@ def test_method_labels_name_the_run_and_must_be_distinct():
     with pytest.raises(ValueError, match="share a label"):
         run_eval("unused", [MethodSpec("hspec"), MethodSpec("hspec", "x/hspec")], ["mt_bench"], 1, 3, None, 4,
                  None, "x")
+
+
+def test_a_kind_is_compared_with_its_other_checkpoints():
+    rows = _records()
+    for row in [r for r in rows if r["method"] == "b"]:
+        rows.append({**row, "method": "a@old"})  # the old checkpoint of kind a drafts like b
+    summary = summarize(rows, ["none", "a", "b", "a@old"], K=3)
+    assert set(summary["ci"]) == {"a vs b", "a vs a@old"}  # a is the best: no duplicate entry
+    ci = summary["ci"]["a vs a@old"]["tau_relative_diff"]
+    assert ci["estimate"] == pytest.approx((7 / 3) / 1.5 - 1)
+    speed = summary["ci"]["a vs a@old"]["speedup_relative_diff"]
+    assert speed["estimate"] == pytest.approx(0.8 / 0.5 - 1)
+    worse_default = summarize([{**r, "method": {"a": "a@new", "a@old": "a"}.get(r["method"], r["method"])}
+                               for r in rows], ["none", "a", "b", "a@new"], K=3)
+    assert "a@new vs a" in worse_default["ci"] and "a vs a@new" not in worse_default["ci"]  # once, best first

@@ -12,7 +12,7 @@ import torch
 from hspec.bench import draft as draft_bench
 from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.training import run as train_run
-from hspec.training.checkpoint import load_drafter
+from hspec.training.checkpoint import load_drafter, save_drafter
 from hspec.training.store import FeatureStore
 from hspec.training.trainer import TrainConfig
 
@@ -68,3 +68,46 @@ def test_draft_vocabulary_of_a_model_free_kind_is_refused(tiny_target):
 
     with pytest.raises(ValueError, match="'ngram'"):
         drafter_config("ngram", tiny_target.config, draft_vocab_size=10)
+
+
+def test_train_from_a_saved_drafter_starts_from_its_weights_and_vocabulary(tmp_path, tiny_target, feature_dir,
+                                                                           monkeypatch):
+    monkeypatch.setattr(train_run, "load_target", lambda name: tiny_target)
+    first = train_run.train("hspec", "tiny", [feature_dir], tmp_path / "first", TrainConfig(steps=2,
+                            seqs_per_step=2, anchors_per_seq=2), val_every=2, draft_vocab_size=20)
+    start = load_drafter(first, tiny_target.model)
+    # a vocabulary the data would never choose (the 20 highest ids), so keeping it is visible
+    start.head.set_vocab(torch.arange(tiny_target.config.vocab_size - 20, tiny_target.config.vocab_size))
+    save_drafter(start, tmp_path / "start", verifier_name_or_path="tiny",
+                 verifier_architectures=[tiny_target.config.architecture])
+
+    tuned_dir = train_run.train("hspec", "tiny", [feature_dir], tmp_path / "tuned",
+                                TrainConfig(steps=1, lr=1e-5, seqs_per_step=2, anchors_per_seq=2), val_every=1,
+                                init_from=tmp_path / "start")
+    tuned = load_drafter(tuned_dir, tiny_target.model)
+    assert torch.equal(tuned.head.draft_vocab_ids, start.head.draft_vocab_ids)
+    before, after = start.drafter_state_dict(), tuned.drafter_state_dict()
+    moved = max((after[k].float() - before[k].float()).abs().max().item() for k in before)
+    assert 5e-6 < moved < 2e-5  # one Adam step of lr 1e-5 from the saved weights (they train, from there)
+    history = json.loads((tmp_path / "tuned" / "history.jsonl").read_text().split("\n")[0])
+    assert history["init_from"] == str(tmp_path / "start")
+    from hspec.training.report import write_training_report
+
+    report = write_training_report([tmp_path / "first", tmp_path / "tuned"], tmp_path / "report.md", "t").read_text()
+    assert f"tuned starts from the drafter `{tmp_path / 'start'}`" in report
+
+    with pytest.raises(ValueError, match="holds a 'hspec' drafter, not the 'dflash'"):
+        train_run.train("dflash", "tiny", [feature_dir], tmp_path / "wrong_kind", TrainConfig(steps=1),
+                        init_from=tmp_path / "start")
+    with pytest.raises(ValueError, match="--draft-vocab 30 differs"):
+        train_run.train("hspec", "tiny", [feature_dir], tmp_path / "wrong_vocab", TrainConfig(steps=1),
+                        draft_vocab_size=30, init_from=tmp_path / "start")
+
+
+def test_report_continues_the_step_axis_of_the_run_a_drafter_started_from():
+    from hspec.training.report import _steps_before
+
+    runs = {"base": {"config": {"steps": 500}}, "tuned": {"config": {"steps": 300, "init_from": "x/base/drafter"}},
+            "again": {"config": {"steps": 10, "init_from": "y/tuned/drafter"}},
+            "elsewhere": {"config": {"steps": 10, "init_from": "z/other/drafter"}}}
+    assert [_steps_before(runs[n], runs) for n in runs] == [0, 500, 800, 0]

@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--draft-vocab", type=int, default=None,
                        help="pruned draft vocabulary size Vp: the most frequent training tokens (default: the "
                             "paper's 32,000, or the whole vocabulary if smaller)")
+    train.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
+                       help="start from this saved drafter of the same kind (e.g. RUN/drafter of an earlier run) "
+                            "to train it on more data; keeps its config and draft vocabulary, restarts the "
+                            "schedule (warmup + half-cosine over --steps)")
 
     ev = sub.add_parser("eval", help="drafters vs plain decoding on the task suites (tau, speedup, CIs)",
                         description="Runs plain decoding and each drafter item by item (interleaved) on fixed "
@@ -268,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  cod_keep=args.drafter == "peagle")
             out = Path(args.out or f"runs/train/{args.drafter}")
             saved = run_training(args.drafter, args.target, [Path(p) for p in args.features.split(",")], out,
-                                 config, val_every=args.val_every, draft_vocab_size=args.draft_vocab)
+                                 config, val_every=args.val_every, draft_vocab_size=args.draft_vocab,
+                                 init_from=None if args.init_from is None else Path(args.init_from))
             print(f"wrote {saved}")
             return 0
         if args.command == "serve":

@@ -103,7 +103,7 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
     """tau, speedup and acceptance per task (and 'all') and method, plus bootstrap CIs.
 
     A record's own "K" (draft-length sweeps) overrides `K`. CIs compare, among the drafters run at the
-    same K, the best by tau with each other one.
+    same K, the best by tau with each other one, and a kind's default checkpoint with its others (kind@name).
     """
     groups = _groups(records)
     k_of = {label: next((r.get("K", K) for r in records if r["method"] == label), K) for label in labels}
@@ -134,6 +134,15 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
             speed = paired_bootstrap_relative_diff(itl_ratio(units[label]), itl_ratio(units[best]), seed=0)
             out["ci"][f"{best} vs {label}"] = {"tau_relative_diff": tau.to_dict(),
                                                 "speedup_relative_diff": speed.to_dict()}
+        for label in drafters:  # a kind's default checkpoint against its other checkpoints (kind@name)
+            kind = label.split("@", 1)[0]
+            compared = {f"{kind} vs {label}", f"{label} vs {kind}"} & set(out["ci"])
+            if "@" not in label or kind not in drafters or compared:
+                continue
+            tau = paired_bootstrap_relative_diff(tau_ratio(units[kind]), tau_ratio(units[label]), seed=0)
+            speed = paired_bootstrap_relative_diff(itl_ratio(units[label]), itl_ratio(units[kind]), seed=0)
+            out["ci"][f"{kind} vs {label}"] = {"tau_relative_diff": tau.to_dict(),
+                                               "speedup_relative_diff": speed.to_dict()}
     ks = set(out["K"].values())
     if len(ks) == 1 and len({(r["task"], r["item"], r["turn"]) for r in records}) >= 2:
         out["findings"] = [f.to_dict() for f in evaluate_claims(records, ks.pop())]
@@ -199,7 +208,8 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
     lines += _k_sensitivity_table(summary)
     lines += [f"\n![{name}]({name})" for name in images]
     if summary["ci"]:
-        lines += ["\n## Paired bootstrap 95% CIs (best drafter by tau vs each other; 10,000 resamples)\n",
+        lines += ["\n## Paired bootstrap 95% CIs (best drafter by tau vs each other, a kind vs its other checkpoints; "
+                  "10,000 resamples)\n",
                   "| comparison | tau: relative diff [CI] | speed: relative diff [CI] |", "|---|---|---|"]
         for name, ci in summary["ci"].items():
             t, s = ci["tau_relative_diff"], ci["speedup_relative_diff"]

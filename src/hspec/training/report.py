@@ -27,6 +27,15 @@ def read_history(run_dir: Path) -> dict[str, Any]:
     return {"config": config, "steps": steps, "validations": validations}
 
 
+def _steps_before(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> int:
+    """Steps of the shown run whose `drafter/` this run started from (`--init-from`), else 0."""
+    init_from = run["config"].get("init_from")
+    if not init_from or Path(init_from).name != "drafter" or Path(init_from).parent.name not in runs:
+        return 0
+    parent = runs[Path(init_from).parent.name]
+    return int(parent["config"].get("steps", 0)) + _steps_before(parent, runs)
+
+
 def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra: dict[str, Any] | None = None) -> Path:
     """Plot the loss curves (PNG next to `out_md`) and tabulate the runs' final validation."""
     import matplotlib
@@ -35,18 +44,20 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
     import matplotlib.pyplot as plt
 
     runs = {d.name: read_history(d) for d in run_dirs}
+    offsets = {name: _steps_before(run, runs) for name, run in runs.items()}
     fig, (ax_loss, ax_tau, ax_acc) = plt.subplots(1, 3, figsize=(16, 4))
     for name, run in runs.items():
-        xs = [s["step"] for s in run["steps"]]
+        xs = [s["step"] + offsets[name] for s in run["steps"]]
         ax_loss.plot(xs, [s["loss"] for s in run["steps"]], label=name)
         if run["validations"]:
-            ax_tau.plot([v["step"] for v in run["validations"]],
+            ax_tau.plot([v["step"] + offsets[name] for v in run["validations"]],
                         [v["mean_accepted_length"] for v in run["validations"]], marker=".", label=name)
             last = run["validations"][-1]
             acc = [a if a is not None else float("nan") for a in last["acceptance_by_position"]]
             label = f"{name} (tau {last['mean_accepted_length']:.2f})"
             ax_acc.plot(range(1, len(acc) + 1), acc, marker="o", label=label)
-    ax_loss.set(xlabel="optimizer step", ylabel="loss (0.1 CE + 0.9 TV, weighted)", title="training loss")
+    ax_loss.set(xlabel="optimizer step (a run started from another shown here continues its axis)",
+                ylabel="loss (0.1 CE + 0.9 TV, weighted)", title="training loss")
     ax_acc.set(xlabel="block position k", ylabel="P(accept k | accepted k-1)", title="validation acceptance (greedy)",
                ylim=(0, 1))
     ax_tau.set(xlabel="optimizer step", ylabel="validation tau (greedy, teacher-forced)",
@@ -81,6 +92,11 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
                      f"{wall:.1f} | {c.get('trainable_params', 0):,} | "
                      f"{steps[-1]['loss'] if steps else float('nan'):.3f} | "
                      f"{'-' if tau is None else f'{tau:.2f}'} | {acc} |")
+    for name, run in runs.items():
+        if run["config"].get("init_from"):
+            lines.append(f"\n{name} starts from the drafter `{run['config']['init_from']}` (its weights and draft "
+                         f"vocabulary; the schedule starts over: lr {run['config'].get('lr')}, "
+                         f"{run['config'].get('steps')} steps).")
     lines.append("\nWall time is estimated from the logged steps' durations (mean logged step time x steps).")
     out_md.write_text("\n".join(lines) + "\n")
     return out_md

@@ -20,9 +20,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from hspec.drafters import create_drafter, drafter_config
-from hspec.drafters.common import kv_layer_of, select_target_layers
+from hspec.drafters.common import NeuralDrafter, kv_layer_of, select_target_layers
 from hspec.models.loading import load_target
-from hspec.training.checkpoint import load_training_state, save_drafter, save_training_state
+from hspec.training.checkpoint import (
+    load_drafter,
+    load_training_state,
+    read_checkpoint,
+    save_drafter,
+    save_training_state,
+)
 from hspec.training.datagen import read_corpus
 from hspec.training.store import FeatureStore, FeatureStores
 from hspec.training.trainer import TrainConfig, Trainer
@@ -49,10 +55,12 @@ def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_seque
 
 def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path, config: TrainConfig,
           log_every: int = 10, val_every: int = 100, val_sequences: int = 24,
-          draft_vocab_size: int | None = None) -> Path:
+          draft_vocab_size: int | None = None, init_from: Path | None = None) -> Path:
     """Train `kind` on the cached features; resumable; returns the saved drafter directory.
 
     `draft_vocab_size` (Vp) overrides the kind's default pruned vocabulary (the paper's 32,000).
+    `init_from` starts from a saved drafter of the same kind instead of a fresh one (fine-tuning on more
+    data): its config and draft vocabulary are kept, and the recipe's schedule starts over.
     """
     rank, world = _init_distributed()
     torch.manual_seed(config.seed)
@@ -61,11 +69,14 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     available = store.available()
     train_ids = [i for i in available if not is_validation(store.ids[i])]
     val_ids = [i for i in available if is_validation(store.ids[i])][:val_sequences]
-    config_override = None if draft_vocab_size is None else drafter_config(kind, target.config,
-                                                                           draft_vocab_size=draft_vocab_size)
-    drafter = create_drafter(kind, target.config, target_model=target.model, config=config_override)
-    drafter.head.set_vocab(_draft_vocabulary(store, train_ids, target.config.vocab_size,
-                                             drafter.config.draft_vocab_size))
+    if init_from is not None:
+        drafter = _initial_drafter(init_from, kind, target.model, draft_vocab_size)
+    else:
+        config_override = None if draft_vocab_size is None else drafter_config(kind, target.config,
+                                                                               draft_vocab_size=draft_vocab_size)
+        drafter = create_drafter(kind, target.config, target_model=target.model, config=config_override)
+        drafter.head.set_vocab(_draft_vocabulary(store, train_ids, target.config.vocab_size,
+                                                 drafter.config.draft_vocab_size))
     trainer = Trainer(drafter, target.model, store.load, train_ids, config, rank, world)
     run_dir.mkdir(parents=True, exist_ok=True)
     start = 0
@@ -84,6 +95,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                                        "trainable_params": drafter.num_trainable_params(),
                                        "draft_vocab_size": drafter.config.draft_vocab_size,
                                        "draft_vocab_coverage": coverage,
+                                       "init_from": None if init_from is None else str(init_from),
                                        "world_size": world, **asdict(config)}, default=str) + "\n")
     bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
     for step in range(start, config.steps):
@@ -109,6 +121,19 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         dist.barrier()
         dist.destroy_process_group()
     return out
+
+
+def _initial_drafter(path: Path, kind: str, target_model: torch.nn.Module,
+                     draft_vocab_size: int | None) -> NeuralDrafter:
+    """The saved drafter at `path`, checked to be a `kind` with the requested draft vocabulary size."""
+    info = read_checkpoint(path)
+    if info.kind != kind:
+        raise ValueError(f"--init-from {path} holds a {info.kind!r} drafter, not the {kind!r} being trained")
+    saved_vocab = info.drafter_config.draft_vocab_size
+    if draft_vocab_size is not None and draft_vocab_size != saved_vocab:
+        raise ValueError(f"--draft-vocab {draft_vocab_size} differs from the draft vocabulary of --init-from "
+                         f"{path} ({saved_vocab}); omit it to keep the saved one")
+    return load_drafter(path, target_model, dtype=torch.float32)
 
 
 def _draft_vocabulary(store: FeatureStores, train_ids: list[int], vocab_size: int, keep: int) -> torch.Tensor:

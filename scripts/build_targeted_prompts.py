@@ -1,0 +1,74 @@
+"""Training prompts closer to Spec-Bench's tasks than the default mix, none taken from an evaluation set.
+
+The default corpus (`train_prompts.jsonl`, prompts of at most 384 tokens) is mostly short chat and code
+requests. Spec-Bench also asks for grade-school math, and for summaries of and answers about long passages,
+where much of the answer is copied from the prompt. This writes, in the normalized format
+({id, category, turns}):
+
+- `gsm8k_train/<line>`: questions of the GSM8K *train* split (Spec-Bench's math items come from its test split);
+- `long/<id>`: training prompts longer than the default corpus allowed (its generation skipped them);
+- `summarize/<id>`: "Summarize: " followed by a long prose training prompt (Spec-Bench's summarization
+  prompts have this form; the passages here are user texts from the training sources, not news articles).
+
+Usage: python scripts/build_targeted_prompts.py OUT.jsonl [--gsm8k 320] [--summaries 200] [--exclude CORPUS ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+from pathlib import Path
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+LONG_PROMPT_CHARS = 1300  # ~330 tokens: shorter prompts were already eligible for the default corpus
+MAX_PROMPT_CHARS = 4000  # ~1,000 tokens: the generation's --max-prompt-tokens 1024 drops the rest
+CODE_CHARACTERS = set("{}[];=<>_/\\|`$#")
+
+
+def _is_prose(text: str) -> bool:
+    """Mostly letters and spaces, few characters typical of code or markup."""
+    code = sum(ch in CODE_CHARACTERS for ch in text)
+    letters = sum(ch.isalpha() or ch.isspace() for ch in text)
+    return code / len(text) < 0.01 and letters / len(text) > 0.9
+
+
+def build(gsm8k_count: int, summary_count: int, excluded_ids: set[str], seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    with gzip.open(SHARED_DATA / "gsm8k" / "train.jsonl.gz", "rt", encoding="utf-8") as f:
+        gsm8k = [json.loads(line) for line in f if line.strip()]
+    picked = rng.sample(range(len(gsm8k)), gsm8k_count)
+    rows = [{"id": f"gsm8k_train/{i}", "category": "math", "turns": [gsm8k[i]["question"]]} for i in picked]
+
+    train_text = (SHARED_DATA / "normalized" / "train_prompts.jsonl").read_text(encoding="utf-8")
+    train = [json.loads(line) for line in train_text.split("\n") if line.strip()]
+    long_rows = [r for r in train if LONG_PROMPT_CHARS < len(r["turns"][0]) <= MAX_PROMPT_CHARS
+                 and r["id"] not in excluded_ids]
+    rows += [{"id": f"long/{r['id']}", "category": "long", "turns": r["turns"]} for r in long_rows]
+    prose = [r for r in long_rows if _is_prose(r["turns"][0])]
+    for r in rng.sample(prose, min(summary_count, len(prose))):
+        rows.append({"id": f"summarize/{r['id']}", "category": "summarize",
+                     "turns": ["Summarize: " + r["turns"][0]]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="output JSONL (normalized prompt format)")
+    parser.add_argument("--gsm8k", type=int, default=320, help="GSM8K train questions (default 320)")
+    parser.add_argument("--summaries", type=int, default=200, help="'Summarize:' prompts (default 200)")
+    parser.add_argument("--exclude", type=Path, nargs="*", default=[],
+                        help="corpus JSONL files whose prompts are left out (already trained on)")
+    args = parser.parse_args()
+    excluded = {json.loads(line)["id"] for path in args.exclude
+                for line in path.read_text(encoding="utf-8").split("\n") if line.strip()}
+    rows = build(args.gsm8k, args.summaries, excluded)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    counts = {c: sum(r["category"] == c for r in rows) for c in ("math", "long", "summarize")}
+    print(f"wrote {len(rows)} prompts to {args.out}: {counts}")
+
+
+if __name__ == "__main__":
+    main()
