@@ -10,7 +10,7 @@ where much of the answer is copied from the prompt. This writes, in the normaliz
 - `summarize/<id>`: "Summarize: " followed by a long prose training prompt (Spec-Bench's summarization
   prompts have this form; the passages here are user texts from the training sources, not news articles).
 
-Usage: python scripts/build_targeted_prompts.py OUT.jsonl [--gsm8k 320] [--summaries 200] [--exclude CORPUS ...]
+Usage: .venv/bin/python scripts/build_targeted_prompts.py OUT.jsonl [--gsm8k 320] [--summaries 200] [--exclude CORPUS ...]
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import json
 import random
 from pathlib import Path
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from hspec.eval.tasks import resolve_data_dir
+from hspec.training.datagen import read_corpus, read_prompts
+
 LONG_PROMPT_CHARS = 1300  # ~330 tokens: shorter prompts were already eligible for the default corpus
 MAX_PROMPT_CHARS = 4000  # ~1,000 tokens: the generation's --max-prompt-tokens 1024 drops the rest
 CODE_CHARACTERS = set("{}[];=<>_/\\|`$#")
@@ -36,13 +38,13 @@ def _is_prose(text: str) -> bool:
 
 def build(gsm8k_count: int, summary_count: int, excluded_ids: set[str], seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
-    with gzip.open(SHARED_DATA / "gsm8k" / "train.jsonl.gz", "rt", encoding="utf-8") as f:
+    normalized = resolve_data_dir()  # shared/data/normalized (or $HSPEC_DATA_DIR)
+    with gzip.open(normalized.parent / "gsm8k" / "train.jsonl.gz", "rt", encoding="utf-8") as f:
         gsm8k = [json.loads(line) for line in f if line.strip()]
     picked = rng.sample(range(len(gsm8k)), gsm8k_count)
     rows = [{"id": f"gsm8k_train/{i}", "category": "math", "turns": [gsm8k[i]["question"]]} for i in picked]
 
-    train_text = (SHARED_DATA / "normalized" / "train_prompts.jsonl").read_text(encoding="utf-8")
-    train = [json.loads(line) for line in train_text.split("\n") if line.strip()]
+    train = read_prompts(normalized / "train_prompts.jsonl")
     long_rows = [r for r in train if LONG_PROMPT_CHARS < len(r["turns"][0]) <= MAX_PROMPT_CHARS
                  and r["id"] not in excluded_ids]
     rows += [{"id": f"long/{r['id']}", "category": "long", "turns": r["turns"]} for r in long_rows]
@@ -61,8 +63,7 @@ def main() -> None:
     parser.add_argument("--exclude", type=Path, nargs="*", default=[],
                         help="corpus JSONL files whose prompts are left out (already trained on)")
     args = parser.parse_args()
-    excluded = {json.loads(line)["id"] for path in args.exclude
-                for line in path.read_text(encoding="utf-8").split("\n") if line.strip()}
+    excluded = {record["id"] for path in args.exclude for record in read_corpus(path)}
     rows = build(args.gsm8k, args.summaries, excluded)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")

@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HSPEC=.venv/bin/hspec
+PYTHON=.venv/bin/python
 STEPS=${STEPS:-5000}
 TUNE_STEPS=${TUNE_STEPS:-3500}
 PARTS="part1 part2 part3 part4 part5 part6 part7"
@@ -25,7 +26,7 @@ gen() {  # gen NAME SKIP COUNT
 wait
 #    Then prompts closer to Spec-Bench's tasks (GSM8K train questions, prompts of 385-1,024 tokens, "Summarize:"
 #    prompts; see the script's docstring), none from an evaluation set: 876 more responses, ~45 min on 2 cores.
-python3 scripts/build_targeted_prompts.py runs/data/prompts_targeted.jsonl --gsm8k 240 --summaries 160 \
+$PYTHON scripts/build_targeted_prompts.py runs/data/prompts_targeted.jsonl --gsm8k 240 --summaries 160 \
   --exclude results/train_data/corpus_part[1-7].jsonl
 gen_targeted() {  # gen_targeted NAME SKIP [COUNT]
   OMP_NUM_THREADS=1 $HSPEC data generate --prompts runs/data/prompts_targeted.jsonl --skip-prompts "$2" \
