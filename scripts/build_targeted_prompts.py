@@ -10,7 +10,7 @@ where much of the answer is copied from the prompt. This writes, in the normaliz
 - `summarize/<id>`: "Summarize: " followed by a long prose training prompt (Spec-Bench's summarization
   prompts have this form; the passages here are user texts from the training sources, not news articles).
 
-Usage: .venv/bin/python scripts/build_targeted_prompts.py OUT.jsonl [--gsm8k 320] [--summaries 200] [--exclude CORPUS ...]
+Usage: .venv/bin/python scripts/build_targeted_prompts.py OUT.jsonl [--gsm8k N] [--summaries N] [--exclude CORPUS ...]
 """
 
 from __future__ import annotations
