@@ -300,3 +300,22 @@ def test_config_is_frozen_and_sizes_inner_by_heads() -> None:
     assert cfg.conv_dim == 56 * 64 + 2 * 4 * 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.nheads = 8  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("seqlen", [1, 3, 7, 40])
+def test_causal_depthwise_conv_equals_the_padded_conv1d(seqlen):
+    from hspec.ssm.mixer import causal_depthwise_conv
+
+    torch.manual_seed(seqlen)
+    conv = torch.nn.Conv1d(12, 12, kernel_size=4, groups=12, padding=3, bias=True)
+    x = torch.randn(3, seqlen, 12, requires_grad=True)
+    reference = conv(x.transpose(1, 2))[..., :seqlen].transpose(1, 2)
+    out = causal_depthwise_conv(x, conv.weight, conv.bias)
+    assert torch.allclose(out, reference, atol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), (x, conv.weight, conv.bias))
+    expected = torch.autograd.grad(reference.square().sum(), (x, conv.weight, conv.bias))
+    for got, want in zip(grads, expected):
+        assert torch.allclose(got, want, atol=1e-5)
+    changed = x.detach().clone()
+    changed[:, -1] += 1.0  # the last position must not influence any earlier output
+    assert torch.allclose(causal_depthwise_conv(changed, conv.weight, conv.bias)[:, :-1], out[:, :-1], atol=1e-6)

@@ -111,3 +111,20 @@ def test_report_continues_the_step_axis_of_the_run_a_drafter_started_from():
             "again": {"config": {"steps": 10, "init_from": "y/tuned/drafter"}},
             "elsewhere": {"config": {"steps": 10, "init_from": "z/other/drafter"}}}
     assert [_steps_before(runs[n], runs) for n in runs] == [0, 500, 800, 0]
+
+
+def test_report_shows_the_validation_in_decode_order_where_a_run_has_it(tmp_path):
+    from hspec.metrics import acceptance_stats
+    from hspec.training.report import write_training_report
+
+    anchors, in_order = acceptance_stats([3, 1, 2, 0], 3), acceptance_stats([3, 0, 0, 1], 3)
+    for name, final in (("old", anchors.to_dict()), ("new", {**anchors.to_dict(), "decode_order": in_order.to_dict()})):
+        (tmp_path / name).mkdir()
+        records = [{"event": "config", "steps": 2, "train_sequences": 5, "val_sequences": 1},
+                   {"event": "step", "step": 0, "loss": 1.0, "seconds": 0.5},
+                   {"event": "validation", "step": 2, **final}]
+        (tmp_path / name / "history.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    report = write_training_report([tmp_path / "old", tmp_path / "new"], tmp_path / "r.md", "t").read_text()
+    rows = {line.split(" | ")[0]: line for line in report.split("\n") if line.startswith(("| old", "| new"))}
+    assert f"| {anchors.mean_accepted_length:.2f} | - |" in rows["| old"]
+    assert f"| {anchors.mean_accepted_length:.2f} | {in_order.mean_accepted_length:.2f} |" in rows["| new"]

@@ -9,6 +9,7 @@ import torch
 
 from hspec.drafters import create_drafter
 from hspec.drafters.common import kv_layer_of, select_target_layers
+from hspec.metrics import acceptance_stats
 from hspec.training.features import compute_features
 from hspec.training.losses import LossWeights, drafter_loss, position_weights, total_variation
 from hspec.training.trainer import TrainConfig, Trainer, learning_rate, make_batch, sample_anchors
@@ -216,3 +217,45 @@ def test_training_blocks_see_what_inference_sees(tiny_target, features, kind):
         logits = drafter.teacher_forced_logits(blocks.ctx, prev)
         assert drafter.head.to_target_ids(logits.argmax(-1)).tolist() == proposal.draft_tokens.tolist()
         drafter.release(0)
+
+
+@torch.no_grad()
+def test_validation_in_decode_order_counts_the_steps_greedy_decoding_takes(tiny_target):
+    """On a greedy response of the target, the decode-order validation visits the same anchors and
+    accepts the same counts as speculative decoding from the same prompt, step for step, up to the
+    last block that fits in the response."""
+    from hspec.decoding.generate import SpeculativeDecoder
+    from hspec.decoding.sampling import SamplingParams
+    from hspec.drafters import create_drafter as create
+
+    model, V, K = tiny_target.model, tiny_target.config.vocab_size, 7
+    prompt = torch.randint(3, V, (12,), generator=torch.Generator().manual_seed(6)).tolist()
+    plain = SpeculativeDecoder(model, create("none", tiny_target.config), K, eos_token_ids=())
+    response = plain.generate([prompt], SamplingParams(), 60).sequences[0].token_ids
+
+    # A drafter that knows the response's bigrams through its Markov head: its drafts follow them, so
+    # some blocks are accepted whole, some in part and some not at all.
+    drafter = _drafter(tiny_target, seed=2).eval()
+    successor = {a: b for a, b in reversed(list(zip(response, response[1:])))}  # first occurrence wins
+    drafter.markov.W1.weight.zero_()
+    drafter.markov.W1.weight[:, :V] = torch.eye(V)
+    drafter.markov.W2.zero_()
+    for a, b in successor.items():
+        drafter.markov.W2[a, b] = 1e4
+
+    live = SpeculativeDecoder(model, drafter, K, eos_token_ids=()).generate([prompt], SamplingParams(), 60)
+    assert live.sequences[0].token_ids == response
+    steps, last_anchor = [], len(prompt) + len(response) - 1 - K
+    anchor = len(prompt)
+    for accepted in live.sequences[0].num_accepted:
+        if anchor > last_anchor:
+            break
+        steps.append(accepted)
+        anchor += accepted + 1
+    assert 0 < sum(steps) < K * len(steps) and len(set(steps)) > 2  # a mix, or the check is weak
+
+    layers = select_target_layers(tiny_target.config.num_layers)
+    feats = compute_features(model, prompt + response, len(prompt), layers, [kv_layer_of(x) for x in layers])
+    trainer = Trainer(drafter, model, [feats].__getitem__, [0], TrainConfig(steps=1))
+    in_order = trainer.validate_in_decode_order([0], rows_per_forward=5)
+    assert in_order.accepted_count_histogram == acceptance_stats(steps, K).accepted_count_histogram

@@ -107,8 +107,11 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
             _append(history, {"event": "step", **asdict(log)})
         if rank == 0 and val_ids and ((step + 1) % val_every == 0 or last):
             stats = trainer.validate(val_ids)
-            _append(history, {"event": "validation", "step": step + 1, **stats.to_dict()})
-            bar.write(f"[train] step {step + 1}: validation tau {stats.mean_accepted_length:.2f}, "
+            in_order = trainer.validate_in_decode_order(val_ids)
+            _append(history, {"event": "validation", "step": step + 1, **stats.to_dict(),
+                              "decode_order": in_order.to_dict()})
+            bar.write(f"[train] step {step + 1}: validation tau {stats.mean_accepted_length:.2f} "
+                      f"(in decode order {in_order.mean_accepted_length:.2f}), "
                       f"acceptance {[round(a, 2) for a in stats.acceptance_by_position]}")
         if rank == 0 and ((step + 1) % val_every == 0 or last):
             save_training_state(run_dir / "state", drafter, trainer.optimizer, step + 1, {"kind": kind})

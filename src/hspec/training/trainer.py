@@ -197,9 +197,14 @@ class Trainer:
         return [(slot, self.train_ids[order[slot]]) for slot in slots]
 
     def compute_gradients(self, step: int) -> tuple[float, list[float], list[float]]:
-        """Forward + backward of one step's sequences; returns (loss, ce by position, tv by position)."""
+        """Forward + backward of one step's sequences; returns (loss, ce by position, tv by position).
+
+        Each sequence's backbone runs on its own (its rows share that sequence's context K/V); the
+        Markov head then runs once over every row of the step, so the dense (V, r) gradient of its
+        embedding is built once a step rather than once per sequence.
+        """
         pairs = self.sequences_for_step(step)
-        total, ce_sum, tv_sum = torch.zeros(()), torch.zeros(self.K), torch.zeros(self.K)
+        batches, backbone = [], []
         for slot, seq in pairs:
             g = step_generator(self.config.seed, step, slot)
             feats = self.load_sequence(seq)
@@ -207,14 +212,21 @@ class Trainer:
             if anchors.numel() == 0:
                 continue
             batch = make_batch(self.drafter, self.target, feats, anchors, self.K, g if self.config.cod_keep else None)
-            logits = self.drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens)  # (N, K, Vp)
+            batches.append(batch)
+            backbone.append(self.drafter.block_logits(batch.ctx))  # (N_i, K, Vp)
+        total, ce_sum, tv_sum = torch.zeros(()), torch.zeros(self.K), torch.zeros(self.K)
+        if not batches:
+            return 0.0, ce_sum.tolist(), tv_sum.tolist()
+        corrections = self.drafter.markov_logits(torch.cat([b.prev_tokens for b in batches]))  # (sum N_i, K, Vp)
+        if corrections is not None:
+            backbone = [u + c for u, c in zip(backbone, corrections.split([u.shape[0] for u in backbone]))]
+        for batch, logits in zip(batches, backbone):
             parts = drafter_loss(logits, batch.target_probs, batch.labels, self.drafter.head.draft_vocab_ids,
                                  batch.valid, self.config.loss)
             total = total + parts.loss / len(pairs)
             ce_sum += parts.ce / len(pairs)
             tv_sum += parts.tv / len(pairs)
-        if total.requires_grad:  # one backward a step: the Markov head's dense (V, r) gradient is built once
-            total.backward()
+        total.backward()  # one backward a step
         return float(total.detach()), ce_sum.tolist(), tv_sum.tolist()
 
     def train_step(self, step: int) -> StepLog:
@@ -250,3 +262,37 @@ class Trainer:
         if not stats:
             raise ValueError("no validation blocks: validation sequences are too short")
         return merge_stats(stats)
+
+    @torch.no_grad()
+    def validate_in_decode_order(self, val_ids: Sequence[int], rows_per_forward: int = 64) -> AcceptanceStats:
+        """Greedy acceptance of the blocks greedy decoding itself would draft on held-out sequences.
+
+        The responses are the target's greedy outputs, so decoding them with this drafter visits a
+        known chain of anchors: the first response token, then, after n accepted drafts, the anchor
+        n + 1 positions later, until a block would pass the end of the sequence. `validate` weights
+        every anchor alike; this weights them as decoding does (steps, not tokens), so its tau is
+        what `hspec generate` would measure on these prompts. A region where drafts are accepted
+        yields fewer steps, which is why this tau is the lower of the two.
+        """
+        self.drafter.eval()
+        chain_steps = []
+        for seq in val_ids:
+            feats = self.load_sequence(seq)
+            s = feats.tokens.shape[0]
+            last_anchor = s - 1 - self.K  # the last anchor whose K labels all exist
+            if last_anchor < feats.prompt_length:
+                continue
+            anchors = torch.arange(feats.prompt_length, last_anchor + 1)  # every anchor the chain may visit
+            accepted = torch.cat([
+                greedy_acceptance(self.drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens),
+                                  batch.target_probs, self.drafter.head.draft_vocab_ids)
+                for batch in (make_batch(self.drafter, self.target, feats, chunk, self.K)
+                              for chunk in anchors.split(rows_per_forward))
+            ]).tolist()
+            p = 0  # index into anchors
+            while p < len(accepted):
+                chain_steps.append(accepted[p])
+                p += accepted[p] + 1
+        if not chain_steps:
+            raise ValueError("no validation blocks: validation sequences are too short")
+        return acceptance_stats(chain_steps, self.K)
