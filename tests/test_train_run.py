@@ -14,7 +14,7 @@ from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.training import run as train_run
 from hspec.training.checkpoint import load_drafter, save_drafter
 from hspec.training.store import FeatureStore
-from hspec.training.trainer import TrainConfig
+from hspec.training.trainer import TrainConfig, Trainer
 
 
 @pytest.fixture()
@@ -128,3 +128,35 @@ def test_report_shows_the_validation_in_decode_order_where_a_run_has_it(tmp_path
     rows = {line.split(" | ")[0]: line for line in report.split("\n") if line.startswith(("| old", "| new"))}
     assert f"| {anchors.mean_accepted_length:.2f} | - |" in rows["| old"]
     assert f"| {anchors.mean_accepted_length:.2f} | {in_order.mean_accepted_length:.2f} |" in rows["| new"]
+
+
+def test_validate_reports_both_validations_of_saved_drafters_on_the_held_out_split(tmp_path, tiny_target,
+                                                                                   monkeypatch):
+    from hspec.drafters import create_drafter
+
+    monkeypatch.setattr(train_run, "load_target", lambda name: tiny_target)
+    held_out = [f"seq/{i}" for i in range(400) if train_run.is_validation(f"seq/{i}")][:2]
+    g = torch.Generator().manual_seed(4)
+    V = tiny_target.config.vocab_size
+    records = [{"id": rid, "prompt_ids": torch.randint(3, V, (8,), generator=g).tolist(),
+                "response_ids": torch.randint(3, V, (30,), generator=g).tolist()} for rid in [*held_out, "seq/train"]]
+    layers = select_target_layers(tiny_target.config.num_layers)
+    FeatureStore.build(tmp_path / "features", tiny_target.model, "tiny", records, layers,
+                       [kv_layer_of(x) for x in layers])
+    paths = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        drafter = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
+        paths.append(save_drafter(drafter, tmp_path / f"d{seed}", verifier_name_or_path="tiny",
+                                  verifier_architectures=["LlamaForCausalLM"]))
+    json_path, md_path = train_run.validate_drafters("tiny", [tmp_path / "features"], paths, tmp_path / "out")
+    rows = json.loads(json_path.read_text())["drafters"]
+    assert [r["drafter"] for r in rows] == [str(p) for p in paths]
+    store = FeatureStore(tmp_path / "features")
+    val_ids = [i for i in store.available() if store.ids[i] in held_out]
+    assert len(val_ids) == 2
+    trainer = Trainer(load_drafter(paths[1], tiny_target.model), tiny_target.model, store.load, val_ids,
+                      TrainConfig(steps=1))
+    assert rows[1]["decode_order"] == trainer.validate_in_decode_order(val_ids).to_dict()
+    assert rows[1]["anchors"] == trainer.validate(val_ids).to_dict()
+    assert f"| `{paths[1]}` | hspec | {rows[1]['anchors']['mean_accepted_length']:.3f} |" in md_path.read_text()

@@ -142,6 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default="results/train_report.md")
     rep.add_argument("--title", default="Drafter training")
 
+    val = sub.add_parser("validate", help="validation tau of saved drafters on the held-out training split",
+                         description="Greedy teacher-forced acceptance of each drafter on the held-out sequences "
+                                     "`hspec train` validates on: over uniformly drawn anchors and in decode order "
+                                     "(the anchors greedy decoding visits). Writes JSON + markdown.")
+    _add_target(val)
+    val.add_argument("drafters", nargs="+", help="drafter directories (RUN/drafter or an exported drafter)")
+    val.add_argument("--features", default="runs/features/smollm2",
+                     help="feature cache dir(s) from `data features`, comma-separated (as given to `hspec train`)")
+    val.add_argument("--val-sequences", type=int, default=24, help="held-out sequences to use (default 24)")
+    val.add_argument("--out", default="results", help="output directory (default results)")
+    val.add_argument("--name", default="validation", help="file stem (default validation)")
+
     bench = sub.add_parser("bench", help="benchmarks that write results/*.json and *.md")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bdec = bench_sub.add_parser("decode", help="plain-decode ITL vs transformers; verify cost vs K",
@@ -246,6 +258,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
             print(f"wrote {export_drafter(args.src, args.dst, dtype)}")
+            return 0
+        if args.command == "validate":
+            from pathlib import Path
+
+            from hspec.training.run import validate_drafters
+
+            _, md = validate_drafters(args.target, [Path(f) for f in args.features.split(",")],
+                                      [Path(d) for d in args.drafters], Path(args.out), args.val_sequences, args.name)
+            print(f"wrote {md}")
             return 0
         if args.command == "train-report":
             from pathlib import Path
