@@ -40,6 +40,11 @@ def is_validation(record_id: str, every: int = 20) -> bool:
     return zlib.crc32(record_id.encode()) % every == 0
 
 
+def held_out_ids(store: FeatureStores, count: int) -> list[int]:
+    """The first `count` held-out sequences of `store` (in its order): the ones every validation uses."""
+    return [i for i in store.available() if is_validation(store.ids[i])][:count]
+
+
 def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_sequences: int | None = None) -> Path:
     """`hspec data features`: cache the target features every drafter kind needs (5 selected layers)."""
     target = load_target(target_name)
@@ -68,7 +73,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     store = FeatureStores(features_dirs)
     available = store.available()
     train_ids = [i for i in available if not is_validation(store.ids[i])]
-    val_ids = [i for i in available if is_validation(store.ids[i])][:val_sequences]
+    val_ids = held_out_ids(store, val_sequences)
     if init_from is not None:
         drafter = _initial_drafter(init_from, kind, target.model, draft_vocab_size)
     else:
@@ -130,15 +135,15 @@ def validate_drafters(target_name: str, features_dirs: list[Path], drafter_dirs:
                       val_sequences: int = 24, stem: str = "validation") -> tuple[Path, Path]:
     """`hspec validate`: both validations of saved drafters on the held-out split `hspec train` uses.
 
-    The same 24 (by default) held-out sequences and anchors as a training run's validation, so a drafter
-    trained before the decode-order validation existed can be compared with a later one. Writes
-    `<stem>.json` and `<stem>.md` under `out_dir`.
+    Given the feature dirs of a training run, in the same order, these are that run's held-out sequences
+    and anchors, so a drafter trained before the decode-order validation existed can be compared with a
+    later one. Writes `<stem>.json` and `<stem>.md` under `out_dir`.
     """
-    from hspec.bench.report import provenance, provenance_markdown, write_results
+    from hspec.training.report import write_validation_report
 
     target = load_target(target_name)
     store = FeatureStores(features_dirs)
-    val_ids = [i for i in store.available() if is_validation(store.ids[i])][:val_sequences]
+    val_ids = held_out_ids(store, val_sequences)
     if not val_ids:
         raise ValueError(f"no held-out sequences in {[str(d) for d in features_dirs]} (1 in 20 ids are held out)")
     rows = []
@@ -148,22 +153,10 @@ def validate_drafters(target_name: str, features_dirs: list[Path], drafter_dirs:
         anchors, in_order = trainer.validate(val_ids), trainer.validate_in_decode_order(val_ids)
         rows.append({"drafter": str(path), "kind": drafter.kind, "anchors": anchors.to_dict(),
                      "decode_order": in_order.to_dict()})
-    meta = provenance(f"hspec validate {' '.join(str(d) for d in drafter_dirs)} --features "
-                      f"{','.join(str(d) for d in features_dirs)}",
-                      {"target": target.name, "val_sequences": len(val_ids)})
-    lines = ["# Drafter validation on held-out training sequences\n", provenance_markdown(meta),
-             "\nGreedy, teacher-forced, the held-out split of `hspec train` (1 in 20 ids). tau = mean accepted "
-             "length; \"anchors\" weights 32 uniformly drawn blocks per sequence alike (as `hspec train` logs), "
-             "\"in decode order\" follows the anchors greedy decoding itself visits (what `hspec generate` would "
-             "measure on these prompts).\n",
-             "| drafter | kind | tau (anchors) | tau (in decode order) | steps in decode order | "
-             "acceptance by position (in decode order) |", "|---|---|---|---|---|---|"]
-    for row in rows:
-        acc = ", ".join("-" if a is None else f"{a:.2f}" for a in row["decode_order"]["acceptance_by_position"])
-        lines.append(f"| `{row['drafter']}` | {row['kind']} | {row['anchors']['mean_accepted_length']:.3f} | "
-                     f"{row['decode_order']['mean_accepted_length']:.3f} | {row['decode_order']['num_steps']} | "
-                     f"{acc} |")
-    return write_results(out_dir, stem, {"provenance": meta, "drafters": rows}, "\n".join(lines) + "\n")
+    command = (f"hspec validate {' '.join(str(d) for d in drafter_dirs)} --features "
+               f"{','.join(str(d) for d in features_dirs)}")
+    return write_validation_report(rows, command, {"target": target.name, "val_sequences": len(val_ids)},
+                                   out_dir, stem)
 
 
 def _initial_drafter(path: Path, kind: str, target_model: torch.nn.Module,

@@ -282,13 +282,11 @@ class Trainer:
             last_anchor = s - 1 - self.K  # the last anchor whose K labels all exist
             if last_anchor < feats.prompt_length:
                 continue
-            anchors = torch.arange(feats.prompt_length, last_anchor + 1)  # every anchor the chain may visit
-            accepted = torch.cat([
-                greedy_acceptance(self.drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens),
-                                  batch.target_probs, self.drafter.head.draft_vocab_ids)
-                for batch in (make_batch(self.drafter, self.target, feats, chunk, self.K)
-                              for chunk in anchors.split(rows_per_forward))
-            ]).tolist()
+            accepted: list[int] = []  # at every anchor the chain may visit, in order
+            for chunk in torch.arange(feats.prompt_length, last_anchor + 1).split(rows_per_forward):
+                batch = make_batch(self.drafter, self.target, feats, chunk, self.K)
+                logits = self.drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens)
+                accepted += greedy_acceptance(logits, batch.target_probs, self.drafter.head.draft_vocab_ids).tolist()
             p = 0  # index into anchors
             while p < len(accepted):
                 chain_steps.append(accepted[p])
