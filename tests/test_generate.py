@@ -15,6 +15,7 @@ from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.sampling import SamplingParams
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
+from hspec.drafters.lookup_first import LookupFirstDrafter
 
 PROMPTS = ["hello world, hello world", "abcabcabcabc", "the quick brown fox"]
 
@@ -43,10 +44,15 @@ def _decoder(target, drafter, K):
 def _make(kind, target):
     if kind == "random-test":
         return RandomDrafter(target.config.vocab_size)
+    if kind in LOOKUP_FIRST:  # prompt lookup in front of a trained kind; a short min_match mixes rows more
+        model = create_drafter(kind.removesuffix("+ngram"), target.config, target_model=target.model)
+        return LookupFirstDrafter(model, target.config.vocab_size, min_match=LOOKUP_FIRST[kind])
     return create_drafter(kind, target.config, target_model=target.model)
 
 
-ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test"]
+# P-Eagle queues its context entries between proposals, so skipped proposals exercise its queue.
+LOOKUP_FIRST = {"hspec+ngram": 2, "peagle+ngram": 1}
+ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test", *LOOKUP_FIRST]
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
@@ -186,12 +192,13 @@ def test_greedy_equals_plain_on_smollm2(smollm2, B, K):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("B,K", [(1, 7), (3, 3)])
-def test_shipped_hspec_drafter_is_lossless_on_smollm2(smollm2, B, K):
-    """The trained drafter the README's main command uses: greedy output equals plain decoding, and it drafts."""
+@pytest.mark.parametrize("kind,B,K", [("hspec", 1, 7), ("hspec", 3, 3), ("hspec+ngram", 1, 7), ("hspec+ngram", 3, 3)])
+def test_shipped_hspec_drafter_is_lossless_on_smollm2(smollm2, kind, B, K):
+    """The trained drafter the README's main command uses (alone and behind prompt lookup): greedy output
+    equals plain decoding, and it drafts."""
     from hspec.runtime import build_drafter
 
-    drafter = build_drafter("hspec", smollm2)
+    drafter = build_drafter(kind, smollm2)
     prompts = [smollm2.tokenizer.encode_prompt(p) for p in
                ("Explain what a hash table is.", "Translate 'good morning' into French.", "Name two planets.")[:B]]
     plain = _decoder(smollm2, create_drafter("none", smollm2.config), 1).generate(prompts, SamplingParams(), 40)

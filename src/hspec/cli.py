@@ -31,7 +31,9 @@ def _add_drafter(p: argparse.ArgumentParser, default: str) -> None:
     from hspec.drafters import DRAFTERS
 
     p.add_argument("--drafter", default=default,
-                   help=f"drafter kind: {', '.join(DRAFTERS.names())} (default {default}; none = plain decoding)")
+                   help=f"drafter kind: {', '.join(DRAFTERS.names())} (default {default}; none = plain decoding); "
+                        "KIND+ngram (e.g. hspec+ngram) drafts by prompt lookup when the last token occurred "
+                        "before, by KIND otherwise")
     p.add_argument("--k", type=int, default=7, help="tokens drafted per step, K >= 1 (default 7)")
     p.add_argument("--drafter-path", default=None,
                    help="trained drafter checkpoint dir (default: the one shipped for the embedded target)")
@@ -57,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Runs plain decoding and each drafter on a few prompts, interleaved, "
                                       "checks that outputs match, and prints text, MAL, tokens/s, speedup.")
     _add_target(demo)
-    demo.add_argument("--drafters", default="ngram,hspec",
-                      help="comma-separated drafter kinds (default ngram,hspec: the shipped H-Spec drafter)")
+    demo.add_argument("--drafters", default="ngram,hspec,hspec+ngram",
+                      help="comma-separated drafter kinds (default ngram,hspec,hspec+ngram: n-gram, the shipped H-Spec "
+                           "drafter, and H-Spec behind prompt lookup)")
     demo.add_argument("--k", type=int, default=7)
     demo.add_argument("--max-new-tokens", type=int, default=128)
 

@@ -2,6 +2,7 @@
 
 Trained kinds load a checkpoint: the one given, or the drafter shipped for the embedded default
 target under `hspec/assets/<kind>-<target>/`. Model-free kinds (`none`, `ngram`) need nothing.
+`KIND+ngram` (e.g. `hspec+ngram`) is KIND behind prompt lookup (`hspec.drafters.lookup_first`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hspec.drafters import DRAFTERS, Drafter, create_drafter
+from hspec.drafters.lookup_first import LOOKUP_SUFFIX, LookupFirstDrafter
 from hspec.models.loading import Target
 from hspec.models.weight_layout import store_linear_weights_column_major
 from hspec.training.checkpoint import load_drafter
@@ -22,7 +24,15 @@ def shipped_drafter_path(kind: str, target_name: str) -> Path:
 
 
 def build_drafter(kind: str, target: Target, path: str | Path | None = None, random_weights: bool = False) -> Drafter:
-    """A drafter of `kind` for `target`: loaded from `path` (or the shipped one), or random for tests/timing."""
+    """A drafter of `kind` for `target`: loaded from `path` (or the shipped one), or random for tests/timing.
+
+    `KIND+ngram` builds KIND this way and puts prompt lookup in front of it.
+    """
+    if kind.endswith(LOOKUP_SUFFIX):
+        base = kind.removesuffix(LOOKUP_SUFFIX)
+        if base in ("none", "ngram"):
+            raise ValueError(f"{kind!r}: put prompt lookup in front of a trained drafter kind, e.g. hspec{LOOKUP_SUFFIX}")
+        return LookupFirstDrafter(build_drafter(base, target, path, random_weights), target.config.vocab_size)
     cls = DRAFTERS.get(kind)
     if not getattr(cls, "needs_target_model", False):
         return create_drafter(kind, target.config)

@@ -9,7 +9,9 @@ keeps sampling exact. With no match, the drafts repeat x0: cheap guesses the tar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hspec.drafters.base import DRAFTERS, DraftBatch, Drafter, Proposal, one_hot_probs
@@ -30,14 +32,46 @@ class NgramDrafter(Drafter):
         return Proposal(tokens, one_hot_probs(tokens, self.vocab_size))
 
 
+@dataclass(frozen=True)
+class SuffixMatch:
+    """The history's last `length` tokens also end at index `end` (< len(history) - 1)."""
+
+    length: int
+    end: int
+
+    def continuation(self, history: Sequence[int], K: int) -> list[int]:
+        """The K tokens after the match, padded with the history's last token."""
+        follow = list(history[self.end + 1:self.end + 1 + K])
+        return follow + [history[-1]] * (K - len(follow))
+
+
+def longest_suffix_match(history: Sequence[int], max_ngram: int) -> SuffixMatch | None:
+    """The most recent earlier occurrence of the longest suffix of `history` (at most `max_ngram`
+    tokens) that leaves at least one token after it; None if even the last token never occurred.
+
+    Equivalent to trying n = max_ngram, ..., 1 and taking the most recent match of the last n
+    tokens, but it looks only at the positions holding the last token (numpy finds them).
+    """
+    n_tokens = len(history)
+    if n_tokens < 2:
+        return None
+    ids = np.asarray(history, dtype=np.int64)
+    ends = np.flatnonzero(ids[:-1] == ids[-1])  # earlier positions of the last token, ascending
+    best: SuffixMatch | None = None
+    for end in ends[::-1].tolist():  # most recent first: a later match wins ties
+        length = 1
+        while length < max_ngram and end - length >= 0 and ids[end - length] == ids[n_tokens - 1 - length]:
+            length += 1
+        if best is None or length > best.length:
+            best = SuffixMatch(length, end)
+            if length == max_ngram:
+                break
+    return best
+
+
 def lookup_continuation(history: Sequence[int], K: int, max_ngram: int, min_ngram: int) -> list[int]:
     """K tokens continuing `history` by its latest earlier n-gram match, padded with the last token."""
-    n_tokens = len(history)
-    for n in range(min(max_ngram, n_tokens - 1), min_ngram - 1, -1):
-        tail = list(history[n_tokens - n:])
-        # Scan backwards so the most recent match wins; a match must leave >= 1 token after it.
-        for start in range(n_tokens - n - 1, -1, -1):
-            if list(history[start:start + n]) == tail:
-                follow = list(history[start + n:start + n + K])
-                return follow + [history[-1]] * (K - len(follow))
-    return [history[-1]] * K
+    match = longest_suffix_match(history, max_ngram)
+    if match is None or match.length < min_ngram:
+        return [history[-1]] * K
+    return match.continuation(history, K)

@@ -1,0 +1,105 @@
+"""Prompt lookup in front of a trained drafter (`KIND+ngram`): which rows look up, and what reaches
+the verifier. Losslessness of the composite is in test_generate (it is one of ALL_KINDS there)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hspec.decoding.sampling import SamplingBatch, SamplingParams
+from hspec.drafters import DraftBatch, Drafter, Proposal, create_drafter
+from hspec.drafters.lookup_first import LookupFirstDrafter
+from hspec.drafters.ngram.drafter import longest_suffix_match, lookup_continuation
+
+
+def _brute_force_match(history, max_ngram):
+    """(length, end) of the longest suffix (<= max_ngram) recurring earlier, most recent on ties."""
+    best = None
+    for end in range(len(history) - 2, -1, -1):
+        length = 0
+        while (length < max_ngram and end - length >= 0
+               and history[end - length] == history[len(history) - 1 - length]):
+            length += 1
+        if length and (best is None or length > best[0]):
+            best = (length, end)
+    return best
+
+
+def test_longest_suffix_match_equals_brute_force():
+    rng = random.Random(0)
+    for _ in range(3000):
+        history = [rng.randrange(rng.randint(1, 5)) for _ in range(rng.randint(1, 30))]
+        max_ngram = rng.randint(1, 6)
+        match = longest_suffix_match(history, max_ngram)
+        expected = _brute_force_match(history, max_ngram)
+        assert (None if match is None else (match.length, match.end)) == expected, (history, max_ngram)
+
+
+def test_lookup_continuation_pads_with_the_last_token():
+    history = [5, 6, 7, 1, 5, 6]
+    assert lookup_continuation(history, 4, max_ngram=3, min_ngram=1) == [7, 1, 5, 6]
+    assert lookup_continuation(history, 6, max_ngram=3, min_ngram=1) == [7, 1, 5, 6, 6, 6]
+    assert lookup_continuation(history, 2, max_ngram=3, min_ngram=3) == [6, 6]  # "5 6" is only 2 long
+
+
+class _CountingDrafter(Drafter):
+    """Drafts token 9 everywhere (probability 1) and records the rows it was asked for."""
+
+    kind = "counting-test"
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size, self.calls = vocab_size, []
+
+    def propose(self, batch: DraftBatch, K: int) -> Proposal:
+        self.calls.append(list(batch.seq_ids))
+        tokens = torch.full((len(batch.seq_ids), K), 9, dtype=torch.long)
+        probs = torch.zeros((len(batch.seq_ids), K, self.vocab_size)).scatter_(-1, tokens[..., None], 1.0)
+        return Proposal(tokens, probs)
+
+
+def _batch(histories):
+    b = len(histories)
+    return DraftBatch(seq_ids=list(range(10, 10 + b)), anchor_tokens=torch.tensor([h[-1] for h in histories]),
+                      tokens=histories, pool=None,  # type: ignore[arg-type]  (the counting drafter reads no pool)
+                      sampling=SamplingBatch.from_params([SamplingParams()] * b),
+                      generators=[torch.Generator() for _ in range(b)])
+
+
+def test_rows_with_a_long_enough_match_look_up_the_others_go_to_the_model():
+    model = _CountingDrafter(vocab_size=16)
+    drafter = LookupFirstDrafter(model, vocab_size=16, min_match=3)
+    histories = [[1, 2, 3, 4, 1, 2, 3], [1, 2, 3, 4, 5, 2, 3], [4, 4, 4, 4]]  # match lengths 3, 2, 3
+    proposal = drafter.propose(_batch(histories), K=3)
+    assert model.calls == [[11]]  # only the row whose match is too short
+    assert proposal.draft_tokens.tolist() == [[4, 1, 2], [9, 9, 9], [4, 4, 4]]
+    assert torch.equal(proposal.draft_probs.argmax(-1), proposal.draft_tokens)
+    assert torch.equal(proposal.draft_probs.sum(-1), torch.ones(3, 3))
+    assert drafter.lookup_share() == pytest.approx(2 / 3)
+
+
+def test_the_model_does_not_run_when_every_row_looks_up():
+    model = _CountingDrafter(vocab_size=16)
+    drafter = LookupFirstDrafter(model, vocab_size=16, min_match=2)
+    proposal = drafter.propose(_batch([[7, 8, 7, 8], [3, 5, 3, 5, 3]]), K=2)
+    assert model.calls == []
+    assert proposal.draft_tokens.tolist() == [[7, 8], [5, 3]]
+
+
+def test_bad_settings_name_the_value(tiny_target):
+    model = _CountingDrafter(vocab_size=16)
+    with pytest.raises(ValueError, match="min_match 0"):
+        LookupFirstDrafter(model, vocab_size=16, min_match=0)
+    with pytest.raises(ValueError, match="drafts nothing"):
+        LookupFirstDrafter(create_drafter("none", tiny_target.config), vocab_size=16)
+
+
+def test_build_drafter_names_the_composite(tiny_target):
+    from hspec.runtime import build_drafter
+
+    drafter = build_drafter("hspec+ngram", tiny_target, random_weights=True)
+    assert isinstance(drafter, LookupFirstDrafter) and drafter.kind == "hspec+ngram"
+    assert drafter.hidden_layers == drafter.model.hidden_layers
+    with pytest.raises(ValueError, match="trained drafter kind"):
+        build_drafter("ngram+ngram", tiny_target)
