@@ -31,7 +31,8 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     if kind.endswith(LOOKUP_SUFFIX):
         base = kind.removesuffix(LOOKUP_SUFFIX)
         if base in ("none", "ngram"):
-            raise ValueError(f"{kind!r}: put prompt lookup in front of a trained drafter kind, e.g. hspec{LOOKUP_SUFFIX}")
+            raise ValueError(f"{kind!r}: put prompt lookup in front of a trained drafter kind, "
+                             f"e.g. hspec{LOOKUP_SUFFIX}")
         return LookupFirstDrafter(build_drafter(base, target, path, random_weights), target.config.vocab_size)
     cls = DRAFTERS.get(kind)
     if not getattr(cls, "needs_target_model", False):
