@@ -8,9 +8,16 @@ where much of the answer is copied from the prompt. This writes, in the normaliz
 - `gsm8k_train/<line>`: questions of the GSM8K *train* split (Spec-Bench's math items come from its test split);
 - `long/<id>`: training prompts longer than the default corpus allowed (its generation skipped them);
 - `summarize/<id>`: "Summarize: " followed by a long prose training prompt (Spec-Bench's summarization
-  prompts have this form; the passages here are user texts from the training sources, not news articles).
+  prompts have this form; the passages here are user texts from the training sources, not news articles);
+- `copy/<template>/<id>` (`--copies N`): requests whose answer copies from the prompt, the target's most
+  common behaviour on Spec-Bench's translation, summarization and RAG items, which the drafter trained
+  on the above rarely learned (it fails even in the target's repetition loops). N prompts cycling
+  through COPY_TEMPLATES, each with prose from a training prompt: one to three sentences for the
+  translation form (the shared data hold almost no German, so the sentences are English, and the target
+  mostly repeats them), a paragraph for the others.
 
-Usage: .venv/bin/python scripts/build_targeted_prompts.py OUT.jsonl [--gsm8k N] [--summaries N] [--exclude CORPUS ...]
+Usage: .venv/bin/python scripts/build_targeted_prompts.py OUT.jsonl [--gsm8k N] [--summaries N] [--copies N]
+       [--no-long] [--exclude CORPUS ...]
 """
 
 from __future__ import annotations
@@ -29,6 +36,38 @@ MAX_PROMPT_CHARS = 4000  # ~1,000 tokens: the generation's --max-prompt-tokens 1
 CODE_CHARACTERS = set("{}[];=<>_/\\|`$#")
 
 
+COPY_TEMPLATES = {
+    "translate": "Translate German to English: {sentences}",
+    "repeat": "Repeat the following text exactly, word for word:\n\n{paragraph}",
+    "proofread": "Fix the grammar and spelling of the following text:\n\n{paragraph}",
+    "passage_qa": "Answer the question using the passage.\n\nPassage: {paragraph}\n\nQuestion: What is the "
+                  "passage mainly about?",
+}
+COPY_PARAGRAPH_CHARS = 1200  # ~300 tokens
+
+
+def _sentences(text: str, rng: random.Random) -> str:
+    """One to three consecutive sentences of `text` (split at '. ')."""
+    parts = [p.strip() for p in text.replace("\n", " ").split(". ") if len(p.strip()) > 20]
+    if not parts:
+        return text[:200]
+    start = rng.randrange(len(parts))
+    picked = parts[start:start + rng.randint(1, 3)]
+    return ". ".join(picked).rstrip(".") + "."
+
+
+def copy_prompts(prose: list[dict], count: int, rng: random.Random) -> list[dict]:
+    """`count` prompts cycling through COPY_TEMPLATES, each over a different prose prompt."""
+    rows = []
+    templates = list(COPY_TEMPLATES.items())
+    for i, r in enumerate(rng.sample(prose, min(count, len(prose)))):
+        name, template = templates[i % len(templates)]
+        text = r["turns"][0]
+        turn = template.format(sentences=_sentences(text, rng), paragraph=text[:COPY_PARAGRAPH_CHARS])
+        rows.append({"id": f"copy/{name}/{r['id']}", "category": f"copy_{name}", "turns": [turn]})
+    return rows
+
+
 def _is_prose(text: str) -> bool:
     """Mostly letters and spaces, few characters typical of code or markup."""
     code = sum(ch in CODE_CHARACTERS for ch in text)
@@ -36,7 +75,8 @@ def _is_prose(text: str) -> bool:
     return code / len(text) < 0.01 and letters / len(text) > 0.9
 
 
-def build(gsm8k_count: int, summary_count: int, excluded_ids: set[str], seed: int = 0) -> list[dict]:
+def build(gsm8k_count: int, summary_count: int, excluded_ids: set[str], seed: int = 0,
+          copy_count: int = 0, long_prompts: bool = True) -> list[dict]:
     rng = random.Random(seed)
     normalized = resolve_data_dir()  # shared/data/normalized (or $HSPEC_DATA_DIR)
     with gzip.open(normalized.parent / "gsm8k" / "train.jsonl.gz", "rt", encoding="utf-8") as f:
@@ -47,11 +87,15 @@ def build(gsm8k_count: int, summary_count: int, excluded_ids: set[str], seed: in
     train = read_prompts(normalized / "train_prompts.jsonl")
     long_rows = [r for r in train if LONG_PROMPT_CHARS < len(r["turns"][0]) <= MAX_PROMPT_CHARS
                  and r["id"] not in excluded_ids]
-    rows += [{"id": f"long/{r['id']}", "category": "long", "turns": r["turns"]} for r in long_rows]
+    if long_prompts:
+        rows += [{"id": f"long/{r['id']}", "category": "long", "turns": r["turns"]} for r in long_rows]
     prose = [r for r in long_rows if _is_prose(r["turns"][0])]
     for r in rng.sample(prose, min(summary_count, len(prose))):
         rows.append({"id": f"summarize/{r['id']}", "category": "summarize",
                      "turns": ["Summarize: " + r["turns"][0]]})
+    if copy_count:  # drawn from all prose prompts, so a later --copies run needs no --exclude
+        all_prose = [r for r in train if len(r["turns"][0]) > 300 and _is_prose(r["turns"][0])]
+        rows += copy_prompts(all_prose, copy_count, random.Random(seed + 1))
     return rows
 
 
@@ -60,14 +104,18 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="output JSONL (normalized prompt format)")
     parser.add_argument("--gsm8k", type=int, default=320, help="GSM8K train questions (default 320)")
     parser.add_argument("--summaries", type=int, default=200, help="'Summarize:' prompts (default 200)")
+    parser.add_argument("--copies", type=int, default=0,
+                        help="prompts whose answer copies from the prompt (default 0; see COPY_TEMPLATES)")
+    parser.add_argument("--long", action=argparse.BooleanOptionalAction, default=True,
+                        help="include the long training prompts (default yes)")
     parser.add_argument("--exclude", type=Path, nargs="*", default=[],
                         help="corpus JSONL files whose prompts are left out (already trained on)")
     args = parser.parse_args()
     excluded = {record["id"] for path in args.exclude for record in read_corpus(path)}
-    rows = build(args.gsm8k, args.summaries, excluded)
+    rows = build(args.gsm8k, args.summaries, excluded, copy_count=args.copies, long_prompts=args.long)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    counts = {c: sum(r["category"] == c for r in rows) for c in ("math", "long", "summarize")}
+    counts = {c: sum(r["category"] == c for r in rows) for c in dict.fromkeys(r["category"] for r in rows)}
     print(f"wrote {len(rows)} prompts to {args.out}: {counts}")
 
 

@@ -91,12 +91,13 @@ def test_ablation_plot_needs_two_kinds_of_a_group(tmp_path):
     assert plot_ablations(lone, tmp_path / "lone", "test") == []
 
 
-def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
-    """Plain decoding once per turn, n-gram once per K; greedy outputs are checked equal inside."""
+def _tiny_eval_setup(tmp_path, tiny_target, monkeypatch):
+    """run_eval's module with the tiny target (a chat stub tokenizer) and 3 two-turn mt_bench items."""
     import dataclasses
+    import json
 
-    from hspec.decoding.sampling import SamplingParams
     from hspec.eval import runner
+    from hspec.eval.tasks import DATA_DIR_ENV
 
     class ChatStub:
         def __init__(self, inner):
@@ -108,10 +109,6 @@ def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
         def decode(self, ids):
             return self.inner.decode(ids)
 
-    import json
-
-    from hspec.eval.tasks import DATA_DIR_ENV
-
     data = tmp_path / "data"
     data.mkdir()
     rows = [{"id": f"mt_bench/{i}", "category": "writing", "turns": [f"Write {i} lines.", "Now shorter."]}
@@ -120,12 +117,38 @@ def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
     monkeypatch.setenv(DATA_DIR_ENV, str(data))
     target = dataclasses.replace(tiny_target, tokenizer=ChatStub(tiny_target.tokenizer))
     monkeypatch.setattr(runner, "load_target", lambda name: target)
+    return runner
+
+
+def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
+    """Plain decoding once per turn, n-gram once per K; greedy outputs are checked equal inside."""
+    from hspec.decoding.sampling import SamplingParams
+
+    runner = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
     payload = runner.run_eval("tiny", [runner.MethodSpec("ngram")], ["mt_bench"], 2, [2, 4], SamplingParams(), 12,
                               tmp_path, "sweep")
     methods = [r["method"] for r in payload["records"]]
     assert methods.count("none") == 4 and methods.count("ngram k=2") == 4 and methods.count("ngram k=4") == 4
     assert payload["summary"]["K"] == {"ngram k=2": 2, "ngram k=4": 4}
     assert (tmp_path / "sweep_k_sensitivity.png").exists() and (tmp_path / "sweep.md").exists()
+
+
+def test_run_eval_reports_the_share_of_steps_prompt_lookup_drafted(tmp_path, tiny_target, monkeypatch):
+    from hspec.decoding.sampling import SamplingParams
+    from hspec.runtime import build_drafter
+
+    runner = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
+    monkeypatch.setattr(runner, "build_drafter",
+                        lambda kind, target, path=None: build_drafter(kind, target, path, random_weights=True))
+    payload = runner.run_eval("tiny", [runner.MethodSpec("hspec+ngram")], ["mt_bench"], 2, 3, SamplingParams(), 24,
+                              tmp_path, "lookup")
+    rows = [r for r in payload["records"] if r["method"] == "hspec+ngram"]
+    assert len(rows) == 4 and all(0 <= r["lookup_steps"] <= len(r["num_accepted"]) for r in rows)
+    assert sum(r["lookup_steps"] for r in rows) > 0  # the tiny target repeats itself within 24 tokens
+    share = payload["summary"]["tasks"]["all"]["hspec+ngram"]["lookup_share"]
+    assert share == sum(r["lookup_steps"] for r in rows) / sum(len(r["num_accepted"]) for r in rows)
+    assert "lookup_share" not in payload["summary"]["tasks"]["all"]["none"]
+    assert f"| all | {share:.1%} |" in (tmp_path / "lookup.md").read_text()
 
 
 def test_method_labels_name_the_run_and_must_be_distinct():

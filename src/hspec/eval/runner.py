@@ -75,8 +75,12 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
             for turn_index, turn in enumerate(item.turns):
                 messages.append({"role": "user", "content": turn})
                 prompt = target.tokenizer.encode_chat(messages)
-                outputs = {label: dec.generate([prompt], sampling, max_new_tokens, seeds=[seed])
-                           for label, (dec, _) in runs.items()}
+                outputs, lookup_steps = {}, {}
+                for label, (dec, _) in runs.items():
+                    looked_up = getattr(dec.drafter, "lookup_rows", None)
+                    outputs[label] = dec.generate([prompt], sampling, max_new_tokens, seeds=[seed])
+                    if looked_up is not None:  # KIND+ngram: the steps prompt lookup drafted
+                        lookup_steps[label] = dec.drafter.lookup_rows - looked_up
                 reference = outputs["none"].sequences[0].token_ids
                 for label, out in outputs.items():
                     seq = out.sequences[0]
@@ -85,7 +89,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                     records.append({"task": task.name, "category": item.category, "item": item.id,
                                     "turn": turn_index, "method": label, "K": runs[label][1],
                                     "tokens": len(seq.token_ids), "decode_s": out.decode_s,
-                                    "num_accepted": seq.num_accepted})
+                                    "num_accepted": seq.num_accepted,
+                                    **({"lookup_steps": lookup_steps[label]} if label in lookup_steps else {})})
                 messages.append({"role": "assistant", "content": target.tokenizer.decode(reference)})
                 bar.update(1)
     bar.close()
@@ -119,6 +124,9 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
             if label != "none":
                 stats = merge_stats([acceptance_stats(u["num_accepted"], k_of[label]) for u in units])
                 entry.update(stats.to_dict())
+            if units and all("lookup_steps" in u for u in units):
+                entry["lookup_share"] = (sum(u["lookup_steps"] for u in units)
+                                         / max(sum(len(u["num_accepted"]) for u in units), 1))
             per_method[label] = entry
         out["tasks"][task] = per_method
     for k in sorted(set(out["K"].values())):
@@ -206,6 +214,7 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
         acc = acc + [None] * (max_k - len(acc))
         lines.append(f"| {m} | " + " | ".join("-" if a is None else f"{a:.3f}" for a in acc) + " |")
     lines += _k_sensitivity_table(summary)
+    lines += _lookup_share_table(summary)
     lines += [f"\n![{name}]({name})" for name in images]
     if summary["ci"]:
         lines += ["\n## Paired bootstrap 95% CIs (best drafter by tau vs each other, a kind vs its other checkpoints; "
@@ -217,6 +226,18 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
                          f"{s['estimate']:+.1%} [{s['low']:+.1%}, {s['high']:+.1%}] |")
     lines += render_findings(summary.get("findings", []))
     return "\n".join(lines) + "\n"
+
+
+def _lookup_share_table(summary: dict[str, Any]) -> list[str]:
+    """Per task, the share of steps prompt lookup drafted for each KIND+ngram method (none: no rows)."""
+    labels = [m for m in next(iter(summary["tasks"].values())) if "lookup_share" in summary["tasks"]["all"][m]]
+    if not labels:
+        return []
+    lines = ["\n## Steps drafted by prompt lookup (the rest by the trained drafter)\n",
+             "| task | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for task, per in summary["tasks"].items():
+        lines.append(f"| {task} | " + " | ".join(f"{per[m].get('lookup_share', 0.0):.1%}" for m in labels) + " |")
+    return lines
 
 
 def _max_k(setting: int | list[int]) -> int:
