@@ -9,8 +9,10 @@ PYTHON=.venv/bin/python
 STEPS=${STEPS:-5000}
 TUNE_STEPS=${TUNE_STEPS:-3500}
 TUNE2_STEPS=${TUNE2_STEPS:-6000}
+COPY_STEPS=${COPY_STEPS:-2000}
 PARTS="part1 part2 part3 part4 part5 part6 part7"
 TARGETED_PARTS="part8 part9"
+COPY_PARTS="part10 part11"
 
 # 1. The target's own greedy responses to the shuffled training prompts, in parts of one prompt order
 #    (part1 = prompts 0-191, then 400 each), two 1-thread processes side by side. ~45 min on 2 cores.
@@ -37,8 +39,19 @@ gen_targeted() {  # gen_targeted NAME SKIP [COUNT]
 gen_targeted part8 0 447 &
 gen_targeted part9 447 &
 wait
+#    Then requests whose answer copies from the prompt ("Translate German to English:" over English
+#    sentences, "Repeat ... word for word", proofreading, a question about a passage; see the script's
+#    docstring): 476 more responses of at most 160 tokens, ~13 min on 2 cores.
+$PYTHON scripts/build_targeted_prompts.py runs/data/prompts_copy.jsonl --gsm8k 0 --summaries 0 --copies 480 --no-long
+gen_copy() {  # gen_copy NAME SKIP
+  OMP_NUM_THREADS=1 $HSPEC data generate --prompts runs/data/prompts_copy.jsonl --skip-prompts "$2" --num-prompts 240 \
+    --max-prompt-tokens 512 --max-new-tokens 160 --batch-size 16 --out "runs/data/corpus_$1.jsonl"
+}
+gen_copy part10 0 &
+gen_copy part11 240 &
+wait
 # 2. Target features (5 selected layers' hidden states, their K/V, final hidden), cached once per part.
-for part in $PARTS $TARGETED_PARTS; do
+for part in $PARTS $TARGETED_PARTS $COPY_PARTS; do
   OMP_NUM_THREADS=2 $HSPEC data features --corpus "runs/data/corpus_$part.jsonl" --out "runs/features/$part"
 done
 features=$(for part in $PARTS; do printf 'runs/features/%s,' "$part"; done)
@@ -47,21 +60,27 @@ features=$(for part in $PARTS; do printf 'runs/features/%s,' "$part"; done)
 OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${features%,}" --out runs/train/hspec_v3 \
   --steps "$STEPS" --val-every 500 --draft-vocab 8192
 # 3b. Continue from that drafter on all nine parts (the same recipe, its schedule started over).
-all_features=$(for part in $PARTS $TARGETED_PARTS; do printf 'runs/features/%s,' "$part"; done)
+all_features=$(for part in $PARTS $TARGETED_PARTS $COPY_PARTS; do printf 'runs/features/%s,' "$part"; done)
 OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${all_features%,}" --out runs/train/hspec_v4 \
   --steps "$TUNE_STEPS" --val-every 500 --init-from runs/train/hspec_v3/drafter
 # 3c. And once more, at half the peak learning rate (3b's restart at 6e-4 first dropped validation tau 2.30 -> 2.03).
 OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${all_features%,}" --out runs/train/hspec_v5 \
   --steps "$TUNE2_STEPS" --lr 3e-4 --val-every 500 --init-from runs/train/hspec_v4/drafter
+# 3d. And on all eleven parts, the copy requests included (same peak learning rate).
+copy_features=$(for part in $PARTS $TARGETED_PARTS $COPY_PARTS; do printf 'runs/features/%s,' "$part"; done)
+OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${copy_features%,}" --out runs/train/hspec_v6 \
+  --steps "$COPY_STEPS" --lr 3e-4 --val-every 500 --init-from runs/train/hspec_v5/drafter
 # 4. Ship it (bf16 weights) and report.
-$HSPEC export-drafter runs/train/hspec_v5/drafter src/hspec/assets/hspec-smollm2-135m-instruct --dtype bf16
-$HSPEC train-report runs/train/hspec_v3 runs/train/hspec_v4 runs/train/hspec_v5 --out results/train_hspec_smollm2.md \
-  --title "H-Spec on SmolLM2-135M-Instruct (CPU)"
+$HSPEC export-drafter runs/train/hspec_v6/drafter src/hspec/assets/hspec-smollm2-135m-instruct --dtype bf16
+$HSPEC train-report runs/train/hspec_v3 runs/train/hspec_v4 runs/train/hspec_v5 runs/train/hspec_v6 \
+  --out results/train_hspec_smollm2.md --title "H-Spec on SmolLM2-135M-Instruct (CPU)"
 OMP_NUM_THREADS=2 $HSPEC validate runs/train/hspec_v3/drafter runs/train/hspec_v4/drafter runs/train/hspec_v5/drafter \
-  src/hspec/assets/hspec-smollm2-135m-instruct --features "${all_features%,}" --name validation_hspec_smollm2
+  runs/train/hspec_v6/drafter src/hspec/assets/hspec-smollm2-135m-instruct --features "${copy_features%,}" \
+  --name validation_hspec_smollm2
 # 5. Greedy K = 7 on a fixed Spec-Bench subset (24 items, 28 turns), interleaved with plain decoding and
-#    n-gram drafting (the issue's measurement), and the draft cost at the shipped draft vocabulary.
-OMP_NUM_THREADS=2 $HSPEC eval --drafters ngram,hspec --tasks spec_bench --size 24 --k 7 --max-new-tokens 128 \
+#    n-gram drafting and H-Spec behind prompt lookup (the issue's measurement), and the draft cost at the
+#    shipped draft vocabulary.
+OMP_NUM_THREADS=2 $HSPEC eval --drafters ngram,hspec,hspec+ngram --tasks spec_bench --size 24 --k 7 --max-new-tokens 128 \
   --out results
 OMP_NUM_THREADS=2 $HSPEC bench decode --out results
 OMP_NUM_THREADS=1 $HSPEC bench draft --target smollm2 --draft-vocab 8192 --repeats 5 --batch-sizes 1,16 \

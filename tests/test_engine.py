@@ -13,6 +13,7 @@ from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.sampling import SamplingParams
 from hspec.decoding.step import DecodeStages
 from hspec.drafters import DRAFTERS, create_drafter
+from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.serving.engine import Engine, Request
 
 TEXTS = ["hello world, hello world", "abcabcabcabc", "the quick brown fox", "zz", "one two one two one two",
@@ -21,6 +22,9 @@ K = 4
 
 
 def _drafter(target, kind):
+    if kind.endswith("+ngram"):  # prompt lookup in front of a trained kind
+        model = create_drafter(kind.removesuffix("+ngram"), target.config, target_model=target.model)
+        return LookupFirstDrafter(model, target.config.vocab_size)
     return create_drafter(kind, target.config, target_model=target.model)
 
 
@@ -71,7 +75,7 @@ def _engine(target, drafter, num_blocks, block_size=8, max_running=64):
 # Model-free kinds run every schedule; each other registered kind (random weights here) runs the
 # hardest one: requests joining mid-flight into a pool small enough to force preemption.
 _CASES = [(k, n, j) for k in ("none", "ngram") for n, j in ((400, 0), (400, 3), (24, 2))] + \
-    [(k, 10, 2) for k in DRAFTERS.names() if k not in ("none", "ngram")]
+    [(k, 10, 2) for k in [*DRAFTERS.names(), "hspec+ngram"] if k not in ("none", "ngram")]
 
 
 @pytest.mark.parametrize("kind,num_blocks,join_every", _CASES)
