@@ -60,7 +60,7 @@ features=$(for part in $PARTS; do printf 'runs/features/%s,' "$part"; done)
 OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${features%,}" --out runs/train/hspec_v3 \
   --steps "$STEPS" --val-every 500 --draft-vocab 8192
 # 3b. Continue from that drafter on all nine parts (the same recipe, its schedule started over).
-all_features=$(for part in $PARTS $TARGETED_PARTS $COPY_PARTS; do printf 'runs/features/%s,' "$part"; done)
+all_features=$(for part in $PARTS $TARGETED_PARTS; do printf 'runs/features/%s,' "$part"; done)
 OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${all_features%,}" --out runs/train/hspec_v4 \
   --steps "$TUNE_STEPS" --val-every 500 --init-from runs/train/hspec_v3/drafter
 # 3c. And once more, at half the peak learning rate (3b's restart at 6e-4 first dropped validation tau 2.30 -> 2.03).
