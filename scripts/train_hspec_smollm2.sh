@@ -80,10 +80,10 @@ OMP_NUM_THREADS=2 $HSPEC validate runs/train/hspec_v3/drafter runs/train/hspec_v
 OMP_NUM_THREADS=2 $HSPEC validate runs/train/hspec_v5/drafter runs/train/hspec_v6/drafter \
   --features runs/features/part10,runs/features/part11 --name validation_copy_hspec_smollm2
 # 5. Greedy K = 7 on a fixed Spec-Bench subset (24 items, 28 turns), interleaved with plain decoding and
-#    n-gram drafting and H-Spec behind prompt lookup (the measurement), and the draft cost at the
-#    shipped draft vocabulary.
-OMP_NUM_THREADS=2 $HSPEC eval --drafters ngram,hspec,hspec+ngram --tasks spec_bench --size 24 --k 7 --max-new-tokens 128 \
-  --out results
+#    n-gram drafting and H-Spec behind prompt lookup (the measurement), both also verifying only
+#    the drafts they are sure of (:0.4), and the draft cost at the shipped draft vocabulary.
+OMP_NUM_THREADS=2 $HSPEC eval --drafters ngram,hspec,hspec+ngram,hspec:0.4,hspec+ngram:0.4 --tasks spec_bench \
+  --size 24 --k 7 --max-new-tokens 128 --out results
 OMP_NUM_THREADS=2 $HSPEC eval --drafters hspec,hspec+ngram --tasks spec_bench --size 24 --k 3,5,7 --max-new-tokens 128 \
   --out results
 OMP_NUM_THREADS=2 $HSPEC bench decode --out results

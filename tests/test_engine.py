@@ -8,11 +8,13 @@ preemption, gives every request exactly the tokens `SpeculativeDecoder.generate`
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.sampling import SamplingParams
 from hspec.decoding.step import DecodeStages
 from hspec.drafters import DRAFTERS, create_drafter
+from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.serving.engine import Engine, Request
 
@@ -22,6 +24,11 @@ K = 4
 
 
 def _drafter(target, kind):
+    if kind == "hspec+ngram:0.1":  # rows also verify varying numbers of drafts (0.1: near the median confidence)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = EarlyStopDrafter(create_drafter("hspec", target.config, target_model=target.model), 0.1)
+        return LookupFirstDrafter(model, target.config.vocab_size, min_match=2, trim_lookup=True)
     if kind.endswith("+ngram"):  # prompt lookup in front of a trained kind
         model = create_drafter(kind.removesuffix("+ngram"), target.config, target_model=target.model)
         return LookupFirstDrafter(model, target.config.vocab_size)
@@ -75,7 +82,7 @@ def _engine(target, drafter, num_blocks, block_size=8, max_running=64):
 # Model-free kinds run every schedule; each other registered kind (random weights here) runs the
 # hardest one: requests joining mid-flight into a pool small enough to force preemption.
 _CASES = [(k, n, j) for k in ("none", "ngram") for n, j in ((400, 0), (400, 3), (24, 2))] + \
-    [(k, 10, 2) for k in [*DRAFTERS.names(), "hspec+ngram"] if k not in ("none", "ngram")]
+    [(k, 10, 2) for k in [*DRAFTERS.names(), "hspec+ngram", "hspec+ngram:0.1"] if k not in ("none", "ngram")]
 
 
 @pytest.mark.parametrize("kind,num_blocks,join_every", _CASES)

@@ -25,6 +25,12 @@ def test_acceptance_columns_count_reached_and_accepted_positions():
     assert _acceptance_columns(_record("m", 0, [0, 3, 7]), range(2, 8)) == [2.0, 3.0, 8.0, 9.0]
 
 
+def test_a_step_that_stopped_early_never_reached_the_next_position():
+    # the middle step verified only its 3 drafts and accepted them all: it never tried position 4
+    record = {**_record("m", 0, [0, 3, 7]), "num_drafted": [7, 3, 7]}
+    assert _acceptance_columns(record, range(4, 8)) == [2.0, 3.0, 4.0, 4.0]
+
+
 def test_hspec_lead_and_single_source_ablations():
     records = []
     for i in range(6):

@@ -15,6 +15,7 @@ from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.sampling import SamplingParams
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
+from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 
 PROMPTS = ["hello world, hello world", "abcabcabcabc", "the quick brown fox"]
@@ -34,7 +35,8 @@ class RandomDrafter(Drafter):
             q = torch.softmax(self.sharpness * torch.randn(K, self.vocab_size, generator=g), -1)
             rows_q.append(q)
             rows_t.append(torch.multinomial(q, 1, generator=g).squeeze(-1))
-        return Proposal(torch.stack(rows_t), torch.stack(rows_q))
+        tokens, probs = torch.stack(rows_t), torch.stack(rows_q)
+        return Proposal(tokens, probs, confidence=probs.gather(-1, tokens[..., None])[..., 0])
 
 
 def _decoder(target, drafter, K):
@@ -42,6 +44,14 @@ def _decoder(target, drafter, K):
 
 
 def _make(kind, target):
+    if kind in EARLY_STOP:  # rows verify a varying number of drafts
+        base = kind.partition(":")[0]
+        with torch.random.fork_rng():  # the same weights in any test order, so the floor keeps mixing
+            torch.manual_seed(0)
+            model = EarlyStopDrafter(_make(base.removesuffix("+ngram"), target), EARLY_STOP[kind])
+        if base.endswith("+ngram"):
+            return LookupFirstDrafter(model, target.config.vocab_size, min_match=2, trim_lookup=True)
+        return model
     if kind == "random-test":
         return RandomDrafter(target.config.vocab_size)
     if kind in LOOKUP_FIRST:  # prompt lookup in front of a trained kind; a short min_match mixes rows more
@@ -52,7 +62,10 @@ def _make(kind, target):
 
 # P-Eagle queues its context entries between proposals, so skipped proposals exercise its queue.
 LOOKUP_FIRST = {"hspec+ngram": 2, "peagle+ngram": 1}
-ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test", *LOOKUP_FIRST]
+# Floors near the median confidence of these random-weight drafters, so stopping points vary. DFlash
+# writes its own context K/V for every verified position, so a shorter block exercises its commit.
+EARLY_STOP = {"hspec:0.1": 0.1, "hspec+ngram:0.1": 0.1, "dflash:0.07": 0.07, "random-test:0.05": 0.05}
+ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test", *LOOKUP_FIRST, *EARLY_STOP]
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
@@ -65,7 +78,9 @@ def test_greedy_equals_plain(tiny_target, kind, B, K):
     got = spec.generate(prompts, SamplingParams(), 40)
     for e, s in zip(expected.sequences, got.sequences):
         assert s.token_ids == e.token_ids and s.finish_reason == e.finish_reason
-        assert all(0 <= n <= K for n in s.num_accepted)
+        assert all(0 <= n <= d <= K for n, d in zip(s.num_accepted, s.num_drafted, strict=True))
+    if kind in EARLY_STOP and K > 1:
+        assert min(n for s in got.sequences for n in s.num_drafted) < K, "no row ever stopped early"
 
 
 def test_eos_inside_a_block_ends_the_sequence(tiny_target):
@@ -192,10 +207,11 @@ def test_greedy_equals_plain_on_smollm2(smollm2, B, K):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,B,K", [("hspec", 1, 7), ("hspec", 3, 3), ("hspec+ngram", 1, 7), ("hspec+ngram", 3, 3)])
+@pytest.mark.parametrize("kind,B,K", [("hspec", 1, 7), ("hspec", 3, 3), ("hspec+ngram", 1, 7), ("hspec+ngram", 3, 3),
+                                      ("hspec+ngram:0.4", 1, 7), ("hspec+ngram:0.4", 3, 7)])
 def test_shipped_hspec_drafter_is_lossless_on_smollm2(smollm2, kind, B, K):
-    """The trained drafter the README's main command uses (alone and behind prompt lookup): greedy output
-    equals plain decoding, and it drafts."""
+    """The trained drafter the README's main command uses (alone, behind prompt lookup, and verifying only
+    its sure drafts): greedy output equals plain decoding, and it drafts."""
     from hspec.runtime import build_drafter
 
     drafter = build_drafter(kind, smollm2)

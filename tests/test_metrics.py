@@ -141,3 +141,28 @@ def test_summarize_times():
         summarize_times([])
     with pytest.raises(ValueError, match="-1.0 at index 1"):
         summarize_times([0.1, -1.0])
+
+
+def test_steps_that_stopped_early_do_not_count_against_the_next_position():
+    # K=4; steps: 2 of 4 drafted accepted; 2 of 2 (stopped early); 4 of 4; 0 of 1.
+    stats = acceptance_stats([2, 2, 4, 0], 4, num_drafted=[4, 2, 4, 1])
+    assert stats.stopped_histogram == (0, 0, 1, 0, 0)
+    assert stats.mean_accepted_length == pytest.approx((3 + 3 + 5 + 1) / 4)
+    # position 3 is tried by the steps that accepted 2 and went on (the first) and the 4-of-4 step
+    assert stats.acceptance_by_position == pytest.approx((3 / 4, 3 / 3, 1 / 2, 1 / 1))
+    again = AcceptanceStats.from_dict(stats.to_dict())
+    assert again == stats
+    merged = merge_stats([stats, acceptance_stats([1], 4)])
+    assert merged.stopped_histogram == (0, 0, 1, 0, 0) and merged.num_steps == 5
+
+
+def test_no_early_stop_keeps_the_old_statistics_and_json():
+    plain = acceptance_stats([1, 3, 4], 4)
+    full = acceptance_stats([1, 3, 4], 4, num_drafted=[4, 4, 4])
+    assert plain == full and "stopped_histogram" not in full.to_dict()
+
+
+@pytest.mark.parametrize("accepted,drafted", [([2], [1]), ([1], [5]), ([1, 2], [3]), ([0], [0])])
+def test_bad_num_drafted_names_the_problem(accepted, drafted):
+    with pytest.raises(ValueError, match="num_drafted"):
+        acceptance_stats(accepted, 4, num_drafted=drafted)

@@ -77,3 +77,32 @@ def test_verified_token_distribution_equals_target():
     freq = torch.bincount(first, minlength=V).double() / N
     se = (p[0].double() * (1 - p[0].double()) / N).sqrt()
     assert ((freq - p[0].double()).abs() <= 5 * se + 1e-12).all()
+
+
+def test_a_row_with_n_drafts_verifies_as_a_block_of_n():
+    """num_drafts n: same acceptances and next token as verifying d_1..d_n alone, whatever follows d_n."""
+    g = torch.Generator().manual_seed(3)
+    B, K, V = 6, 5, 11
+    for _ in range(40):
+        p = torch.stack([_random_dist(g, K + 1, V) for _ in range(B)]).float()
+        q = torch.stack([_random_dist(g, K, V) for _ in range(B)]).float()
+        drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, K)
+        u_accept, u_sample = torch.rand(B, K, generator=g), torch.rand(B, generator=g)
+        n = torch.randint(1, K + 1, (B,), generator=g)
+        got = verify(p, q, drafts, u_accept, u_sample, num_drafts=n)
+        for row in range(B):
+            m = int(n[row])
+            alone = verify(p[row:row + 1, :m + 1], q[row:row + 1, :m], drafts[row:row + 1, :m],
+                           u_accept[row:row + 1, :m], u_sample[row:row + 1])
+            assert got.num_accepted[row] == alone.num_accepted[0] <= m
+            assert got.next_tokens[row] == alone.next_tokens[0]
+
+
+def test_full_num_drafts_changes_nothing():
+    g = torch.Generator().manual_seed(4)
+    p, q = _random_dist(g, 3, 5, 7).float(), _random_dist(g, 3, 4, 7).float()
+    drafts = q.argmax(-1)
+    u_accept, u_sample = torch.rand(3, 4, generator=g), torch.rand(3, generator=g)
+    a = verify(p, q, drafts, u_accept, u_sample)
+    b = verify(p, q, drafts, u_accept, u_sample, num_drafts=torch.full((3,), 4))
+    assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.next_tokens, b.next_tokens)

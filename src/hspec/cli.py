@@ -33,7 +33,9 @@ def _add_drafter(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--drafter", default=default,
                    help=f"drafter kind: {', '.join(DRAFTERS.names())} (default {default}; none = plain decoding); "
                         "KIND+ngram (e.g. hspec+ngram) drafts by prompt lookup when the last token occurred "
-                        "before, by KIND otherwise")
+                        "before, by KIND otherwise; a :P suffix (e.g. hspec+ngram:0.4) verifies only the leading "
+                        "drafts the drafter is at least P sure of (K stays the most per step), and behind lookup "
+                        "2m+1 drafts after an m-token match")
     p.add_argument("--k", type=int, default=7, help="tokens drafted per step, K >= 1 (default 7)")
     p.add_argument("--drafter-path", default=None,
                    help="trained drafter checkpoint dir (default: the one shipped for the embedded target)")
@@ -59,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Runs plain decoding and each drafter on a few prompts, interleaved, "
                                       "checks that outputs match, and prints text, MAL, tokens/s, speedup.")
     _add_target(demo)
-    demo.add_argument("--drafters", default="ngram,hspec,hspec+ngram",
-                      help="comma-separated drafter kinds (default ngram,hspec,hspec+ngram: n-gram, the shipped H-Spec "
-                           "drafter, and H-Spec behind prompt lookup)")
+    demo.add_argument("--drafters", default="ngram,hspec,hspec+ngram,hspec+ngram:0.4",
+                      help="comma-separated drafter kinds (default ngram,hspec,hspec+ngram,hspec+ngram:0.4: n-gram, "
+                           "the shipped H-Spec drafter, H-Spec behind prompt lookup, and that verifying only the "
+                           "drafts it is sure of)")
     demo.add_argument("--k", type=int, default=7)
     demo.add_argument("--max-new-tokens", type=int, default=128)
 

@@ -9,6 +9,10 @@ when all K pass; DESIGN.md §3). Everything reported about acceptance follows fr
 - conditional acceptance at block position k (1-based) = P(num_accepted ≥ k | num_accepted ≥ k−1),
   the probability that draft k is accepted given drafts 1..k−1 were (the H-Spec paper's Fig. 4).
 
+A drafter may verify fewer than K drafts in a step (`Proposal.num_drafts`). A step that verified
+n < K drafts and accepted all n never tried position n+1, so those steps are counted apart
+(`stopped_histogram`) and left out of position n+1's denominator.
+
 Because histograms add, statistics of many sequences or runs merge exactly (`merge_stats`), with
 no loss from averaging averages. The module also holds `summarize_times`, the min/median/max
 summary DESIGN.md §7 asks for noisy timings.
@@ -38,6 +42,9 @@ class AcceptanceStats:
     K: int  # draft block length (paper's K): drafts proposed per step
     # entry n = number of steps with num_accepted == n, for n = 0..K; length K+1
     accepted_count_histogram: tuple[int, ...]
+    # entry n = number of steps that verified only n < K drafts and accepted all n (entries 0 and K
+    # are 0); length K+1, or empty for none (every step verified K drafts)
+    stopped_histogram: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.K, bool) or not isinstance(self.K, (int, np.integer)) or self.K < 1:
@@ -53,9 +60,17 @@ class AcceptanceStats:
                 raise ValueError(
                     f"accepted_count_histogram[{n}] must be a non-negative integer, got {count!r}"
                 )
+        stopped = tuple(self.stopped_histogram) or (0,) * len(counts)
+        if len(stopped) != len(counts) or stopped[0] or stopped[-1] or any(
+                not 0 <= s <= c for s, c in zip(stopped, counts)):
+            raise ValueError(
+                f"stopped_histogram must have K+1 = {self.K + 1} entries, 0 at both ends, each at most the "
+                f"accepted count of its n ({counts}); got {stopped}"
+            )
         # Normalise to plain Python ints so equality, hashing and JSON never see numpy scalars.
         object.__setattr__(self, "K", int(self.K))
         object.__setattr__(self, "accepted_count_histogram", tuple(int(c) for c in counts))
+        object.__setattr__(self, "stopped_histogram", tuple(int(c) for c in stopped))
 
     @classmethod
     def from_histogram(cls, histogram: Sequence[int] | np.ndarray) -> AcceptanceStats:
@@ -65,8 +80,9 @@ class AcceptanceStats:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AcceptanceStats:
-        """Inverse of `to_dict`: only K and the histogram are read, the rest is derived again."""
-        return cls(K=data["K"], accepted_count_histogram=tuple(data["accepted_count_histogram"]))
+        """Inverse of `to_dict`: only K and the histograms are read, the rest is derived again."""
+        return cls(K=data["K"], accepted_count_histogram=tuple(data["accepted_count_histogram"]),
+                   stopped_histogram=tuple(data.get("stopped_histogram", ())))
 
     @property
     def num_steps(self) -> int:
@@ -85,13 +101,15 @@ class AcceptanceStats:
     def acceptance_by_position(self) -> tuple[float, ...]:
         """Conditional acceptance a_k for k = 1..K (length K); NaN where no step reached k-1.
 
-        a_k = #(steps with num_accepted >= k) / #(steps with num_accepted >= k-1). A NaN means the
-        position was never tried, which is different from an acceptance of 0, so it is not hidden.
+        a_k = #(steps with num_accepted >= k) / #(steps that tried draft k), where a step tries draft
+        k when it accepted >= k-1 drafts and did not stop at k-1. A NaN means the position was never
+        tried, which is different from an acceptance of 0, so it is not hidden.
         """
         # reached[k] = #steps with num_accepted >= k, for k = 0..K (reached[0] = num_steps).
         reached = np.cumsum(self.accepted_count_histogram[::-1])[::-1].tolist()
+        tried = [reached[k - 1] - self.stopped_histogram[k - 1] for k in range(1, self.K + 1)]
         return tuple(
-            reached[k] / reached[k - 1] if reached[k - 1] > 0 else math.nan for k in range(1, self.K + 1)
+            reached[k] / tried[k - 1] if tried[k - 1] > 0 else math.nan for k in range(1, self.K + 1)
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -102,10 +120,12 @@ class AcceptanceStats:
             "mean_accepted_length": _nan_to_none(self.mean_accepted_length),
             "acceptance_by_position": [_nan_to_none(a) for a in self.acceptance_by_position],
             "accepted_count_histogram": list(self.accepted_count_histogram),
+            **({"stopped_histogram": list(self.stopped_histogram)} if any(self.stopped_histogram) else {}),
         }
 
 
-def acceptance_stats(num_accepted: Sequence[int] | np.ndarray | torch.Tensor, K: int) -> AcceptanceStats:
+def acceptance_stats(num_accepted: Sequence[int] | np.ndarray | torch.Tensor, K: int,
+                     num_drafted: Sequence[int] | np.ndarray | None = None) -> AcceptanceStats:
     """Acceptance statistics of a step log.
 
     Args:
@@ -113,6 +133,8 @@ def acceptance_stats(num_accepted: Sequence[int] | np.ndarray | torch.Tensor, K:
             (e.g. (S,) for one sequence or (B, S) for a batch); every entry counts as one step.
             A tensor may live on any device; it is copied to the CPU once.
         K: draft block length of every logged step.
+        num_drafted: drafts verified in each step (1..K, same shape as num_accepted); None or empty
+            when every step verified K.
 
     Returns:
         The histogram of the counts, with τ and per-position conditional acceptance derived from it.
@@ -134,7 +156,15 @@ def acceptance_stats(num_accepted: Sequence[int] | np.ndarray | torch.Tensor, K:
             f"({bad.size} out-of-range step(s) in total)"
         )
     histogram = np.bincount(values, minlength=K + 1)
-    return AcceptanceStats(K=K, accepted_count_histogram=tuple(histogram.tolist()))
+    stopped: tuple[int, ...] = ()
+    if num_drafted is not None and len(num_drafted):
+        drafted = np.asarray(num_drafted).reshape(-1)
+        if drafted.shape != values.shape or np.any((drafted < 1) | (drafted > K) | (values > drafted)):
+            raise ValueError(f"num_drafted must give, for each of the {values.size} steps, a count in 1..K = 1..{K} "
+                             f"no smaller than its num_accepted; got {drafted.tolist()[:10]}")
+        short = values[(values == drafted) & (drafted < K)]
+        stopped = tuple(np.bincount(short, minlength=K + 1).tolist())
+    return AcceptanceStats(K=K, accepted_count_histogram=tuple(histogram.tolist()), stopped_histogram=stopped)
 
 
 def merge_stats(stats: Iterable[AcceptanceStats]) -> AcceptanceStats:
@@ -153,7 +183,9 @@ def merge_stats(stats: Iterable[AcceptanceStats]) -> AcceptanceStats:
                 f"cannot merge stats with different K: stats[0] has K={K}, stats[{i}] has K={s.K}"
             )
     histogram = np.sum([s.accepted_count_histogram for s in stats], axis=0)
-    return AcceptanceStats(K=K, accepted_count_histogram=tuple(histogram.tolist()))
+    stopped = np.sum([s.stopped_histogram for s in stats], axis=0)
+    return AcceptanceStats(K=K, accepted_count_histogram=tuple(histogram.tolist()),
+                           stopped_histogram=tuple(stopped.tolist()))
 
 
 def expected_accepted_length(acceptance_by_position: Sequence[float] | np.ndarray | torch.Tensor) -> float:
@@ -161,7 +193,8 @@ def expected_accepted_length(acceptance_by_position: Sequence[float] | np.ndarra
 
     Draft k is accepted only if drafts 1..k are, which happens with probability prod_{j<=k} a_j, and
     every step emits one target token besides, so E[τ] = 1 + sum_k prod_{j<=k} a_j. Applied to
-    `AcceptanceStats.acceptance_by_position` it gives back `mean_accepted_length` exactly; in training
+    `AcceptanceStats.acceptance_by_position` of steps that all verified K drafts it gives back
+    `mean_accepted_length` exactly (steps that stopped early accept fewer than this predicts); in training
     validation it turns the drafter's per-position acceptance into the τ it predicts.
 
     A NaN a_k is allowed only after the running product has reached 0 (the position was never tried,

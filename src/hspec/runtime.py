@@ -3,6 +3,8 @@
 Trained kinds load a checkpoint: the one given, or the drafter shipped for the embedded default
 target under `hspec/assets/<kind>-<target>/`. Model-free kinds (`none`, `ngram`) need nothing.
 `KIND+ngram` (e.g. `hspec+ngram`) is KIND behind prompt lookup (`hspec.drafters.lookup_first`).
+`SPEC:P` (e.g. `hspec:0.4`, `hspec+ngram:0.4`) verifies only the drafts KIND is at least P sure of,
+and behind lookup only 2m+1 drafts after an m-token match (`hspec.drafters.early_stop`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hspec.drafters import DRAFTERS, Drafter, create_drafter
+from hspec.drafters.early_stop import CONFIDENCE_SEPARATOR, EarlyStopDrafter
 from hspec.drafters.lookup_first import LOOKUP_SUFFIX, LookupFirstDrafter
 from hspec.models.loading import Target
 from hspec.models.weight_layout import store_linear_weights_column_major
@@ -26,8 +29,20 @@ def shipped_drafter_path(kind: str, target_name: str) -> Path:
 def build_drafter(kind: str, target: Target, path: str | Path | None = None, random_weights: bool = False) -> Drafter:
     """A drafter of `kind` for `target`: loaded from `path` (or the shipped one), or random for tests/timing.
 
-    `KIND+ngram` builds KIND this way and puts prompt lookup in front of it.
+    `KIND+ngram` builds KIND this way and puts prompt lookup in front of it; a `:P` suffix stops
+    each row's drafts at the first one of confidence below P.
     """
+    if CONFIDENCE_SEPARATOR in kind:
+        spec, _, text = kind.partition(CONFIDENCE_SEPARATOR)
+        floor = _confidence_floor(text, kind)
+        base = spec.removesuffix(LOOKUP_SUFFIX)
+        if base in ("none", "ngram"):
+            raise ValueError(f"{kind!r}: only trained drafters report a confidence to stop on; use e.g. hspec:{text} "
+                             f"or hspec{LOOKUP_SUFFIX}:{text}")
+        model = EarlyStopDrafter(build_drafter(base, target, path, random_weights), floor)
+        if spec == base:
+            return model
+        return LookupFirstDrafter(model, target.config.vocab_size, trim_lookup=True)
     if kind.endswith(LOOKUP_SUFFIX):
         base = kind.removesuffix(LOOKUP_SUFFIX)
         if base in ("none", "ngram"):
@@ -49,6 +64,18 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     if drafter.kind != kind:
         raise ValueError(f"checkpoint {checkpoint} holds a {drafter.kind!r} drafter, not {kind!r}")
     return _for_inference(drafter)
+
+
+def _confidence_floor(text: str, kind: str) -> float:
+    """The P of `SPEC:P`, a number in (0, 1)."""
+    try:
+        floor = float(text)
+    except ValueError:
+        floor = float("nan")
+    if not 0.0 < floor < 1.0:
+        raise ValueError(f"{kind!r}: the confidence floor after {CONFIDENCE_SEPARATOR!r} must be a number in (0, 1), "
+                         f"e.g. hspec{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}0.4; got {text!r}")
+    return floor
 
 
 def _for_inference(drafter: Drafter) -> Drafter:

@@ -53,7 +53,7 @@ class GenerationOutput:
         """Merged acceptance statistics (None for plain decoding, which drafts nothing)."""
         if self.K == 0:
             return None
-        return merge_stats([acceptance_stats(s.num_accepted, self.K) for s in self.sequences])
+        return merge_stats([acceptance_stats(s.num_accepted, self.K, s.num_drafted) for s in self.sequences])
 
     def metrics(self) -> dict[str, Any]:
         """Per-run metrics: MAL tau, per-position conditional acceptance, ITL, tokens/s, step times.
@@ -141,6 +141,7 @@ class SpeculativeDecoder:
                 for row, i in enumerate(active):
                     if self.K:
                         outputs[i].num_accepted.append(result.num_accepted[row])
+                        outputs[i].num_drafted.append(result.num_drafted[row])
                     histories[i].extend(result.new_tokens[row])
                     stages.emit(outputs[i], result.new_tokens[row], max_new_tokens, stop)
                 active = [i for i in active if outputs[i].finish_reason is None]

@@ -34,19 +34,22 @@ from hspec.models.llama import TargetModel
 
 @dataclass
 class SequenceOutput:
-    """One sequence's result. `num_accepted` has one entry per speculative step (0..K)."""
+    """One sequence's result. `num_accepted` and `num_drafted` have one entry per speculative step:
+    drafts accepted (0..num_drafted) and drafts verified (1..K; K unless the drafter stopped early)."""
 
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos", "length" or "stop"
     num_accepted: list[int] = field(default_factory=list)
+    num_drafted: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class StepResult:
     """What one batched draft -> verify -> commit step produced, one entry per row."""
 
-    num_accepted: list[int]  # drafts accepted per row, 0..K
+    num_accepted: list[int]  # drafts accepted per row, 0..num_drafted
+    num_drafted: list[int]  # drafts verified per row, 1..K (K for drafters that never stop early)
     new_tokens: list[list[int]]  # accepted drafts + the recovered/bonus token, per row
     draft_s: float  # seconds in the drafter (whole batch)
     verify_s: float  # seconds in the target forward + verification + commit (whole batch)
@@ -103,26 +106,33 @@ class DecodeStages:
         """
         t0 = time.perf_counter()
         anchors = torch.tensor([h[-1] for h in histories], dtype=torch.long, device=self.device)  # (B,)
-        # 1. draft: d_1..d_K and the distributions they were drawn from.
+        # 1. draft: d_1..d_K and the distributions they were drawn from; each row may ask to verify
+        #    only its first n drafts, so the block shrinks to the longest row's L <= K.
         proposal = self.drafter.propose(
             DraftBatch(list(seq_ids), anchors, histories, pool, sampling, list(generators)), self.K)
+        num_drafts = proposal.num_drafts
+        drafted = [self.K] * len(seq_ids) if num_drafts is None else num_drafts.tolist()
+        if num_drafts is not None and not all(1 <= n <= self.K for n in drafted):
+            raise ValueError(f"drafter {self.drafter.kind!r} asked to verify {drafted} drafts per row; "
+                             f"each must be in 1..K = 1..{self.K}")
+        L = max(drafted, default=self.K)
+        drafts_t, draft_probs = proposal.draft_tokens[:, :L], proposal.draft_probs[:, :L]  # (B, L), (B, L, V)
         t1 = time.perf_counter()
-        # 2. verify: the target scores [x0, d_1..d_K] at positions p..p+K in one forward.
-        block = torch.cat([anchors[:, None], proposal.draft_tokens], dim=1)  # (B, K+1)
+        # 2. verify: the target scores [x0, d_1..d_L] at positions p..p+L in one forward.
+        block = torch.cat([anchors[:, None], drafts_t], dim=1)  # (B, L+1)
         out = self.target(block, pool, seq_ids, self.drafter.hidden_layers)
-        target_probs = sampling.probs(out.logits)  # (B, K+1, V)
-        uniforms = draw_uniforms(generators, self.K + 1, self.device)  # (B, K+1)
-        result = verify(target_probs, proposal.draft_probs, proposal.draft_tokens,
-                        uniforms[:, : self.K], uniforms[:, self.K])
+        target_probs = sampling.probs(out.logits)  # (B, L+1, V)
+        uniforms = draw_uniforms(generators, self.K + 1, self.device)  # (B, K+1): the same draws whatever L is
+        result = verify(target_probs, draft_probs, drafts_t, uniforms[:, :L], uniforms[:, self.K], num_drafts)
         accepted = result.num_accepted.tolist()  # the step's one host sync
         next_tokens = result.next_tokens.tolist()
-        drafts = proposal.draft_tokens.tolist()
+        drafts = drafts_t.tolist()
         # 3. commit: keep x0 and the accepted drafts; the new token is the next anchor, not yet cached.
         for row, seq_id in enumerate(seq_ids):
-            pool.truncate(seq_id, pool.length(seq_id) - self.K + accepted[row])
+            pool.truncate(seq_id, pool.length(seq_id) - L + accepted[row])
         self.drafter.commit(pool, seq_ids, out.hidden, result.num_accepted + 1)
         new_tokens = [drafts[row][: accepted[row]] + [next_tokens[row]] for row in range(len(seq_ids))]
-        return StepResult(accepted, new_tokens, t1 - t0, time.perf_counter() - t1)
+        return StepResult(accepted, drafted, new_tokens, t1 - t0, time.perf_counter() - t1)
 
     def emit(self, output: SequenceOutput, tokens: Sequence[int], max_new_tokens: int,
              stop: Sequence[str] = ()) -> list[int]:

@@ -24,7 +24,7 @@ from hspec.decoding.sampling import sample_with_uniform
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """num_accepted: (B,) drafts accepted per row, 0..K.
+    """num_accepted: (B,) drafts accepted per row, 0..K (at most the row's num_drafts).
     next_tokens: (B,) the recovered token (after a rejection) or the bonus token (all accepted).
     """
 
@@ -46,14 +46,20 @@ def residual_dist(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def verify(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
-           uniform_accept: torch.Tensor, uniform_sample: torch.Tensor) -> VerifyResult:
+           uniform_accept: torch.Tensor, uniform_sample: torch.Tensor,
+           num_drafts: torch.Tensor | None = None) -> VerifyResult:
     """Verify a batch of K-token drafts in one go (no host synchronisation).
+
+    A row with num_drafts n < K is verified as if it had drafted d_1..d_n only: drafts after n are
+    never accepted, and when all n pass the bonus token comes from p_{n+1}, exactly as for a block of
+    n drafts (the padding drafts after n are ignored, whatever they are).
 
     target_probs: (B, K+1, V) target distributions at the K draft positions and the one after.
     draft_probs: (B, K, V) draft distributions the drafts were drawn from.
     draft_tokens: (B, K) long.
     uniform_accept: (B, K) in [0, 1), one per acceptance test.
     uniform_sample: (B,) in [0, 1), for the recovered or bonus token.
+    num_drafts: (B,) long in 1..K, drafts to verify per row; None verifies all K.
     """
     b, k1, v = target_probs.shape
     k = k1 - 1
@@ -67,11 +73,13 @@ def verify(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: 
     q_draft = draft_probs.gather(-1, index).squeeze(-1)  # (B, K)
     # u < p/q, written without a division; q > 0 for any token actually drawn from q.
     accepted = uniform_accept * q_draft < p_draft  # (B, K)
+    limit = torch.full((b,), k, dtype=torch.long, device=target_probs.device) if num_drafts is None else num_drafts
+    accepted &= torch.arange(k, device=target_probs.device) < limit[:, None]
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # (B,) length of the accepted prefix
     rows = torch.arange(b, device=target_probs.device)
     p_next = target_probs[rows, num_accepted]  # (B, V)
-    # The draft distribution after the last draft is zero, so the bonus token comes from p itself.
+    # The draft distribution after the last verified draft is zero, so the bonus token comes from p itself.
     q_next = draft_probs[rows, num_accepted.clamp(max=max(k - 1, 0))] if k else torch.zeros_like(p_next)
-    q_next = torch.where((num_accepted < k)[:, None], q_next, torch.zeros_like(q_next))
+    q_next = torch.where((num_accepted < limit)[:, None], q_next, torch.zeros_like(q_next))
     next_tokens = sample_with_uniform(residual_dist(p_next, q_next), uniform_sample)
     return VerifyResult(num_accepted, next_tokens)

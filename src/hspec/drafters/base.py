@@ -53,10 +53,20 @@ class DraftBatch:
 
 @dataclass(frozen=True)
 class Proposal:
-    """draft_tokens: (B, K) long. draft_probs: (B, K, V) the distributions they were drawn from."""
+    """draft_tokens: (B, K) long. draft_probs: (B, K, V) the distributions they were drawn from.
+
+    num_drafts: (B,) long in 1..K, how many leading drafts of each row to verify (a drafter that is
+    unsure after d_n saves the target the cost of scoring the rest); None verifies all K. Whatever
+    rule picks n, it must depend only on the row's own history and drafts, never on the target's
+    verdict, so verification stays exact.
+    confidence: (B, K) the drafter's own probability of each draft before the sampling transform
+    (trained kinds); what `EarlyStopDrafter` reads. None for drafters without a distribution.
+    """
 
     draft_tokens: torch.Tensor
     draft_probs: torch.Tensor
+    num_drafts: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
 
 class Drafter(ABC):

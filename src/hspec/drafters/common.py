@@ -411,16 +411,17 @@ class NeuralDrafter(Drafter, nn.Module):
         context_kv, context_mask = self.context_kv_from_pool(batch.pool, batch.seq_ids, lengths)
         ctx = BlockContext(block_tokens, positions, self.last_hidden_of(batch.seq_ids), context_kv, context_mask)
         logits = self.block_logits(ctx)  # (B, K, Vp)
-        local, probs = self.sample_block(logits, batch.anchor_tokens, batch.sampling, batch.generators)
-        return Proposal(self.head.to_target_ids(local), self.head.to_full(probs))
+        local, probs, confidence = self.sample_block(logits, batch.anchor_tokens, batch.sampling, batch.generators)
+        return Proposal(self.head.to_target_ids(local), self.head.to_full(probs), confidence=confidence)
 
     def sample_block(self, logits: torch.Tensor, anchor_tokens: torch.Tensor, sampling: SamplingBatch,
-                     generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+                     generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draw d_1..d_K slot by slot: l_k = U_k + W2(W1[prev_k]), prev_0 = x0, prev_k = d_k.
 
         logits (B, K, Vp) backbone logits; anchor_tokens (B,). The target's sampling transform is
         applied to each l_k; greedy rows take the argmax. Returns the drafts as draft-vocabulary
-        indices (B, K) and their distributions (B, K, Vp) fp32.
+        indices (B, K), their distributions (B, K, Vp) fp32, and the confidence (B, K): softmax(l_k)
+        at d_k, the drafter's own probability of each draft before the sampling transform.
         """
         b, K, _ = logits.shape
         all_greedy = bool((sampling.temperature == 0).all())
@@ -428,7 +429,7 @@ class NeuralDrafter(Drafter, nn.Module):
         # which other rows share the batch.
         uniforms = None if all_greedy else draw_uniforms(generators, K, logits.device)  # (B, K)
         prev = anchor_tokens  # (B,) target ids
-        tokens, probs = [], []
+        tokens, probs, confidence = [], [], []
         for k in range(K):
             l_k = logits[:, k]  # (B, Vp)
             if self.markov is not None:
@@ -441,8 +442,9 @@ class NeuralDrafter(Drafter, nn.Module):
                 d_k = sample_with_uniform(p_k, uniforms[:, k])
             tokens.append(d_k)
             probs.append(p_k)
+            confidence.append(torch.softmax(l_k.float(), -1).gather(-1, d_k[:, None])[:, 0])
             prev = self.head.to_target_ids(d_k)
-        return torch.stack(tokens, 1), torch.stack(probs, 1)
+        return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidence, 1)
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:

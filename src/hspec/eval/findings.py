@@ -134,12 +134,15 @@ def _paired_units(per_method, methods: list[str]) -> list[list[dict[str, Any]]]:
 def _acceptance_columns(record: dict[str, Any], late: range) -> list[float]:
     """Conditional acceptance at position 1 and pooled over `late`, as (accepted, reached) counts.
 
-    Position k (1-based) is reached by a step that accepted >= k-1 drafts and accepted by one that
-    accepted >= k.
+    Position k (1-based) is reached by a step that accepted >= k-1 drafts and did not stop after
+    k-1 (a step that verified only k-1 drafts, `num_drafted`, never tried k), and accepted by one
+    that accepted >= k.
     """
     accepted = np.asarray(record["num_accepted"], dtype=np.int64)
+    drafted = np.asarray(record.get("num_drafted") or [np.iinfo(np.int64).max] * len(accepted), dtype=np.int64)
     first = [float((accepted >= 1).sum()), float(len(accepted))]
-    pooled = [float(sum((accepted >= k).sum() for k in late)), float(sum((accepted >= k - 1).sum() for k in late))]
+    tried = [((accepted >= k - 1) & (drafted >= k)).sum() for k in late]
+    pooled = [float(sum((accepted >= k).sum() for k in late)), float(sum(tried))]
     return first + pooled
 
 

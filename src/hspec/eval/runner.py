@@ -90,6 +90,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                                     "turn": turn_index, "method": label, "K": runs[label][1],
                                     "tokens": len(seq.token_ids), "decode_s": out.decode_s,
                                     "num_accepted": seq.num_accepted,
+                                    **({"num_drafted": seq.num_drafted}
+                                       if any(n < runs[label][1] for n in seq.num_drafted) else {}),
                                     **({"lookup_steps": lookup_steps[label]} if label in lookup_steps else {})})
                 messages.append({"role": "assistant", "content": target.tokenizer.decode(reference)})
                 bar.update(1)
@@ -122,7 +124,8 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
             plain_itl = sum(u["decode_s"] for u in plain) / max(sum(u["tokens"] - 1 for u in plain), 1)
             entry = {"itl_ms": 1000 * itl, "speedup": plain_itl / itl, "units": len(units)}
             if label != "none":
-                stats = merge_stats([acceptance_stats(u["num_accepted"], k_of[label]) for u in units])
+                stats = merge_stats([acceptance_stats(u["num_accepted"], k_of[label], u.get("num_drafted"))
+                                     for u in units])
                 entry.update(stats.to_dict())
             if units and all("lookup_steps" in u for u in units):
                 entry["lookup_share"] = (sum(u["lookup_steps"] for u in units)

@@ -261,6 +261,7 @@ class Engine:
         for row, seq in enumerate(batch):
             if self.K:
                 seq.output.num_accepted.append(result.num_accepted[row])
+                seq.output.num_drafted.append(result.num_drafted[row])
             seq.history.extend(result.new_tokens[row])
             self._emit(seq, result.new_tokens[row], new_tokens)
             if seq.output.finish_reason is not None:
