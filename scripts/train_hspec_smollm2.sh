@@ -10,9 +10,11 @@ STEPS=${STEPS:-5000}
 TUNE_STEPS=${TUNE_STEPS:-3500}
 TUNE2_STEPS=${TUNE2_STEPS:-6000}
 COPY_STEPS=${COPY_STEPS:-2000}
+MORE_STEPS=${MORE_STEPS:-1500}
 PARTS="part1 part2 part3 part4 part5 part6 part7"
 TARGETED_PARTS="part8 part9"
 COPY_PARTS="part10 part11"
+MORE_PARTS="part12 part13"
 
 # 1. The target's own greedy responses to the shuffled training prompts, in parts of one prompt order
 #    (part1 = prompts 0-191, then 400 each), two 1-thread processes side by side. ~45 min on 2 cores.
@@ -50,8 +52,12 @@ gen_copy() {  # gen_copy NAME SKIP
 gen_copy part10 0 &
 gen_copy part11 240 &
 wait
+#    Then 640 more default training prompts (2,592-3,231 of the same order): ~17 min on 2 cores.
+gen part12 2592 320 &
+gen part13 2912 320 &
+wait
 # 2. Target features (5 selected layers' hidden states, their K/V, final hidden), cached once per part.
-for part in $PARTS $TARGETED_PARTS $COPY_PARTS; do
+for part in $PARTS $TARGETED_PARTS $COPY_PARTS $MORE_PARTS; do
   OMP_NUM_THREADS=2 $HSPEC data features --corpus "runs/data/corpus_$part.jsonl" --out "runs/features/$part"
 done
 features=$(for part in $PARTS; do printf 'runs/features/%s,' "$part"; done)
@@ -70,20 +76,26 @@ OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${all_features%,}" --
 copy_features=$(for part in $PARTS $TARGETED_PARTS $COPY_PARTS; do printf 'runs/features/%s,' "$part"; done)
 OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${copy_features%,}" --out runs/train/hspec_v6 \
   --steps "$COPY_STEPS" --lr 3e-4 --val-every 500 --init-from runs/train/hspec_v5/drafter
+# 3e. And on all thirteen parts, the 640 new responses included (same peak learning rate).
+more_features=$(for part in $PARTS $TARGETED_PARTS $COPY_PARTS $MORE_PARTS; do printf 'runs/features/%s,' "$part"; done)
+OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${more_features%,}" --out runs/train/hspec_v7 \
+  --steps "$MORE_STEPS" --lr 3e-4 --val-every 500 --init-from runs/train/hspec_v6/drafter
 # 4. Ship it (bf16 weights) and report.
-$HSPEC export-drafter runs/train/hspec_v6/drafter src/hspec/assets/hspec-smollm2-135m-instruct --dtype bf16
-$HSPEC train-report runs/train/hspec_v3 runs/train/hspec_v4 runs/train/hspec_v5 runs/train/hspec_v6 \
+$HSPEC export-drafter runs/train/hspec_v7/drafter src/hspec/assets/hspec-smollm2-135m-instruct --dtype bf16
+$HSPEC train-report runs/train/hspec_v3 runs/train/hspec_v4 runs/train/hspec_v5 runs/train/hspec_v6 runs/train/hspec_v7 \
   --out results/train_hspec_smollm2.md --title "H-Spec on SmolLM2-135M-Instruct (CPU)"
 OMP_NUM_THREADS=2 $HSPEC validate runs/train/hspec_v3/drafter runs/train/hspec_v4/drafter runs/train/hspec_v5/drafter \
-  runs/train/hspec_v6/drafter src/hspec/assets/hspec-smollm2-135m-instruct --features "${copy_features%,}" \
+  runs/train/hspec_v6/drafter runs/train/hspec_v7/drafter src/hspec/assets/hspec-smollm2-135m-instruct \
+  --features "${more_features%,}" \
   --name validation_hspec_smollm2
-OMP_NUM_THREADS=2 $HSPEC validate runs/train/hspec_v5/drafter runs/train/hspec_v6/drafter \
+OMP_NUM_THREADS=2 $HSPEC validate runs/train/hspec_v5/drafter runs/train/hspec_v6/drafter runs/train/hspec_v7/drafter \
   --features runs/features/part10,runs/features/part11 --name validation_copy_hspec_smollm2
 # 5. Greedy K = 7 on a fixed Spec-Bench subset (24 items, 28 turns), interleaved with plain decoding and
 #    n-gram drafting and H-Spec behind prompt lookup (the issue's measurement), both also verifying only
-#    the drafts they are sure of (:0.4), and the draft cost at the shipped draft vocabulary.
-OMP_NUM_THREADS=2 $HSPEC eval --drafters ngram,hspec,hspec+ngram,hspec:0.4,hspec+ngram:0.4 --tasks spec_bench \
-  --size 24 --k 7 --max-new-tokens 128 --out results
+#    the drafts they are sure of (:0.4), and the previous drafter (v6); then the draft cost at the shipped
+#    draft vocabulary.
+OMP_NUM_THREADS=2 $HSPEC eval --drafters ngram,hspec,hspec+ngram,hspec:0.4,hspec+ngram:0.4,hspec=runs/train/hspec_v6/drafter \
+  --tasks spec_bench --size 24 --k 7 --max-new-tokens 128 --out results
 OMP_NUM_THREADS=2 $HSPEC eval --drafters hspec,hspec+ngram --tasks spec_bench --size 24 --k 3,5,7 --max-new-tokens 128 \
   --out results
 OMP_NUM_THREADS=2 $HSPEC bench decode --out results

@@ -41,11 +41,12 @@ def run_demo(target_name: str, drafter_kinds: Sequence[str], K: int, max_new_tok
             tokens[kind] += out.num_new_tokens - 1
             if out.acceptance() is not None:
                 stats[kind].append(out.acceptance())
-    print(f"{'method':<12} {'MAL':>6} {'tok/s':>8} {'speedup':>8}   (decode phase, all prompts)")
+    width = max(12, *(len(kind) + 1 for kind in kinds))
+    print(f"{'method':<{width}} {'MAL':>6} {'tok/s':>8} {'speedup':>8}   (decode phase, all prompts)")
     for kind in kinds:
         mal = merge_stats(stats[kind]).mean_accepted_length if stats[kind] else 1.0
         rate = tokens[kind] / decode_s[kind]
         speedup = decode_s["none"] / decode_s[kind]
-        print(f"{kind:<12} {mal:>6.2f} {rate:>8.1f} {speedup:>7.2f}x")
+        print(f"{kind:<{width}} {mal:>6.2f} {rate:>8.1f} {speedup:>7.2f}x")
     print("\nall outputs identical to plain greedy decoding")
     return 0
