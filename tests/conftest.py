@@ -65,6 +65,19 @@ class _ByteTokenizer:
         return "".join(chr(ord("a") + (i % 26)) for i in ids)
 
 
+def pool_free_draft_batch(histories: list[list[int]]):
+    """A greedy DraftBatch over `histories` with seq ids 10, 11, ... and no KV pool, for drafters that
+    read only token histories (test stand-ins and the routing around them)."""
+    from hspec.decoding.sampling import SamplingBatch, SamplingParams
+    from hspec.drafters.base import DraftBatch
+
+    b = len(histories)
+    return DraftBatch(seq_ids=list(range(10, 10 + b)), anchor_tokens=torch.tensor([h[-1] for h in histories]),
+                      tokens=histories, pool=None,  # type: ignore[arg-type]
+                      sampling=SamplingBatch.from_params([SamplingParams()] * b),
+                      generators=[torch.Generator() for _ in range(b)])
+
+
 def load_tiny(directory: Path) -> Target:
     """Load a tiny checkpoint through the real loader, without a HF tokenizer."""
     from hspec.models import loading

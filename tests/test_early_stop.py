@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hspec.decoding.sampling import SamplingBatch, SamplingParams
+from conftest import pool_free_draft_batch
 from hspec.drafters import create_drafter
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
 from hspec.drafters.early_stop import EarlyStopDrafter, leading_confident
@@ -28,14 +28,6 @@ class _ConfidentDrafter(Drafter):
         return Proposal(tokens, probs, confidence=self.confidence[rows, :K])
 
 
-def _batch(histories):
-    b = len(histories)
-    return DraftBatch(seq_ids=list(range(10, 10 + b)), anchor_tokens=torch.tensor([h[-1] for h in histories]),
-                      tokens=histories, pool=None,  # type: ignore[arg-type]  (the test drafters read no pool)
-                      sampling=SamplingBatch.from_params([SamplingParams()] * b),
-                      generators=[torch.Generator() for _ in range(b)])
-
-
 def test_leading_confident_counts_the_sure_prefix_and_never_less_than_one():
     confidence = torch.tensor([[0.9, 0.8, 0.1, 0.9], [0.2, 0.9, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5]])
     assert leading_confident(confidence, 0.5).tolist() == [2, 1, 4]
@@ -44,7 +36,7 @@ def test_leading_confident_counts_the_sure_prefix_and_never_less_than_one():
 
 def test_early_stop_cuts_each_row_after_its_confident_drafts():
     model = _ConfidentDrafter(16, [[0.9, 0.3, 0.9], [0.6, 0.7, 0.8]])
-    proposal = EarlyStopDrafter(model, 0.5).propose(_batch([[1, 2], [3, 4]]), K=3)
+    proposal = EarlyStopDrafter(model, 0.5).propose(pool_free_draft_batch([[1, 2], [3, 4]]), K=3)
     assert proposal.num_drafts.tolist() == [1, 3]
     assert proposal.draft_tokens.shape == (2, 3)  # the drafts stay; only how many are verified changes
 
@@ -54,7 +46,7 @@ def test_lookup_rows_verify_2m_plus_1_drafts_and_model_rows_their_own_count():
     drafter = LookupFirstDrafter(EarlyStopDrafter(model, 0.5), 16, trim_lookup=True)
     # row 0: 1-token match -> 3 drafts; row 1: no match -> the model stops after 2; row 2: 2-token match -> 5
     histories = [[5, 6, 7, 8, 5], [1, 2, 3], [4, 1, 2, 3, 1, 2, 6, 1, 2]]
-    proposal = drafter.propose(_batch(histories), K=7)
+    proposal = drafter.propose(pool_free_draft_batch(histories), K=7)
     assert model.calls == [[1]]
     assert proposal.num_drafts.tolist() == [3, 2, 5]
     assert proposal.draft_tokens[0, :3].tolist() == [6, 7, 8]
@@ -63,7 +55,7 @@ def test_lookup_rows_verify_2m_plus_1_drafts_and_model_rows_their_own_count():
 
 def test_without_trimming_lookup_rows_verify_k():
     model = _ConfidentDrafter(16, [[0.9] * 4, [0.1] * 4])
-    proposal = LookupFirstDrafter(model, 16).propose(_batch([[5, 6, 7, 5], [1, 2]]), K=4)
+    proposal = LookupFirstDrafter(model, 16).propose(pool_free_draft_batch([[5, 6, 7, 5], [1, 2]]), K=4)
     assert proposal.num_drafts is None
 
 
@@ -80,7 +72,7 @@ def test_bad_settings_name_the_value(tiny_target):
     with pytest.raises(ValueError, match="only trained drafters"):
         build_drafter("ngram:0.5", tiny_target)
     with pytest.raises(ValueError, match="no draft confidence"):
-        EarlyStopDrafter(create_drafter("ngram", tiny_target.config), 0.5).propose(_batch([[1, 2]]), 2)
+        EarlyStopDrafter(create_drafter("ngram", tiny_target.config), 0.5).propose(pool_free_draft_batch([[1, 2]]), 2)
 
 
 def test_build_drafter_names_the_early_stop_forms(tiny_target):

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hspec.decoding.sampling import SamplingBatch, SamplingParams
+from conftest import pool_free_draft_batch
 from hspec.drafters import DraftBatch, Drafter, Proposal, create_drafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.ngram.drafter import longest_suffix_match, lookup_continuation
@@ -59,19 +59,11 @@ class _CountingDrafter(Drafter):
         return Proposal(tokens, probs)
 
 
-def _batch(histories):
-    b = len(histories)
-    return DraftBatch(seq_ids=list(range(10, 10 + b)), anchor_tokens=torch.tensor([h[-1] for h in histories]),
-                      tokens=histories, pool=None,  # type: ignore[arg-type]  (the counting drafter reads no pool)
-                      sampling=SamplingBatch.from_params([SamplingParams()] * b),
-                      generators=[torch.Generator() for _ in range(b)])
-
-
 def test_rows_with_a_long_enough_match_look_up_the_others_go_to_the_model():
     model = _CountingDrafter(vocab_size=16)
     drafter = LookupFirstDrafter(model, vocab_size=16, min_match=3)
     histories = [[1, 2, 3, 4, 1, 2, 3], [1, 2, 3, 4, 5, 2, 3], [4, 4, 4, 4]]  # match lengths 3, 2, 3
-    proposal = drafter.propose(_batch(histories), K=3)
+    proposal = drafter.propose(pool_free_draft_batch(histories), K=3)
     assert model.calls == [[11]]  # only the row whose match is too short
     assert proposal.draft_tokens.tolist() == [[4, 1, 2], [9, 9, 9], [4, 4, 4]]
     assert torch.equal(proposal.draft_probs.argmax(-1), proposal.draft_tokens)
@@ -82,7 +74,7 @@ def test_rows_with_a_long_enough_match_look_up_the_others_go_to_the_model():
 def test_the_model_does_not_run_when_every_row_looks_up():
     model = _CountingDrafter(vocab_size=16)
     drafter = LookupFirstDrafter(model, vocab_size=16, min_match=2)
-    proposal = drafter.propose(_batch([[7, 8, 7, 8], [3, 5, 3, 5, 3]]), K=2)
+    proposal = drafter.propose(pool_free_draft_batch([[7, 8, 7, 8], [3, 5, 3, 5, 3]]), K=2)
     assert model.calls == []
     assert proposal.draft_tokens.tolist() == [[7, 8], [5, 3]]
 
