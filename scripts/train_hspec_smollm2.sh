@@ -96,8 +96,8 @@ OMP_NUM_THREADS=2 $HSPEC validate runs/train/hspec_v5/drafter runs/train/hspec_v
 #    draft vocabulary.
 OMP_NUM_THREADS=2 $HSPEC eval --drafters ngram,hspec,hspec+ngram,hspec:0.4,hspec+ngram:0.4,hspec=runs/train/hspec_v6/drafter \
   --tasks spec_bench --size 24 --k 7 --max-new-tokens 128 --out results
-OMP_NUM_THREADS=2 $HSPEC eval --drafters hspec,hspec+ngram --tasks spec_bench --size 24 --k 3,5,7 --max-new-tokens 128 \
-  --out results
+OMP_NUM_THREADS=2 $HSPEC eval --drafters hspec,hspec+ngram,hspec+ngram:0.4 --tasks spec_bench --size 24 --k 3,5,7 \
+  --max-new-tokens 128 --out results
 OMP_NUM_THREADS=2 $HSPEC bench decode --out results
 OMP_NUM_THREADS=1 $HSPEC bench draft --target smollm2 --draft-vocab 8192 --repeats 5 --batch-sizes 1,16 \
   --contexts 256,2048 --out results
