@@ -31,7 +31,7 @@ import torch
 
 from hspec.cache.paged_pool import PagedKVPool
 from hspec.drafters.base import DraftBatch, Drafter, Proposal, one_hot_probs
-from hspec.drafters.early_stop import CONFIDENCE_SEPARATOR
+from hspec.drafters.early_stop import CONFIDENCE_SEPARATOR, EarlyStopDrafter
 from hspec.drafters.ngram.drafter import longest_suffix_match
 from hspec.models.config import TargetConfig
 
@@ -58,8 +58,10 @@ class LookupFirstDrafter(Drafter):
         self.vocab_size = vocab_size
         self.min_match, self.max_ngram = min_match, max_ngram
         self.trim_lookup = trim_lookup
-        base, _, floor = model.kind.partition(CONFIDENCE_SEPARATOR)
-        self.kind = base + LOOKUP_SUFFIX + (CONFIDENCE_SEPARATOR + floor if floor else "")
+        if isinstance(model, EarlyStopDrafter):  # hspec:0.4 behind lookup is named hspec+ngram:0.4
+            self.kind = f"{model.model.kind}{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}{model.floor:g}"
+        else:
+            self.kind = model.kind + LOOKUP_SUFFIX
         self.hidden_layers = model.hidden_layers
         self.num_pool_layers = model.num_pool_layers
         self.lookup_rows = 0  # rows drafted by lookup so far (with model_rows: how often each drafted)
@@ -76,26 +78,28 @@ class LookupFirstDrafter(Drafter):
         model_rows = [row for row in range(B) if row not in lookup]
         self.lookup_rows += len(lookup)
         self.model_rows += len(model_rows)
+        if not lookup:
+            return self.model.propose(batch, K)
         device = batch.anchor_tokens.device
-        # Drafts each row verifies: K, 2m+1 for trimmed lookup rows, the model's choice for its rows.
+        # Drafts each row verifies: K, or 2m+1 for trimmed lookup rows; the model's choice for its rows.
         num_drafts = [min(K, 2 * matches[row].length + 1) if self.trim_lookup and row in lookup else K
                       for row in range(B)]
-        tokens = torch.empty((B, K), dtype=torch.long, device=device)  # (B, K)
-        probs = torch.empty((B, K, self.vocab_size), dtype=torch.float32, device=device)  # (B, K, V)
-        if model_rows:
+        lookup_index = torch.tensor(list(lookup), dtype=torch.long, device=device)
+        lookup_tokens = torch.tensor(list(lookup.values()), dtype=torch.long, device=device)  # (B_l, K)
+        if not model_rows:  # every row looked up; `lookup` holds them in row order
+            tokens, probs = lookup_tokens, one_hot_probs(lookup_tokens, self.vocab_size)
+        else:
             drafted = self.model.propose(_select_rows(batch, model_rows), K)
+            tokens = torch.empty((B, K), dtype=torch.long, device=device)  # (B, K)
+            probs = torch.empty((B, K, self.vocab_size), dtype=drafted.draft_probs.dtype, device=device)  # (B, K, V)
             index = torch.tensor(model_rows, dtype=torch.long, device=device)
             tokens[index] = drafted.draft_tokens
-            probs = probs.to(drafted.draft_probs.dtype)
             probs[index] = drafted.draft_probs
+            tokens[lookup_index] = lookup_tokens
+            probs[lookup_index] = one_hot_probs(lookup_tokens, self.vocab_size).to(probs.dtype)
             if drafted.num_drafts is not None:
                 for row, n in zip(model_rows, drafted.num_drafts.tolist()):
                     num_drafts[row] = n
-        if lookup:
-            lookup_index = torch.tensor(list(lookup), dtype=torch.long, device=device)
-            lookup_tokens = torch.tensor(list(lookup.values()), dtype=torch.long, device=device)  # (B_l, K)
-            tokens[lookup_index] = lookup_tokens
-            probs[lookup_index] = one_hot_probs(lookup_tokens, self.vocab_size).to(probs.dtype)
         stops = any(n < K for n in num_drafts)
         return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device) if stops else None)
 
