@@ -8,7 +8,7 @@ before the sampling transform) is at least P, and always at least one. K stays t
 can draft; the drafter still runs once per step.
 
 P = 0.4 is the suggested floor for the shipped SmolLM2 drafter. On 18 Spec-Bench items outside
-`hspec eval`'s subset (K = 7, greedy, 2-core CPU), tau / speed over plain decoding:
+`hspec eval`'s subset (`scripts/tune_on_dev_items.py`; K = 7, greedy, 2-core CPU), tau / speed:
 | drafter | P = 0.3 | P = 0.4 | P = 0.5 | all K verified |
 |---|---|---|---|---|
 | hspec+ngram | 2.24 / 1.42x | 2.22 / 1.43x | 2.19 / 1.41x | 2.32 / 1.23x |

@@ -14,8 +14,9 @@ against 2.29 / 1.09x for min_match 2, 2.18 / 1.02x for 3, and 1.62 / 0.72x for H
 
 With `trim_lookup` (the `KIND+ngram:P` form, whose model is an `EarlyStopDrafter`) a lookup row
 verifies min(K, 2m+1) of its K drafts after an m-token match: on 30 Spec-Bench items outside the
-evaluated subset, lookup after a 1-token match got 0.69 drafts accepted on average, after 2 tokens
-1.43, after 4 tokens 2.24, so the target should not pay for seven drafts behind a short match.
+evaluated subset (an exploratory offline analysis, its script not committed), lookup after a 1-token
+match got 0.69 drafts accepted on average, after 2 tokens 1.43, after 4 tokens 2.24, so the target
+should not pay for seven drafts behind a short match.
 
 Losslessness is untouched: each row's draft distribution is the one its drafts were drawn from
 (one-hot for lookup rows), and the verifier does the rest. The trained drafter still sees every
