@@ -78,12 +78,12 @@ def pool_free_draft_batch(histories: list[list[int]]):
                       generators=[torch.Generator() for _ in range(b)])
 
 
-def load_tiny(directory: Path) -> Target:
+def load_tiny(directory: Path, device: str = "cpu") -> Target:
     """Load a tiny checkpoint through the real loader, without a HF tokenizer."""
     from hspec.models import loading
 
     config = loading.read_config(directory)
-    model = loading.build_model(config, loading.read_state_dict(directory), torch.float32, "cpu")
+    model = loading.build_model(config, loading.read_state_dict(directory), torch.float32, device)
     return Target(directory.name, directory, config, model, _ByteTokenizer(config.vocab_size))  # type: ignore[arg-type]
 
 

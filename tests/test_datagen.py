@@ -20,7 +20,7 @@ def prompts_file(tmp_path):
 @pytest.fixture()
 def tiny_loader(monkeypatch, tiny_dirs):
     target = load_tiny(tiny_dirs["llama"])
-    monkeypatch.setattr(datagen, "load_target", lambda name: target)
+    monkeypatch.setattr(datagen, "load_target", lambda name, device="cpu": target)
 
 
 def _settings(prompts_file, **overrides) -> DataGenSettings:

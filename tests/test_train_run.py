@@ -30,7 +30,7 @@ def feature_dir(tmp_path, tiny_target):
 
 
 def test_train_with_a_smaller_draft_vocabulary(tmp_path, tiny_target, feature_dir, monkeypatch):
-    monkeypatch.setattr(train_run, "load_target", lambda name: tiny_target)
+    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
     config = TrainConfig(steps=2, seqs_per_step=2, anchors_per_seq=2)
     saved = train_run.train("hspec", "tiny", [feature_dir], tmp_path / "run", config, val_every=2,
                             draft_vocab_size=20)
@@ -72,7 +72,7 @@ def test_draft_vocabulary_of_a_model_free_kind_is_refused(tiny_target):
 
 def test_train_from_a_saved_drafter_starts_from_its_weights_and_vocabulary(tmp_path, tiny_target, feature_dir,
                                                                            monkeypatch):
-    monkeypatch.setattr(train_run, "load_target", lambda name: tiny_target)
+    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
     first = train_run.train("hspec", "tiny", [feature_dir], tmp_path / "first", TrainConfig(steps=2,
                             seqs_per_step=2, anchors_per_seq=2), val_every=2, draft_vocab_size=20)
     start = load_drafter(first, tiny_target.model)
@@ -134,7 +134,7 @@ def test_validate_reports_both_validations_of_saved_drafters_on_the_held_out_spl
                                                                                    monkeypatch):
     from hspec.drafters import create_drafter
 
-    monkeypatch.setattr(train_run, "load_target", lambda name: tiny_target)
+    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
     held_out = [f"seq/{i}" for i in range(400) if train_run.is_validation(f"seq/{i}")][:2]
     g = torch.Generator().manual_seed(4)
     V = tiny_target.config.vocab_size

@@ -20,6 +20,12 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                         "(the embedded default, SmolLM2-135M-Instruct; default)")
 
 
+def _add_device(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    p.add_argument("--device", default=default,
+                   help=f"auto (a CUDA GPU when one is visible, else the CPU), cpu, cuda or cuda:N; under torchrun "
+                        f"cuda means each process's own GPU (default {default})")
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
@@ -84,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--max-new-tokens", type=int, default=256)
     dgen.add_argument("--batch-size", type=int, default=16)
     _add_sampling(dgen)
+    _add_device(dgen, default="cpu")
     dgen.add_argument("--out", default="runs/data/smollm2_responses.jsonl", help="output JSONL")
     dfeat = data_sub.add_parser("features", help="cache the target features all drafters train from (resumable)",
                                 description="Run the target once over every generated sequence and cache the "
@@ -92,14 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
     dfeat.add_argument("--corpus", default="runs/data/smollm2_responses.jsonl", help="output of `data generate`")
     dfeat.add_argument("--out", default="runs/features/smollm2", help="feature cache directory")
     dfeat.add_argument("--max-sequences", type=int, default=None)
+    _add_device(dfeat, default="cpu")
 
     train = sub.add_parser("train", help="train a drafter with the unified recipe (resumable; torchrun for DDP)",
                            description="0.1 CE + 0.9 TV with position weights exp(-(k-1)/4), AdamW, 1% warmup "
                                        "then half-cosine. Rerun the same command to resume after a kill.")
     _add_target(train)
     train.add_argument("--drafter", required=True, help="drafter kind to train (see `hspec drafters describe`)")
-    train.add_argument("--features", default="runs/features/smollm2",
-                       help="feature cache dir(s) from `data features`, comma-separated")
+    source = train.add_mutually_exclusive_group()
+    source.add_argument("--features", default="runs/features/smollm2",
+                        help="feature cache dir(s) from `data features`, comma-separated")
+    source.add_argument("--corpus", default=None,
+                        help="instead of --features: generated corpus JSONL file(s) from `data generate`, "
+                             "comma-separated; the target computes each sequence's features when a step needs "
+                             "them (no cache; best on a GPU)")
     train.add_argument("--out", default=None, help="run directory (default runs/train/<kind>)")
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--lr", type=float, default=6e-4)
@@ -114,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start from this saved drafter of the same kind (e.g. RUN/drafter of an earlier run) "
                             "to train it on more data; keeps its config and draft vocabulary, restarts the "
                             "schedule (warmup + half-cosine over --steps)")
+    _add_device(train)
 
     ev = sub.add_parser("eval", help="drafters vs plain decoding on the task suites (tau, speedup, CIs)",
                         description="Runs plain decoding and each drafter item by item (interleaved) on fixed "
@@ -222,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 target=args.target, prompts_file=args.prompts, num_prompts=args.num_prompts,
                 skip_prompts=args.skip_prompts, max_prompt_tokens=args.max_prompt_tokens,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, batch_size=args.batch_size, shuffle_seed=args.seed)
+                top_k=args.top_k, batch_size=args.batch_size, shuffle_seed=args.seed, device=args.device)
             print(f"wrote {generate_corpus(settings, Path(args.out))}")
             return 0
         if args.command == "eval":
@@ -286,7 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             from hspec.training.run import build_features
 
-            print(f"wrote {build_features(args.target, Path(args.corpus), Path(args.out), args.max_sequences)}")
+            cache = build_features(args.target, Path(args.corpus), Path(args.out), args.max_sequences, args.device)
+            print(f"wrote {cache}")
             return 0
         if args.command == "train":
             from pathlib import Path
@@ -300,7 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = Path(args.out or f"runs/train/{args.drafter}")
             saved = run_training(args.drafter, args.target, [Path(p) for p in args.features.split(",")], out,
                                  config, val_every=args.val_every, draft_vocab_size=args.draft_vocab,
-                                 init_from=None if args.init_from is None else Path(args.init_from))
+                                 init_from=None if args.init_from is None else Path(args.init_from),
+                                 corpora=None if args.corpus is None else [Path(p) for p in args.corpus.split(",")],
+                                 device=args.device)
             print(f"wrote {saved}")
             return 0
         if args.command == "serve":

@@ -79,6 +79,25 @@ def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.floa
     return Target(name, directory, config, model, ChatTokenizer.from_directory(directory, config))
 
 
+def resolve_device(name: str = "auto") -> torch.device:
+    """The device a command runs on: 'auto' (a CUDA GPU when one is visible, else the CPU), 'cpu', 'cuda'
+    or 'cuda:N'. Under torchrun, 'auto' and 'cuda' mean this process's GPU (LOCAL_RANK)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and "LOCAL_RANK" in os.environ:
+        name = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU here; use --device cpu")
+        index = int(name[5:]) if ":" in name else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+        return torch.device("cuda", index)
+    raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N")
+
+
 def read_config(directory: Path) -> TargetConfig:
     config_path = directory / "config.json"
     if not config_path.exists():

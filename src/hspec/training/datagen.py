@@ -21,7 +21,7 @@ from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.sampling import SamplingParams
 from hspec.drafters import create_drafter
 from hspec.eval.tasks import resolve_data_dir
-from hspec.models.loading import load_target
+from hspec.models.loading import load_target, resolve_device
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class DataGenSettings:
     top_k: int = 0
     batch_size: int = 16
     shuffle_seed: int = 0  # prompt order; a prefix of the order is a fair subset
+    device: str = "cpu"  # where the target runs ('cuda' ...); part of the settings, as numerics differ by device
 
     def __post_init__(self) -> None:
         SamplingParams(self.temperature, self.top_p, self.top_k)  # validates
@@ -78,7 +79,7 @@ def generate_corpus(settings: DataGenSettings, out_path: Path) -> Path:
     rows = read_prompts(prompts_path)
     random.Random(settings.shuffle_seed).shuffle(rows)
 
-    target = load_target(settings.target)
+    target = load_target(settings.target, device=resolve_device(settings.device))
     tokenizer = target.tokenizer
     todo = []
     for row in rows:

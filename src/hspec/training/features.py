@@ -6,6 +6,9 @@ For a training sequence (prompt + the target's response) the target runs once an
 - the final normed hidden state (S, H), from which the target's distribution at any position is
   rebuilt exactly with the frozen LM head (storing V-sized distributions would be V/H times larger).
 
+`OnlineFeatures` computes them when training asks for a sequence instead of reading a cache: on a GPU
+the target's forward pass costs less than reading the cache back, and nothing is stored.
+
 Legend: S sequence length, n_sel selected layers, H hidden, Hkv KV heads, D head dim, V vocab.
 """
 
@@ -13,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from hspec.models.llama import TargetModel
+from hspec.training.datagen import read_corpus
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,16 @@ class SequenceFeatures:
     hidden_layers: tuple[int, ...]
     final_hidden: torch.Tensor  # (S, H) after the target's final norm
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # pool layer -> (k, v), each (S, Hkv, D)
+
+    def to(self, device: torch.device | str) -> SequenceFeatures:
+        """These features on `device` (self when they are there already)."""
+        device = torch.device(device)
+        if self.hidden.device == device:
+            return self
+        return SequenceFeatures(
+            tokens=self.tokens.to(device), prompt_length=self.prompt_length, hidden=self.hidden.to(device),
+            hidden_layers=self.hidden_layers, final_hidden=self.final_hidden.to(device),
+            kv={layer: (k.to(device), v.to(device)) for layer, (k, v) in self.kv.items()})
 
     @torch.no_grad()
     def target_probs(self, model: TargetModel, positions: torch.Tensor) -> torch.Tensor:
@@ -39,7 +54,7 @@ class SequenceFeatures:
         return torch.softmax(model.lm_head(h).float(), dim=-1)[where]
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: training saves these tensors for its backward pass
 def compute_features(model: TargetModel, tokens: Sequence[int], prompt_length: int, hidden_layers: Sequence[int],
                      kv_layers: Sequence[int], block_size: int = 64) -> SequenceFeatures:
     """Run the target over `tokens` once and keep what training needs (see module docstring)."""
@@ -56,10 +71,49 @@ def compute_features(model: TargetModel, tokens: Sequence[int], prompt_length: i
         k, v = pool.gather(layer, table)  # (1, S, Hkv, D) views into the temporary pool
         kv[layer] = (k[0].clone(), v[0].clone())
     return SequenceFeatures(
-        tokens=ids[0].cpu(),
+        tokens=ids[0].clone(),
         prompt_length=prompt_length,
         hidden=torch.stack([by_layer[layer] for layer in hidden_layers], dim=1).clone(),
         hidden_layers=tuple(hidden_layers),
         final_hidden=model.norm(by_layer[L]).clone(),
         kv=kv,
     )
+
+
+class OnlineFeatures:
+    """Generated corpora read as a feature source: the target computes a sequence's features when it is loaded.
+
+    It answers like the on-disk `FeatureStores` (ids, lengths, available, load, tokens) and orders the
+    sequences the same way (corpora in the given order, each sorted by id), so a run on the same corpora
+    holds out the same validation sequences whichever source it reads.
+    """
+
+    def __init__(self, corpus_paths: Sequence[Path], model: TargetModel, target_name: str,
+                 hidden_layers: Sequence[int], kv_layers: Sequence[int]) -> None:
+        if not corpus_paths:
+            raise ValueError("no corpus files given")
+        self.records: list[dict] = []
+        for path in corpus_paths:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"no corpus at {path}; make one with `hspec data generate`")
+            records = sorted((r for r in read_corpus(Path(path)) if r.get("response_ids")), key=lambda r: r["id"])
+            if not records:
+                raise ValueError(f"{path} holds no response to train on")
+            self.records += records
+        self.model, self.target = model, target_name
+        self.hidden_layers, self.kv_layers = tuple(hidden_layers), tuple(kv_layers)
+        self.ids = [r["id"] for r in self.records]
+        self.lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in self.records]
+
+    def available(self) -> list[int]:
+        return list(range(len(self.records)))
+
+    def load(self, i: int) -> SequenceFeatures:
+        r = self.records[i]
+        return compute_features(self.model, list(r["prompt_ids"]) + list(r["response_ids"]), len(r["prompt_ids"]),
+                                self.hidden_layers, self.kv_layers)
+
+    def tokens(self, i: int) -> torch.Tensor:
+        """The token ids of sequence i, (S,) long, on the CPU."""
+        r = self.records[i]
+        return torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]), dtype=torch.long)

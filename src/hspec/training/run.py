@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from hspec.drafters import create_drafter, drafter_config
 from hspec.drafters.common import NeuralDrafter, kv_layer_of, select_target_layers
-from hspec.models.loading import load_target
+from hspec.models.loading import load_target, resolve_device
 from hspec.training.checkpoint import (
     load_drafter,
     load_training_state,
@@ -30,6 +30,7 @@ from hspec.training.checkpoint import (
     save_training_state,
 )
 from hspec.training.datagen import read_corpus
+from hspec.training.features import OnlineFeatures
 from hspec.training.store import FeatureStore, FeatureStores
 from hspec.training.trainer import TrainConfig, Trainer
 from hspec.training.vocab import most_frequent_tokens
@@ -45,9 +46,10 @@ def held_out_ids(store: FeatureStores, count: int) -> list[int]:
     return [i for i in store.available() if is_validation(store.ids[i])][:count]
 
 
-def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_sequences: int | None = None) -> Path:
+def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_sequences: int | None = None,
+                   device: str = "cpu") -> Path:
     """`hspec data features`: cache the target features every drafter kind needs (5 selected layers)."""
-    target = load_target(target_name)
+    target = load_target(target_name, device=resolve_device(device))
     records = [r for r in read_corpus(corpus_path) if r["response_ids"]]
     records.sort(key=lambda r: r["id"])
     if max_sequences is not None:
@@ -60,17 +62,21 @@ def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_seque
 
 def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path, config: TrainConfig,
           log_every: int = 10, val_every: int = 100, val_sequences: int = 24,
-          draft_vocab_size: int | None = None, init_from: Path | None = None) -> Path:
+          draft_vocab_size: int | None = None, init_from: Path | None = None,
+          corpora: list[Path] | None = None, device: str = "cpu") -> Path:
     """Train `kind` on the cached features; resumable; returns the saved drafter directory.
 
+    `corpora` (generated JSONL files) replaces `features_dirs`: the target then computes each
+    sequence's features when a step needs them (`OnlineFeatures`), which on a GPU beats a cache.
+    `device` is where the target, the drafter and the features live ('auto', 'cpu', 'cuda', 'cuda:N').
     `draft_vocab_size` (Vp) overrides the kind's default pruned vocabulary (the paper's 32,000).
     `init_from` starts from a saved drafter of the same kind instead of a fresh one (fine-tuning on more
     data): its config and draft vocabulary are kept, and the recipe's schedule starts over.
     """
     rank, world = _init_distributed()
     torch.manual_seed(config.seed)
-    target = load_target(target_name)
-    store = FeatureStores(features_dirs)
+    target = load_target(target_name, device=resolve_device(device))
+    store = _feature_source(target, features_dirs, corpora)
     available = store.available()
     train_ids = [i for i in available if not is_validation(store.ids[i])]
     val_ids = held_out_ids(store, val_sequences)
@@ -82,6 +88,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         drafter = create_drafter(kind, target.config, target_model=target.model, config=config_override)
         drafter.head.set_vocab(_draft_vocabulary(store, train_ids, target.config.vocab_size,
                                                  drafter.config.draft_vocab_size))
+        drafter.to(target.model.embed_tokens.weight.device)
     trainer = Trainer(drafter, target.model, store.load, train_ids, config, rank, world)
     run_dir.mkdir(parents=True, exist_ok=True)
     start = 0
@@ -101,6 +108,9 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                                        "draft_vocab_size": drafter.config.draft_vocab_size,
                                        "draft_vocab_coverage": coverage,
                                        "init_from": None if init_from is None else str(init_from),
+                                       "features": ("online: " + ",".join(map(str, corpora)) if corpora
+                                                    else ",".join(map(str, features_dirs))),
+                                       "device": str(target.model.embed_tokens.weight.device),
                                        "world_size": world, **asdict(config)}, default=str) + "\n")
     bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
     for step in range(start, config.steps):
@@ -159,6 +169,14 @@ def validate_drafters(target_name: str, features_dirs: list[Path], drafter_dirs:
                                    out_dir, stem)
 
 
+def _feature_source(target, features_dirs: list[Path], corpora: list[Path] | None) -> FeatureStores | OnlineFeatures:
+    """Cached features, or the corpora with features computed online by `target` when `corpora` is given."""
+    if not corpora:
+        return FeatureStores(features_dirs)
+    layers = select_target_layers(target.config.num_layers)
+    return OnlineFeatures(corpora, target.model, target.name, layers, [kv_layer_of(layer) for layer in layers])
+
+
 def _initial_drafter(path: Path, kind: str, target_model: torch.nn.Module,
                      draft_vocab_size: int | None) -> NeuralDrafter:
     """The saved drafter at `path`, checked to be a `kind` with the requested draft vocabulary size."""
@@ -182,7 +200,7 @@ def _vocab_coverage(store: FeatureStores, ids: list[int], vocab: torch.Tensor) -
     inside = total = 0
     for i in ids:
         tokens = store.tokens(i)
-        inside += int(torch.isin(tokens, vocab).sum())
+        inside += int(torch.isin(tokens, vocab.cpu()).sum())
         total += tokens.numel()
     return inside / total if total else None
 

@@ -79,7 +79,7 @@ class FeatureStore:
         for i in tqdm(todo, desc="features", unit="seq"):
             r = records[i]
             feats = compute_features(model, list(r["prompt_ids"]) + list(r["response_ids"]), len(r["prompt_ids"]),
-                                     hidden_layers, kv_layers)
+                                     hidden_layers, kv_layers).to("cpu")
             tensors = {"tokens": feats.tokens.int(), "hidden": feats.hidden.bfloat16(),
                        "final_hidden": feats.final_hidden.half()}
             for layer, (k, v) in feats.kv.items():

@@ -102,7 +102,7 @@ def context_kv_for(drafter: NeuralDrafter, feats: SequenceFeatures, rows: int
     kinds that reuse the target's K/V read the cached target layers.
     """
     s = feats.tokens.shape[0]
-    positions = torch.arange(s)[None]  # (1, S)
+    positions = torch.arange(s, device=feats.tokens.device)[None]  # (1, S)
     if hasattr(drafter, "context_kv_from_sequence"):  # P-Eagle: context entries need the tokens too
         pairs = drafter.context_kv_from_sequence(feats.tokens[None], feats.hidden[None], positions)
     elif hasattr(drafter, "context_kv_from_hidden"):
@@ -117,17 +117,22 @@ def context_kv_for(drafter: NeuralDrafter, feats: SequenceFeatures, rows: int
 
 def make_batch(drafter: NeuralDrafter, target: TargetModel, feats: SequenceFeatures, anchors: torch.Tensor,
                K: int, cod_generator: torch.Generator | None = None) -> Batch:
-    """Blocks at `anchors` (N,) of one sequence (see module docstring, step 1-2)."""
+    """Blocks at `anchors` (N,) of one sequence (see module docstring, step 1-2), on the features' device.
+
+    `anchors` may lie on the CPU (they are drawn there, from a seeded CPU generator).
+    """
     tokens = feats.tokens
+    device = tokens.device
+    anchors = anchors.to(device)
     s = tokens.shape[0]
     n = anchors.shape[0]
     block_tokens, positions = build_block(tokens[anchors], anchors, K, drafter.config.mask_token_id)
-    key_pos = torch.arange(s)
+    key_pos = torch.arange(s, device=device)
     window = drafter.config.sliding_window
     context_mask = (key_pos[None] < anchors[:, None]) & (key_pos[None] >= anchors[:, None] - window)  # (N, S)
     ctx = BlockContext(block_tokens, positions, feats.hidden[anchors - 1], context_kv_for(drafter, feats, n),
                        context_mask)
-    offsets = torch.arange(K)
+    offsets = torch.arange(K, device=device)
     label_pos = anchors[:, None] + 1 + offsets  # (N, K)
     valid = label_pos <= s - 1
     label_pos = label_pos.clamp(max=s - 1)
@@ -136,7 +141,7 @@ def make_batch(drafter: NeuralDrafter, target: TargetModel, feats: SequenceFeatu
         # P-Eagle's COD sampling: depth d keeps a max(0.6^d, 0.2) share of the anchors, nested (one
         # draw per anchor, so a kept depth implies every shallower depth is kept too).
         keep = torch.tensor([max(0.6**d, 0.2) for d in range(K)])
-        valid &= torch.rand((n, 1), generator=cod_generator) < keep
+        valid &= (torch.rand((n, 1), generator=cod_generator) < keep).to(device)
     return Batch(ctx, prev_tokens, tokens[label_pos], feats.target_probs(target, label_pos - 1), valid)
 
 
@@ -183,6 +188,7 @@ class Trainer:
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=config.lr, betas=(0.9, 0.95), fused=all(p.device.type in ("cpu", "cuda") for p in self.params))
         self.K = drafter.config.block_size
+        self.device = drafter.head.draft_vocab_ids.device  # where the drafter lives; features are moved there
 
     def sequences_for_step(self, step: int) -> list[tuple[int, int]]:
         """This process's (slot, sequence) pairs at `step`: one seeded draw for all ranks, sharded by rank.
@@ -207,14 +213,15 @@ class Trainer:
         batches, backbone = [], []
         for slot, seq in pairs:
             g = step_generator(self.config.seed, step, slot)
-            feats = self.load_sequence(seq)
+            feats = self.load_sequence(seq).to(self.device)
             anchors = sample_anchors(feats, self.config.anchors_per_seq, g)
             if anchors.numel() == 0:
                 continue
             batch = make_batch(self.drafter, self.target, feats, anchors, self.K, g if self.config.cod_keep else None)
             batches.append(batch)
             backbone.append(self.drafter.block_logits(batch.ctx))  # (N_i, K, Vp)
-        total, ce_sum, tv_sum = torch.zeros(()), torch.zeros(self.K), torch.zeros(self.K)
+        total = torch.zeros((), device=self.device)
+        ce_sum, tv_sum = torch.zeros(self.K, device=self.device), torch.zeros(self.K, device=self.device)
         if not batches:
             return 0.0, ce_sum.tolist(), tv_sum.tolist()
         corrections = self.drafter.markov_logits(torch.cat([b.prev_tokens for b in batches]))  # (sum N_i, K, Vp)
@@ -248,7 +255,7 @@ class Trainer:
         self.drafter.eval()
         stats = []
         for seq in val_ids:
-            feats = self.load_sequence(seq)
+            feats = self.load_sequence(seq).to(self.device)
             anchors = sample_anchors(feats, anchors_per_seq, step_generator(self.config.seed, -1, seq))
             if anchors.numel() == 0:
                 continue
@@ -277,13 +284,13 @@ class Trainer:
         self.drafter.eval()
         chain_steps = []
         for seq in val_ids:
-            feats = self.load_sequence(seq)
+            feats = self.load_sequence(seq).to(self.device)
             s = feats.tokens.shape[0]
             last_anchor = s - 1 - self.K  # the last anchor whose K labels all exist
             if last_anchor < feats.prompt_length:
                 continue
             accepted: list[int] = []  # at every anchor the chain may visit, in order
-            for chunk in torch.arange(feats.prompt_length, last_anchor + 1).split(rows_per_forward):
+            for chunk in torch.arange(feats.prompt_length, last_anchor + 1, device=self.device).split(rows_per_forward):
                 batch = make_batch(self.drafter, self.target, feats, chunk, self.K)
                 logits = self.drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens)
                 accepted += greedy_acceptance(logits, batch.target_probs, self.drafter.head.draft_vocab_ids).tolist()
