@@ -209,7 +209,12 @@ def _init_distributed() -> tuple[int, int]:
     """(rank, world size); under torchrun, joins the process group (gloo on CPU, nccl on GPU)."""
     if "RANK" not in os.environ or dist.is_initialized():
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        # NCCL works on the current device: make it this process's own GPU before joining.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
 
 
