@@ -195,3 +195,21 @@ def test_text_stream_holds_back_a_possible_stop_prefix():
     assert stream.push(["a", "b", "x"], finished=False) == "a"  # "bx" could start "xyz"
     assert stream.push(["y", "q"], finished=False) == "bx"
     assert stream.push(["x", "y", "z", "!"], finished=True) == "yq"
+
+
+def test_metrics_leave_early_stopped_steps_out_of_the_next_positions_denominator():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hspec.serving.engine import StepReport
+    from hspec.serving.metrics import ServingMetrics
+
+    metrics = ServingMetrics("m", "hspec+ngram:0.4", K=7, kv_capacity_tokens=64)
+    # row 0: 7 drafts, 2 accepted; row 1: stopped after 3 drafts, all accepted; row 2: 7 drafts, none accepted
+    metrics.observe_step(StepReport([], 3, [2, 3, 0], [7, 3, 7], 7, 0, 8, 0, 3, 0, 0.5, 0.01))
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    accepted = [samples[("hspec_spec_decode_accepted_tokens_total", str(k))] for k in range(1, 8)]
+    verified = [samples[("hspec_spec_decode_verified_tokens_total", str(k))] for k in range(1, 8)]
+    assert accepted == [2, 2, 1, 0, 0, 0, 0]
+    assert verified == [3, 2, 2, 0, 0, 0, 0]  # row 1 verified no 4th draft: it is not a refusal at k = 4
+    assert samples[("hspec_mean_accepted_length", None)] == pytest.approx(1 + 5 / 3)

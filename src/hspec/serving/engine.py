@@ -68,6 +68,7 @@ class StepReport:
     updates: list[RequestUpdate]
     num_decoded: int  # rows of the batched decoding step (0 when nothing ran)
     num_accepted: list[int]  # per row of the speculative step (empty for plain decoding or no step)
+    num_drafted: list[int]  # per row: drafts it verified (K, or fewer where a `KIND:P` drafter stopped early)
     K: int
     num_prefill_tokens: int  # positions prefilled, recomputes included
     num_new_tokens: int  # tokens emitted to outputs
@@ -232,21 +233,22 @@ class Engine:
 
         # 4. one batched speculative step for every running sequence.
         num_accepted: list[int] = []
+        num_drafted: list[int] = []
         num_decoded = len(self._running)
         if self._running:
-            num_accepted = self._decode(updates, new_tokens)
+            num_accepted, num_drafted = self._decode(updates, new_tokens)
         for request_id, tokens in new_tokens.items():
             if request_id in self._running and tokens:
                 seq = self._running[request_id]
                 updates.append(RequestUpdate(request_id, tuple(tokens), len(seq.output.token_ids)))
-        return StepReport(updates, num_decoded, num_accepted, self.K, num_prefill,
+        return StepReport(updates, num_decoded, num_accepted, num_drafted, self.K, num_prefill,
                           sum(len(u.new_token_ids) for u in updates), len(plan.preempt), len(self._running),
                           len(self._waiting), self.pool.utilization(), time.perf_counter() - start)
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    def _decode(self, updates: list[RequestUpdate], new_tokens: dict[str, list[int]]) -> list[int]:
-        """Stages 4-5 for every running sequence; returns the accepted counts (empty when K = 0)."""
+    def _decode(self, updates: list[RequestUpdate], new_tokens: dict[str, list[int]]) -> tuple[list[int], list[int]]:
+        """Stages 4-5 for every running sequence; returns the accepted and drafted counts (empty when K = 0)."""
         batch = list(self._running.values())
         try:
             result = self.stages.step(self.pool, [s.key for s in batch], [s.history for s in batch],
@@ -256,7 +258,7 @@ class Engine:
             for seq in batch:
                 del self._running[seq.request.request_id]
                 updates.append(self._fail(seq, message))
-            return []
+            return [], []
         # 5. emit, finish and free.
         for row, seq in enumerate(batch):
             if self.K:
@@ -268,7 +270,7 @@ class Engine:
                 del self._running[seq.request.request_id]
                 self.stages.release(self.pool, seq.key)
                 updates.append(self._finished_update(seq, new_tokens))
-        return list(result.num_accepted) if self.K else []
+        return (list(result.num_accepted), list(result.num_drafted)) if self.K else ([], [])
 
     def _emit(self, seq: _Sequence, tokens: Sequence[int], new_tokens: dict[str, list[int]]) -> None:
         r = seq.request

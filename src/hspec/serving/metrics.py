@@ -5,8 +5,12 @@ exported as counters so any window can be computed from two scrapes:
 
 - `hspec_spec_decode_steps_total`: sequence-steps (one per running sequence per engine step);
 - `hspec_spec_decode_accepted_tokens_total{position="k"}`: sequence-steps whose first k drafts were
-  all accepted, k = 1..K; conditional acceptance at k is accepted[k] / accepted[k-1] (accepted[0] =
-  steps), and MAL tau = 1 + sum_k accepted[k] / steps (also exported as a gauge over the lifetime);
+  all accepted, k = 1..K; MAL tau = 1 + sum_k accepted[k] / steps (also exported as a gauge over the
+  lifetime);
+- `hspec_spec_decode_verified_tokens_total{position="k"}`: sequence-steps that accepted their first k-1
+  drafts and verified a k-th; conditional acceptance at k is accepted[k] / verified[k]. It equals
+  accepted[k-1] unless a `KIND:P` drafter stopped early: a step that verified n < K drafts and
+  accepted them all was not refused a draft at n+1, so it is left out there;
 - `hspec_kv_cache_usage_seconds_total`: the time integral of the KV usage fraction over wall-clock
   time, so the mean utilisation over a window is its increase divided by the window's length.
 """
@@ -45,6 +49,8 @@ class ServingMetrics:
         self.spec_steps = Counter("hspec_spec_decode_steps", "Speculative sequence-steps", registry=r)
         self.accepted = Counter("hspec_spec_decode_accepted_tokens", "Sequence-steps whose first k drafts were "
                                 "all accepted, by block position k", ["position"], registry=r)
+        self.verified = Counter("hspec_spec_decode_verified_tokens", "Sequence-steps that accepted their first "
+                                "k-1 drafts and verified a k-th, by block position k", ["position"], registry=r)
         self.mean_accepted_length = Gauge("hspec_mean_accepted_length", "MAL tau = mean over sequence-steps of "
                                           "(accepted + 1), since start (1 for plain decoding)", registry=r)
         self.mean_accepted_length.set(1.0)
@@ -68,6 +74,8 @@ class ServingMetrics:
             self.spec_steps.inc(len(report.num_accepted))
             for k in range(1, report.K + 1):
                 self.accepted.labels(str(k)).inc(sum(1 for n in report.num_accepted if n >= k))
+                self.verified.labels(str(k)).inc(sum(1 for n, d in zip(report.num_accepted, report.num_drafted)
+                                                     if n >= k - 1 and d >= k))
             self._steps += len(report.num_accepted)
             self._accepted_sum += sum(report.num_accepted)
             self.mean_accepted_length.set(1.0 + self._accepted_sum / self._steps)
