@@ -101,3 +101,5 @@ OMP_NUM_THREADS=2 $HSPEC eval --drafters hspec,hspec+ngram,hspec+ngram:0.4 --tas
 OMP_NUM_THREADS=2 $HSPEC bench decode --out results
 OMP_NUM_THREADS=1 $HSPEC bench draft --target smollm2 --draft-vocab 8192 --repeats 5 --batch-sizes 1,16 \
   --contexts 256,2048 --out results
+# 6. Not part of the shipped drafter: on a CUDA GPU, scripts/train_hspec_smollm2_gpu.sh continues it with more
+#    responses and features computed online (v8 in results/gpu_v8/: better held-out tau, the same Spec-Bench tau).
