@@ -9,6 +9,9 @@ where much of the answer is copied from the prompt. This writes, in the normaliz
 - `long/<id>`: training prompts longer than the default corpus allowed (its generation skipped them);
 - `summarize/<id>`: "Summarize: " followed by a long prose training prompt (Spec-Bench's summarization
   prompts have this form; the passages here are user texts from the training sources, not news articles);
+- `question/<id>` (`--questions N`): the first N short factual questions among the training prompts (who, what,
+  when, where, which, how many/much; at most 16 words, ending in '?'), nearer Spec-Bench's Natural Questions
+  items than the instruction mix around them;
 - `copy/<template>/<id>` (`--copies N`): requests whose answer copies from the prompt, the target's most
   common behaviour on Spec-Bench's translation, summarization and RAG items, which the drafter trained
   on the above rarely learned (it fails even in the target's repetition loops). N prompts cycling
@@ -16,8 +19,12 @@ where much of the answer is copied from the prompt. This writes, in the normaliz
   translation form (the shared data hold almost no German, so the sentences are English, and the target
   mostly repeats them), a paragraph for the others.
 
+`--exclude` keeps trained prompts out of the long, summary and question rows; `--only CATEGORY ...` keeps
+only those categories, and `--drop-made CORPUS ...` drops every row whose own id a corpus already holds
+(e.g. the rows of an earlier, larger build that a later corpus generated).
+
 Usage: .venv/bin/python scripts/build_targeted_prompts.py OUT.jsonl [--gsm8k N] [--summaries N] [--copies N]
-       [--no-long] [--exclude CORPUS ...]
+       [--questions N] [--no-long] [--exclude CORPUS ...] [--only CATEGORY ...] [--drop-made CORPUS ...]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import argparse
 import gzip
 import json
 import random
+import re
 from pathlib import Path
 
 from hspec.eval.tasks import resolve_data_dir
@@ -34,6 +42,8 @@ from hspec.training.datagen import read_corpus, read_prompts
 LONG_PROMPT_CHARS = 1300  # ~330 tokens: shorter prompts were already eligible for the default corpus
 MAX_PROMPT_CHARS = 4000  # ~1,000 tokens: the generation's --max-prompt-tokens 1024 drops the rest
 CODE_CHARACTERS = set("{}[];=<>_/\\|`$#")
+QUESTION = re.compile(r"^(who|what|when|where|which|how many|how much|in what|what year)\b", re.IGNORECASE)
+QUESTION_MAX_WORDS = 16
 
 
 COPY_TEMPLATES = {
@@ -75,8 +85,14 @@ def _is_prose(text: str) -> bool:
     return code / len(text) < 0.01 and letters / len(text) > 0.9
 
 
+def is_short_question(text: str) -> bool:
+    """A short factual question: a wh-word first, at most QUESTION_MAX_WORDS words, a '?' last."""
+    text = text.strip()
+    return bool(QUESTION.match(text)) and len(text.split()) <= QUESTION_MAX_WORDS and text.endswith("?")
+
+
 def build(gsm8k_count: int, summary_count: int, excluded_ids: set[str], seed: int = 0,
-          copy_count: int = 0, long_prompts: bool = True) -> list[dict]:
+          copy_count: int = 0, long_prompts: bool = True, question_count: int = 0) -> list[dict]:
     rng = random.Random(seed)
     normalized = resolve_data_dir()  # shared/data/normalized (or $HSPEC_DATA_DIR)
     with gzip.open(normalized.parent / "gsm8k" / "train.jsonl.gz", "rt", encoding="utf-8") as f:
@@ -96,6 +112,9 @@ def build(gsm8k_count: int, summary_count: int, excluded_ids: set[str], seed: in
     if copy_count:  # drawn from all prose prompts, so a later --copies run needs no --exclude
         all_prose = [r for r in train if len(r["turns"][0]) > 300 and _is_prose(r["turns"][0])]
         rows += copy_prompts(all_prose, copy_count, random.Random(seed + 1))
+    questions = [r for r in train if r["id"] not in excluded_ids and is_short_question(r["turns"][0])]
+    rows += [{"id": f"question/{r['id']}", "category": "question", "turns": r["turns"][:1]}
+             for r in questions[:question_count]]
     return rows
 
 
@@ -106,13 +125,21 @@ def main() -> None:
     parser.add_argument("--summaries", type=int, default=200, help="'Summarize:' prompts (default 200)")
     parser.add_argument("--copies", type=int, default=0,
                         help="prompts whose answer copies from the prompt (default 0; see COPY_TEMPLATES)")
+    parser.add_argument("--questions", type=int, default=0,
+                        help="short factual questions from the training prompts (default 0)")
     parser.add_argument("--long", action=argparse.BooleanOptionalAction, default=True,
                         help="include the long training prompts (default yes)")
     parser.add_argument("--exclude", type=Path, nargs="*", default=[],
                         help="corpus JSONL files whose prompts are left out (already trained on)")
+    parser.add_argument("--only", nargs="*", default=None, metavar="CATEGORY", help="keep only these categories")
+    parser.add_argument("--drop-made", type=Path, nargs="*", default=[], metavar="CORPUS",
+                        help="drop the rows whose ids these corpus JSONL files hold (generated already)")
     args = parser.parse_args()
     excluded = {record["id"] for path in args.exclude for record in read_corpus(path)}
-    rows = build(args.gsm8k, args.summaries, excluded, copy_count=args.copies, long_prompts=args.long)
+    rows = build(args.gsm8k, args.summaries, excluded, copy_count=args.copies, long_prompts=args.long,
+                 question_count=args.questions)
+    made = {record["id"] for path in args.drop_made for record in read_corpus(path)}
+    rows = [r for r in rows if (args.only is None or r["category"] in args.only) and r["id"] not in made]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     counts = {c: sum(r["category"] == c for r in rows) for c in dict.fromkeys(r["category"] for r in rows)}
