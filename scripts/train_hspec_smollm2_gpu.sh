@@ -56,7 +56,7 @@ for f in "$WORK"/data/corpus_gpu*.jsonl; do
 done
 
 # 2. The recipe on every corpus, the committed ones first (so the held-out sequences are the CPU runs').
-old=$(ls results/train_data/corpus_part{1..13}.jsonl | paste -sd,)  # the parts v7 was trained on
+old=$(printf "%s\n" results/train_data/corpus_part{1..13}.jsonl | paste -sd,)  # the parts v7 saw, in order
 train() {  # train RUN_DIR STEPS VAL_EVERY
   $HSPEC train --drafter hspec --corpus "$old$new" --device "$DEVICE" --init-from "$INIT" --lr "$LR" \
     --seqs-per-step "$SEQS" --anchors-per-seq "$ANCHORS" --out "$1" --steps "$2" --val-every "$3"
