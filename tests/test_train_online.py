@@ -126,6 +126,11 @@ def test_resolve_device_names_what_is_allowed(monkeypatch):
         resolve_device("cuda")
 
 
+def test_the_process_group_follows_the_device_not_the_machine():
+    assert train_run.process_group_backend(torch.device("cpu")) == "gloo"  # --device cpu on a GPU machine too
+    assert train_run.process_group_backend(torch.device("cuda", 1)) == "nccl"
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from hspec.drafters import create_drafter, drafter_config
 from hspec.drafters.common import NeuralDrafter, kv_layer_of, select_target_layers
-from hspec.models.loading import load_target, resolve_device
+from hspec.models.loading import Target, load_target, resolve_device
 from hspec.training.checkpoint import (
     load_drafter,
     load_training_state,
@@ -73,9 +73,10 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     `init_from` starts from a saved drafter of the same kind instead of a fresh one (fine-tuning on more
     data): its config and draft vocabulary are kept, and the recipe's schedule starts over.
     """
-    rank, world = _init_distributed()
+    where = resolve_device(device)
+    rank, world = _init_distributed(where)
     torch.manual_seed(config.seed)
-    target = load_target(target_name, device=resolve_device(device))
+    target = load_target(target_name, device=where)
     store = _feature_source(target, features_dirs, corpora)
     available = store.available()
     train_ids = [i for i in available if not is_validation(store.ids[i])]
@@ -169,7 +170,8 @@ def validate_drafters(target_name: str, features_dirs: list[Path], drafter_dirs:
                                    out_dir, stem)
 
 
-def _feature_source(target, features_dirs: list[Path], corpora: list[Path] | None) -> FeatureStores | OnlineFeatures:
+def _feature_source(target: Target, features_dirs: list[Path],
+                    corpora: list[Path] | None) -> FeatureStores | OnlineFeatures:
     """Cached features, or the corpora with features computed online by `target` when `corpora` is given."""
     if not corpora:
         return FeatureStores(features_dirs)
@@ -205,16 +207,18 @@ def _vocab_coverage(store: FeatureStores, ids: list[int], vocab: torch.Tensor) -
     return inside / total if total else None
 
 
-def _init_distributed() -> tuple[int, int]:
-    """(rank, world size); under torchrun, joins the process group (gloo on CPU, nccl on GPU)."""
+def process_group_backend(device: torch.device) -> str:
+    """The collective backend for gradients living on `device`: nccl for a GPU, gloo for the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size); under torchrun, joins the process group with the backend `device` needs."""
     if "RANK" not in os.environ or dist.is_initialized():
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if torch.cuda.is_available():
-        # NCCL works on the current device: make it this process's own GPU before joining.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL works on the current device: make it this process's own GPU
+    dist.init_process_group(process_group_backend(device))
     return dist.get_rank(), dist.get_world_size()
 
 
