@@ -105,7 +105,7 @@ OMP_NUM_THREADS=1 $HSPEC bench draft --target smollm2 --draft-vocab 8192 --repea
 #    responses and features computed online (v8 in results/gpu_v8/: better held-out tau, the same Spec-Bench tau).
 # 7. Not shipped either (v9, results/v9_questions/): v7 continued for 1,200 steps on the thirteen parts, the GPU
 #    responses (results/train_data/gpu/) and 589 new ones: 403 short factual questions and 187 passages to
-#    summarize or answer about (parts 14-15). Held-out tau 2.40 -> 2.52 in decode order; dev items flat (1.67 -> 1.68).
+#    summarize or answer about (parts 14-15). Held-out tau 2.404 -> 2.518 in decode order; dev items flat (1.67 -> 1.68).
 #      exclude="results/train_data/corpus_part[1-9].jsonl results/train_data/corpus_part1[0-3].jsonl"
 #      $PYTHON scripts/build_targeted_prompts.py runs/data/prompts_questions.jsonl --gsm8k 0 --summaries 0 --no-long \
 #        --questions 403 --exclude $exclude results/train_data/gpu/corpus_gpu*.jsonl
