@@ -8,16 +8,19 @@ category and over all items. This is how P = 0.4 (`hspec+ngram:0.4`) and the loo
 chosen, and how drafter v7 was compared with v6 before shipping.
 
     .venv/bin/python scripts/tune_on_dev_items.py hspec+ngram hspec+ngram:0.3 hspec+ngram:0.4 \\
-        hspec=runs/train/hspec_v6/drafter
+        hspec=runs/train/hspec_v6/drafter [--out results/DIR/dev_items.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
+from hspec.bench.report import provenance, provenance_markdown
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.sampling import SamplingParams
 from hspec.eval.tasks import default_data_dir
@@ -41,6 +44,8 @@ def main() -> None:
     parser.add_argument("methods", nargs="+", help="drafter specs as for --drafter, optionally SPEC=CHECKPOINT_DIR")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write the lines to this markdown file, under the command and provenance")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target = load_target("smollm2")
@@ -52,6 +57,7 @@ def main() -> None:
     text = (default_data_dir() / "spec_bench.jsonl").read_text()
     rows = [json.loads(line) for line in text.split("\n") if line.strip()]
     totals: dict[str, list[float]] = {}  # method -> [tokens, steps, decode seconds], over all items
+    lines = []
     for category, items in dev_items(rows).items():
         sums: dict[str, list[float]] = {}
         for item in items:
@@ -68,8 +74,23 @@ def main() -> None:
                     entry[0] += len(seq.token_ids)
                     entry[1] += len(seq.num_accepted) or len(seq.token_ids)
                     entry[2] += out.decode_s
-        print(category, _summary(sums), flush=True)
-    print("all", _summary(totals), flush=True)
+        lines.append(f"{category} {_summary(sums)}")
+        print(lines[-1], flush=True)
+    lines.append(f"all {_summary(totals)}")
+    print(lines[-1], flush=True)
+    if args.out is not None:
+        _write_markdown(args.out, lines, vars(args))
+
+
+def _write_markdown(path: Path, lines: list[str], settings: dict) -> None:
+    """The printed lines under the command, date, commit and machine (`hspec.bench.report.provenance`)."""
+    command = "python scripts/tune_on_dev_items.py " + " ".join(sys.argv[1:])
+    meta = provenance(command, {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# Dev-item tuning run\n\n" + provenance_markdown(meta)
+                    + "\n18 Spec-Bench items outside the evaluated subset, greedy; each line: method tau / speedup "
+                    "over plain decoding (interleaved)\n\n```\n" + "\n".join(lines) + "\n```\n")
+    print(f"wrote {path}")
 
 
 def _summary(sums: dict[str, list[float]]) -> str:

@@ -154,6 +154,17 @@ def test_default_verifier_architecture_is_the_targets(tiny_target, tmp_path):
     assert info.verifier_name_or_path == VERIFIER
 
 
+def test_version_is_recorded_even_when_hspec_is_not_installed(tiny_target, tmp_path, monkeypatch):
+    def not_installed(name):
+        raise checkpoint.PackageNotFoundError(name)
+
+    monkeypatch.setattr(checkpoint, "version", not_installed)  # as when run with PYTHONPATH=src
+    save_drafter(random_drafter("hspec", tiny_target), tmp_path / "ckpt", VERIFIER)
+    recorded = json.loads((tmp_path / "ckpt" / CONFIG_FILE).read_text())["hspec_version"]
+    pyproject = (Path(checkpoint.__file__).resolve().parents[3] / "pyproject.toml").read_text()
+    assert recorded is not None and f'version = "{recorded}"' in pyproject
+
+
 def test_model_free_kinds_have_no_checkpoint(tiny_target, tmp_path):
     with pytest.raises(TypeError, match="ngram"):
         save_drafter(create_drafter("ngram", tiny_target.config), tmp_path / "x", VERIFIER)

@@ -149,10 +149,15 @@ def _drafter_dtype(drafter: nn.Module) -> torch.dtype:
 
 
 def _package_version() -> str | None:
+    """hspec's installed version; in a source tree run without installing (PYTHONPATH=src), its pyproject's."""
     try:
         return version("hspec")
     except PackageNotFoundError:
-        return None
+        pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"  # <repo>/src/hspec/training/
+        if not pyproject.is_file():
+            return None
+        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
+        return found.group(1) if found else None
 
 
 # ---- saving and loading a drafter --------------------------------------------------------------------
