@@ -110,10 +110,10 @@ class OnlineFeatures:
 
     def load(self, i: int) -> SequenceFeatures:
         r = self.records[i]
-        return compute_features(self.model, list(r["prompt_ids"]) + list(r["response_ids"]), len(r["prompt_ids"]),
+        return compute_features(self.model, r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]),
                                 self.hidden_layers, self.kv_layers)
 
     def tokens(self, i: int) -> torch.Tensor:
         """The token ids of sequence i, (S,) long, on the CPU."""
         r = self.records[i]
-        return torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]), dtype=torch.long)
+        return torch.tensor(r["prompt_ids"] + r["response_ids"], dtype=torch.long)

@@ -89,7 +89,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         drafter = create_drafter(kind, target.config, target_model=target.model, config=config_override)
         drafter.head.set_vocab(_draft_vocabulary(store, train_ids, target.config.vocab_size,
                                                  drafter.config.draft_vocab_size))
-        drafter.to(target.model.embed_tokens.weight.device)
+        drafter.to(where)
     trainer = Trainer(drafter, target.model, store.load, train_ids, config, rank, world)
     run_dir.mkdir(parents=True, exist_ok=True)
     start = 0
@@ -111,7 +111,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                                        "init_from": None if init_from is None else str(init_from),
                                        "features": ("online: " + ",".join(map(str, corpora)) if corpora
                                                     else ",".join(map(str, features_dirs))),
-                                       "device": str(target.model.embed_tokens.weight.device),
+                                       "device": str(where),
                                        "world_size": world, **asdict(config)}, default=str) + "\n")
     bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
     for step in range(start, config.steps):
