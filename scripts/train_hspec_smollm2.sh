@@ -104,12 +104,7 @@ OMP_NUM_THREADS=1 $HSPEC bench draft --target smollm2 --draft-vocab 8192 --repea
 # 6. Not part of the shipped drafter: on a CUDA GPU, scripts/train_hspec_smollm2_gpu.sh continues it with more
 #    responses and features computed online (v8 in results/gpu_v8/: better held-out tau, the same Spec-Bench tau).
 # 7. Not shipped either (v9, results/v9_questions/): v7 continued for 1,200 steps on the thirteen parts, the GPU
-#    responses (results/train_data/gpu/) and 589 new ones: 403 short factual questions and 187 passages to
+#    responses (results/train_data/gpu/) and 589 new ones: 403 short factual questions and 186 passages to
 #    summarize or answer about (parts 14-15). Held-out tau 2.404 -> 2.518 in decode order; dev items flat (1.67 -> 1.68).
-#      exclude="results/train_data/corpus_part[1-9].jsonl results/train_data/corpus_part1[0-3].jsonl"
-#      $PYTHON scripts/build_targeted_prompts.py runs/data/prompts_questions.jsonl --gsm8k 0 --summaries 0 --no-long \
-#        --questions 403 --exclude $exclude results/train_data/gpu/corpus_gpu*.jsonl
-#      $PYTHON scripts/build_targeted_prompts.py runs/data/prompts_passages.jsonl --gsm8k 2400 --summaries 600 \
-#        --copies 800 --exclude $exclude --only summarize copy_passage_qa --drop-made $exclude results/train_data/gpu/corpus_gpu*.jsonl
-#      then `hspec data generate` on each (--max-prompt-tokens 384 / 1024, --max-new-tokens 192), `hspec data
-#      features` for parts gpu1-4, 14 and 15, and `hspec train ... --steps 1200 --lr 3e-4 --init-from runs/train/hspec_v7/drafter`.
+#    scripts/train_v9_questions.sh makes it, from the run directories this script leaves.
+# 8. A diagnostic, never shipped (v10/v11, results/spec_bench_split_diag/): scripts/train_spec_bench_diag.sh.

@@ -10,7 +10,7 @@
 #   TOTAL_SECONDS [540]  wall-clock budget of the whole script; training gets what generation leaves
 #   GEN_SECONDS   [210]  generation budget: four processes side by side, each stopped after this long
 #                        (a stopped part keeps its finished batches and resumes on a rerun)
-#   PROMPTS       [train_prompts.jsonl]  the default training prompts (shared data dir, or a path)
+#   PROMPTS       [train_prompts.jsonl]  the default training prompts (shipped in hspec/data, or a path)
 #   TARGETED      [runs/data/prompts_targeted2.jsonl]  prompts nearer Spec-Bench's tasks, made with
 #                 scripts/build_targeted_prompts.py OUT --gsm8k 2400 --summaries 600 --copies 800
 #                 --exclude results/train_data/corpus_part*.jsonl

@@ -16,21 +16,19 @@ import torch
 from safetensors.torch import load_file
 
 from hspec.decoding.generate import SpeculativeDecoder
-from hspec.decoding.sampling import SamplingParams
-from hspec.drafters import DRAFTERS, create_drafter
-from hspec.drafters.common import NeuralDrafter
-from hspec.training import checkpoint
-from hspec.training.checkpoint import (
+from hspec.drafters import DRAFTERS, checkpoint, create_drafter
+from hspec.drafters.checkpoint import (
     CONFIG_FILE,
     DRAFTER_CONFIG_KEY,
     WEIGHTS_FILE,
     load_drafter,
-    load_training_state,
     read_checkpoint,
     save_drafter,
-    save_training_state,
-    training_states,
 )
+from hspec.drafters.common import NeuralDrafter
+from hspec.sampling import SamplingParams
+from hspec.training import checkpoint as trainer_checkpoint
+from hspec.training.checkpoint import load_training_state, save_training_state, training_states
 
 NEURAL_KINDS = [k for k in DRAFTERS.names() if issubclass(DRAFTERS.get(k), NeuralDrafter)]
 DRAFT_VOCAB = 48  # < V = 96 of the tiny targets, so the pruned-vocabulary ids matter
@@ -55,20 +53,24 @@ def random_drafter(kind: str, target, seed: int = 0) -> NeuralDrafter:
 def recorded_proposals(target, drafter: NeuralDrafter, K: int) -> tuple[list, list]:
     """Sampled speculative generation: every proposal (tokens, draft probs) and the output tokens."""
     proposals = []
-    propose = drafter.propose
+    name = "propose_tree" if drafter.proposes_tree else "propose"  # what the decoding step calls
+    propose = getattr(drafter, name)
 
     def recording(batch, k):
         proposal = propose(batch, k)
-        proposals.append((proposal.draft_tokens.clone(), proposal.draft_probs.clone()))
+        if drafter.proposes_tree:  # a TreeDraft: its node tokens and their children's distributions
+            proposals.append((proposal.tokens.clone(), proposal.draft_probs.clone()))
+        else:
+            proposals.append((proposal.draft_tokens.clone(), proposal.draft_probs.clone()))
         return proposal
 
-    drafter.propose = recording  # type: ignore[method-assign]
+    setattr(drafter, name, recording)
     try:
         prompts = [target.tokenizer.encode_prompt(p) for p in ("hello world", "abcabcabc")]
         decoder = SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids)
         out = decoder.generate(prompts, SamplingParams(temperature=1.0), 12, seeds=[5, 6])
     finally:
-        del drafter.propose
+        delattr(drafter, name)
     return proposals, [s.token_ids for s in out.sequences]
 
 
@@ -364,14 +366,14 @@ def test_failed_first_training_save_leaves_nothing(tiny_target, tmp_path, monkey
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint.torch, "save", crash)
+    monkeypatch.setattr(trainer_checkpoint.torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
         save_training_state(tmp_path / "state", drafter, optimizer, 1, {})
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
 
     save_training_state(tmp_path / "state", drafter, optimizer, 1, {})
-    monkeypatch.setattr(checkpoint.torch, "save", crash)
+    monkeypatch.setattr(trainer_checkpoint.torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
         save_training_state(tmp_path / "state", drafter, optimizer, 2, {})
     monkeypatch.undo()
@@ -392,3 +394,22 @@ def test_training_state_errors(tiny_target, tmp_path):
         other = random_drafter(other_kind, tiny_target)
         with pytest.raises(ValueError, match="is for drafter kind 'hspec'"):
             load_training_state(tmp_path / "state", other, _optimizer(other))
+
+
+def test_stale_temporaries_are_cleared_and_a_moved_aside_checkpoint_comes_back(tiny_target, tmp_path):
+    from hspec.drafters.checkpoint import remove_stale_temporaries
+
+    drafter = random_drafter("hspec", tiny_target)
+    kept = save_drafter(drafter, tmp_path / "kept", VERIFIER)
+    (tmp_path / ".kept.tmp-a1").mkdir()  # a save killed while writing
+    (tmp_path / ".kept.old-b2" / "checkpoint").mkdir(parents=True)  # killed after the replace finished
+    moved = save_drafter(drafter, tmp_path / "moved", VERIFIER)
+    (tmp_path / ".moved.old-c3").mkdir()
+    moved.rename(tmp_path / ".moved.old-c3" / "checkpoint")  # killed between the replace's two renames
+    (tmp_path / ".hidden").mkdir()  # not ours: left alone
+    done = remove_stale_temporaries(tmp_path)
+    assert len(done) == 3 and f"restored {moved}" in done[2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hidden", "kept", "moved"]
+    assert_same_state(drafter, load_drafter(moved, tiny_target.model))
+    assert remove_stale_temporaries(tmp_path) == [] and remove_stale_temporaries(tmp_path / "none") == []
+    assert kept.is_dir()

@@ -10,15 +10,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hspec.decoding.sampling import SamplingBatch, SamplingParams
+from hspec.cache.paged_pool import blocks_for
 from hspec.decoding.step import DecodeStages
 from hspec.drafters import create_drafter
 from hspec.drafters.base import DraftBatch
 from hspec.drafters.common import BlockContext, build_block, dspark_trainable_params, kv_layer_of
 from hspec.drafters.dflash import DFlashConfig, DFlashDrafter, dflash_trainable_params
 from hspec.drafters.peagle import peagle_trainable_params
-from hspec.kv_accounting import known_target
+from hspec.models.kv_accounting import known_target
 from hspec.models.llama import TargetModel
+from hspec.sampling import SamplingBatch, SamplingParams
 
 MINE = ("dflash", "dspark", "dflash-kvreuse", "peagle")
 OWN_KV = ("dflash", "dspark", "peagle")
@@ -30,7 +31,7 @@ def _tokens(n: int, seed: int, vocab: int = 96) -> list[int]:
 
 def _fresh_hidden(target, tokens: list[int], layers) -> torch.Tensor:
     """(1, S, n_sel, H) hidden states of `tokens` from one fresh target forward."""
-    pool = target.model.new_pool(num_blocks=-(-len(tokens) // 16), block_size=16)
+    pool = target.model.new_pool(num_blocks=blocks_for(len(tokens), 16), block_size=16)
     pool.add_sequence(0)
     with torch.no_grad():
         return target.model(torch.tensor([tokens]), pool, [0], layers).hidden
@@ -232,7 +233,7 @@ def test_pool_without_drafter_layers_is_refused(tiny_target):
 @pytest.mark.parametrize("kind", MINE)
 def test_checkpoint_round_trip(tiny_target, tmp_path, kind):
     """Saved in the Speculators format, a drafter loads back into its class with its config and weights."""
-    from hspec.training.checkpoint import load_drafter, save_drafter
+    from hspec.drafters.checkpoint import load_drafter, save_drafter
 
     drafter = create_drafter(kind, tiny_target.config, target_model=tiny_target.model)
     with torch.no_grad():

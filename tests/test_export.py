@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from hspec.drafters import create_drafter
-from hspec.training.checkpoint import export_drafter, load_drafter, save_drafter
+from hspec.drafters.checkpoint import export_drafter, load_drafter, save_drafter
 
 
 def test_bf16_export_round_trip(tiny_target, tmp_path):

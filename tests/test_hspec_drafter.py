@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hspec.decoding.sampling import SamplingBatch, SamplingParams
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch
 from hspec.drafters.common import BlockContext, DrafterConfig, build_block, dspark_trainable_params
 from hspec.drafters.hspec import HSpecConfig, HSpecDrafter, hspec_trainable_params
 from hspec.models.config import RopeScaling, TargetConfig
+from hspec.sampling import SamplingBatch, SamplingParams
 
 HSPEC_KINDS = ["hspec", "hspec-lasttoken-only", "hspec-kvreuse-only", "hspec-nomarkov", "mamba-only",
                "attention-only"]

@@ -9,7 +9,7 @@ import pytest
 from hspec.cli import main
 from hspec.drafters import DRAFTERS
 from hspec.drafters.describe import describe_kinds, format_descriptions
-from hspec.kv_accounting import KNOWN_TARGETS, format_kv_table, known_target, kv_bytes_per_token, kv_table
+from hspec.models.kv_accounting import KNOWN_TARGETS, format_kv_table, known_target, kv_bytes_per_token, kv_table
 
 
 def test_table1_numbers():
@@ -48,7 +48,8 @@ def test_kv_table_cli(capsys):
 
 
 def test_describe_fields_for_a_literal_target():
-    """Built on the meta device (no weights): every kind, with the memory claims of DESIGN.md §4-§5."""
+    """Built on the meta device (no weights): every kind, with the memory claims of docs/design.md#h-spec
+    and docs/design.md#dflash-family."""
     rows = {r.kind: r for r in describe_kinds("smollm2-135m")}
     assert set(rows) == set(DRAFTERS.names())
     c = known_target("smollm2-135m").config

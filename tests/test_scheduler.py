@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hspec.serving.scheduler import RunningSeq, WaitingSeq, blocks_for, schedule
+from hspec.cache.paged_pool import blocks_for
+from hspec.serving.scheduler import RunningSeq, WaitingSeq, schedule
 
 
 def _running(key, arrival, length, block_size=4):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hspec.decoding.sampling import SamplingParams, probs_from_logits, sample_with_uniform
 from hspec.decoding.verify import acceptance_prob, residual_dist, verify
+from hspec.sampling import SamplingParams, probs_from_logits, sample_with_uniform
 
 
 def _random_dist(g, *shape):

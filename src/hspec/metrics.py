@@ -2,7 +2,7 @@
 
 Each decoding step of one sequence drafts K tokens and the target accepts `num_accepted` of them
 (0..K), then emits one more token of its own (the correction token on a rejection, the bonus token
-when all K pass; DESIGN.md §3). Everything reported about acceptance follows from the histogram of
+when all K pass; docs/design.md#the-decoding-step). Everything reported about acceptance follows from the histogram of
 `num_accepted` over steps, so that histogram is the one thing `AcceptanceStats` stores:
 
 - MAL τ = mean over steps of (num_accepted + 1), so 1 ≤ τ ≤ K+1;
@@ -15,7 +15,7 @@ n < K drafts and accepted all n never tried position n+1, so those steps are cou
 
 Because histograms add, statistics of many sequences or runs merge exactly (`merge_stats`), with
 no loss from averaging averages. The module also holds `summarize_times`, the min/median/max
-summary DESIGN.md §7 asks for noisy timings.
+summary docs/design.md#measurement asks for noisy timings.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def expected_accepted_length(acceptance_by_position: Sequence[float] | np.ndarra
 def summarize_times(seconds: Sequence[float] | np.ndarray) -> dict[str, float | int]:
     """min / median / max / mean (seconds) and n of repeated timings.
 
-    Timings on shared machines are noisy (DESIGN.md §7), so the spread is reported with the centre
+    Timings on shared machines are noisy (docs/design.md#measurement), so the spread is reported with the centre
     rather than a mean alone.
     """
     values = np.asarray(seconds, dtype=np.float64).reshape(-1)

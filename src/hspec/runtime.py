@@ -12,11 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from hspec.drafters import DRAFTERS, Drafter, create_drafter
-from hspec.drafters.early_stop import CONFIDENCE_SEPARATOR, EarlyStopDrafter
-from hspec.drafters.lookup_first import LOOKUP_SUFFIX, LookupFirstDrafter
+from hspec.drafters.checkpoint import load_drafter
+from hspec.drafters.early_stop import EarlyStopDrafter
+from hspec.drafters.lookup_first import LookupFirstDrafter
+from hspec.drafters.spec import parse_drafter_spec
 from hspec.models.loading import Target
 from hspec.models.weight_layout import store_linear_weights_column_major
-from hspec.training.checkpoint import load_drafter
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -30,27 +31,21 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     """A drafter of `kind` for `target`: loaded from `path` (or the shipped one), or random for tests/timing.
 
     `KIND+ngram` builds KIND this way and puts prompt lookup in front of it; a `:P` suffix stops
-    each row's drafts at the first one of confidence below P.
+    each row's drafts at the first one of confidence below P (the grammar: `hspec.drafters.spec`).
     """
-    if CONFIDENCE_SEPARATOR in kind:
-        spec, _, text = kind.partition(CONFIDENCE_SEPARATOR)
-        floor = _confidence_floor(text, kind)
-        base = spec.removesuffix(LOOKUP_SUFFIX)
-        if base in ("none", "ngram"):
-            raise ValueError(f"{kind!r}: only trained drafters report a confidence to stop on; use e.g. hspec:{text} "
-                             f"or hspec{LOOKUP_SUFFIX}:{text}")
-        model = EarlyStopDrafter(build_drafter(base, target, path, random_weights), floor)
-        if spec == base:
-            return model
-        return LookupFirstDrafter(model, target.config.vocab_size, trim_lookup=True)
-    if kind.endswith(LOOKUP_SUFFIX):
-        base = kind.removesuffix(LOOKUP_SUFFIX)
-        if base in ("none", "ngram"):
-            raise ValueError(f"{kind!r}: put prompt lookup in front of a trained drafter kind, "
-                             f"e.g. hspec{LOOKUP_SUFFIX}")
-        return LookupFirstDrafter(build_drafter(base, target, path, random_weights), target.config.vocab_size)
+    spec = parse_drafter_spec(kind)
+    if spec.lookup or spec.confidence_floor is not None:
+        model = build_drafter(spec.base, target, path, random_weights)
+        if spec.confidence_floor is not None:
+            model = EarlyStopDrafter(model, spec.confidence_floor)
+        if spec.lookup:  # behind lookup, `:P` also trims lookup rows to 2m+1 drafts
+            model = LookupFirstDrafter(model, target.config.vocab_size, trim_lookup=spec.confidence_floor is not None)
+        return model
     cls = DRAFTERS.get(kind)
-    if not getattr(cls, "needs_target_model", False):
+    if not cls.needs_target_model:
+        if path is not None:  # a checkpoint the user expects to be used would be silently ignored
+            raise ValueError(f"drafter {kind!r} is model-free and loads no checkpoint, but a path was given "
+                             f"({path}); pass a path only with a trained kind, e.g. hspec")
         return create_drafter(kind, target.config)
     if random_weights:
         return _for_inference(create_drafter(kind, target.config, target_model=target.model))
@@ -64,18 +59,6 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     if drafter.kind != kind:
         raise ValueError(f"checkpoint {checkpoint} holds a {drafter.kind!r} drafter, not {kind!r}")
     return _for_inference(drafter)
-
-
-def _confidence_floor(text: str, kind: str) -> float:
-    """The P of `SPEC:P`, a number in (0, 1)."""
-    try:
-        floor = float(text)
-    except ValueError:
-        floor = float("nan")
-    if not 0.0 < floor < 1.0:
-        raise ValueError(f"{kind!r}: the confidence floor after {CONFIDENCE_SEPARATOR!r} must be a number in (0, 1), "
-                         f"e.g. hspec{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}0.4; got {text!r}")
-    return floor
 
 
 def _for_inference(drafter: Drafter) -> Drafter:

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from hspec.kv_accounting import kv_bytes_per_token
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+    """K and V bytes one token occupies over `num_layers` layers: L x 2 x Hkv x D x bytes."""
+    return num_layers * 2 * num_kv_heads * head_dim * bytes_per_element
+
+
+def blocks_for(length: int, block_size: int) -> int:
+    """KV blocks of `block_size` token slots that hold `length` positions (ceiling division)."""
+    return -(-length // block_size)
 
 
 class PoolFullError(RuntimeError):
@@ -109,7 +117,7 @@ class PagedKVPool:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """K and V bytes one token takes over `num_layers` layers (the formula of `kv_accounting`)."""
+        """K and V bytes one token takes over `num_layers` layers at `dtype` (`kv_bytes_per_token`)."""
         return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
 
     # ---- capacity -----------------------------------------------------------------------------
@@ -129,7 +137,7 @@ class PagedKVPool:
     def blocks_needed(self, seq_id: int, new_length: int) -> int:
         """Extra blocks `seq_id` would need to hold `new_length` tokens (0 for an unknown id's none)."""
         held = len(self._block_tables.get(seq_id, ()))
-        return max(0, -(-new_length // self.block_size) - held)
+        return max(0, blocks_for(new_length, self.block_size) - held)
 
     def can_hold(self, seq_id: int, new_length: int) -> bool:
         return self.blocks_needed(seq_id, new_length) <= len(self._free_blocks)
@@ -182,7 +190,7 @@ class PagedKVPool:
         if not 0 <= new_length <= length:
             raise ValueError(f"cannot truncate sequence {seq_id} of length {length} to {new_length}")
         table = self._block_tables[seq_id]
-        keep = -(-new_length // self.block_size)
+        keep = blocks_for(new_length, self.block_size)
         while len(table) > keep:
             self._free_blocks.append(table.pop())
         self._lengths[seq_id] = new_length
@@ -203,12 +211,12 @@ class PagedKVPool:
         lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
         if len(seq_ids) == 1:
             table = self._block_tables[seq_ids[0]]
-            n = -(-max_len // bs)
+            n = blocks_for(max_len, bs)
             if n and table[:n] == list(range(table[0], table[0] + n)):
                 start = table[0] * bs
                 slots = torch.arange(start, start + max_len, device=device)[None, :]
                 return SlotTable(slots, lengths_t, start)
-        width = max(1, -(-max_len // bs))
+        width = max(1, blocks_for(max_len, bs))
         tables = torch.zeros((len(seq_ids), width), dtype=torch.long, device=device)
         for row, s in enumerate(seq_ids):
             table = self._block_tables[s][:width]

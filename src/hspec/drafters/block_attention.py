@@ -1,48 +1,68 @@
-"""Attention of a draft block over context K/V plus its own K/V (re-exported by `drafters.common`).
+"""Attention of T query positions over context K/V plus their own K/V: the one attention module of
+every trained drafter (re-exported by `drafters.common`).
 
-Legend: N rows, K block, S context keys, H hidden, Hq/Hkv heads, D head dim.
+H-Spec's attention reads the target's cached K/V in place; the DFlash family and P-Eagle read their
+own context K/V from the pool's drafter layers, and project it with `project_kv`. Either way the
+module never writes the pool: it returns the K/V it computed and the drafter decides what to store.
+
+Legend: N rows, T query positions (K for a block), S context keys, H hidden, Hq/Hkv heads, D head dim.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from hspec.models.layers import QKVProjection
+from hspec.drafters.config import DrafterConfig
+from hspec.models.layers import QKVProjection, apply_rope
 
-if TYPE_CHECKING:
-    from hspec.drafters.common import DrafterConfig
+KV = tuple[torch.Tensor, torch.Tensor]
 
 
 class BlockAttention(nn.Module):
-    """Attention of a draft block over context K/V plus the block's own K/V (Qwen3-style, paper B.2).
+    """Attention of T query positions over [context K/V ; their own K/V], Qwen3-style (paper B.2).
 
     Dimensions are the target's (Hq, Hkv, D), so the context may be the target's own cached K/V read
-    in place. Queries and the block's keys/values come from this module's projections with per-head
-    q/k-norm, rotated with the target's RoPE at the block positions. `causal` masks later block
-    positions (H-Spec); DFlash-style blocks are bidirectional. The block's K/V are transient.
+    in place. q/k/v come from this module's projections of `in_features` (H, or 2H for P-Eagle's
+    fused first layer) with per-head q/k RMSNorm, rotated with the target's RoPE at the query
+    positions. `causal` masks later positions among the T (H-Spec, P-Eagle); otherwise the T
+    positions see each other (a DFlash block). The T positions' own K/V are returned, never stored here.
     """
 
-    def __init__(self, config: DrafterConfig, causal: bool) -> None:
+    def __init__(self, config: DrafterConfig, causal: bool, in_features: int | None = None) -> None:
         super().__init__()
         c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.causal = causal
-        self.qkv = QKVProjection(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, bias=False,
-                                 qk_norm=True, eps=c.rms_norm_eps)
+        self.qkv = QKVProjection(in_features or c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                 bias=False, qk_norm=True, eps=c.rms_norm_eps)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                context: tuple[torch.Tensor, torch.Tensor] | None, context_mask: torch.Tensor | None
-                ) -> torch.Tensor:
-        """x (N, K, H); cos/sin (N, K, D); context (k, v) each (N, S, Hkv, D) with context_mask (N, S),
-        or None for a block that sees only itself. Returns (N, K, H)."""
-        q, k, v = self.qkv(x, cos, sin)  # (N, K, Hq, D), (N, K, Hkv, D) x2
-        out = attend_block(q, k, v, context, context_mask, self.causal)  # (N, K, Hq*D)
-        return self.o_proj(out)
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KV:
+        """K/V of inputs x (N, T, in) at the positions of cos/sin (N, T, D): k post-norm and post-RoPE.
+
+        This is how a DFlash layer turns the fused context c_t into its drafter-side cache entries;
+        the block's own K/V go through the same projections inside `forward`.
+        """
+        qkv = self.qkv
+        n, t, _ = x.shape
+        k = qkv.k_proj(x).view(n, t, qkv.num_kv_heads, qkv.head_dim)  # (N, T, Hkv, D)
+        v = qkv.v_proj(x).view(n, t, qkv.num_kv_heads, qkv.head_dim)  # (N, T, Hkv, D)
+        if qkv.k_norm is not None:
+            k = qkv.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: KV | None,
+                context_mask: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
+        """x (N, T, in); cos/sin (N, T, D); context (k, v) each (N, S, Hkv, D) with context_mask (N, S),
+        or None for positions that see only each other.
+
+        Returns the output (N, T, H) and the T positions' own (k, v), each (N, T, Hkv, D).
+        """
+        q, k, v = self.qkv(x, cos, sin)  # (N, T, Hq, D), (N, T, Hkv, D) x2
+        out = attend_block(q, k, v, context, context_mask, self.causal)  # (N, T, Hq*D)
+        return self.o_proj(out), (k, v)
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -2,7 +2,7 @@
 head, the Markov head, block attention over context K/V, and `NeuralDrafter`, the base class that
 turns a kind's `block_logits` into proposals.
 
-One block forward (DESIGN.md §3-§4):
+One block forward (docs/design.md#what-trained-drafters-share):
 1. `build_block`: the block [x0, MASK x (K-1)] at positions p..p+K-1;
 2. `BlockContext`: everything the forward reads from the target (the selected layers' hidden states
    at position p-1, context K/V with a visibility mask); built from the KV pool at inference and
@@ -17,8 +17,8 @@ has no row in the target's embedding; `NeuralDrafter.embed_block` maps it to the
 
 The target's embedding, LM head and RoPE are shared with the drafter, never copied into its
 parameters: they live in `TargetParts`, which `nn.Module` does not register, so they are neither
-trained nor saved in `state_dict()`. The heads live in `heads.py` and block attention in
-`block_attention.py`; both are re-exported here.
+trained nor saved in `state_dict()`. The configuration lives in `config.py`, the heads in `heads.py`
+and block attention in `block_attention.py`; all are re-exported here.
 
 Legend: B batch, N block rows (B at inference, anchors in training), K block, S context keys,
 V vocab, Vp pruned vocab, H hidden, Hq/Hkv heads, D head dim, r Markov rank.
@@ -26,148 +26,32 @@ V vocab, Vp pruned vocab, H hidden, Hq/Hkv heads, D head dim, r Markov rank.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hspec.cache.paged_pool import PagedKVPool
-from hspec.decoding.sampling import SamplingBatch, draw_uniforms, sample_with_uniform
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
 from hspec.drafters.block_attention import BlockAttention, attend_block
+from hspec.drafters.config import (
+    DrafterConfig,
+    dspark_trainable_params,
+    kv_layer_of,
+    markov_params,
+    select_target_layers,
+)
 from hspec.drafters.heads import MarkovHead, PrunedVocab, PrunedVocabHead
-from hspec.models.config import RopeScaling, TargetConfig
+from hspec.models.config import TargetConfig
+from hspec.sampling import SamplingBatch, draw_uniforms, sample_with_uniform
 
 __all__ = [
     "BlockAttention", "BlockContext", "DrafterConfig", "MarkovHead", "NeuralDrafter", "PrunedVocab",
     "PrunedVocabHead", "TargetParts", "attend_block", "build_block", "dspark_trainable_params", "kv_layer_of",
     "markov_params", "select_target_layers",
 ]
-
-# ---- target layers ---------------------------------------------------------------------------------
-
-
-def select_target_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
-    """HF hidden-state indices of `count` evenly spaced target layers: floor(linspace(1, L-2, count)).
-
-    Reproduces the paper's choices (App. B.1): Llama-3.1-8B (L=32) -> (1, 8, 15, 22, 30), Qwen3 (L=36)
-    -> (1, 9, 17, 25, 34). Integer arithmetic gives the exact floor. Small targets may repeat a layer.
-    """
-    if num_layers < 3:
-        raise ValueError(f"need a target with >= 3 layers to select from 1..L-2, got num_layers={num_layers}")
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
-    if count == 1:
-        return (1,)
-    return tuple(1 + (i * (num_layers - 3)) // (count - 1) for i in range(count))
-
-
-def kv_layer_of(hidden_layer: int) -> int:
-    """Pool layer (0-based decoder layer) whose K/V belongs with HF hidden-state index l: l - 1."""
-    if hidden_layer < 1:
-        raise ValueError(f"hidden layer {hidden_layer} has no K/V (0 is the embedding output)")
-    return hidden_layer - 1
-
-
-# ---- configuration -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    """A trained drafter's configuration, derived from the target it drafts for.
-
-    Families subclass it to add their own fields (all with defaults). `to_dict`/`from_dict` round-trip
-    it through JSON; `kind` tells a loader which drafter class (and config class) to use.
-    """
-
-    kind: str  # registered drafter kind
-    target: TargetConfig  # the target the drafter was built for (dims, RoPE, vocabulary)
-    target_layers: tuple[int, ...]  # M: HF hidden-state indices of the selected target layers
-    draft_vocab_size: int  # Vp: pruned draft vocabulary (paper: 32,000 most frequent tokens)
-    markov_rank: int = 256  # r of the DSpark Markov head; 0 = no Markov head
-    block_size: int = 7  # K_train: block length trained for; inference may use any K <= it
-    sliding_window: int = 2048  # context keys visible to a block: positions p - window .. p - 1
-
-    def __post_init__(self) -> None:
-        L = self.target.num_layers
-        if not self.target_layers:
-            raise ValueError("target_layers is empty; select at least one target layer")
-        bad = [layer for layer in self.target_layers if not 1 <= layer <= L]
-        if bad:
-            raise ValueError(f"target_layers {bad} outside 1..{L} (the target's decoder layers)")
-        if not 1 <= self.draft_vocab_size <= self.target.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in 1..{self.target.vocab_size}, got {self.draft_vocab_size}")
-        for name in ("block_size", "sliding_window"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.markov_rank < 0:
-            raise ValueError(f"markov_rank must be >= 0 (0 = no Markov head), got {self.markov_rank}")
-
-    @classmethod
-    def from_target(cls, kind: str, target: TargetConfig, **overrides: Any) -> DrafterConfig:
-        """The defaults for `target`: 5 selected layers, Vp = min(32000, V), then `overrides`."""
-        fields: dict[str, Any] = {"target_layers": select_target_layers(target.num_layers),
-                                  "draft_vocab_size": min(32000, target.vocab_size)}
-        fields.update(overrides)
-        return cls(kind=kind, target=target, **fields)
-
-    # Target dimensions, by their usual names.
-    hidden_size = property(lambda self: self.target.hidden_size)  # H
-    num_heads = property(lambda self: self.target.num_heads)  # Hq
-    num_kv_heads = property(lambda self: self.target.num_kv_heads)  # Hkv
-    head_dim = property(lambda self: self.target.head_dim)  # D
-    intermediate_size = property(lambda self: self.target.intermediate_size)  # I
-    rms_norm_eps = property(lambda self: self.target.rms_norm_eps)
-    vocab_size = property(lambda self: self.target.vocab_size)  # V
-
-    @property
-    def mask_token_id(self) -> int:
-        """The MASK id, V: no target token has it; it selects the drafter's learned mask embedding."""
-        return self.target.vocab_size
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (tuples become lists)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> DrafterConfig:
-        """Inverse of `to_dict` (lists become tuples again)."""
-        raw = dict(raw)
-        target = dict(raw.pop("target"))
-        target["rope_scaling"] = RopeScaling(**target["rope_scaling"])
-        target["eos_token_ids"] = tuple(target["eos_token_ids"])
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} fields {unknown}; allowed: {sorted(known)}")
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
-        return cls(target=TargetConfig(**target), **values)
-
-
-def dspark_trainable_params(config: DrafterConfig, num_layers: int = 5) -> int:
-    """Trainable parameters of the DSpark baseline (DESIGN.md §5) for `config`'s target, by formula.
-
-    Per layer (Qwen3-style, no biases): q/k/v/o with the target's (Hq, Hkv, D), per-head q/k-norm (2D),
-    SwiGLU with the target's I, 2 RMSNorms. Plus W_fc: n_sel*H -> H with its RMSNorm, the final RMSNorm,
-    the learned MASK embedding (H), and the Markov head W1 (V x r) + W2 (r x Vp) when r > 0. The target's
-    embedding and LM head are frozen and not counted.
-    """
-    H, Hq, Hkv, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-    attention = H * Hq * D + 2 * H * Hkv * D + Hq * D * H + 2 * D
-    layer = attention + 3 * H * config.intermediate_size + 2 * H
-    fusion = len(config.target_layers) * H * H + H
-    return num_layers * layer + fusion + H + H + markov_params(config)
-
-
-def markov_params(config: DrafterConfig) -> int:
-    """Parameters of the Markov head: W1 (V x r) + W2 (r x Vp); 0 without one."""
-    r = config.markov_rank
-    return config.vocab_size * r + r * config.draft_vocab_size if r else 0
-
 
 # ---- the draft block ---------------------------------------------------------------------------------
 
@@ -202,6 +86,8 @@ class BlockContext:
         (views or expands allowed). Key index s need not equal its position: only the mask matters.
     context_mask: (N, S) bool, True where key s is visible to row n (a position < p_n within the
         sliding window, and in row n's own sequence when sequences are packed).
+    history: (N, W) long, the W tokens before x0 (-1 before the sequence start), for kinds whose head
+        reads the token history (`history_window` > 0: DeLS-Spec's local head); None for the others.
     """
 
     block_tokens: torch.Tensor
@@ -209,6 +95,7 @@ class BlockContext:
     last_hidden: torch.Tensor
     context_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
     context_mask: torch.Tensor
+    history: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, k = self.block_tokens.shape
@@ -223,6 +110,8 @@ class BlockContext:
             if key.shape[:2] != (n, s) or value.shape != key.shape:
                 raise ValueError(f"context_kv[{i}] must be ({n}, {s}, Hkv, D) twice, got "
                                  f"{tuple(key.shape)} and {tuple(value.shape)}")
+        if self.history is not None and (self.history.dim() != 2 or self.history.shape[0] != n):
+            raise ValueError(f"history must be ({n}, W), got {tuple(self.history.shape)}")
 
     @property
     def K(self) -> int:
@@ -390,6 +279,21 @@ class NeuralDrafter(Drafter, nn.Module):
         slots = table.slots.gather(1, positions.clamp(min=0))  # (B, S)
         kv = [(pool.layer(i).k[slots], pool.layer(i).v[slots]) for i in layers]
         return kv, positions >= 0
+
+    def context_kv_from_features(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                                 target_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+                                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context K/V of whole sequences as training reads them, one (k, v) per context-reading module.
+
+        tokens (N, S) long; hidden (N, S, n_sel, H) the selected layers' hidden states; positions (N, S);
+        target_kv: target pool layer -> (k, v) each (N, S, Hkv, D), the target's cached K/V. This default
+        reads the target layers the kind reuses; kinds with their own context K/V compute it instead
+        (with gradients). Returns [(k, v) each (N, S, Hkv, D)].
+        """
+        missing = [layer for layer in self.reused_kv_layers() if layer not in target_kv]
+        if missing:
+            raise ValueError(f"feature cache lacks the K/V of target layers {missing} that {self.kind!r} reads")
+        return [target_kv[layer] for layer in self.reused_kv_layers()]
 
     def last_hidden_of(self, seq_ids: Sequence[int]) -> torch.Tensor:
         """(B, n_sel, H) the kept hidden states of each sequence's last committed position."""

@@ -1,7 +1,7 @@
 """What each registered drafter kind costs for a target: parameters, drafter-side KV, per-sequence state.
 
 For every kind in `DRAFTERS`, built for the target (on the `meta` device for the literal configs of
-`hspec.kv_accounting`, so an 8B target needs no weights):
+`hspec.models.kv_accounting`, so an 8B target needs no weights):
 
 - trainable_params: the drafter's own parameters (the target's embedding and LM head are frozen);
 - total_params: every parameter a drafter forward reads: its own plus the target's embedding and
@@ -26,8 +26,8 @@ from torch import nn
 
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import Drafter
-from hspec.kv_accounting import KNOWN_TARGETS, kv_bytes_per_token, kv_inflation
 from hspec.models.config import TargetConfig
+from hspec.models.kv_accounting import KNOWN_TARGETS, kv_bytes_per_token, kv_inflation
 from hspec.models.llama import TargetModel
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -13,10 +13,10 @@ items outside `hspec eval`'s subset (K = 7, SmolLM2-135M) it gave tau 2.35 / 1.2
 against 2.29 / 1.09x for min_match 2, 2.18 / 1.02x for 3, and 1.62 / 0.72x for H-Spec alone.
 
 With `trim_lookup` (the `KIND+ngram:P` form, whose model is an `EarlyStopDrafter`) a lookup row
-verifies min(K, 2m+1) of its K drafts after an m-token match: on 30 Spec-Bench items outside the
-evaluated subset (an exploratory offline analysis, its script not committed), lookup after a 1-token
-match got 0.69 drafts accepted on average, after 2 tokens 1.43, after 4 tokens 2.24, so the target
-should not pay for seven drafts behind a short match.
+verifies min(K, 2m+1) of its K drafts after an m-token match: on the 18 dev items (K = 7,
+`results/lookup_match_stats.md`, made by `scripts/lookup_match_stats.py`), lookup after a 1-token match
+got 0.81 drafts accepted on average, after 2 tokens 1.65, after 4 tokens 2.07, so the target should
+not pay for seven drafts behind a short match.
 
 Losslessness is untouched: each row's draft distribution is the one its drafts were drawn from
 (one-hot for lookup rows), and the verifier does the rest. The trained drafter still sees every

@@ -3,7 +3,7 @@
 Two drafters (or a drafter and plain decoding) are run on the same prompts, so their per-prompt
 results are paired: prompt difficulty moves both. Resampling prompt indices jointly keeps that
 pairing, which makes the interval much tighter than resampling each system on its own
-(DESIGN.md §7: "paired bootstrap 95% CIs of relative differences between drafters").
+(docs/design.md#measurement: paired bootstrap 95% CIs of relative differences between drafters).
 
 The statistic is the relative difference stat(a) / stat(b) − 1 of one of two summaries:
 

@@ -7,7 +7,7 @@
 
 The layer takes and returns its SSM state: `out, state = mixer(hidden, initial_state)`. In the drafter
 the initial state is S_init, projected from the target's last-token hidden states; the conv always
-starts from zeros because every draft block is a fresh sequence (DESIGN.md §4), so no conv state is
+starts from zeros because every draft block is a fresh sequence (docs/design.md#h-spec), so no conv state is
 carried. Parameter layout and initialisation follow mamba_ssm's `Mamba2` module so that weights can
 be compared with (or ported from) it, with one difference in sizing described on `Mamba2Config`.
 """

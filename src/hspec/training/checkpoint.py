@@ -1,382 +1,27 @@
-"""Drafter checkpoints in the Speculators format, and trainer state for exact resume.
+"""Trainer state for exact resume: the drafter's weights, the optimizer, the step and the caller's extras.
 
-A drafter checkpoint is a directory in the layout of vllm-project/speculators (DESIGN.md §1):
-
-    config.json         speculators_model_type (= the drafter kind), speculators_version, speculators_config
-                        {algorithm, proposal_methods [greedy, speculative_tokens = K], default_proposal_method,
-                        verifier {name_or_path, architectures}}, transformer_layer_config (the attention/MLP
-                        dims, as a Qwen3 config), the Speculators names of our shared fields (draft_vocab_size,
-                        block_size, aux_hidden_state_layer_ids, mask_token_id, markov_rank, ...) and, under
-                        `hspec_drafter_config`, the full `DrafterConfig.to_dict()`: the one source `load_drafter`
-                        rebuilds the drafter from.
-    model.safetensors   the drafter's own tensors only (`drafter_state_dict()`: trainable weights and the
-                        draft-vocabulary ids). The target's embedding and LM head are never saved: a drafter
-                        shares them with its target at load.
-
-The common part (`speculators_config`) validates with Speculators' own `SpeculatorsConfig`; see
-results/speculators_compat.md for what its loader does with each of our kinds.
-
-Trainer state lives beside it in `<dir>/step-<step>/` (drafter.safetensors + trainer_state.pt: optimizer,
-step, the caller's `extra`). Every write goes to a hidden temporary directory in the same parent and is
-renamed into place, so a killed save never leaves a half checkpoint where a loader would read it.
+A run keeps it in `<dir>/step-<step>/` (drafter.safetensors + trainer_state.pt). Like a drafter checkpoint
+(`hspec.drafters.checkpoint`, where the Speculators-format save/load/export live), every write goes to a
+hidden temporary directory that is renamed into place, so a killed save never leaves a half state where
+a resume would read it.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from torch import nn
+from safetensors.torch import save_file
 
-from hspec.drafters.base import DRAFTERS
-from hspec.drafters.common import DrafterConfig, NeuralDrafter
-from hspec.models.config import TargetConfig
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-DRAFTER_CONFIG_KEY = "hspec_drafter_config"  # our full DrafterConfig inside the Speculators config.json
-# The Speculators release whose config.json layout this writes (checked in results/speculators_compat.md).
-SPECULATORS_FORMAT_VERSION = "0.9.0"
+from hspec.drafters.checkpoint import atomic_directory, load_weights, own_tensors
+from hspec.drafters.common import NeuralDrafter
 
 STATE_WEIGHTS_FILE = "drafter.safetensors"
 STATE_TRAINER_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-# Target dimensions a drafter is tied to: its weights, the target layers it reads and the K/V it reuses.
-_TARGET_DIMS = (("vocab_size", "V"), ("hidden_size", "H"), ("num_layers", "L"), ("num_heads", "Hq"),
-                ("num_kv_heads", "Hkv"), ("head_dim", "D"))
-
-
-# ---- the config.json ---------------------------------------------------------------------------------
-
-
-def speculators_config(drafter: NeuralDrafter, verifier_name_or_path: str,
-                       verifier_architectures: Sequence[str] | None = None) -> dict[str, Any]:
-    """The `config.json` dict of `drafter` (module docstring), JSON-ready.
-
-    verifier_architectures defaults to the target's HF class, e.g. ["LlamaForCausalLM"].
-    """
-    config = drafter.config
-    architectures = list(verifier_architectures) if verifier_architectures else [config.target.architecture]
-    return {
-        "architectures": [type(drafter).__name__],
-        "speculators_model_type": drafter.kind,
-        "speculators_version": SPECULATORS_FORMAT_VERSION,
-        "hspec_version": _package_version(),
-        "speculators_config": {
-            "algorithm": drafter.kind,
-            # One chain of K drafts per step, verified by the target. `speculative_tokens` = K: every slot of
-            # the block, the anchor's included, predicts a token (`sample_from_anchor` below).
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name_or_path, "architectures": architectures},
-        },
-        "transformer_layer_config": transformer_layer_config(drafter),
-        # Our fields under the names Speculators' DFlash/DSpark/P-Eagle configs give them. Informational:
-        # `load_drafter` reads only DRAFTER_CONFIG_KEY.
-        "draft_vocab_size": config.draft_vocab_size,
-        "block_size": config.block_size,
-        "sample_from_anchor": True,  # slot 0 (the anchor x0) predicts x_{p+1} (DESIGN.md §3)
-        "target_hidden_size": config.hidden_size,
-        # HF hidden-state indices (0 = embeddings), the convention Speculators uses for these ids.
-        "aux_hidden_state_layer_ids": list(config.target_layers),
-        "eagle_aux_hidden_state_layer_ids": list(config.target_layers),  # the EAGLE-3 / P-Eagle name
-        "mask_token_id": config.mask_token_id,
-        "markov_rank": config.markov_rank,
-        "markov_head_type": "vanilla",  # first-order W2(W1[prev]) (DSpark's "vanilla")
-        "enable_confidence_head": bool(getattr(config, "enable_confidence_head", False)),
-        "embed_requires_grad": False,  # the target's embedding, frozen (P-Eagle's default is True)
-        "dtype": str(_drafter_dtype(drafter)).removeprefix("torch."),
-        DRAFTER_CONFIG_KEY: config.to_dict(),
-    }
-
-
-def transformer_layer_config(drafter: NeuralDrafter) -> dict[str, Any]:
-    """The drafter layers' dimensions as a HF Qwen3 config dict (Speculators' `transformer_layer_config`).
-
-    Every attention module of our drafters is Qwen3-style (q/k-norm, no bias) with the target's
-    (Hq, Hkv, D) and RoPE; the MLPs have the target's I. Layers with other modules (H-Spec's Mamba-2)
-    are described by DRAFTER_CONFIG_KEY; `num_hidden_layers` counts all drafter layers.
-    """
-    c = drafter.config
-    target = c.target
-    rope: dict[str, Any] = {"rope_type": target.rope_scaling.rope_type, "rope_theta": target.rope_theta}
-    if target.rope_scaling.rope_type != "default":
-        rope["factor"] = target.rope_scaling.factor
-    if target.rope_scaling.rope_type == "llama3":
-        rope.update(low_freq_factor=target.rope_scaling.low_freq_factor,
-                    high_freq_factor=target.rope_scaling.high_freq_factor,
-                    original_max_position_embeddings=target.rope_scaling.original_max_position_embeddings)
-    return {
-        "model_type": "qwen3",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": _num_drafter_layers(drafter),
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": c.rms_norm_eps,
-        "max_position_embeddings": target.max_position_embeddings,
-        "rope_parameters": rope,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-    }
-
-
-def _num_drafter_layers(drafter: nn.Module) -> int:
-    """Drafter layers: the length of its longest direct `nn.ModuleList` (every kind keeps its layers in one)."""
-    lists = [len(m) for m in drafter.children() if isinstance(m, nn.ModuleList)]
-    return max(lists, default=0)
-
-
-def _drafter_dtype(drafter: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in drafter.parameters() if p.is_floating_point()), torch.float32)
-
-
-def _package_version() -> str | None:
-    """hspec's installed version; in a source tree run without installing (PYTHONPATH=src), its pyproject's."""
-    try:
-        return version("hspec")
-    except PackageNotFoundError:
-        pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"  # <repo>/src/hspec/training/
-        if not pyproject.is_file():
-            return None
-        found = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
-        return found.group(1) if found else None
-
-
-# ---- saving and loading a drafter --------------------------------------------------------------------
-
-
-def save_drafter(drafter: NeuralDrafter, path: str | Path, verifier_name_or_path: str,
-                 verifier_architectures: Sequence[str] | None = None) -> Path:
-    """Write `drafter` as a Speculators-format checkpoint directory `path` (config.json + model.safetensors).
-
-    verifier_name_or_path: the target's HF id or path, recorded for whoever loads the drafter.
-    verifier_architectures: the target's HF architectures (default: the class the drafter was built for).
-    The save is atomic: files go to a temporary sibling directory that replaces `path` only once complete.
-    An existing `path` is replaced only if it is empty or a checkpoint (has a config.json). Returns `path`.
-    """
-    if not isinstance(drafter, NeuralDrafter):
-        raise TypeError(f"only trained drafters have checkpoints; got kind {getattr(drafter, 'kind', drafter)!r}")
-    path = Path(path)
-    if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / CONFIG_FILE).is_file())):
-        raise FileExistsError(f"refusing to replace {path}: it is not a drafter checkpoint (no {CONFIG_FILE})")
-    config = speculators_config(drafter, verifier_name_or_path, verifier_architectures)
-    tensors = _own_tensors(drafter)
-    with _atomic_directory(path) as tmp:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    return path
-
-
-def _own_tensors(drafter: NeuralDrafter) -> dict[str, torch.Tensor]:
-    """`drafter_state_dict()` as contiguous CPU tensors, refusing any that is the target's.
-
-    The target's embedding and LM head are shared with the drafter, never registered in it; this
-    check keeps a future kind that registers them by mistake from saving gigabytes of target weights.
-    """
-    try:
-        parts = drafter.target_parts
-        shared = [parts.embed_weight.untyped_storage().data_ptr(), parts.lm_head_weight.untyped_storage().data_ptr()]
-    except RuntimeError:  # no target attached: nothing to confuse the drafter's tensors with
-        shared = []
-    tensors = {}
-    for name, tensor in drafter.drafter_state_dict().items():
-        if tensor.untyped_storage().data_ptr() in shared:
-            raise ValueError(f"drafter {drafter.kind!r} state {name!r} is the target's embedding or LM head; "
-                             "a drafter checkpoint holds only the drafter's own weights")
-        # clone: safetensors refuses tensors that share memory with each other (views of one buffer).
-        tensors[name] = tensor.detach().to("cpu").contiguous().clone()
-    return tensors
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What a drafter checkpoint's config.json says, before any weights are read."""
-
-    path: Path  # the checkpoint directory
-    kind: str  # the drafter kind (speculators_model_type)
-    drafter_config: DrafterConfig  # rebuilt with the kind's config class
-    verifier_name_or_path: str | None  # the target it was trained for
-    verifier_architectures: tuple[str, ...]
-    raw: dict[str, Any]  # the whole config.json
-
-
-def read_checkpoint(path: str | Path) -> CheckpointInfo:
-    """Read and check `path`/config.json; the errors name the file and what is wrong with it."""
-    path = Path(path)
-    config_path = path / CONFIG_FILE
-    if not config_path.is_file():
-        raise FileNotFoundError(_missing_message(path, config_path))
-    try:
-        raw = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{config_path}: not a valid JSON file ({err})") from err
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_path}: expected a JSON object, got {type(raw).__name__}")
-    kind = raw.get("speculators_model_type")
-    if not kind:
-        raise ValueError(f"{config_path}: no 'speculators_model_type'; not a Speculators drafter checkpoint")
-    if DRAFTER_CONFIG_KEY not in raw:
-        raise ValueError(f"{config_path}: speculators_model_type {kind!r} but no {DRAFTER_CONFIG_KEY!r}; this "
-                         "checkpoint was not written by hspec and cannot be rebuilt here")
-    if kind not in DRAFTERS:
-        raise ValueError(f"{config_path}: drafter kind {kind!r} is not registered here; "
-                         f"registered kinds: {DRAFTERS.names()}")
-    cls = DRAFTERS.get(kind)
-    if not (isinstance(cls, type) and issubclass(cls, NeuralDrafter)):
-        raise ValueError(f"{config_path}: drafter kind {kind!r} is model-free and has no checkpoint")
-    try:
-        drafter_config = cls.config_class.from_dict(raw[DRAFTER_CONFIG_KEY])
-    except (TypeError, ValueError, KeyError) as err:
-        raise ValueError(f"{config_path}: invalid {DRAFTER_CONFIG_KEY} for kind {kind!r}: {err}") from err
-    if drafter_config.kind != kind:
-        raise ValueError(f"{config_path}: speculators_model_type is {kind!r} but {DRAFTER_CONFIG_KEY} is for "
-                         f"kind {drafter_config.kind!r}")
-    verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
-    return CheckpointInfo(path, kind, drafter_config, verifier.get("name_or_path"),
-                          tuple(verifier.get("architectures") or ()), raw)
-
-
-def load_drafter(path: str | Path, target_model: nn.Module, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> NeuralDrafter:
-    """Rebuild the drafter saved at `path` on `target_model` (a `TargetModel`) and load its weights strictly.
-
-    The class comes from the registry by `speculators_model_type`, the config from DRAFTER_CONFIG_KEY.
-    The target must have the dimensions the drafter was trained for (V, H, L, Hq, Hkv, D); otherwise a
-    ValueError names the checkpoint, the verifier it was trained for and the differing dimensions.
-    device/dtype default to the target embedding's.
-    """
-    info = read_checkpoint(path)
-    check_target_matches(info, target_model.config)  # type: ignore[arg-type]
-    cls = DRAFTERS.get(info.kind)
-    drafter: NeuralDrafter = cls(target_model.config, target_model=target_model, config=info.drafter_config,
-                                 device=device, dtype=dtype)
-    load_weights(drafter, Path(path) / WEIGHTS_FILE)
-    return drafter
-
-
-def check_target_matches(info: CheckpointInfo, target: TargetConfig) -> None:
-    """Raise ValueError, naming both, if `target` differs from the checkpoint's target in any tied dimension."""
-    saved = info.drafter_config.target
-    diffs = [f"{symbol} ({field}): {getattr(saved, field)} vs {getattr(target, field)}"
-             for field, symbol in _TARGET_DIMS if getattr(saved, field) != getattr(target, field)]
-    if diffs:
-        trained_for = info.verifier_name_or_path or saved.architecture
-        raise ValueError(f"drafter checkpoint {info.path} (kind {info.kind!r}, trained for target "
-                         f"{trained_for!r}, {saved.architecture}) does not fit this target ({target.architecture}): "
-                         f"checkpoint vs target: {'; '.join(diffs)}")
-
-
-def load_weights(drafter: NeuralDrafter, weights_path: Path) -> None:
-    """Load a safetensors file into `drafter` strictly: same keys as `drafter_state_dict()`, same shapes."""
-    if not weights_path.is_file():
-        raise FileNotFoundError(_missing_message(weights_path.parent, weights_path))
-    try:
-        state = load_file(str(weights_path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{weights_path}: unreadable safetensors file ({err})") from err
-    expected = drafter.drafter_state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = [f"{k}: {tuple(state[k].shape)} in file, {tuple(v.shape)} in drafter"
-             for k, v in expected.items() if k in state and state[k].shape != v.shape]
-    if missing or unexpected or wrong:
-        raise ValueError(f"{weights_path} does not match drafter {drafter.kind!r}: missing {missing}, "
-                         f"unexpected {unexpected}, wrong shapes {wrong}")
-    result = drafter.load_state_dict(state, strict=False)
-    # Everything `drafter_state_dict` names was just checked; anything else load_state_dict reports
-    # missing is state a kind chose not to save.
-    leftover = sorted(set(result.missing_keys) & set(expected))
-    if leftover or result.unexpected_keys:
-        raise ValueError(f"{weights_path}: load left {leftover} unset and {result.unexpected_keys} unused")
-
-
-def _missing_message(directory: Path, wanted: Path) -> str:
-    """'<file> not found', naming the previous checkpoint if an interrupted save left it aside."""
-    backups = sorted(directory.parent.glob(f".{directory.name}.old-*")) if directory.parent.exists() else []
-    hint = f"; an interrupted save left the previous checkpoint at {backups[-1] / 'checkpoint'}" if backups else ""
-    return f"{wanted} not found{hint}"
-
-
-# ---- atomic directories ------------------------------------------------------------------------------
-
-
-@contextmanager
-def _atomic_directory(path: Path) -> Iterator[Path]:
-    """Yield an empty temporary directory beside `path`; on success it replaces `path`, else it is removed.
-
-    The temporary directory is hidden (`.<name>.tmp-*`) in the same parent, so the final rename
-    stays on one file system. Replacing an existing `path` takes two renames (old aside, new in); if
-    the second fails, the old one is put back, and if the process dies between them, the previous
-    checkpoint is at `.<name>.old-*` (the loaders name it).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        _replace_directory(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fsync(path.parent)
-
-
-def _replace_directory(new: Path, path: Path) -> None:
-    """Rename `new` to `path`, replacing a directory that is already there (see `_atomic_directory`)."""
-    if not path.exists():
-        os.rename(new, path)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-    os.rename(path, old / "checkpoint")
-    try:
-        os.rename(new, path)
-    except BaseException:
-        os.rename(old / "checkpoint", path)
-        shutil.rmtree(old, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_tree(directory: Path) -> None:
-    """Flush every file under `directory`, then the directories, so the rename publishes complete data."""
-    for root, _, files in os.walk(directory):
-        for name in files:
-            _fsync(Path(root) / name)
-        _fsync(Path(root))
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems cannot fsync a directory; the data files are already flushed
-        pass
-    finally:
-        os.close(fd)
-
-
-# ---- trainer state -----------------------------------------------------------------------------------
 
 
 def save_training_state(directory: str | Path, drafter: NeuralDrafter, optimizer: torch.optim.Optimizer,
@@ -398,14 +43,14 @@ def save_training_state(directory: str | Path, drafter: NeuralDrafter, optimizer
 
     def write(step_dir: Path) -> None:
         step_dir.mkdir(parents=True, exist_ok=True)
-        save_file(_own_tensors(drafter), str(step_dir / STATE_WEIGHTS_FILE), metadata={"format": "pt"})
+        save_file(own_tensors(drafter), str(step_dir / STATE_WEIGHTS_FILE), metadata={"format": "pt"})
         torch.save(state, step_dir / STATE_TRAINER_FILE)
 
     if directory.is_dir():
-        with _atomic_directory(directory / name) as tmp:
+        with atomic_directory(directory / name) as tmp:
             write(tmp)
     else:  # the first save: build `directory` with its step inside, then publish both with one rename
-        with _atomic_directory(directory) as tmp:
+        with atomic_directory(directory) as tmp:
             write(tmp / name)
     for stale in training_states(directory)[:-keep_last]:
         shutil.rmtree(stale, ignore_errors=True)
@@ -451,21 +96,3 @@ def load_training_state(directory: str | Path, drafter: NeuralDrafter, optimizer
     except (ValueError, KeyError) as err:
         raise ValueError(f"{trainer_path}: optimizer state does not fit this optimizer ({err})") from err
     return int(state["step"]), state["extra"]
-
-
-def export_drafter(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Copy a drafter checkpoint with its floating-point weights stored as `dtype` (to ship it smaller).
-
-    Loading casts back to the model's dtype, so a bf16 export of an fp32-trained drafter loses only the
-    low mantissa bits of its weights. Integer buffers (the draft vocabulary ids) are kept exactly.
-    """
-    src, dst = Path(src), Path(dst)
-    info = read_checkpoint(src)
-    state = load_file(str(src / "model.safetensors"))
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
-    config = json.loads((src / "config.json").read_text())
-    config["dtype"] = str(dtype).removeprefix("torch.")
-    with _atomic_directory(dst) as staging:
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "kind": info.kind})
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return dst

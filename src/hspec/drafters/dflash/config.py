@@ -1,4 +1,4 @@
-"""Configuration of the DFlash-family baselines (DESIGN.md §5, paper §3.1, App. B.2).
+"""Configuration of the DFlash-family baselines (docs/design.md#dflash-family, paper §3.1, App. B.2).
 
 Three kinds share one backbone: 5 Qwen3-style layers (pre-norm attention with per-head q/k-norm,
 then a SwiGLU MLP) with the target's attention (Hq, Hkv, D) and MLP (I) dimensions, a bidirectional

@@ -1,4 +1,4 @@
-"""The DFlash-family block drafters: `dflash`, `dspark` and `dflash-kvreuse` (DESIGN.md §5).
+"""The DFlash-family block drafters: `dflash`, `dspark` and `dflash-kvreuse` (docs/design.md#dflash-family).
 
 Forward over a block [x0, MASK x (K-1)] at positions p..p+K-1 (all K slots in parallel):
 1. x = embed(block) with the target's frozen embedding (MASK: the learned mask embedding);
@@ -116,6 +116,11 @@ class DFlashDrafter(DFlashBackbone):
         c = self.fused_context(hidden)  # (N, S, H)
         cos, sin = self.rope(positions, c.dtype)  # (N, S, D) each
         return [layer.self_attn.project_kv(c, cos, sin) for layer in self.layers]
+
+    def context_kv_from_features(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                                 target_kv: dict[int, KV]) -> list[KV]:
+        """Training reads the drafter's own context K/V, computed from the hidden states (with gradients)."""
+        return self.context_kv_from_hidden(hidden, positions)
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:

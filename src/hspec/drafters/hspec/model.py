@@ -1,6 +1,6 @@
 """The H-Spec drafter: a hybrid Mamba-2 + attention block drafter with no drafter-side KV cache.
 
-Target context comes in two ways (paper §3.2-3.3, DESIGN.md §4):
+Target context comes in two ways (paper §3.2-3.3, docs/design.md#h-spec):
 * the hidden states of the 5 selected target layers at the last verified position p-1, fused and
   projected once per step into S_init = reshape(Proj_dS(Proj_r(concat_5(h))), [nheads, P, N]), the
   initial SSM state of every Mamba-2 scan over the block (shared by all Mamba modules);
@@ -70,7 +70,8 @@ class HSpecLayer(nn.Module):
             mixed, _ = self.mamba(self.mamba_norm(x), s_init)  # the block's final SSM state is dropped
             x = x + mixed
         if self.attn is not None and self.attn_norm is not None:
-            x = x + self.attn(self.attn_norm(x), cos, sin, context, context_mask)
+            attended, _ = self.attn(self.attn_norm(x), cos, sin, context, context_mask)  # own K/V: transient
+            x = x + attended
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -1,4 +1,4 @@
-"""Configuration of the P-Eagle baseline (DESIGN.md §5; Hui et al., 2026).
+"""Configuration of the P-Eagle baseline (docs/design.md#p-eagle; Hui et al., 2026).
 
 P-Eagle is EAGLE-3 turned into a parallel drafter: one forward predicts every depth d = 0..K-1 of
 the draft. Its first layer is EAGLE-3's fused layer (attention over [embedding ; projected target

@@ -1,4 +1,4 @@
-"""The P-Eagle drafter: EAGLE-3 made parallel with a shared learnable hidden vector (DESIGN.md §5).
+"""The P-Eagle drafter: EAGLE-3 made parallel with a shared learnable hidden vector (docs/design.md#p-eagle).
 
 EAGLE pairs each token with the target feature of the position before it. Here the feature is
 f = W_fc · concat_5(h) over the 5 selected layers, and the entry at position t is (x_t, h_{t-1}):
@@ -33,8 +33,9 @@ from torch import nn
 
 from hspec.cache.paged_pool import PagedKVPool
 from hspec.drafters.base import DRAFTERS, DraftBatch, Proposal
+from hspec.drafters.block_attention import KV, BlockAttention
 from hspec.drafters.common import BlockContext, NeuralDrafter
-from hspec.drafters.dflash.layers import KV, DraftAttention, DraftLayer
+from hspec.drafters.dflash.layers import DraftLayer
 from hspec.drafters.dflash.model import check_pool_kv_dims, own_pool_layers
 from hspec.drafters.peagle.config import PEagleConfig
 from hspec.models.config import TargetConfig
@@ -49,7 +50,7 @@ class FusedLayer(nn.Module):
         H, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(H, eps)
         self.hidden_norm = RMSNorm(H, eps)
-        self.self_attn = DraftAttention(config, causal=True, in_features=2 * H)
+        self.self_attn = BlockAttention(config, causal=True, in_features=2 * H)
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = SwiGLU(H, config.intermediate_size)
 
@@ -68,6 +69,7 @@ class PEagleDrafter(NeuralDrafter):
 
     config_class = PEagleConfig
     config: PEagleConfig
+    trains_with_cod = True
 
     def __init__(self, target_config: TargetConfig, target_model: nn.Module | None = None,
                  config: PEagleConfig | None = None, device: torch.device | str | None = None,
@@ -142,6 +144,11 @@ class PEagleDrafter(NeuralDrafter):
         start = self.mask_hidden.to(emb.dtype).expand(n, 1, -1)  # no feature before position 0
         _, kvs = self.run(emb, torch.cat([start, previous], dim=1), positions, None, None)
         return kvs
+
+    def context_kv_from_features(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                                 target_kv: dict[int, KV]) -> list[KV]:
+        """Training runs the whole sequence's context entries, which need the tokens as well."""
+        return self.context_kv_from_sequence(tokens, hidden, positions)
 
     # ---- Drafter interface -----------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Provenance and writing of benchmark results (JSON + markdown side by side)."""
+"""Provenance and writing of results (JSON + markdown side by side), for every command that writes to
+results/: benchmarks, evaluations, training reports. It sits on the lowest floor so all of them can use it."""
 
 from __future__ import annotations
 
@@ -14,11 +15,17 @@ import torch
 
 
 def provenance(command: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """Machine, commit, date, command and settings, recorded with every result."""
+    """Machine, commit, date, command and settings, recorded with every result.
+
+    `tree_dirty` is True when tracked files differed from the commit while the result was made (the
+    commit then also ends in `-dirty`): that commit alone may not reproduce it. None outside git.
+    """
+    commit, dirty = _git_state()
     return {
         "command": command,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": commit,
+        "tree_dirty": dirty,
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
@@ -32,10 +39,15 @@ def provenance(command: str, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def provenance_markdown(meta: dict[str, Any]) -> str:
+    """The provenance as a markdown list; a dirty tree gets a line of its own that says so."""
     m = meta["machine"]
     device = m["cuda"] or f"CPU ({m['processor']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads)"
     settings = ", ".join(f"{k}={v}" for k, v in meta["settings"].items())
-    return (f"- command: `{meta['command']}`\n- date: {meta['date']}\n- commit: {meta['commit']}\n"
+    # Files written before `tree_dirty` existed say it only through the commit's suffix.
+    dirty = meta["tree_dirty"] if "tree_dirty" in meta else (str(meta["commit"]).endswith("-dirty") or None)
+    tree = ("- tree_dirty: true (tracked files differed from this commit when this ran; the commit alone may "
+            "not reproduce it)\n" if dirty else "- tree_dirty: false\n" if dirty is not None else "")
+    return (f"- command: `{meta['command']}`\n- date: {meta['date']}\n- commit: {meta['commit']}\n{tree}"
             f"- machine: {device}, {m['platform']}, torch {m['torch']}\n- settings: {settings}\n")
 
 
@@ -58,12 +70,16 @@ def _jsonable(x: Any) -> Any:
     return str(x)
 
 
-def _git_commit() -> str:
+def _git_state() -> tuple[str, bool | None]:
+    """(short commit, + "-dirty" when tracked files differ from it; whether they do), or ("unknown", None)."""
+    here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+                             cwd=here)
+        if out.returncode != 0:
+            return "unknown", None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, timeout=5, cwd=here).stdout.strip())
+        return out.stdout.strip() + ("-dirty" if dirty else ""), dirty
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return "unknown", None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from hspec.cache.paged_pool import kv_bytes_per_token
 from hspec.models.config import RopeScaling, TargetConfig
 
 # bf16, the serving dtype of the paper's measurements; the inflation ratio does not depend on it.
@@ -64,12 +65,6 @@ def known_target(name: str) -> KnownTarget:
     raise ValueError(f"unknown target config {name!r}; known: {[t.name for t in KNOWN_TARGETS]}")
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       bytes_per_element: int = DEFAULT_BYTES_PER_ELEMENT) -> int:
-    """K and V bytes one token occupies over `num_layers` layers."""
-    return num_layers * 2 * num_kv_heads * head_dim * bytes_per_element
-
-
 def kv_inflation(target: TargetConfig, drafter_kv_bytes_per_token: int,
                  bytes_per_element: int = DEFAULT_BYTES_PER_ELEMENT) -> float:
     """(target KV + drafter KV per token) / target KV, both at `bytes_per_element`."""
@@ -97,7 +92,7 @@ class KVRow:
 
 
 # (drafter label, drafter-side KV layers with the target's KV dims). DFlash/DSpark: 5 layers, each
-# with its own W_k/W_v over the fused context (DESIGN.md §5); H-Spec: none (§4).
+# with its own W_k/W_v over the fused context (docs/design.md#dflash-family); H-Spec: none (#h-spec).
 TABLE1_DRAFTERS: tuple[tuple[str, int], ...] = (("DFlash (5 layers)", 5), ("H-Spec", 0))
 
 

@@ -1,6 +1,6 @@
 """Sampling transforms (temperature, top-k, top-p) as pure functions over logits.
 
-The same transform is applied to the target's and the drafter's logits (DESIGN.md §3), so
+The same transform is applied to the target's and the drafter's logits (docs/design.md#verification), so
 speculative sampling reproduces the distribution a user asked for. Temperature 0 means greedy: the
 "distribution" is one-hot on the argmax, which makes greedy verification the special case of
 stochastic verification whose acceptance probabilities are exactly 0 or 1.

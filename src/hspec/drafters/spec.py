@@ -1,0 +1,58 @@
+"""The drafter names the command line takes: `KIND`, `KIND+ngram`, `KIND:P` and `KIND+ngram:P`.
+
+- `KIND`: a registered drafter kind (`hspec`, `dspark`, `ngram`, `none`, ...);
+- `KIND+ngram`: prompt lookup in front of trained KIND (`hspec.drafters.lookup_first`);
+- `KIND:P`: KIND's drafts verified only while its confidence is at least P, 0 < P < 1
+  (`hspec.drafters.early_stop`); `KIND+ngram:P` does both, and a lookup row then verifies 2m+1
+  drafts after an m-token match.
+
+This module only reads the name; `hspec.runtime.build_drafter` builds what it describes, and tests
+that build their own variants read names with the same `parse_drafter_spec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hspec.drafters.early_stop import CONFIDENCE_SEPARATOR
+from hspec.drafters.lookup_first import LOOKUP_SUFFIX
+
+# Kinds that carry no trained model, so nothing can sit behind lookup or report a confidence.
+MODEL_FREE = ("none", "ngram")
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A parsed drafter name. `base` is the kind that drafts when lookup does not (not checked
+    against the registry here, so tests can name their own drafters)."""
+
+    base: str  # the drafter kind, e.g. "hspec"
+    lookup: bool = False  # `+ngram`: prompt lookup first, `base` for rows without a match
+    confidence_floor: float | None = None  # `:P`: verify only leading drafts of confidence >= P
+
+
+def parse_drafter_spec(text: str) -> DrafterSpec:
+    """`KIND[+ngram][:P]` -> DrafterSpec; ValueError naming the bad part and what is allowed."""
+    spec, separator, floor_text = text.partition(CONFIDENCE_SEPARATOR)
+    floor = _confidence_floor(floor_text, text) if separator else None
+    base = spec.removesuffix(LOOKUP_SUFFIX)
+    lookup = base != spec
+    if floor is not None and base in MODEL_FREE:
+        raise ValueError(f"{text!r}: only trained drafters report a confidence to stop on; use e.g. "
+                         f"hspec{CONFIDENCE_SEPARATOR}{floor_text} or "
+                         f"hspec{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}{floor_text}")
+    if lookup and base in MODEL_FREE:
+        raise ValueError(f"{text!r}: put prompt lookup in front of a trained drafter kind, e.g. hspec{LOOKUP_SUFFIX}")
+    return DrafterSpec(base, lookup, floor)
+
+
+def _confidence_floor(text: str, name: str) -> float:
+    """The P of `KIND:P`, a number in (0, 1)."""
+    try:
+        floor = float(text)
+    except ValueError:
+        floor = float("nan")
+    if not 0.0 < floor < 1.0:
+        raise ValueError(f"{name!r}: the confidence floor after {CONFIDENCE_SEPARATOR!r} must be a number in (0, 1), "
+                         f"e.g. hspec{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}0.4; got {text!r}")
+    return floor

@@ -1,0 +1,65 @@
+"""No reference into the design doc dangles: every `docs/design.md#anchor` cited in the code, the tests,
+the scripts or the README names a heading of docs/design.md, and nothing cites a design file that is
+not in the repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DESIGN = ROOT / "docs" / "design.md"
+CITED = re.compile(r"docs/design\.md#([a-z0-9-]+)")
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(doc: Path = DESIGN) -> set[str]:
+    headings = [line.lstrip("#") for line in doc.read_text().splitlines() if re.match(r"#{1,6} ", line)]
+    return {github_anchor(h) for h in headings}
+
+
+def sources() -> list[Path]:
+    files = [*ROOT.joinpath("src").rglob("*.py"), *ROOT.joinpath("tests").rglob("*.py"),
+             *ROOT.joinpath("scripts").rglob("*"), ROOT / "README.md", DESIGN]
+    this = Path(__file__).resolve()  # names the patterns it looks for
+    return [f for f in files if f.is_file() and f.suffix in (".py", ".sh", ".md", "") and f.resolve() != this]
+
+
+def test_github_anchor():
+    assert github_anchor(" The KV pool") == "the-kv-pool"
+    assert github_anchor("DFlash family") == "dflash-family"
+    assert github_anchor("H-Spec") == "h-spec"
+
+
+def test_every_cited_anchor_exists():
+    known = anchors()
+    dangling = [f"{path.relative_to(ROOT)}: #{anchor}" for path in sources()
+                for anchor in CITED.findall(path.read_text(errors="replace")) if anchor not in known]
+    assert not dangling, f"references to missing headings of docs/design.md: {dangling}"
+
+
+def test_in_page_links_exist():
+    known = anchors()
+    missing = [a for a in re.findall(r"\]\(#([a-z0-9-]+)\)", DESIGN.read_text()) if a not in known]
+    assert not missing, f"docs/design.md links to missing headings: {missing}"
+
+
+def test_links_between_docs_exist():
+    """`[text](other.md#anchor)` inside docs/ names a file of docs/ and one of its headings."""
+    broken = []
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        for target, anchor in re.findall(r"\]\(([\w.-]+\.md)(?:#([a-z0-9-]+))?\)", doc.read_text()):
+            other = doc.parent / target
+            if not other.exists() or (anchor and anchor not in anchors(other)):
+                broken.append(f"{doc.name} -> {target}#{anchor}")
+    assert not broken, f"links between docs that lead nowhere: {broken}"
+
+
+def test_no_reference_to_a_design_file_outside_the_repository():
+    stale = [str(path.relative_to(ROOT)) for path in sources() if "DESIGN.md" in path.read_text(errors="replace")]
+    assert not stale, f"these cite DESIGN.md, which is not in the repository; cite docs/design.md#...: {stale}"

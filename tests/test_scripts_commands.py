@@ -1,0 +1,110 @@
+"""The committed result-making scripts: every command they run exists in today's CLI, and the lookup
+statistics replay the steps they measure exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hspec.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+TRAINING_SCRIPTS = ["train_v9_questions.sh", "train_spec_bench_diag.sh"]
+
+
+def _load_script(name: str):
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return module
+
+
+def _dry_run(script: str, tmp_path: Path, regenerate: bool = True) -> list[list[str]]:
+    """The commands `script` would run with its default settings (DRY_RUN), split into words;
+    `regenerate`: the data made anew (REGENERATE) instead of copied from the committed corpora."""
+    env = {**os.environ, "DRY_RUN": "1", "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out")}
+    env.pop("REGENERATE", None)
+    if regenerate:
+        env["REGENERATE"] = "1"
+    out = subprocess.run(["bash", str(SCRIPTS / script)], env=env, capture_output=True, text=True, check=True,
+                         cwd=ROOT).stdout
+    return [shlex.split(line[2:]) for line in out.splitlines() if line.startswith("+ ")]
+
+
+def _without_env(words: list[str]) -> list[str]:
+    """`env VAR=x cmd ...` -> `cmd ...`."""
+    if words and words[0] == "env":
+        words = words[1:]
+        while words and re.fullmatch(r"\w+=.*", words[0]):
+            words = words[1:]
+    return words
+
+
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
+def test_every_hspec_command_parses_with_todays_cli(script, tmp_path):
+    hspec_commands = [w[1:] for w in map(_without_env, _dry_run(script, tmp_path)) if w and w[0].endswith("hspec")]
+    kinds = {tuple(c[:2]) if c[0] == "data" else (c[0],) for c in hspec_commands}
+    assert kinds == {("data", "generate"), ("data", "features"), ("train",), ("train-report",), ("validate",)}
+    parser = build_parser()
+    for argv in hspec_commands:
+        args = parser.parse_args(argv)  # an unknown flag exits here (SystemExit 2)
+        if argv[0] == "train":  # the committed runs' recipe, pinned rather than left to defaults
+            assert (args.lr, args.precision, args.seqs_per_step, args.anchors_per_seq, args.seed) == (
+                3e-4, "fp32", 4, 16, 0)
+
+
+@pytest.mark.parametrize("script", TRAINING_SCRIPTS)
+def test_every_python_script_flag_exists(script, tmp_path):
+    calls = [w[1:] for w in map(_without_env, _dry_run(script, tmp_path)) if w and w[0].endswith("python")]
+    assert calls, "the script runs no python script"
+    for argv in calls:
+        help_text = subprocess.run([sys.executable, argv[0], "--help"], capture_output=True, text=True, check=True,
+                                   cwd=ROOT).stdout
+        for flag in (w for w in argv[1:] if w.startswith("--")):
+            assert flag in help_text, f"{argv[0]} has no {flag}"
+
+
+def test_training_stages_print_the_committed_settings(tmp_path):
+    train = [w for w in map(_without_env, _dry_run("train_spec_bench_diag.sh", tmp_path)) if w[1:2] == ["train"]]
+    steps = [(w[w.index("--out") + 1].rsplit("/", 1)[1], w[w.index("--steps") + 1], w[w.index("--val-every") + 1])
+             for w in train]
+    assert steps == [("hspec_v10_diag", "600", "100"), ("hspec_v11_diag", "2000", "500"),
+                     ("hspec_v10_half_diag", "600", "100")]
+    (v9,) = [w for w in map(_without_env, _dry_run("train_v9_questions.sh", tmp_path)) if w[1:2] == ["train"]]
+    assert (v9[v9.index("--steps") + 1], v9[v9.index("--val-every") + 1], v9[v9.index("--init-from") + 1]) == (
+        "1200", "600", "runs/train/hspec_v7/drafter")
+    parts = [p.rsplit("/", 1)[1] for p in v9[v9.index("--features") + 1].split(",")]
+    assert parts == [f"part{i}" for i in range(1, 14)] + [f"gpu{i}" for i in range(1, 5)] + ["part14", "part15"]
+
+
+def test_match_lengths_replay_the_history_each_step_drafted_from():
+    stats = _load_script("lookup_match_stats")
+    # Step 0 drafts from [5, 6, 7, 5, 6, 7]: its suffix 5 6 7 occurred before (m = 3); it commits 3 drafts
+    # and a new token (5 6 7 8), so step 1 drafts from a history ending in 8, new (m = 0).
+    assert stats.match_lengths([5, 6, 7, 5, 6], [7, 5, 6, 7, 8, 9], [3, 0], max_ngram=8) == [3, 0]
+    assert stats.match_lengths([5, 6, 7, 5, 6], [7, 5, 6, 7, 8, 9], [3, 0], max_ngram=2) == [2, 0]
+    # Step 0 drafts from [1, 2, 3, 1, 2] (1 2 recurs: m = 2) and commits no draft, only the new token 1;
+    # step 1's history then ends 2 1, and only its last token recurs (m = 1).
+    assert stats.match_lengths([1, 2, 3, 1], [2, 1, 4], [0, 0], max_ngram=8) == [2, 1]
+
+
+def test_group_by_match_counts_what_trimmed_verification_would_keep():
+    stats = _load_script("lookup_match_stats")
+    rows = stats.group_by_match([(0, 1), (1, 0), (1, 5), (2, 4), (3, 7)], K=7)
+    assert [(r["match_length"], r["steps"], r["mean_accepted"]) for r in rows] == [(0, 1, 1.0), (1, 2, 2.5),
+                                                                                  (2, 1, 4.0), (3, 1, 7.0)]
+    assert [r["verified_if_trimmed"] for r in rows] == [None, 3, 5, 7]
+    assert [r["mean_accepted_if_trimmed"] for r in rows] == [None, 1.5, 4.0, 7.0]  # m = 1: min(5, 3) = 3
+    assert rows[1]["share_none_accepted"] == 0.5
