@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from hspec.eval.tasks import default_data_dir, load_task
+from hspec.data.tasks import default_data_dir, load_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_on_dev_items import dev_items  # noqa: E402

@@ -36,7 +36,7 @@ import random
 import re
 from pathlib import Path
 
-from hspec.eval.tasks import resolve_data_dir
+from hspec.data.tasks import data_file
 from hspec.training.datagen import read_corpus, read_prompts
 
 LONG_PROMPT_CHARS = 1300  # ~330 tokens: shorter prompts were already eligible for the default corpus
@@ -94,13 +94,12 @@ def is_short_question(text: str) -> bool:
 def build(gsm8k_count: int, summary_count: int, excluded_ids: set[str], seed: int = 0,
           copy_count: int = 0, long_prompts: bool = True, question_count: int = 0) -> list[dict]:
     rng = random.Random(seed)
-    normalized = resolve_data_dir()  # shared/data/normalized (or $HSPEC_DATA_DIR)
-    with gzip.open(normalized.parent / "gsm8k" / "train.jsonl.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(data_file("gsm8k_train.jsonl"), "rt", encoding="utf-8") as f:  # shipped in hspec/data
         gsm8k = [json.loads(line) for line in f if line.strip()]
     picked = rng.sample(range(len(gsm8k)), gsm8k_count)
     rows = [{"id": f"gsm8k_train/{i}", "category": "math", "turns": [gsm8k[i]["question"]]} for i in picked]
 
-    train = read_prompts(normalized / "train_prompts.jsonl")
+    train = read_prompts(data_file("train_prompts.jsonl"))
     long_rows = [r for r in train if LONG_PROMPT_CHARS < len(r["turns"][0]) <= MAX_PROMPT_CHARS
                  and r["id"] not in excluded_ids]
     if long_prompts:

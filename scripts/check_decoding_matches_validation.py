@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hspec.bench.report import provenance, provenance_markdown, write_results
 from hspec.decoding.generate import SpeculativeDecoder
-from hspec.decoding.sampling import SamplingParams
 from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.models.loading import load_target
+from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.runtime import build_drafter
+from hspec.sampling import SamplingParams
 from hspec.training.features import OnlineFeatures
 from hspec.training.run import held_out_ids
 from hspec.training.trainer import TrainConfig, Trainer

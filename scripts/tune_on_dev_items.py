@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from hspec.bench.report import provenance, provenance_markdown
+from hspec.data.tasks import default_data_dir
 from hspec.decoding.generate import SpeculativeDecoder
-from hspec.decoding.sampling import SamplingParams
-from hspec.eval.tasks import default_data_dir
 from hspec.models.loading import load_target
+from hspec.provenance import provenance, provenance_markdown
 from hspec.runtime import build_drafter
+from hspec.sampling import SamplingParams
 
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 
@@ -83,7 +83,7 @@ def main() -> None:
 
 
 def _write_markdown(path: Path, lines: list[str], settings: dict) -> None:
-    """The printed lines under the command, date, commit and machine (`hspec.bench.report.provenance`)."""
+    """The printed lines under the command, date, commit and machine (`hspec.provenance.provenance`)."""
     command = "python scripts/tune_on_dev_items.py " + " ".join(sys.argv[1:])
     meta = provenance(command, {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()})
     path.parent.mkdir(parents=True, exist_ok=True)

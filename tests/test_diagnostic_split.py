@@ -7,14 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
-from hspec.eval.tasks import default_data_dir, load_task
+from hspec.data.tasks import default_data_dir, load_task
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-pytestmark = pytest.mark.skipif(not default_data_dir().is_dir(),
-                                reason=f"shared data folder {default_data_dir()} is absent")
 
 
 def _load_script(name: str):

@@ -10,11 +10,11 @@ import torch
 
 from conftest import load_tiny
 from hspec.decoding.generate import SpeculativeDecoder
-from hspec.decoding.sampling import SamplingParams
 from hspec.drafters import create_drafter
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
 from hspec.models.config import TargetConfig
 from hspec.models.loading import load_target
+from hspec.sampling import SamplingParams
 
 
 def test_unknown_architecture(tiny_dirs, tmp_path):
@@ -105,3 +105,51 @@ def test_pool_full_mid_generation_is_an_error_not_corruption(tiny_target):
     with pytest.raises(PoolFullError):
         decoder.generate([[1, 5, 6, 7, 8, 9, 10]], SamplingParams(), 4, pool=pool)
     assert torch.all(pool.k == 0) and pool.sequence_ids() == []
+
+
+# ---- the command line: bad flags fail before any model is loaded -------------------------------------
+
+
+def _cli_error(argv, capsys) -> str:
+    """Run `hspec ARGV`, expect the one-line error exit (2), return the message."""
+    from hspec import cli
+
+    assert cli.main(argv) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("k", [0, 33, 5000])
+def test_draft_length_out_of_range(k, capsys):
+    from hspec.cli import MAX_DRAFT_LEN
+
+    assert MAX_DRAFT_LEN == 32
+    err = _cli_error(["generate", "--prompt", "hi", "--drafter", "ngram", "--k", str(k)], capsys)
+    assert f"--k must be in 1..32 (tokens drafted per step), got {k}" in err
+    err = _cli_error(["eval", "--drafters", "ngram", "--k", f"3,{k}"], capsys)  # each K of a sweep
+    assert (f"--k must be in 1..32 (tokens drafted per step), got {k}" if k > 0
+            else "expected positive integers, got '3,0'") in err
+
+
+def test_empty_stop_string(capsys):
+    err = _cli_error(["generate", "--prompt", "hi", "--stop", "</s>", "--stop", ""], capsys)
+    assert "--stop needs a non-empty string, got ['</s>', '']" in err
+
+
+@pytest.mark.parametrize("kind", ["ngram", "none"])
+def test_drafter_path_for_a_model_free_kind(kind, tmp_path, capsys, tiny_target):
+    err = _cli_error(["generate", "--prompt", "hi", "--drafter", kind, "--drafter-path", str(tmp_path)], capsys)
+    assert f"--drafter-path {tmp_path} was given, but --drafter {kind} loads no checkpoint" in err
+    from hspec.runtime import build_drafter
+
+    with pytest.raises(ValueError, match=f"drafter '{kind}' is model-free and loads no checkpoint"):
+        build_drafter(kind, tiny_target, tmp_path)
+    assert build_drafter(kind, tiny_target).kind == kind  # without a path it still builds
+
+
+def test_missing_data_dir_names_the_path_and_the_flag(tmp_path, capsys):
+    missing = tmp_path / "no-data-here"
+    err = _cli_error(["eval", "--drafters", "ngram", "--data-dir", str(missing)], capsys)
+    assert str(missing) in err and "--data-dir" in err
+    err = _cli_error(["data", "generate", "--data-dir", str(missing), "--out", str(tmp_path / "c.jsonl")], capsys)
+    assert str(missing) in err and "--data-dir" in err
+    assert not (tmp_path / "c.jsonl").exists() and not (tmp_path / "c.settings.json").exists()

@@ -96,8 +96,8 @@ def _tiny_eval_setup(tmp_path, tiny_target, monkeypatch):
     import dataclasses
     import json
 
+    from hspec.data.tasks import DATA_DIR_ENV
     from hspec.eval import runner
-    from hspec.eval.tasks import DATA_DIR_ENV
 
     class ChatStub:
         def __init__(self, inner):
@@ -116,13 +116,13 @@ def _tiny_eval_setup(tmp_path, tiny_target, monkeypatch):
     (data / "mt_bench.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     monkeypatch.setenv(DATA_DIR_ENV, str(data))
     target = dataclasses.replace(tiny_target, tokenizer=ChatStub(tiny_target.tokenizer))
-    monkeypatch.setattr(runner, "load_target", lambda name: target)
+    monkeypatch.setattr(runner, "load_target", lambda name, **how: target)
     return runner
 
 
 def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
     """Plain decoding once per turn, n-gram once per K; greedy outputs are checked equal inside."""
-    from hspec.decoding.sampling import SamplingParams
+    from hspec.sampling import SamplingParams
 
     runner = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
     payload = runner.run_eval("tiny", [runner.MethodSpec("ngram")], ["mt_bench"], 2, [2, 4], SamplingParams(), 12,
@@ -134,8 +134,8 @@ def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
 
 
 def test_run_eval_reports_the_share_of_steps_prompt_lookup_drafted(tmp_path, tiny_target, monkeypatch):
-    from hspec.decoding.sampling import SamplingParams
     from hspec.runtime import build_drafter
+    from hspec.sampling import SamplingParams
 
     runner = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
     monkeypatch.setattr(runner, "build_drafter",

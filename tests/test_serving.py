@@ -15,22 +15,10 @@ import httpx
 import openai
 import pytest
 
-from conftest import _ByteTokenizer, load_tiny
-from hspec.drafters import create_drafter
-from hspec.serving.server import ServerThread, TextStream, build_engine, create_app
-
-MODEL = "tiny-llama"
-K = 4
-
-
-class ChatByteTokenizer(_ByteTokenizer):
-    """The byte stand-in plus a minimal chat template and an injective decode."""
-
-    def encode_chat(self, messages):
-        return self.encode_prompt("".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>")
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(0x100 + i) for i in ids if not (skip_special_tokens and i in self.eos_token_ids))
+from conftest import load_tiny
+from hspec.decoding.text import TextStream
+from hspec.serving.server import ServerThread
+from serving_helpers import MODEL, ChatByteTokenizer, start_server
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +29,7 @@ def tiny(tiny_dirs):
 
 
 def _server(target, kind: str, num_blocks: int, block_size: int = 8) -> ServerThread:
-    drafter = create_drafter(kind, target.config, target_model=target.model)
-    engine = build_engine(target.model, drafter, target.tokenizer, K, num_blocks=num_blocks, block_size=block_size)
-    return ServerThread(create_app(engine, target.tokenizer, MODEL))
+    return start_server(target, kind, num_blocks, block_size)
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +181,14 @@ def test_text_stream_holds_back_a_possible_stop_prefix():
     assert stream.push(["a", "b", "x"], finished=False) == "a"  # "bx" could start "xyz"
     assert stream.push(["y", "q"], finished=False) == "bx"
     assert stream.push(["x", "y", "z", "!"], finished=True) == "yq"
+
+
+def test_cut_at_stop_cuts_before_the_earliest_stop_string():
+    from hspec.decoding.text import cut_at_stop
+
+    assert cut_at_stop("one. two! three.", ["!", "."]) == "one"  # the earliest match wins, not the first listed
+    assert cut_at_stop("no stop here", ["xyz"]) == "no stop here"
+    assert cut_at_stop("anything", []) == "anything"
 
 
 def test_metrics_leave_early_stopped_steps_out_of_the_next_positions_denominator():

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hspec.bench import draft as draft_bench
+from hspec.drafters.checkpoint import load_drafter, save_drafter
 from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.training import run as train_run
-from hspec.training.checkpoint import load_drafter, save_drafter
 from hspec.training.store import FeatureStore
 from hspec.training.trainer import TrainConfig, Trainer
 
@@ -54,7 +54,7 @@ def test_train_with_a_smaller_draft_vocabulary(tmp_path, tiny_target, feature_di
 
 
 def test_bench_draft_with_a_draft_vocabulary(tmp_path, tiny_target, monkeypatch):
-    monkeypatch.setattr(draft_bench, "load_target", lambda name: tiny_target)
+    monkeypatch.setattr(draft_bench, "load_target", lambda name, **how: tiny_target)
     draft_bench.run_draft_bench("tiny", ["hspec", "ngram"], tmp_path, repeats=1, batch_sizes=(1,), contexts=(16,),
                                 draft_vocab_size=24)
     payload = json.loads((tmp_path / "draft_cost_cpu_vp24.json").read_text())
@@ -160,3 +160,68 @@ def test_validate_reports_both_validations_of_saved_drafters_on_the_held_out_spl
     assert rows[1]["decode_order"] == trainer.validate_in_decode_order(val_ids).to_dict()
     assert rows[1]["anchors"] == trainer.validate(val_ids).to_dict()
     assert f"| `{paths[1]}` | hspec | {rows[1]['anchors']['mean_accepted_length']:.3f} |" in md_path.read_text()
+
+
+def _tiny_train(run_dir, feature_dir, override=False, **recipe):
+    config = TrainConfig(**{"steps": 2, "seqs_per_step": 2, "anchors_per_seq": 2, **recipe})
+    return train_run.train("hspec", "tiny", [feature_dir], run_dir, config, val_every=2, draft_vocab_size=20,
+                           override=override)
+
+
+def test_resume_refuses_changed_settings_unless_overridden(tmp_path, tiny_target, feature_dir, monkeypatch, capsys):
+    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
+    run = tmp_path / "run"
+    _tiny_train(run, feature_dir)
+    _tiny_train(run, feature_dir)  # the same settings resume (here: nothing left to do)
+    with pytest.raises(ValueError, match=r"changed: --steps 2 -> 4, --lr 0.0006 -> 0.001\. .*--override"):
+        _tiny_train(run, feature_dir, steps=4, lr=1e-3)
+    with pytest.raises(ValueError, match=r"changed: --seqs-per-step 2 -> 3\b"):
+        _tiny_train(run, feature_dir, seqs_per_step=3)
+    assert [p.name for p in (run / "state").iterdir()] == ["step-000000002"]  # nothing was trained or written
+
+    _tiny_train(run, feature_dir, override=True, steps=4)
+    assert "--override: continuing with --steps 2 -> 4" in capsys.readouterr().out
+    records = [json.loads(line) for line in (run / "history.jsonl").read_text().split("\n") if line]
+    overrides = [r for r in records if r["event"] == "override"]
+    assert overrides == [{"event": "override", "step": 2, "changed": {"steps": [2, 4]}}]
+    assert max(r["step"] + 1 for r in records if r["event"] == "step") == 4  # it trained on to the new end
+    _tiny_train(run, feature_dir, steps=4)  # the overridden settings are now the recorded ones
+    with pytest.raises(ValueError, match=r"--steps 4 -> 2"):
+        _tiny_train(run, feature_dir)
+    from hspec.training.report import read_history
+
+    assert read_history(run)["config"]["steps"] == 4
+
+
+def test_start_clears_what_a_killed_save_left(tmp_path, tiny_target, feature_dir, monkeypatch, capsys):
+    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
+    run = tmp_path / "run"
+    _tiny_train(run, feature_dir)
+    # What `kill -9` during a save leaves: half-written temporary folders of a state step and of the drafter,
+    # and a drafter that was moved aside for its replacement that never arrived.
+    for stale in (run / ".state.tmp-k1ll3d", run / "state" / ".step-000000004.tmp-abc_12"):
+        stale.mkdir()
+        (stale / "drafter.safetensors").write_bytes(b"\0" * 64)
+    (run / ".drafter.old-xyz").mkdir()
+    (run / "drafter").rename(run / ".drafter.old-xyz" / "checkpoint")
+    _tiny_train(run, feature_dir)
+    out = capsys.readouterr().out
+    assert f"removed {run / '.state.tmp-k1ll3d'}" in out
+    assert f"removed {run / 'state' / '.step-000000004.tmp-abc_12'}" in out
+    assert f"restored {run / 'drafter'}" in out
+    assert not [p for p in (*run.iterdir(), *(run / "state").iterdir()) if p.name.startswith(".")]
+    load_drafter(run / "drafter", tiny_target.model)
+
+
+def test_resume_of_a_run_recorded_before_settings_were(tmp_path, tiny_target, feature_dir, monkeypatch):
+    """An older history has only the flat config record: its recipe is compared, its measured values not."""
+    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
+    run = tmp_path / "run"
+    _tiny_train(run, feature_dir)
+    lines = (run / "history.jsonl").read_text().split("\n")
+    config = json.loads(lines[0])
+    del config["settings"]
+    (run / "history.jsonl").write_text("\n".join([json.dumps(config), *lines[1:]]))
+    _tiny_train(run, feature_dir)  # val_sequences (measured) and draft_vocab_size (20 either way) are not compared
+    with pytest.raises(ValueError, match=r"changed: --steps 2 -> 3\."):
+        _tiny_train(run, feature_dir, steps=3)

@@ -198,8 +198,8 @@ def test_two_process_gloo_matches_single_process(tiny_dirs, tmp_path):
 def test_training_blocks_see_what_inference_sees(tiny_target, features, kind):
     """The block a training anchor builds from cached features drafts exactly what `propose` drafts
     after a prefill of the same prefix (same last hidden state, context K/V, positions, Markov path)."""
-    from hspec.decoding.sampling import SamplingBatch, SamplingParams
     from hspec.drafters.base import DraftBatch
+    from hspec.sampling import SamplingBatch, SamplingParams
 
     drafter = _drafter(tiny_target, kind, seed=4).eval()
     feats, K = features[1], 5
@@ -225,8 +225,8 @@ def test_validation_in_decode_order_counts_the_steps_greedy_decoding_takes(tiny_
     accepts the same counts as speculative decoding from the same prompt, step for step, up to the
     last block that fits in the response."""
     from hspec.decoding.generate import SpeculativeDecoder
-    from hspec.decoding.sampling import SamplingParams
     from hspec.drafters import create_drafter as create
+    from hspec.sampling import SamplingParams
 
     model, V, K = tiny_target.model, tiny_target.config.vocab_size, 7
     prompt = torch.randint(3, V, (12,), generator=torch.Generator().manual_seed(6)).tolist()

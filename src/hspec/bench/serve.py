@@ -34,11 +34,11 @@ from typing import Any
 
 import httpx
 
-from hspec.bench.report import provenance, provenance_markdown, write_results
 from hspec.cache.paged_pool import PagedKVPool
+from hspec.data.tasks import load_suite
 from hspec.drafters import DRAFTERS, create_drafter
-from hspec.eval.tasks import load_suite
 from hspec.models.loading import load_target
+from hspec.provenance import provenance, provenance_markdown, write_results
 
 MIB = 1 << 20
 
@@ -61,6 +61,7 @@ class ServeBenchSettings:
     out: str = "results"  # results go to <out>/serving/
     drafter_paths: tuple[tuple[str, str], ...] = ()  # (kind, trained checkpoint dir) pairs
     random_drafter_weights: bool = False  # trained kinds without a checkpoint run untrained (timing / KV only)
+    data_dir: str | None = None  # folder of the prompt sets (--data-dir); None: the data shipped in hspec/data
 
     def __post_init__(self) -> None:
         if not self.drafters:
@@ -295,7 +296,7 @@ async def run_level(url: str, model: str, prompts: Sequence[str], concurrency: i
 
 def _prompts(tokenizer, settings: ServeBenchSettings) -> tuple[list[str], int]:
     """First user turns of the tasks' items, interleaved across tasks, without over-long ones."""
-    tasks = load_suite(settings.tasks, settings.num_prompts)
+    tasks = load_suite(settings.tasks, settings.num_prompts, settings.data_dir)
     turns = [item.turns[0] for group in itertools.zip_longest(*(t.items for t in tasks)) for item in group if item]
     kept = [t for t in turns if len(tokenizer.encode_prompt(t)) <= settings.max_prompt_tokens]
     if not kept:

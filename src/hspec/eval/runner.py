@@ -16,15 +16,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hspec.bench.report import provenance, provenance_markdown, write_results
+from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
-from hspec.decoding.sampling import SamplingParams
 from hspec.eval.bootstrap import paired_bootstrap_relative_diff
 from hspec.eval.findings import evaluate_claims, itl_ratio, render_findings, tau_ratio
-from hspec.eval.tasks import load_task
 from hspec.metrics import acceptance_stats, merge_stats
 from hspec.models.loading import load_target
+from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.runtime import build_drafter
+from hspec.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,11 @@ class MethodSpec:
 
 def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequence[str], size: int | None,
              K: int | Sequence[int], sampling: SamplingParams, max_new_tokens: int, out_dir: Path, stem: str,
-             seed: int = 0, command: str = "hspec eval") -> dict[str, Any]:
+             seed: int = 0, command: str = "hspec eval", data_dir: str | Path | None = None,
+             dtype: str = "auto") -> dict[str, Any]:
     """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
+
+    The tasks are read from `data_dir` (default: $HSPEC_DATA_DIR, else the data shipped in hspec/data).
 
     With several K (the draft-length sensitivity, paper Table 4) each drafter runs once per K on
     every item, labelled "<method> k=<K>"; plain decoding runs once per item.
@@ -58,7 +61,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     labels = [m.label for m in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a label in {labels}; give their checkpoints distinct directory names")
-    target = load_target(target_name)
+    tasks = [load_task(name, size, data_dir) for name in task_names]  # a missing file fails before loading
+    target = load_target(target_name, dtype=dtype)  # dtype: --dtype (auto, float32, bfloat16)
     drafters = {m.label: build_drafter(m.kind, target, m.path) for m in specs}
     runs: dict[str, tuple[SpeculativeDecoder, int]] = {}  # label -> (decoder, K)
     for m in specs:
@@ -66,7 +70,6 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
             label = m.label if (len(ks) == 1 or m.kind == "none") else f"{m.label} k={k}"
             runs[label] = (SpeculativeDecoder(target.model, drafters[m.label], k, target.tokenizer.eos_token_ids), k)
     records: list[dict[str, Any]] = []
-    tasks = [load_task(name, size) for name in task_names]
     total_turns = sum(len(item.turns) for task in tasks for item in task.items)
     bar = tqdm(total=total_turns, desc="eval", unit="turn")
     for task in tasks:
@@ -77,10 +80,10 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 prompt = target.tokenizer.encode_chat(messages)
                 outputs, lookup_steps = {}, {}
                 for label, (dec, _) in runs.items():
-                    looked_up = getattr(dec.drafter, "lookup_rows", None)
+                    looked_up = dec.drafter.lookup_rows
                     outputs[label] = dec.generate([prompt], sampling, max_new_tokens, seeds=[seed])
                     if looked_up is not None:  # KIND+ngram: the steps prompt lookup drafted
-                        lookup_steps[label] = dec.drafter.lookup_rows - looked_up
+                        lookup_steps[label] = dec.drafter.lookup_rows - looked_up  # type: ignore[operator]
                 reference = outputs["none"].sequences[0].token_ids
                 for label, out in outputs.items():
                     seq = out.sequences[0]
@@ -96,10 +99,12 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 messages.append({"role": "assistant", "content": target.tokenizer.decode(reference)})
                 bar.update(1)
     bar.close()
-    settings = {"target": target.name, "K": ks[0] if len(ks) == 1 else ks, "temperature": sampling.temperature,
+    settings = {"target": target.name, "dtype": str(target.model.embed_tokens.weight.dtype).removeprefix("torch."),
+                "K": ks[0] if len(ks) == 1 else ks, "temperature": sampling.temperature,
                 "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": max_new_tokens,
                 "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,
-                "methods": ",".join(m.label for m in specs)}
+                "methods": ",".join(m.label for m in specs),
+                **({} if data_dir is None else {"data_dir": str(data_dir)})}
     summary = summarize(records, list(runs), ks[0])
     payload = {"provenance": provenance(command, settings), "summary": summary, "records": records}
     write_report(payload, out_dir, stem)

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hspec.cache.paged_pool import PagedKVPool
-from hspec.decoding.sampling import SamplingBatch, SamplingParams
+from hspec.cache.paged_pool import PagedKVPool, blocks_for
 from hspec.decoding.step import DecodeStages, SequenceOutput
-from hspec.serving.scheduler import RunningSeq, WaitingSeq, blocks_for, schedule
+from hspec.sampling import SamplingBatch, SamplingParams
+from hspec.serving.scheduler import RunningSeq, WaitingSeq, schedule
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,11 @@ class Engine:
     def __init__(self, stages: DecodeStages, pool: PagedKVPool, max_running: int = 256) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if stages.drafter.proposes_tree:
+            # Not wired yet: the scheduler reserves K + 1 positions a step, and a recompute after
+            # preemption would reset the state a tree drafter carries from block to block.
+            raise ValueError(f"drafter kind {stages.drafter.kind!r} drafts trees, which the serving engine does not "
+                             "run yet; use `hspec generate` (the single-batch loop) for it, or a chain kind here")
         if pool.num_drafter_layers < stages.drafter.num_pool_layers:
             raise ValueError(f"the drafter needs {stages.drafter.num_pool_layers} pool layers, the pool has "
                              f"{pool.num_drafter_layers}")
@@ -143,6 +148,14 @@ class Engine:
                 f"K={self.K} it needs {needed} KV positions, more than the pool's capacity of "
                 f"{self.pool.capacity_tokens} tokens"
             )
+
+    def room_for_output(self, prompt_length: int) -> int:
+        """The largest max_tokens a prompt of `prompt_length` tokens passes `validate` with (< 1: none).
+
+        The tighter of the target's context and the whole pool, less the prompt and one draft block.
+        """
+        limit = min(self.stages.target.config.max_position_embeddings, self.pool.capacity_tokens)
+        return limit - self.stages.positions_needed(prompt_length, 0)
 
     def add(self, request: Request) -> None:
         """Queue a request (raises ValueError if it is invalid or its id is live)."""

@@ -3,18 +3,21 @@
 Validation happens here, so a bad body becomes a 400 with a message naming the field. Fields the
 server does not implement are refused when set to anything but their neutral value (`n`, `logprobs`,
 `echo`, penalties), rather than silently ignored; unknown extra fields are ignored, as OpenAI does.
-`top_k` is an extension (vLLM's name; -1 or 0 = off).
+`top_k` is an extension (vLLM's name; -1 or 0 = off). `max_tokens` left out means "the server's
+default, clamped to the room the prompt leaves"; given, it must fit or the request gets a 400.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from hspec.decoding.sampling import SamplingParams
+from hspec.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+MAX_TOP_K = 2**63 - 1  # any k >= the vocabulary keeps every token; beyond this it overflows a long
 
 
 class StreamOptions(BaseModel):
@@ -27,7 +30,7 @@ class SamplingFields(BaseModel):
     model: str
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] = 0
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -36,6 +39,14 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: Any = None
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, value: int | None) -> int | None:
+        low, high = SEED_RANGE
+        if value is not None and not low <= value <= high:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {value}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -72,8 +83,10 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a one-element list of strings."""
 
     prompt: str | list[int] | list[str]
-    max_tokens: Annotated[int, Field(ge=1)] = 16  # OpenAI's default for completions
+    max_tokens: Annotated[int | None, Field(ge=1)] = None  # None: DEFAULT_MAX_TOKENS, clamped by the server
     echo: Literal[False] = False
+
+    DEFAULT_MAX_TOKENS: ClassVar[int] = 16  # OpenAI's default for completions
 
     @field_validator("prompt")
     @classmethod
@@ -118,8 +131,9 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("give max_tokens or max_completion_tokens, not two different values")
         return self
 
-    def token_limit(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+    def requested_max_tokens(self) -> int | None:
+        """The output limit the client gave, or None (then the server's default applies)."""
+        return self.max_completion_tokens or self.max_tokens
 
     def conversation(self) -> list[dict[str, str]]:
         # "developer" is OpenAI's newer name for the system role; chat templates know "system".

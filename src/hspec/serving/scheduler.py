@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hspec.cache.paged_pool import blocks_for
+
 
 @dataclass(frozen=True)
 class RunningSeq:
@@ -47,11 +49,6 @@ class Schedule:
 
     preempt: tuple[int, ...]
     admit: tuple[int, ...]
-
-
-def blocks_for(length: int, block_size: int) -> int:
-    """Blocks a sequence of `length` positions occupies."""
-    return -(-length // block_size)
 
 
 def schedule(running: Sequence[RunningSeq], waiting: Sequence[WaitingSeq], free_blocks: int,

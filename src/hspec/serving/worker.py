@@ -126,8 +126,9 @@ class EngineWorker:
         self._sinks[request_id] = (command.loop, command.sink)
         try:
             self.engine.add(command.request)
-        except ValueError as err:
-            self._deliver([RequestUpdate(request_id, (), 0, "error", str(err))])
+        except Exception as err:  # a request the engine cannot take fails alone; the thread keeps serving
+            message = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+            self._deliver([RequestUpdate(request_id, (), 0, "error", message)])
             return
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(command.request.prompt_ids))

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hspec.bench.report import provenance, provenance_markdown, write_results
+from hspec.provenance import provenance, provenance_markdown, write_results
 
 
 def read_history(run_dir: Path) -> dict[str, Any]:
@@ -25,6 +25,8 @@ def read_history(run_dir: Path) -> dict[str, Any]:
             steps.append(record)
         elif event == "validation":
             validations.append(record)
+        elif event == "override":  # a resume with --override: the new settings apply from here on
+            config = {**config, **{k: new for k, (_, new) in record["changed"].items() if k in config}}
     return {"config": config, "steps": steps, "validations": validations}
 
 

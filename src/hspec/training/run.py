@@ -4,7 +4,10 @@ Layout of a run directory:
     run_dir/state/          latest training state (weights + optimizer + step), written atomically
     run_dir/history.jsonl   one line per logged step / validation
     run_dir/drafter/        the final drafter in the Speculators format (config.json + model.safetensors)
-Rerunning the same command resumes from `state/` and continues exactly where it stopped.
+Rerunning the same command resumes from `state/` and continues exactly where it stopped. A rerun with
+other settings (another --steps, --lr, ...) is refused with the list of what changed, unless `override`
+(`--override`) is given; the change is then recorded in history.jsonl. Temporary folders that a kill
+during a save left behind are removed (or, for a replaced checkpoint, restored) on start.
 """
 
 from __future__ import annotations
@@ -12,25 +15,23 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from hspec.drafters import create_drafter, drafter_config
+from hspec.drafters.checkpoint import load_drafter, read_checkpoint, remove_stale_temporaries, save_drafter
 from hspec.drafters.common import NeuralDrafter, kv_layer_of, select_target_layers
+from hspec.drafters.dels import DeLSDrafter
 from hspec.models.loading import Target, load_target, resolve_device
-from hspec.training.checkpoint import (
-    load_drafter,
-    load_training_state,
-    read_checkpoint,
-    save_drafter,
-    save_training_state,
-)
+from hspec.training.checkpoint import load_training_state, save_training_state
 from hspec.training.datagen import read_corpus
 from hspec.training.features import OnlineFeatures
+from hspec.training.precision import resolve_precision
 from hspec.training.store import FeatureStore, FeatureStores
 from hspec.training.trainer import TrainConfig, Trainer
 from hspec.training.vocab import most_frequent_tokens
@@ -63,7 +64,7 @@ def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_seque
 def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path, config: TrainConfig,
           log_every: int = 10, val_every: int = 100, val_sequences: int = 24,
           draft_vocab_size: int | None = None, init_from: Path | None = None,
-          corpora: list[Path] | None = None, device: str = "cpu") -> Path:
+          corpora: list[Path] | None = None, device: str = "cpu", override: bool = False) -> Path:
     """Train `kind` on the cached features; resumable; returns the saved drafter directory.
 
     `corpora` (generated JSONL files) replaces `features_dirs`: the target then computes each
@@ -72,9 +73,30 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     `draft_vocab_size` (Vp) overrides the kind's default pruned vocabulary (the paper's 32,000).
     `init_from` starts from a saved drafter of the same kind instead of a fresh one (fine-tuning on more
     data): its config and draft vocabulary are kept, and the recipe's schedule starts over.
+    Resuming `run_dir` with settings other than the recorded ones raises ValueError listing them, unless
+    `override` is True (the change is then logged in the history and the new settings apply).
+    `config.precision` 'auto' resolves for `device` (training/precision.py), or on a resume to the precision
+    the run recorded, so that moving a run to other hardware does not switch it.
     """
     where = resolve_device(device)
     rank, world = _init_distributed(where)
+    history = run_dir / "history.jsonl"
+    if config.precision == "auto":
+        recorded = recorded_settings(history) if (run_dir / "state").exists() else None
+        config = replace(config, precision=(recorded or {}).get("precision") or resolve_precision("auto", where))
+    features = "online: " + ",".join(map(str, corpora)) if corpora else ",".join(map(str, features_dirs))
+    settings = run_settings(kind, target_name, features, config, draft_vocab_size, init_from, val_every,
+                            val_sequences, world)
+    if rank == 0:
+        for line in remove_stale_temporaries(run_dir) + remove_stale_temporaries(run_dir / "state"):
+            print(f"[train] {line}", flush=True)
+    if world > 1:
+        dist.barrier()  # no rank reads the state while rank 0 tidies it
+    changes = resume_changes(history, settings) if (run_dir / "state").exists() else {}
+    if changes and not override:
+        raise ValueError(f"{run_dir} holds a run made with other settings; changed: {_describe(changes)}. Rerun "
+                         f"with the recorded settings to resume, pass --override to continue with the new ones "
+                         f"(recorded in {history}), or train into another --out")
     torch.manual_seed(config.seed)
     target = load_target(target_name, device=where)
     store = _feature_source(target, features_dirs, corpora)
@@ -90,15 +112,21 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         drafter.head.set_vocab(_draft_vocabulary(store, train_ids, target.config.vocab_size,
                                                  drafter.config.draft_vocab_size))
         drafter.to(where)
+    if hasattr(drafter, "set_log_prior"):  # DeLS-Spec's l_prior: unigram frequencies of the training tokens
+        drafter.set_log_prior(_token_counts(store, train_ids, target.config.vocab_size))
     trainer = Trainer(drafter, target.model, store.load, train_ids, config, rank, world)
     run_dir.mkdir(parents=True, exist_ok=True)
     start = 0
     if (run_dir / "state").exists():
         start, _ = load_training_state(run_dir / "state", drafter, trainer.optimizer)
         print(f"[train] resuming {kind} at step {start}/{config.steps}", flush=True)
-    history = run_dir / "history.jsonl"
     if rank == 0 and start > 0 and history.exists():
         _trim_history(history, start)
+    if rank == 0 and start > 0 and changes:
+        _append(history, {"event": "override", "step": start, "changed": changes})
+        print(f"[train] --override: continuing with {_describe(changes)} (recorded in {history})", flush=True)
+    if rank == 0:
+        print(f"[train] precision {config.precision} on {where}", flush=True)
     if rank == 0 and start == 0:
         coverage = {"train": _vocab_coverage(store, train_ids, drafter.head.draft_vocab_ids),
                     "val": _vocab_coverage(store, val_ids, drafter.head.draft_vocab_ids)}
@@ -109,10 +137,9 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                                        "draft_vocab_size": drafter.config.draft_vocab_size,
                                        "draft_vocab_coverage": coverage,
                                        "init_from": None if init_from is None else str(init_from),
-                                       "features": ("online: " + ",".join(map(str, corpora)) if corpora
-                                                    else ",".join(map(str, features_dirs))),
-                                       "device": str(where),
-                                       "world_size": world, **asdict(config)}, default=str) + "\n")
+                                       "features": features, "device": str(where),
+                                       "world_size": world, **asdict(config), "settings": settings},
+                                      default=str) + "\n")
     bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
     for step in range(start, config.steps):
         log = trainer.train_step(step)
@@ -140,6 +167,60 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         dist.barrier()
         dist.destroy_process_group()
     return out
+
+
+# What a resumed run must share with the run that wrote its state, and the flag that sets each (the
+# recipe's other fields have no flag). The device is not among them: a run may move to another one.
+_SETTING_FLAGS = {"kind": "--drafter", "target": "--target", "features": "--features/--corpus",
+                  "draft_vocab_size": "--draft-vocab", "init_from": "--init-from", "val_every": "--val-every",
+                  "world_size": "torchrun --nproc-per-node", "steps": "--steps", "lr": "--lr",
+                  "seqs_per_step": "--seqs-per-step", "anchors_per_seq": "--anchors-per-seq", "seed": "--seed",
+                  "precision": "--precision"}
+
+
+def run_settings(kind: str, target_name: str, features: str, config: TrainConfig, draft_vocab_size: int | None,
+                 init_from: Path | None, val_every: int, val_sequences: int, world_size: int) -> dict[str, Any]:
+    """The settings of a run that a resume must keep, JSON-ready (as recorded in history.jsonl)."""
+    settings = {"kind": kind, "target": target_name, "features": features, "draft_vocab_size": draft_vocab_size,
+                "init_from": None if init_from is None else str(init_from), "val_every": val_every,
+                "val_sequences": val_sequences, "world_size": world_size, **asdict(config)}
+    return json.loads(json.dumps(settings, default=str))
+
+
+def resume_changes(history: Path, settings: dict[str, Any]) -> dict[str, list[Any]]:
+    """{setting: [recorded, now]} for every recorded setting that `settings` changes (empty: none)."""
+    recorded = recorded_settings(history) or {}
+    return {k: [v, settings[k]] for k, v in recorded.items() if k in settings and settings[k] != v}
+
+
+def recorded_settings(history: Path) -> dict[str, Any] | None:
+    """The settings a run's history records (None: no history, or no config record in it).
+
+    They are the config record's, updated by each `--override` record after it. A history from before
+    settings were recorded gives what its config record holds as given (the recipe, kind, features,
+    init_from, world size; not its measured val_sequences or draft vocabulary). A history that records no
+    precision comes from before `--precision` existed, when every run trained in fp32: it gets fp32.
+    """
+    if not history.exists():
+        return None
+    as_given = {*asdict(TrainConfig()), "kind", "features", "init_from", "world_size"}
+    recorded: dict[str, Any] | None = None
+    for line in history.read_text().split("\n"):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record.get("event") == "config":
+            recorded = record.get("settings") or {k: record[k] for k in as_given if k in record}
+        elif record.get("event") == "override" and recorded is not None:
+            recorded.update({k: new for k, (_, new) in record["changed"].items()})
+    if recorded is not None:
+        recorded.setdefault("precision", "fp32")
+    return recorded
+
+
+def _describe(changes: dict[str, list[Any]]) -> str:
+    """'--steps 100 -> 200, --lr 0.0006 -> 0.001'."""
+    return ", ".join(f"{_SETTING_FLAGS.get(k, k)} {old} -> {new}" for k, (old, new) in changes.items())
 
 
 def validate_drafters(target_name: str, features_dirs: list[Path], drafter_dirs: list[Path], out_dir: Path,
@@ -184,12 +265,22 @@ def _initial_drafter(path: Path, kind: str, target_model: torch.nn.Module,
     """The saved drafter at `path`, checked to be a `kind` with the requested draft vocabulary size."""
     info = read_checkpoint(path)
     if info.kind != kind:
+        if (kind, info.kind) == ("dels", "dflash"):  # DeLS-Spec: a local head trained over a frozen, trained DFlash
+            return DeLSDrafter.from_dflash(load_drafter(path, target_model, dtype=torch.float32), target_model)
         raise ValueError(f"--init-from {path} holds a {info.kind!r} drafter, not the {kind!r} being trained")
     saved_vocab = info.drafter_config.draft_vocab_size
     if draft_vocab_size is not None and draft_vocab_size != saved_vocab:
         raise ValueError(f"--draft-vocab {draft_vocab_size} differs from the draft vocabulary of --init-from "
                          f"{path} ({saved_vocab}); omit it to keep the saved one")
     return load_drafter(path, target_model, dtype=torch.float32)
+
+
+def _token_counts(store: FeatureStores, train_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """(V,) how often each target id occurs in the training sequences."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in train_ids:
+        counts += torch.bincount(store.tokens(i).long().cpu(), minlength=vocab_size)
+    return counts
 
 
 def _draft_vocabulary(store: FeatureStores, train_ids: list[int], vocab_size: int, keep: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """An on-disk cache of target features: one safetensors file per training sequence.
 
 `hspec data features` fills it once; every drafter of a comparison then trains from the same files
-(DESIGN.md §6). Hidden states are stored in bf16 (their range can be large), the normed final hidden
+(docs/design.md#training). Hidden states are stored in bf16 (their range can be large), the normed final hidden
 and K/V in fp16; loading returns fp32. Files are written atomically, so an interrupted run resumes by
 skipping files that exist.
 """

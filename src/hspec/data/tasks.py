@@ -1,8 +1,10 @@
-"""Evaluation task suites: fixed, deterministic prompt sets read from the shared data folder.
+"""Evaluation task suites: fixed, deterministic prompt sets read from a data folder.
 
-The data are the normalised JSONL files of `shared/data/normalized/` (see shared/data/MANIFEST.md):
-one JSON object per line with `id`, `category` and `turns` (the user turns). A task is a list of
-`EvalItem`s; multi-turn items keep every turn, and the caller generates the answers turn by turn.
+The data folder is the one shipped in this package (`hspec/data/`, sources and licences in its
+README.md) unless a caller passes `data_dir` (the CLI's `--data-dir`) or sets $HSPEC_DATA_DIR. It holds
+normalised JSONL files: one JSON object per line with `id`, `category` and `turns` (the user turns);
+a file may also be gzip-compressed (`<name>.gz`). A task is a list of `EvalItem`s; multi-turn items
+keep every turn, and the caller generates the answers turn by turn.
 
 Tasks (`TASK_NAMES`):
 
@@ -24,6 +26,7 @@ choice depends only on (N, size), so a subset never changes between runs.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterable
@@ -33,6 +36,8 @@ from typing import Any
 
 # Environment variable naming the folder of normalised JSONL files (read at call time).
 DATA_DIR_ENV = "HSPEC_DATA_DIR"
+# The command-line flag that overrides the data folder, named in the errors.
+DATA_DIR_FLAG = "--data-dir"
 
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 MT_BENCH_CATEGORIES = (
@@ -117,28 +122,41 @@ class Task:
 
 
 def default_data_dir() -> Path:
-    """`<repo>/../shared/data/normalized`, found from this file's place in the src layout."""
-    repo = Path(__file__).resolve().parents[3]  # .../<repo>/src/hspec/eval/tasks.py
-    return repo.parent / "shared" / "data" / "normalized"
+    """The data shipped with hspec: this package's folder (installed with it as package data)."""
+    return Path(__file__).resolve().parent
 
 
 def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path:
     """The data folder: `data_dir` if given, else $HSPEC_DATA_DIR if set, else `default_data_dir()`.
 
-    Raises FileNotFoundError naming the folder (and where its path came from) if it does not exist.
+    Raises FileNotFoundError naming the folder, where its path came from, and how to choose another.
     """
     if data_dir is not None:
-        path, origin = Path(data_dir), "the data_dir argument"
+        path, origin = Path(data_dir), f"{DATA_DIR_FLAG} / the data_dir argument"
     elif os.environ.get(DATA_DIR_ENV):
         path, origin = Path(os.environ[DATA_DIR_ENV]), f"${DATA_DIR_ENV}"
     else:
-        path, origin = default_data_dir(), "the default next to the repository"
+        path, origin = default_data_dir(), "the data shipped with hspec; reinstall it"
     if not path.is_dir():
         raise FileNotFoundError(
-            f"evaluation data folder {path} (from {origin}) does not exist; pass data_dir or set "
-            f"${DATA_DIR_ENV} to the folder holding spec_bench.jsonl, mt_bench.jsonl, ..."
+            f"data folder {path} (from {origin}) does not exist; pass {DATA_DIR_FLAG} DIR (or set "
+            f"${DATA_DIR_ENV}) naming a folder that holds spec_bench.jsonl, mt_bench.jsonl, ..., or leave both "
+            f"unset to use the data shipped with hspec ({default_data_dir()})"
         )
     return path
+
+
+def data_file(name: str, data_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The file `name` (e.g. "spec_bench.jsonl") in the data folder, or its gzip-compressed `name.gz`.
+
+    Raises FileNotFoundError naming the folder and the flag that chooses another one.
+    """
+    folder = resolve_data_dir(data_dir)
+    for candidate in (folder / name, folder / f"{name}.gz"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"data file {folder / name} (or {name}.gz) does not exist; pass {DATA_DIR_FLAG} DIR "
+                            f"naming a folder that holds it")
 
 
 def load_task(name: str, size: int | None = None, data_dir: str | os.PathLike[str] | None = None) -> Task:
@@ -151,8 +169,8 @@ def load_task(name: str, size: int | None = None, data_dir: str | os.PathLike[st
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ValueError(f"size must be None (all items) or an integer >= 1, got {size!r}")
     file_name, keep_category = _TASK_SOURCES[name]
-    path = resolve_data_dir(data_dir) / file_name
-    rows = _read_jsonl(path)
+    path = data_file(file_name, data_dir)
+    rows = read_jsonl(path)
 
     items = [_to_item(name, row, path) for row in rows]
     if keep_category is not None:
@@ -199,13 +217,20 @@ def _evenly_spaced(n: int, size: int | None) -> range | list[int]:
     return [i * n // size for i in range(size)]
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """One JSON object per line. Lines are split on '\\n' only: some strings in the shared data hold
-    U+2028, which str.splitlines() would treat as a line break and cut a record in two."""
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, one per line; a `.gz` file is decompressed first.
+
+    Lines are split on '\\n' only: some strings in the data hold U+2028, which str.splitlines() would
+    treat as a line break and cut a record in two. Raises FileNotFoundError or ValueError naming the file
+    (and the line).
+    """
+    path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"evaluation data file {path} does not exist")
+        raise FileNotFoundError(f"data file {path} does not exist")
+    raw = path.read_bytes()
+    text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
     rows = []
-    for line_number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+    for line_number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -226,7 +251,7 @@ def _to_item(task: str, row: dict[str, Any], path: Path) -> EvalItem:
     if not isinstance(row["turns"], list) or not row["turns"]:
         raise ValueError(f"row {row['id']} of {path} needs a non-empty 'turns' list, got {row['turns']!r}")
     category, turns = row["category"], list(row["turns"])
-    if path.name == "spec_bench.jsonl":
+    if path.name.startswith("spec_bench.jsonl"):
         # Spec-Bench reports the eight MT-bench categories together as one "mt_bench" category.
         if category in MT_BENCH_CATEGORIES:
             category = "mt_bench"

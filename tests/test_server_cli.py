@@ -1,0 +1,157 @@
+"""`hspec serve`'s start-up: bad settings give one-line errors before anything loads, the port it
+announces is the one bound, a KV pool too small to serve is refused or warned of, a missing `[serve]`
+extra says what to install.
+
+Fast tests swap the real target for the tiny one (`load_target` patched); one slow test starts the
+real command on the embedded target.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import load_tiny
+from hspec.cli import main
+from hspec.drafters import create_drafter
+from hspec.serving.app import build_engine
+from hspec.serving.server import ServerThread, ServeSettings, bind_socket, check_pool, open_server
+from serving_helpers import ChatByteTokenizer
+
+
+def _cli_error(capsys, *args: str) -> str:
+    """Run `hspec serve ARGS`, expect exit status 2; return stderr, which must be one line, no traceback."""
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--kv-budget-mib", "0"), "--kv-budget-mib must be > 0"),
+    (("--kv-budget-mib", "-3"), "--kv-budget-mib must be > 0"),
+    (("--kv-blocks", "0"), "--kv-blocks must be >= 1"),
+    (("--port", "99999"), "--port must be in 0..65535"),
+    (("--port", "-1"), "--port must be in 0..65535"),
+    (("--max-request-bytes", "0"), "--max-request-bytes must be >= 1"),
+    (("--threads", "-2"), "--threads must be >= 0"),
+])
+def test_bad_settings_get_one_line_errors_before_loading(capsys, args, expected):
+    assert expected in _cli_error(capsys, *args)
+
+
+def test_a_port_in_use_is_a_one_line_error(capsys):
+    with bind_socket("127.0.0.1", 0) as taken:
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _cli_error(capsys, "--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_without_the_serve_extra_it_says_what_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # find_spec -> None: as if not installed
+    err = _cli_error(capsys)
+    assert "uvicorn" in err and "pip install 'hspec[serve]'" in err
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs):
+    target = load_tiny(tiny_dirs["llama"])
+    target.tokenizer = ChatByteTokenizer(target.config.vocab_size)
+    return target
+
+
+def _engine(target, num_blocks: int, block_size: int, K: int = 4):
+    drafter = create_drafter("ngram", target.config, target_model=target.model)
+    return build_engine(target.model, drafter, target.tokenizer, K, num_blocks=num_blocks, block_size=block_size)
+
+
+def test_a_pool_that_cannot_hold_one_request_is_refused_naming_the_minimum(tiny):
+    # a 1-token prompt with max_tokens=1 at K=4 holds 1 + 1 + 4 + 1 = 7 positions: 2 blocks of 4
+    with pytest.raises(ValueError, match=r"too few for any request.*--kv-blocks >= 2"):
+        check_pool(_engine(tiny, num_blocks=1, block_size=4), default_max_tokens=256)
+
+
+def test_a_pool_too_small_for_the_default_output_is_warned_of(tiny):
+    warning = check_pool(_engine(tiny, num_blocks=1, block_size=16), default_max_tokens=256)
+    # 1 + 256 + 4 + 1 = 262 positions: 17 blocks of 16
+    assert warning is not None and "16 tokens" in warning and "--kv-blocks >= 17" in warning
+    assert check_pool(_engine(tiny, num_blocks=17, block_size=16), default_max_tokens=256) is None
+
+
+@pytest.fixture
+def tiny_loader(monkeypatch, tiny):
+    """`load_target` gives the tiny target, whatever the name."""
+    from hspec.models import loading
+
+    monkeypatch.setattr(loading, "load_target", lambda *args, **kwargs: tiny)
+
+
+def test_port_0_announces_the_port_bound_and_the_settings_reach_the_app(tiny_loader):
+    app, sock, announcement = open_server(ServeSettings(target="tiny", drafter="none", kv_blocks=64, port=0,
+                                                        max_request_bytes=200))
+    with ServerThread(app, sock=sock) as srv:
+        assert srv.port != 0 and announcement.endswith(f"on http://127.0.0.1:{srv.port}")
+        assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
+        big = httpx.post(f"{srv.url}/v1/completions", json={"model": "llama", "prompt": "x" * 300})
+        assert big.status_code == 413
+
+
+def test_a_pool_too_small_is_refused_at_start_and_the_port_freed(tiny_loader):
+    with bind_socket("127.0.0.1", 0) as probe:
+        port = probe.getsockname()[1]
+    # a 1-token prompt with max_tokens=1 at K=7 holds 10 positions: 3 blocks of 4
+    settings = ServeSettings(target="tiny", drafter="ngram", K=7, kv_blocks=1, block_size=4, port=port)
+    with pytest.raises(ValueError, match="--kv-blocks >= 3"):
+        open_server(settings)
+    with bind_socket("127.0.0.1", port) as again:
+        again.listen()  # nothing holds the port any more
+
+
+def test_a_small_pool_starts_with_a_warning_naming_the_blocks_needed(tiny_loader, capsys):
+    # plain decoding (K=0): the default 256 tokens after a 1-token prompt hold 258 positions, 17 blocks of 16
+    _, sock, _ = open_server(ServeSettings(target="tiny", drafter="none", kv_blocks=2, port=0))
+    sock.close()
+    err = capsys.readouterr().err
+    assert "warning" in err and "32 tokens (2 blocks of 16)" in err and "--kv-blocks >= 17" in err
+
+
+@pytest.mark.slow
+def test_hspec_serve_port_0_on_the_real_target(tmp_path):
+    """The real command: it announces the port it bound, and answers there."""
+    process = subprocess.Popen([sys.executable, "-m", "hspec.cli", "serve", "--port", "0", "--drafter", "none",
+                                "--kv-blocks", "64", "--threads", "1", "--log-level", "warning"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        line = ""
+        while "on http://" not in line:
+            assert time.monotonic() < deadline and process.poll() is None, f"no announcement; last line {line!r}"
+            line = process.stdout.readline()
+        port = int(re.search(r"on http://127\.0\.0\.1:(\d+)", line).group(1))
+        assert port != 0
+        for _ in range(100):  # the announcement comes just before uvicorn starts listening
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"
+                break
+            except httpx.ConnectError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError(f"nothing answers on the announced port {port}")
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_bind_socket_names_the_address_it_could_not_bind():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):
+            bind_socket("127.0.0.1", taken.getsockname()[1])
