@@ -68,8 +68,8 @@ class _ByteTokenizer:
 def pool_free_draft_batch(histories: list[list[int]]):
     """A greedy DraftBatch over `histories` with seq ids 10, 11, ... and no KV pool, for drafters that
     read only token histories (test stand-ins and the routing around them)."""
-    from hspec.decoding.sampling import SamplingBatch, SamplingParams
     from hspec.drafters.base import DraftBatch
+    from hspec.sampling import SamplingBatch, SamplingParams
 
     b = len(histories)
     return DraftBatch(seq_ids=list(range(10, 10 + b)), anchor_tokens=torch.tensor([h[-1] for h in histories]),
@@ -78,12 +78,12 @@ def pool_free_draft_batch(histories: list[list[int]]):
                       generators=[torch.Generator() for _ in range(b)])
 
 
-def load_tiny(directory: Path, device: str = "cpu") -> Target:
+def load_tiny(directory: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Target:
     """Load a tiny checkpoint through the real loader, without a HF tokenizer."""
     from hspec.models import loading
 
     config = loading.read_config(directory)
-    model = loading.build_model(config, loading.read_state_dict(directory), torch.float32, device)
+    model = loading.build_model(config, loading.read_state_dict(directory), dtype, device)
     return Target(directory.name, directory, config, model, _ByteTokenizer(config.vocab_size))  # type: ignore[arg-type]
 
 

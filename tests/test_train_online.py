@@ -138,7 +138,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 def test_training_on_the_gpu_follows_the_cpu(tmp_path, tiny_dirs, corpora, monkeypatch):
     from hspec.drafters import create_drafter
-    from hspec.training.checkpoint import save_drafter
+    from hspec.drafters.checkpoint import save_drafter
 
     cpu_target = load_tiny(tiny_dirs["llama"])
     torch.manual_seed(0)
@@ -162,8 +162,8 @@ def test_training_on_the_gpu_follows_the_cpu(tmp_path, tiny_dirs, corpora, monke
 @needs_cuda
 def test_greedy_generation_on_the_gpu_equals_the_cpu(tiny_dirs):
     from hspec.decoding.generate import SpeculativeDecoder
-    from hspec.decoding.sampling import SamplingParams
     from hspec.drafters import create_drafter
+    from hspec.sampling import SamplingParams
 
     prompts = [[5, 9, 14, 3], [7, 7, 21], [30, 2, 11, 19, 4]]
     outputs = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -9,7 +10,9 @@ from hspec.models.weight_layout import store_linear_weights_column_major
 
 
 def _is_column_major(weight: torch.Tensor) -> bool:
-    return weight.t().is_contiguous() and not weight.is_contiguous()
+    """Consecutive output rows are adjacent in memory: the transpose of a contiguous (in, out) matrix, or
+    a block of rows of one (a projection stacked by `fuse_projections`)."""
+    return weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0] > 1
 
 
 def test_values_kept_ties_kept_outputs_equal():
@@ -55,8 +58,8 @@ def test_tied_tiny_target_keeps_its_tie(tiny_dirs):
 
 def test_loaded_target_and_drafter_use_it(tiny_dirs, tmp_path):
     from conftest import load_tiny
+    from hspec.drafters.checkpoint import save_drafter
     from hspec.runtime import build_drafter
-    from hspec.training.checkpoint import save_drafter
 
     target = load_tiny(tiny_dirs["llama"])
     linears = [m for m in target.model.modules() if isinstance(m, nn.Linear)]
@@ -70,13 +73,63 @@ def test_loaded_target_and_drafter_use_it(tiny_dirs, tmp_path):
     assert build_drafter("hspec", target, tmp_path / "d").kind == "hspec"
 
 
-def test_decode_bench_times_both_layouts(tiny_target):
-    from hspec.bench.decode import VERIFY_KS, _layout_costs
+def test_decode_bench_verify_costs_keep_the_model(tiny_target):
+    from hspec.bench.decode import VERIFY_KS, unfused_copy, verify_costs
 
-    times = _layout_costs(tiny_target.model, list(range(3, 20)), rounds=2)
-    sizes = [1, *(k + 1 for k in VERIFY_KS)]
-    assert set(times) == {"row", "column"}
-    assert all(list(per_n) == sizes and all(len(v) == 2 and min(v) > 0 for v in per_n.values())
-               for per_n in times.values())
+    ratios = verify_costs(tiny_target.model, list(range(3, 20)), rounds=2)
+    assert list(ratios) == list(VERIFY_KS) and all(len(v) == 2 and min(v) > 0 for v in ratios.values())
+    assert tiny_target.model.layers[0].mlp.gate_up_weight is not None  # the runtime's model stays fused
+    assert unfused_copy(tiny_target.model).layers[0].mlp.gate_up_weight is None
     linears = [m for m in tiny_target.model.modules() if isinstance(m, nn.Linear)]
-    assert all(_is_column_major(m.weight) for m in linears)  # the runtime's model keeps its layout
+    assert all(_is_column_major(m.weight) for m in linears)
+
+
+def test_fused_projections_keep_names_values_and_outputs(tiny_dirs):
+    """fuse_projections: one stacked q/k/v and gate/up matrix per layer, the named weights views into it,
+    state_dict unchanged, logits equal to the unfused model's (fp32 rounding of a different GEMM)."""
+    import copy
+
+    from conftest import load_tiny
+    from hspec.models.layers import QKVProjection, SwiGLU
+    from hspec.models.weight_layout import fuse_projections
+
+    for family in ("llama", "qwen2"):  # qwen2 has q/k/v biases
+        target = load_tiny(tiny_dirs[family])  # the loader fuses
+        plain = copy.deepcopy(target.model)
+        for m in plain.modules():
+            if isinstance(m, QKVProjection):
+                m.qkv_weight = m.qkv_bias = None
+            elif isinstance(m, SwiGLU):
+                m.gate_up_weight = None
+        attn = target.model.layers[0].self_attn.qkv
+        assert attn.qkv_weight is not None and target.model.layers[0].mlp.gate_up_weight is not None
+        assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()  # a view, not a copy
+        assert (attn.qkv_bias is not None) == (family == "qwen2")
+        assert all(_is_column_major(w) for w in (attn.qkv_weight, attn.k_proj.weight))
+        state, plain_state = target.model.state_dict(), plain.state_dict()
+        assert state.keys() == plain_state.keys() and all(torch.equal(state[k], plain_state[k]) for k in state)
+        ids = torch.randint(0, target.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+        logits = []
+        for model in (target.model, plain):
+            pool = model.new_pool(num_blocks=4, block_size=8)
+            pool.add_sequence(0), pool.add_sequence(1)
+            with torch.no_grad():
+                logits.append(model(ids, pool, [0, 1]).logits)
+        assert torch.allclose(logits[0], logits[1], atol=1e-5)
+        fuse_projections(plain)  # the unfused copy fuses too, and matches the loaded model again
+        assert torch.equal(plain.layers[0].self_attn.qkv.qkv_weight, attn.qkv_weight)
+
+
+def test_fusing_trainable_weights_is_refused():
+    from hspec.models.layers import SwiGLU
+    from hspec.models.weight_layout import fuse_projections
+
+    with pytest.raises(ValueError, match="frozen"):
+        fuse_projections(SwiGLU(8, 16))
+
+
+def test_decode_bench_counts_argmax_flips(tiny_target):
+    from hspec.bench.decode import argmax_flips
+
+    flips = argmax_flips(tiny_target.model, [list(range(3, 20)), list(range(5, 9))], num_tokens=20)
+    assert flips["positions"] == 2 * 19 and 0 <= flips["differ"] <= 3  # fp32: near-ties only, if any

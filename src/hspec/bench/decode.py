@@ -1,12 +1,21 @@
-"""`hspec bench decode`: this runtime's plain decoding against transformers, and verify cost vs K.
+"""`hspec bench decode`: plain decoding side by side, and what a verify costs, per dtype.
 
-1. Plain-decode time per token of our runtime (`--drafter none` path) and of transformers' eager
-   `generate` on the same weights, prompts and token counts (EOS ignored so both emit exactly N),
-   interleaved prompt by prompt so machine noise hits both alike. Reported as ratios ours / HF.
-2. The cost of a (K+1)-token target forward (a verify) relative to a 1-token decode at the same
-   context, for K = 3, 7, 15, interleaved.
-3. The weight layout: the same forwards (1 token and K+1 tokens) with the runtime's column-major
-   linear weights (models/weight_layout.py) and with a row-major copy of the target, interleaved.
+1. Plain-decode time per token after the prefill (EOS ignored so every runtime emits exactly N) on the
+   same prompts (their first `max_prompt_tokens` tokens), interleaved prompt by prompt so machine noise
+   hits every column alike:
+   - hspec in each dtype of `--dtypes` (the `--drafter none` path of `hspec generate`);
+   - hspec float32 with q/k/v and gate/up as separate matmuls (the runtime before
+     `models.weight_layout.fuse_projections`), so the gain of stacking is measured in the same run;
+   - transformers on the same weights (float32): its model called token by token with its own KV
+     cache (`DynamicCache`), the loop `generate` runs without the logits processors.
+   Reported in ms/token and as ratios to hspec float32 within each prompt.
+2. Per dtype: the time of a (K+1)-token target forward (a verify) over a 1-token decode at the same
+   context, K = 3, 7, 15, interleaved. Speculation pays only when this ratio stays small.
+3. Per dtype: how often an 8-token forward picks a different argmax than 1-token decoding at the same
+   position (teacher-forced on the plain greedy output): where that happens, greedy speculative output
+   can part from plain output of the same dtype at a near-tie (docs/fast-path.md).
+
+Optional columns for other engines (vLLM, llama.cpp) live in their own commands (`hspec bench vllm`).
 """
 
 from __future__ import annotations
@@ -14,135 +23,206 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from hspec.bench.report import provenance, provenance_markdown, write_results
+from hspec.cache.paged_pool import blocks_for
+from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
-from hspec.decoding.sampling import SamplingParams
 from hspec.drafters import create_drafter
-from hspec.eval.tasks import load_task
-from hspec.models.loading import load_target
+from hspec.models.dtype import dtype_name, resolve_dtype
+from hspec.models.layers import QKVProjection, SwiGLU
+from hspec.models.llama import TargetModel
+from hspec.models.loading import Target, build_model, load_target, read_state_dict
+from hspec.provenance import provenance, provenance_markdown, write_results
+from hspec.sampling import SamplingParams
 
 VERIFY_KS = (3, 7, 15)
+UNFUSED = "float32-unfused"
+TRANSFORMERS = "transformers-float32"
 
 
-def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, repeats: int, out_dir: str) -> int:
-    from transformers import AutoModelForCausalLM
+def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, repeats: int, out_dir: str,
+                     data_dir: str | None = None, dtypes: Sequence[str] = ("float32", "bfloat16"),
+                     transformers: bool = True, max_prompt_tokens: int = 128, threads: int = 1) -> int:
+    """Write <out_dir>/decode_cpu.{json,md} (decode_gpu on a CUDA target). `dtypes` are `--dtype` names
+    (auto resolves to this machine's choice); float32 always runs, as the reference column. `threads`
+    sets torch's CPU threads for the run (0 keeps torch's default)."""
+    if max_new_tokens < 2:
+        raise ValueError(f"--max-new-tokens must be >= 2 (the first token comes from the prefill), "
+                         f"got {max_new_tokens}")
+    if threads:
+        torch.set_num_threads(threads)
+    resolved = [dtype_name(resolve_dtype(d)) for d in dtypes]
+    names = list(dict.fromkeys(["float32", *resolved]))
+    base = load_target(target_name, dtype=torch.float32)
+    targets = {"float32": base}
+    state = read_state_dict(base.path)
+    for name in names[1:]:
+        targets[name] = Target(base.name, base.path, base.config,
+                               build_model(base.config, state, getattr(torch, name), "cpu"), base.tokenizer)
+    items = load_task("spec_bench", size=num_prompts, data_dir=data_dir).items  # data_dir: --data-dir
+    prompts = [base.tokenizer.encode_prompt(item.turns[0])[:max_prompt_tokens] for item in items]
+    runners: dict[str, Callable[[list[int]], float]] = {
+        name: _hspec_runner(t.model, max_new_tokens) for name, t in targets.items()}
+    runners[UNFUSED] = _hspec_runner(unfused_copy(base.model), max_new_tokens)
+    if transformers:
+        runners[TRANSFORMERS] = _transformers_runner(base, max_new_tokens)
 
-    target = load_target(target_name)
-    hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
-    items = load_task("spec_bench", size=num_prompts).items
-    prompts = [target.tokenizer.encode_prompt(item.turns[0]) for item in items]
-    plain = SpeculativeDecoder(target.model, create_drafter("none", target.config), 1, eos_token_ids=())
-
-    ours_s, hf_s = [], []
+    ms: dict[str, list[float]] = {name: [] for name in runners}
     with torch.inference_mode():
-        plain.generate([prompts[0]], SamplingParams(), 4)  # warm-up both
-        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
+        for run in runners.values():  # warm-up
+            run(prompts[0][:16])
         for r in range(repeats):
             for i, ids in enumerate(prompts):
-                t0 = time.perf_counter()
-                plain.generate([ids], SamplingParams(), max_new_tokens)
-                t1 = time.perf_counter()
-                hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                            do_sample=False, pad_token_id=0)
-                t2 = time.perf_counter()
-                ours_s.append((t1 - t0) / max_new_tokens)
-                hf_s.append((t2 - t1) / max_new_tokens)
+                for name, run in runners.items():
+                    ms[name].append(1000 * run(ids) / (max_new_tokens - 1))
                 print(f"[decode] round {r + 1}/{repeats} prompt {i + 1}/{len(prompts)}: "
-                      f"ours {1000 * ours_s[-1]:.1f} ms/tok, transformers {1000 * hf_s[-1]:.1f} ms/tok", flush=True)
-        verify_ratios = _verify_costs(target.model, prompts[0], repeats * 5)
-        layout_ms = _layout_costs(target.model, prompts[0], repeats * 5)
+                      + ", ".join(f"{name} {v[-1]:.1f}" for name, v in ms.items()) + " ms/token", flush=True)
+        verify = {name: verify_costs(t.model, prompts[0], repeats * 5) for name, t in targets.items()}
+        flips = {name: argmax_flips(t.model, prompts, max_new_tokens) for name, t in targets.items()}
 
-    ratios = [o / h for o, h in zip(ours_s, hf_s)]
+    device = "gpu" if base.model.embed_tokens.weight.is_cuda else "cpu"
+    command = (f"hspec bench decode --num-prompts {num_prompts} --max-new-tokens {max_new_tokens} "
+               f"--repeats {repeats} --max-prompt-tokens {max_prompt_tokens} --threads {threads} "
+               f"--dtypes {','.join(dtypes)}" + ("" if transformers else " --no-transformers")
+               + ("" if data_dir is None else f" --data-dir {data_dir}"))
     payload = {
-        "provenance": provenance(
-            f"hspec bench decode --num-prompts {num_prompts} --max-new-tokens {max_new_tokens} --repeats {repeats}",
-            {"target": target.name, "dtype": "float32", "prompts": "spec_bench subset", "num_prompts": num_prompts,
-             "max_new_tokens": max_new_tokens, "repeats": repeats}),
-        "plain_decode": {
-            "ours_ms_per_token": _summary([1000 * x for x in ours_s]),
-            "transformers_ms_per_token": _summary([1000 * x for x in hf_s]),
-            "ratio_ours_over_transformers": _summary(ratios),
-            "goal": "ratio <= 1.0",
-        },
-        "verify_cost": {str(k): _summary(v) for k, v in verify_ratios.items()},
-        "verify_goal": "K=7 (8 tokens) <= 1.8x a 1-token decode",
-        "weight_layout_ms": {layout: {str(n): _summary(v) for n, v in per_n.items()}
-                             for layout, per_n in layout_ms.items()},
+        "provenance": provenance(command, {
+            "target": base.name, "dtypes": names, "auto_dtype": dtype_name(resolve_dtype("auto")),
+            "prompts": "spec_bench subset", "num_prompts": num_prompts, "max_prompt_tokens": max_prompt_tokens,
+            "prompt_lengths": [len(p) for p in prompts], "max_new_tokens": max_new_tokens,
+            "repeats": repeats, "threads": torch.get_num_threads()}),
+        "plain_decode_ms_per_token": {name: summary(v) for name, v in ms.items()},
+        "plain_decode_ratio_to_float32": {name: summary([a / b for a, b in zip(v, ms["float32"])])
+                                          for name, v in ms.items() if name != "float32"},
+        "verify_over_decode": {name: {str(k): summary(v) for k, v in per_k.items()} for name, per_k in verify.items()},
+        "argmax_flips_8_token_vs_1_token": flips,
+        "goals": "plain decode >= 2x the tokens/s of the runtime before the fast path; an 8-token verify "
+                 "(K = 7) <= 1.3x a 1-token decode",
     }
-    md = ["# Plain decoding and verify cost on CPU\n", provenance_markdown(payload["provenance"]),
-          "\n## Plain decode: time per token (prefill included, N tokens each, interleaved)\n",
-          "| runtime | min | median | max |", "|---|---|---|---|"]
-    for name, key in (("hspec (ms/token)", "ours_ms_per_token"), ("transformers generate (ms/token)",
-                                                                  "transformers_ms_per_token"),
-                      ("ratio hspec / transformers", "ratio_ours_over_transformers")):
-        s = payload["plain_decode"][key]
-        md.append(f"| {name} | {s['min']:.3f} | {s['median']:.3f} | {s['max']:.3f} |")
-    md += ["\n## Verify of K+1 tokens relative to a 1-token decode (same context)\n",
-           "| K | tokens | min | median | max |", "|---|---|---|---|---|"]
-    for k, s in payload["verify_cost"].items():
-        md.append(f"| {k} | {int(k) + 1} | {s['min']:.2f} | {s['median']:.2f} | {s['max']:.2f} |")
-    md += ["\n## Weight layout: target forward time (ms, median) by new tokens, interleaved\n",
-           "| tokens | row-major (out, in) | column-major (runtime) | column / row | "
-           "row-major: ratio to 1 token | column-major: ratio to 1 token |", "|---|---|---|---|---|---|"]
-    medians = {layout: {n: s["median"] for n, s in per_n.items()}
-               for layout, per_n in payload["weight_layout_ms"].items()}
-    for n in medians["row"]:
-        row, col = medians["row"][n], medians["column"][n]
-        md.append(f"| {n} | {row:.1f} | {col:.1f} | {col / row:.2f} | {row / medians['row']['1']:.2f} | "
-                  f"{col / medians['column']['1']:.2f} |")
-    json_path, md_path = write_results(Path(out_dir), "decode_cpu", payload, "\n".join(md) + "\n")
-    print("\n".join(md))
+    markdown = render_markdown(payload)
+    json_path, md_path = write_results(Path(out_dir), f"decode_{device}", payload, markdown)
+    print(markdown)
     print(f"\nwrote {json_path} and {md_path}")
     return 0
 
 
-def _verify_costs(model, prompt: list[int], rounds: int) -> dict[int, list[float]]:
-    """Per K: ratios time(K+1-token forward) / time(1-token forward), both after the same prompt."""
-    pool = _prefilled_pool(model, prompt)
+def render_markdown(payload: dict) -> str:
+    md = ["# Plain decoding side by side, and verify cost, on one machine\n",
+          provenance_markdown(payload["provenance"]),
+          f"\n`--dtype auto` picks {payload['provenance']['settings']['auto_dtype']} on this machine.\n",
+          "\n## Plain decode: ms per token after the prefill (N tokens each, interleaved prompt by prompt)\n",
+          "| runtime | min | median | max | ratio to hspec float32 (median) | tokens/s (median) |",
+          "|---|---|---|---|---|---|"]
+    ratios = payload["plain_decode_ratio_to_float32"]
+    for name, s in payload["plain_decode_ms_per_token"].items():
+        ratio = f"{ratios[name]['median']:.2f}" if name in ratios else "1.00"
+        md.append(f"| {_label(name)} | {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} | {ratio} | "
+                  f"{1000 / s['median']:.1f} |")
+    md += ["\n## Verify of K+1 tokens over a 1-token decode (same context, interleaved)\n",
+           "| dtype | K | tokens | min | median | max |", "|---|---|---|---|---|---|"]
+    for name, per_k in payload["verify_over_decode"].items():
+        for k, s in per_k.items():
+            md.append(f"| {name} | {k} | {int(k) + 1} | {s['min']:.2f} | {s['median']:.2f} | {s['max']:.2f} |")
+    md += ["\n## Greedy choice of an 8-token forward vs 1-token decoding at the same positions\n",
+           "| dtype | positions | argmax differs | rate |", "|---|---|---|---|"]
+    for name, f in payload["argmax_flips_8_token_vs_1_token"].items():
+        md.append(f"| {name} | {f['positions']} | {f['differ']} | {f['differ'] / max(f['positions'], 1):.4f} |")
+    md.append(f"\nGoals: {payload['goals']}.")
+    return "\n".join(md) + "\n"
+
+
+def _label(name: str) -> str:
+    if name == UNFUSED:
+        return "hspec float32, q/k/v and gate/up as separate matmuls (before the fast path)"
+    if name == TRANSFORMERS:
+        return "transformers generate, float32"
+    return f"hspec {name}"
+
+
+def unfused_copy(model: TargetModel) -> TargetModel:
+    """A copy of `model` whose projections run as separate matmuls (the runtime before stacking)."""
+    copied = copy.deepcopy(model)
+    for module in copied.modules():
+        if isinstance(module, QKVProjection):
+            module.qkv_weight = module.qkv_bias = None
+        elif isinstance(module, SwiGLU):
+            module.gate_up_weight = None
+    return copied
+
+
+def _hspec_runner(model: TargetModel, max_new_tokens: int) -> Callable[[list[int]], float]:
+    """Greedy plain decoding of `max_new_tokens` after `ids`; returns the seconds after the prefill."""
+    plain = SpeculativeDecoder(model, create_drafter("none", model.config), 1, eos_token_ids=())
+
+    def run(ids: list[int]) -> float:
+        return plain.generate([ids], SamplingParams(), max_new_tokens).decode_s
+    return run
+
+
+def _transformers_runner(target: Target, max_new_tokens: int) -> Callable[[list[int]], float]:
+    """The same for transformers' model and KV cache; returns the seconds after the prefill."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> float:
+        out = hf(torch.tensor([ids]), use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)  # (1, 1)
+        start = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            out = hf(token, past_key_values=out.past_key_values, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        return time.perf_counter() - start
+    return run
+
+
+def verify_costs(model: TargetModel, prompt: list[int], rounds: int) -> dict[int, list[float]]:
+    """Per K: ratios time((K+1)-token forward) / time(1-token forward), both after the same prompt."""
+    pool = prefilled_pool(model, prompt)
     vocab = model.config.vocab_size
     ratios: dict[int, list[float]] = {k: [] for k in VERIFY_KS}
-    _timed_forward(model, pool, torch.randint(0, vocab, (1, 1)))
+    timed_forward(model, pool, torch.randint(0, vocab, (1, 1)))
     for _ in range(rounds):
         for k in VERIFY_KS:
-            one = _timed_forward(model, pool, torch.randint(0, vocab, (1, 1)))
-            ratios[k].append(_timed_forward(model, pool, torch.randint(0, vocab, (1, k + 1))) / one)
+            one = timed_forward(model, pool, torch.randint(0, vocab, (1, 1)))
+            ratios[k].append(timed_forward(model, pool, torch.randint(0, vocab, (1, k + 1))) / one)
     return ratios
 
 
-def _layout_costs(model, prompt: list[int], rounds: int) -> dict[str, dict[int, list[float]]]:
-    """Milliseconds of 1- and (K+1)-token forwards after `prompt`, for the runtime's column-major
-    weights and for a row-major copy of the same model, alternating between the two."""
-    row_major = copy.deepcopy(model)
-    for module in row_major.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.weight = torch.nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
-    if model.lm_head.weight is model.embed_tokens.weight:
-        row_major.embed_tokens.weight = row_major.lm_head.weight
-    sizes = (1, *(k + 1 for k in VERIFY_KS))
-    models = {"row": row_major, "column": model}
-    pools = {layout: _prefilled_pool(m, prompt) for layout, m in models.items()}
-    times: dict[str, dict[int, list[float]]] = {layout: {n: [] for n in sizes} for layout in models}
-    for _ in range(rounds):
-        for n in sizes:
-            ids = torch.randint(0, model.config.vocab_size, (1, n))
-            for layout, m in models.items():
-                times[layout][n].append(1000 * _timed_forward(m, pools[layout], ids))
-    return times
+def argmax_flips(model: TargetModel, prompts: list[list[int]], num_tokens: int, block: int = 8) -> dict[str, int]:
+    """Decode `num_tokens` greedily one token at a time after each prompt, then run the same tokens again
+    in `block`-token forwards (as a verify would) and count positions whose argmax differs."""
+    positions = differ = 0
+    for prompt in prompts:
+        pool = model.new_pool(num_blocks=blocks_for(len(prompt) + num_tokens + block, 16))
+        pool.add_sequence(0)
+        logits = model(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits  # (1, 1, V)
+        tokens = [int(logits[0, -1].argmax())]
+        for _ in range(num_tokens - 1):
+            tokens.append(int(model(torch.tensor([tokens[-1:]]), pool, [0]).logits[0, -1].argmax()))
+        pool.truncate(0, len(prompt))
+        for start in range(0, num_tokens - 1, block):
+            chunk = tokens[start : start + block]
+            chosen = model(torch.tensor([chunk]), pool, [0]).logits[0].argmax(-1).tolist()
+            expected = tokens[start + 1 : start + 1 + len(chunk)]
+            positions += len(expected)
+            differ += sum(a != b for a, b in zip(chosen, expected))
+    return {"positions": positions, "differ": differ}
 
 
-def _prefilled_pool(model, prompt: list[int]):
+def prefilled_pool(model: TargetModel, prompt: list[int]):
     """A pool holding sequence 0 with `prompt` cached and room for 32 more positions."""
-    pool = model.new_pool(num_blocks=-(-(len(prompt) + 32) // 16))
+    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 32, 16))
     pool.add_sequence(0)
     model(torch.tensor([prompt]), pool, [0])
     return pool
 
 
-def _timed_forward(model, pool, ids: torch.Tensor) -> float:
+def timed_forward(model: TargetModel, pool, ids: torch.Tensor) -> float:
     """Seconds of one forward of `ids` (1, n) after the cached prompt; the pool is cut back after it."""
     base = pool.length(0)
     t = time.perf_counter()
@@ -152,5 +232,5 @@ def _timed_forward(model, pool, ids: torch.Tensor) -> float:
     return elapsed
 
 
-def _summary(values: list[float]) -> dict[str, float]:
+def summary(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}

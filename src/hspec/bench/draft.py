@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
-from hspec.bench.report import provenance, provenance_markdown, write_results
-from hspec.decoding.sampling import SamplingBatch, SamplingParams
+from hspec.cache.paged_pool import blocks_for
 from hspec.drafters import DRAFTERS, create_drafter, drafter_config
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.drafters.common import select_target_layers
 from hspec.models.llama import TargetModel
 from hspec.models.loading import load_target
+from hspec.provenance import provenance, provenance_markdown, write_results
+from hspec.sampling import SamplingBatch, SamplingParams
 
 GOAL = "hspec T_D(7) / T_T <= 0.25 at B = 1"
 
@@ -56,7 +57,7 @@ class _Setting:
         block = 16
         drafter_layers = max((d.num_pool_layers for d in drafters.values()), default=0)
         per_seq = S + (repeats + 3) * (K + 1)  # context + commit rounds + one verify block
-        self.pool = model.new_pool(B * -(-per_seq // block), block, drafter_layers)
+        self.pool = model.new_pool(B * blocks_for(per_seq, block), block, drafter_layers)
         self.seq_ids = list(range(B))
         for s in self.seq_ids:
             self.pool.add_sequence(s)
@@ -112,13 +113,14 @@ class _Setting:
 
 def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str | Path, repeats: int = 5,
                     batch_sizes: Sequence[int] = (1, 16), contexts: Sequence[int] = (256, 2048), K: int = 7,
-                    seed: int = 0, draft_vocab_size: int | None = None) -> int:
+                    seed: int = 0, draft_vocab_size: int | None = None, dtype: str = "auto") -> int:
     """Time every kind's draft forward against the target's verify; write draft_cost_<device>.{json,md}.
 
     `draft_vocab_size` sets Vp of every trained kind (default: each kind's own, the paper's 32,000);
-    the files then end in `_vp<Vp>`.
+    the files then end in `_vp<Vp>`. `dtype` is the target's and drafters' (`--dtype`; the files of a
+    bfloat16 run end in `_bfloat16`).
     """
-    target = load_target(target_name)
+    target = load_target(target_name, dtype=dtype)
     model = target.model.eval()
     kinds = [k for k in (kinds or DRAFTERS.names()) if k != "none"]
     torch.manual_seed(seed)
@@ -141,10 +143,12 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
                f"--batch-sizes {','.join(map(str, batch_sizes))} --contexts {','.join(map(str, contexts))}")
     if draft_vocab_size is not None:
         command += f" --draft-vocab {draft_vocab_size}"
+    command += f" --dtype {dtype}"
     payload = {"provenance": provenance(command, settings), "goal": GOAL,
                "params": {k: _num_params(d) for k, d in drafters.items()}, "results": rows}
     markdown = _markdown(payload)
     name = f"draft_cost_{device}" + (f"_vp{draft_vocab_size}" if draft_vocab_size else "")
+    name += "" if settings["dtype"] == "float32" else f"_{settings['dtype']}"
     json_path, md_path = write_results(Path(out_dir), name, payload, markdown)
     print(markdown)
     print(f"wrote {json_path} and {md_path}")

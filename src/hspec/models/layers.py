@@ -41,24 +41,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)).
+
+    After `fuse_projections` (inference only) gate and up run as one (2I, H) matmul whose halves are
+    the two weights: one GEMM reads the input once and pays one dispatch instead of two.
+    """
+
+    gate_up_weight: torch.Tensor | None
 
     def __init__(self, hidden: int, inner: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # (2I, H) once fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # (..., I) each
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class QKVProjection(nn.Module):
     """q/k/v projections with optional bias (Qwen2) and per-head q/k RMSNorm (Qwen3), then RoPE.
 
+    After `fuse_projections` (inference only) q, k and v come out of one matmul with the three weights
+    stacked, which costs one GEMM dispatch instead of three and reads the input once.
+
     Shared by the target's attention and the drafters' attention modules, which use the target's
     (Hq, Hkv, D) so that their queries can read the target's own K/V.
     """
+
+    qkv_weight: torch.Tensor | None
+    qkv_bias: torch.Tensor | None
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool, qk_norm: bool, eps: float) -> None:
@@ -69,14 +85,22 @@ class QKVProjection(nn.Module):
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        # ((Hq + 2 Hkv) D, H) weight and bias once `fuse_projections` ran (inference only).
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, H) -> q (B, T, Hq, D), k and v (B, T, Hkv, D); q and k rotated."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is not None:
+            q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split((q_width, kv_width, kv_width), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

@@ -91,12 +91,18 @@ class TargetModel(nn.Module):
         return rope_cos_sin(self.inv_freq, positions, dtype)
 
     def forward(self, input_ids: torch.Tensor, pool: PagedKVPool, seq_ids: Sequence[int],
-                hidden_layers: Sequence[int] = (), last_logits_only: bool = False) -> TargetOutput:
+                hidden_layers: Sequence[int] = (), last_logits_only: bool = False,
+                tree_mask: torch.Tensor | None = None) -> TargetOutput:
         """Run `input_ids` (B, T) as the next T tokens of each sequence in `pool`.
 
         The new tokens' K/V are appended to the pool (the caller rolls back what it rejects with
         `pool.truncate`). Every sequence in the batch gets T new tokens; their context lengths may
         differ (ragged), which the attention mask handles.
+
+        tree_mask: (B, T, T) bool, or None for a chain. Given, the T new tokens form a drafted tree
+        rooted at token 0 (decoding/tree_verify.py): new token i sees the prefix and the new tokens j
+        with tree_mask[b, i, j] (itself and its ancestors), at position start + depth(i), depth(i) =
+        the ancestors it sees. Their K/V still fill the next T slots in order.
         """
         b, t = input_ids.shape
         if len(seq_ids) != b:
@@ -112,8 +118,14 @@ class TargetModel(nn.Module):
             )
         write_slots = pool.extend(seq_ids, t)  # (B, T)
         table = pool.slot_table(seq_ids)  # (B, S)
-        positions = starts[:, None] + torch.arange(t, device=input_ids.device)  # (B, T)
-        mask = _causal_mask(positions, table)
+        if tree_mask is None:
+            positions = starts[:, None] + torch.arange(t, device=input_ids.device)  # (B, T)
+            mask = _causal_mask(positions, table)
+        else:
+            if tree_mask.shape != (b, t, t):
+                raise ValueError(f"tree_mask must be {(b, t, t)}, got {tuple(tree_mask.shape)}")
+            positions = starts[:, None] + tree_mask.sum(-1) - 1  # (B, T) start + depth
+            mask = _tree_mask(starts, tree_mask, table)
         x = self.embed_tokens(input_ids)  # (B, T, H)
         cos, sin = self.rope(positions, x.dtype)
         wanted = set(hidden_layers)
@@ -127,6 +139,20 @@ class TargetModel(nn.Module):
         logits = self.lm_head(self.norm(x))
         hidden = torch.stack([collected[i] for i in hidden_layers], dim=2) if hidden_layers else None
         return TargetOutput(logits, hidden)
+
+
+def _tree_mask(starts: torch.Tensor, tree_mask: torch.Tensor, table: SlotTable) -> torch.Tensor:
+    """(B, 1, T, S): the prefix (s < start) is visible to every new token; new token j (s = start + j)
+    to new token i iff tree_mask[b, i, j]."""
+    b, t, _ = tree_mask.shape
+    s = table.slots.shape[1]
+    key_pos = torch.arange(s, device=starts.device)
+    relative = key_pos[None, :] - starts[:, None]  # (B, S) index among the new tokens
+    inside = (relative >= 0) & (relative < t)
+    among_new = tree_mask.gather(2, relative.clamp(0, t - 1)[:, None, :].expand(b, t, s))  # (B, T, S)
+    visible = (relative < 0)[:, None, :] | (among_new & inside[:, None, :])
+    visible &= key_pos[None, None, :] < table.lengths[:, None, None]
+    return visible[:, None]
 
 
 def _causal_mask(positions: torch.Tensor, table: SlotTable) -> torch.Tensor | None:

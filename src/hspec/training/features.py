@@ -20,8 +20,10 @@ from pathlib import Path
 
 import torch
 
+from hspec.cache.paged_pool import blocks_for
 from hspec.models.llama import TargetModel
 from hspec.training.datagen import read_corpus
+from hspec.training.precision import full_precision
 
 
 @dataclass(frozen=True)
@@ -48,10 +50,12 @@ class SequenceFeatures:
         """The target's next-token distribution at `positions` (...), shape (..., V), fp32.
 
         Overlapping blocks ask for the same position several times: each distinct one is computed once.
+        Computed in the target's own dtype even under a bf16-autocast training step: this is the teacher.
         """
         distinct, where = torch.unique(positions, return_inverse=True)
         h = self.final_hidden[distinct].to(model.lm_head.weight.dtype)
-        return torch.softmax(model.lm_head(h).float(), dim=-1)[where]
+        with full_precision(h.device):
+            return torch.softmax(model.lm_head(h).float(), dim=-1)[where]
 
 
 @torch.no_grad()  # not inference_mode: training saves these tensors for its backward pass
@@ -61,7 +65,7 @@ def compute_features(model: TargetModel, tokens: Sequence[int], prompt_length: i
     L = model.config.num_layers
     wanted = tuple(sorted(set(hidden_layers) | {L}))
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=model.embed_tokens.weight.device)
-    pool = model.new_pool(num_blocks=-(-ids.shape[1] // block_size), block_size=block_size)
+    pool = model.new_pool(num_blocks=blocks_for(ids.shape[1], block_size), block_size=block_size)
     pool.add_sequence(0)
     out = model(ids, pool, [0], hidden_layers=wanted, last_logits_only=True)
     by_layer = {layer: out.hidden[0, :, i] for i, layer in enumerate(wanted)}  # each (S, H)

@@ -1,4 +1,4 @@
-"""The unified drafter loss (DESIGN.md §6, paper App. B.3).
+"""The unified drafter loss (docs/design.md#training, paper App. B.3).
 
 Per block position k = 1..K (slot k-1 predicts x_{p+k}):
     loss_k = 0.1 * CE(q_k, x_{p+k}) + 0.9 * TV(q_k, p_k),   TV = 1/2 * ||q_k - p_k||_1,

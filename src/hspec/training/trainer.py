@@ -1,4 +1,4 @@
-"""The unified training recipe for every drafter kind (DESIGN.md §6, paper App. B.3).
+"""The unified training recipe for every drafter kind (docs/design.md#training, paper App. B.3).
 
 One step:
 1. pick `seqs_per_step` training sequences and, in each, `anchors_per_seq` random anchors p in the
@@ -6,7 +6,9 @@ One step:
 2. every anchor is one row: it sees the target's context strictly before p (its own sequence only,
    within the sliding window) and its own block — rows never see each other, which is the
    block-diagonal packing of the paper written as a batch;
-3. loss = weighted 0.1 CE + 0.9 TV (training/losses.py), teacher-forced Markov inputs;
+3. loss = weighted 0.1 CE + 0.9 TV (training/losses.py), teacher-forced Markov inputs; under
+   `precision="bf16-autocast"` the drafter's forward runs in bf16 autocast while the weights, the
+   optimizer state, the loss and the target's distribution stay fp32 (training/precision.py);
 4. gradients averaged over sequences (and over processes under torchrun: all-reduce over the
    process group, gloo on CPU and nccl on GPU), clipped to norm 1, AdamW step with 1% linear warmup
    then half-cosine to 0.
@@ -31,6 +33,7 @@ from hspec.metrics import AcceptanceStats, acceptance_stats, merge_stats
 from hspec.models.llama import TargetModel
 from hspec.training.features import SequenceFeatures
 from hspec.training.losses import LossWeights, drafter_loss, greedy_acceptance
+from hspec.training.precision import PRECISION_CHOICES, precision_context, resolve_precision
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class TrainConfig:
     seed: int = 0
     loss: LossWeights = field(default_factory=LossWeights)
     cod_keep: bool = False  # P-Eagle's COD sampling: keep max(0.6^d, 0.2) of anchors at depth d
+    precision: str = "fp32"  # fp32 | bf16-autocast | auto (training/precision.py); a run records the resolved one
 
     def __post_init__(self) -> None:
         for name in ("steps", "seqs_per_step", "anchors_per_seq"):
@@ -56,6 +60,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+        if self.precision not in PRECISION_CHOICES:
+            raise ValueError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {self.precision!r}")
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
@@ -103,15 +109,8 @@ def context_kv_for(drafter: NeuralDrafter, feats: SequenceFeatures, rows: int
     """
     s = feats.tokens.shape[0]
     positions = torch.arange(s, device=feats.tokens.device)[None]  # (1, S)
-    if hasattr(drafter, "context_kv_from_sequence"):  # P-Eagle: context entries need the tokens too
-        pairs = drafter.context_kv_from_sequence(feats.tokens[None], feats.hidden[None], positions)
-    elif hasattr(drafter, "context_kv_from_hidden"):
-        pairs = drafter.context_kv_from_hidden(feats.hidden[None], positions)
-    else:
-        missing = [layer for layer in drafter.reused_kv_layers() if layer not in feats.kv]
-        if missing:
-            raise ValueError(f"feature cache lacks the K/V of target layers {missing} that {drafter.kind!r} reads")
-        pairs = [(feats.kv[layer][0][None], feats.kv[layer][1][None]) for layer in drafter.reused_kv_layers()]
+    target_kv = {layer: (k[None], v[None]) for layer, (k, v) in feats.kv.items()}  # each (1, S, Hkv, D)
+    pairs = drafter.context_kv_from_features(feats.tokens[None], feats.hidden[None], positions, target_kv)
     return [(k.expand(rows, *k.shape[1:]), v.expand(rows, *v.shape[1:])) for k, v in pairs]
 
 
@@ -130,8 +129,13 @@ def make_batch(drafter: NeuralDrafter, target: TargetModel, feats: SequenceFeatu
     key_pos = torch.arange(s, device=device)
     window = drafter.config.sliding_window
     context_mask = (key_pos[None] < anchors[:, None]) & (key_pos[None] >= anchors[:, None] - window)  # (N, S)
+    history_len = getattr(drafter, "history_window", 0)  # DeLS-Spec's local head reads the W tokens before x0
+    history = None
+    if history_len:
+        index = anchors[:, None] - history_len + torch.arange(history_len, device=device)  # (N, W)
+        history = torch.where(index >= 0, tokens[index.clamp(min=0)], -1)
     ctx = BlockContext(block_tokens, positions, feats.hidden[anchors - 1], context_kv_for(drafter, feats, n),
-                       context_mask)
+                       context_mask, history)
     offsets = torch.arange(K, device=device)
     label_pos = anchors[:, None] + 1 + offsets  # (N, K)
     valid = label_pos <= s - 1
@@ -189,6 +193,7 @@ class Trainer:
             lr=config.lr, betas=(0.9, 0.95), fused=all(p.device.type in ("cpu", "cuda") for p in self.params))
         self.K = drafter.config.block_size
         self.device = drafter.head.draft_vocab_ids.device  # where the drafter lives; features are moved there
+        self.precision = resolve_precision(config.precision, self.device)  # never 'auto'
 
     def sequences_for_step(self, step: int) -> list[tuple[int, int]]:
         """This process's (slot, sequence) pairs at `step`: one seeded draw for all ranks, sharded by rank.
@@ -207,26 +212,19 @@ class Trainer:
 
         Each sequence's backbone runs on its own (its rows share that sequence's context K/V); the
         Markov head then runs once over every row of the step, so the dense (V, r) gradient of its
-        embedding is built once a step rather than once per sequence.
+        embedding is built once a step rather than once per sequence. The forward runs in the run's
+        precision; the sum of the logits and the loss are fp32 whatever it is.
         """
         pairs = self.sequences_for_step(step)
-        batches, backbone = [], []
-        for slot, seq in pairs:
-            g = step_generator(self.config.seed, step, slot)
-            feats = self.load_sequence(seq).to(self.device)
-            anchors = sample_anchors(feats, self.config.anchors_per_seq, g)
-            if anchors.numel() == 0:
-                continue
-            batch = make_batch(self.drafter, self.target, feats, anchors, self.K, g if self.config.cod_keep else None)
-            batches.append(batch)
-            backbone.append(self.drafter.block_logits(batch.ctx))  # (N_i, K, Vp)
-        total = torch.zeros((), device=self.device)
+        with precision_context(self.precision, self.device):
+            batches, backbone, corrections, own_losses = self._forward(step, pairs)
+        total = sum((loss.float() / len(pairs) for loss in own_losses), torch.zeros((), device=self.device))
         ce_sum, tv_sum = torch.zeros(self.K, device=self.device), torch.zeros(self.K, device=self.device)
         if not batches:
             return 0.0, ce_sum.tolist(), tv_sum.tolist()
-        corrections = self.drafter.markov_logits(torch.cat([b.prev_tokens for b in batches]))  # (sum N_i, K, Vp)
         if corrections is not None:
-            backbone = [u + c for u, c in zip(backbone, corrections.split([u.shape[0] for u in backbone]))]
+            split = corrections.split([u.shape[0] for u in backbone])
+            backbone = [u.float() + c.float() for u, c in zip(backbone, split)]
         for batch, logits in zip(batches, backbone):
             parts = drafter_loss(logits, batch.target_probs, batch.labels, self.drafter.head.draft_vocab_ids,
                                  batch.valid, self.config.loss)
@@ -235,6 +233,36 @@ class Trainer:
             tv_sum += parts.tv / len(pairs)
         total.backward()  # one backward a step
         return float(total.detach()), ce_sum.tolist(), tv_sum.tolist()
+
+    def _forward(self, step: int, pairs: list[tuple[int, int]]
+                 ) -> tuple[list[Batch], list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]]:
+        """The drafter's forward over one step's sequences.
+
+        Returns (batches, backbone logits per batch, each (N_i, K, Vp), the Markov head's corrections of
+        every row (sum N_i, K, Vp) or None, the kind's own extra losses).
+        """
+        batches, backbone, own_losses = [], [], []
+        for slot, seq in pairs:
+            g = step_generator(self.config.seed, step, slot)
+            feats = self.load_sequence(seq).to(self.device)
+            anchors = sample_anchors(feats, self.config.anchors_per_seq, g)
+            if anchors.numel() == 0:
+                continue
+            batch = make_batch(self.drafter, self.target, feats, anchors, self.K, g if self.config.cod_keep else None)
+            batches.append(batch)
+            if getattr(self.drafter, "sequential_head", False):
+                # Slot k depends on the previous token through more than an additive Markov term
+                # (DFly, DFlash-2, DeLS-Spec): such a kind teacher-forces its own head and may add a
+                # loss of its own (DFlash-2's path-selector cross-entropy).
+                logits, own_loss = self.drafter.training_logits(batch.ctx, batch.prev_tokens, batch.labels,
+                                                                batch.valid)
+                backbone.append(logits)  # (N_i, K, Vp)
+                if own_loss is not None:
+                    own_losses.append(own_loss)
+            else:
+                backbone.append(self.drafter.block_logits(batch.ctx))  # (N_i, K, Vp)
+        corrections = self.drafter.markov_logits(torch.cat([b.prev_tokens for b in batches])) if batches else None
+        return batches, backbone, corrections, own_losses
 
     def train_step(self, step: int) -> StepLog:
         start = time.perf_counter()

@@ -1,0 +1,67 @@
+"""Which floating dtype the target (and with it its KV pool and every drafter) runs in.
+
+`--dtype auto` picks what measures fastest for the hardware (docs/fast-path.md has the numbers):
+
+- a CUDA device: bfloat16 (tensor cores; the accuracy every serving engine ships with);
+- a CPU with native bf16 dot products (AVX512-BF16 or AMX-BF16): bfloat16, because decoding is bound by
+  reading the weights and bf16 halves the bytes while the instructions keep the math fast;
+- any other CPU (AVX2 only, ARM without bf16 support here): float32, because there torch converts bf16
+  to fp32 in software and a bf16 forward measures slower than the fp32 one.
+
+Greedy speculative decoding stays lossless in every dtype: the target verifies in the dtype it decodes in,
+and the decoding loop compares the two within one runtime and dtype (see docs/fast-path.md for where
+1-token and multi-token forwards can round differently).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+_NAMED = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# /proc/cpuinfo flags of instructions that compute bf16 dot products natively.
+_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist, e.g. macOS)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):  # x86 says flags, ARM says Features
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """True when this CPU computes bf16 dot products in hardware (AVX512-BF16 or AMX-BF16)."""
+    flags = cpu_flags() if flags is None else flags
+    return any(flag in flags for flag in _BF16_CPU_FLAGS)
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device | str = "cpu",
+                  flags: frozenset[str] | None = None) -> torch.dtype:
+    """`--dtype` (auto, float32, bfloat16; fp32/bf16 accepted) -> a torch dtype for `device`.
+
+    `flags` overrides the CPU flags read from /proc/cpuinfo (for tests).
+    """
+    if isinstance(name, torch.dtype):
+        if name not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype {name} is not a floating dtype the runtime runs in; use float32 or bfloat16")
+        return name
+    if name == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16(flags) else torch.float32
+    if name not in _NAMED:
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(DTYPE_CHOICES)}")
+    return _NAMED[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (the spelling `--dtype` takes and results files record)."""
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,73 @@
+"""`--dtype`: what auto picks on which hardware, and that a target loaded in a dtype runs wholly in it
+(weights, KV pool, drafters). Greedy losslessness per dtype: tests/test_generate.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hspec.models.dtype import DTYPE_CHOICES, cpu_flags, cpu_has_native_bf16, dtype_name, resolve_dtype
+
+AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
+SAPPHIRE_RAPIDS = AVX2_ONLY | {"avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
+
+
+def test_auto_is_bf16_only_where_the_cpu_computes_it_natively():
+    assert resolve_dtype("auto", "cpu", flags=AVX2_ONLY) == torch.float32
+    assert resolve_dtype("auto", "cpu", flags=SAPPHIRE_RAPIDS) == torch.bfloat16
+    assert resolve_dtype("auto", "cpu", flags=AVX2_ONLY | {"avx512_bf16"}) == torch.bfloat16  # Zen 4
+    assert resolve_dtype("auto", "cpu", flags=frozenset()) == torch.float32  # flags unknown: the safe choice
+    assert resolve_dtype("auto", "cuda", flags=AVX2_ONLY) == torch.bfloat16
+
+
+def test_named_dtypes_and_errors():
+    assert resolve_dtype("float32") == resolve_dtype("fp32") == torch.float32
+    assert resolve_dtype("bfloat16", flags=AVX2_ONLY) == torch.bfloat16  # asked for: honoured, even if slower
+    assert resolve_dtype(torch.bfloat16) == torch.bfloat16
+    assert dtype_name(torch.bfloat16) == "bfloat16" and set(DTYPE_CHOICES) == {"auto", "float32", "bfloat16"}
+    with pytest.raises(ValueError, match=r"'int4'.*auto, float32, bfloat16"):
+        resolve_dtype("int4")
+    with pytest.raises(ValueError, match="int64"):
+        resolve_dtype(torch.int64)
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    cpu = "flags\t\t: fpu avx2 avx512_bf16\n"
+    info.write_text(f"processor\t: 0\n{cpu}\nprocessor\t: 1\n{cpu}")
+    assert cpu_flags(info) == {"fpu", "avx2", "avx512_bf16"} and cpu_has_native_bf16(cpu_flags(info))
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_a_bf16_target_runs_wholly_in_bf16(tiny_dirs):
+    from conftest import load_tiny
+    from hspec.decoding.generate import SpeculativeDecoder
+    from hspec.drafters import create_drafter
+    from hspec.runtime import build_drafter
+    from hspec.sampling import SamplingParams
+
+    target = load_tiny(tiny_dirs["qwen2"], dtype=torch.bfloat16)
+    assert {p.dtype for p in target.model.parameters()} == {torch.bfloat16}
+    assert target.model.layers[0].self_attn.qkv.qkv_weight.dtype == torch.bfloat16
+    drafter = build_drafter("hspec", target, random_weights=True)
+    assert {p.dtype for p in drafter.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    decoder = SpeculativeDecoder(target.model, drafter, 3, eos_token_ids=())
+    pool = decoder.new_pool([[1, 2, 3]], 8)
+    assert pool.k.dtype == torch.bfloat16
+    out = decoder.generate([[1, 2, 3, 4]], SamplingParams(), 8, pool=pool)
+    assert len(out.sequences[0].token_ids) == 8
+    plain = SpeculativeDecoder(target.model, create_drafter("none", target.config), 1, eos_token_ids=())
+    sampled = plain.generate([[1, 2, 3, 4]], SamplingParams(temperature=1.0), 8)  # probabilities are fp32
+    assert all(0 <= t < target.config.vocab_size for t in sampled.sequences[0].token_ids)
+
+
+def test_load_target_takes_a_dtype_name(monkeypatch, tiny_dirs):
+    """The commands pass `--dtype` names straight to load_target (auto resolved for this machine)."""
+    from hspec.models import loading
+
+    monkeypatch.setattr(loading, "resolve_target_dir", lambda name: ("tiny", tiny_dirs["llama"]))
+    monkeypatch.setattr(loading.ChatTokenizer, "from_directory", classmethod(lambda cls, d, c: None))
+    assert loading.load_target("tiny", dtype="bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16
+    assert loading.load_target("tiny", dtype="auto").model.embed_tokens.weight.dtype == resolve_dtype("auto")
+    with pytest.raises(ValueError, match="float16x"):
+        loading.load_target("tiny", dtype="float16x")
