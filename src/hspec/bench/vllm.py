@@ -1,0 +1,214 @@
+"""`hspec bench vllm`: the target served by vLLM (CPU build) with each drafter, against vLLM plain.
+
+For every prompt (chat-templated by hspec's tokenizer, so every engine sees the same token ids):
+1. each vLLM configuration (`--drafters`, plain always included) generates greedily, interleaved prompt
+   by prompt so machine noise hits all alike; every configuration's engine is opened first;
+2. hspec's own engine runs the matching drafter on the same ids (ngram -> hspec's ngram with the same
+   K; dflash=PATH -> the hspec checkpoint the export came from, when it is still there), so tau can be
+   compared engine against engine.
+
+Per configuration it reports how many prompts' greedy outputs equal vLLM plain's (`outputs_equal_plain`;
+exact in float32, a divergence rate in bfloat16), tau (mean accepted length: tokens per verify step,
+bonus included), tokens/s over the generate calls, and vLLM's KV capacity in tokens.
+
+Needs vLLM (`bash scripts/install_vllm.sh`); see docs/vllm.md. Legend: K drafts per step.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hspec.integrations.vllm import engine as vllm_engine
+from hspec.provenance import provenance, provenance_markdown, write_results
+
+
+def read_prompts(prompts_file: str | None, num_prompts: int, data_dir: str | None = None) -> list[str]:
+    """User messages: each line of `prompts_file` is {"prompt": "..."}; without a file, `num_prompts`
+    evenly spaced Spec-Bench items (their first turn)."""
+    if prompts_file is None:
+        from hspec.data.tasks import load_task
+
+        return [item.turns[0] for item in load_task("spec_bench", size=num_prompts, data_dir=data_dir).items]
+    prompts = []
+    for number, line in enumerate(Path(prompts_file).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f'{prompts_file}:{number}: each line must be {{"prompt": "..."}}, got {line[:80]!r}')
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise ValueError(f"{prompts_file}: no prompts")
+    return prompts[:num_prompts] if num_prompts else prompts
+
+
+def summarize(name: str, engine: str, runs: Sequence[vllm_engine.GreedyRun], plain: Sequence[list[int]],
+              kv_capacity: int | None) -> dict[str, Any]:
+    """One result row: equality with vLLM plain, tau, tokens/s, KV capacity."""
+    tokens = sum(len(r.token_ids) for r in runs)
+    drafts = sum(r.num_drafts for r in runs)
+    accepted = sum(r.num_accepted for r in runs)
+    return {
+        "drafter": name,
+        "engine": engine,
+        "num_prompts": len(runs),
+        "outputs_equal_plain": sum(r.token_ids == p for r, p in zip(runs, plain)),
+        "tau": 1.0 + accepted / drafts if drafts else 1.0,
+        "tokens_per_s": tokens / max(sum(r.seconds for r in runs), 1e-9),
+        "num_tokens": tokens,
+        "kv_capacity_tokens": kv_capacity,
+    }
+
+
+def hspec_engine_runs(target: Any, kind: str, path: Path | None, k: int, prompts: Sequence[list[int]],
+                      max_new_tokens: int) -> list[vllm_engine.GreedyRun]:
+    """The same prompts through hspec's own engine with drafter `kind` (K drafts per step), greedy.
+
+    EOS ids are the target's, as in vLLM, so both stop at the same token. tau counts only the steps
+    that carried drafts, as vLLM's spec-decode counters do.
+    """
+    from hspec.decoding.generate import SpeculativeDecoder
+    from hspec.runtime import build_drafter
+    from hspec.sampling import SamplingParams
+
+    drafter = build_drafter(kind, target, path)
+    decoder = SpeculativeDecoder(target.model, drafter, max(k, 1), target.config.eos_token_ids)
+    runs = []
+    for ids in prompts:
+        start = time.perf_counter()
+        out = decoder.generate([ids], SamplingParams(), max_new_tokens)
+        seconds = time.perf_counter() - start
+        seq = out.sequences[0]
+        # Steps that carried drafts, as vLLM counts them (its n-gram proposes nothing without a match).
+        drafted = [(a, d) for a, d in zip(seq.num_accepted, seq.num_drafted) if d > 0] if kind != "none" else []
+        drafts, accepted = len(drafted), sum(a for a, _ in drafted)
+        runs.append(vllm_engine.GreedyRun(list(seq.token_ids), seconds, drafts, accepted))
+    return runs
+
+
+def _hspec_counterpart(drafter: vllm_engine.VllmDrafter) -> tuple[str, Path | None] | None:
+    """The hspec drafter that matches a vLLM configuration, or None when there is none to run."""
+    if drafter.speculative_config is None:
+        return "none", None
+    method = drafter.speculative_config["method"]
+    if method == "ngram":
+        return "ngram", None
+    if method == "dflash":
+        exported = json.loads((Path(drafter.speculative_config["model"]) / "config.json").read_text())
+        source = Path(exported.get("hspec_source", {}).get("path", ""))
+        return ("dflash", source) if (source / "config.json").exists() else None
+    return None
+
+
+def _materialize_random_dflash(drafter: vllm_engine.VllmDrafter, target: Any, root: Path) -> vllm_engine.VllmDrafter:
+    """`dflash=random` -> a random-initialised hspec DFlash (seed 0) saved under `root`; others unchanged."""
+    config = drafter.speculative_config
+    if config is None or config.get("model") != vllm_engine.RANDOM_DFLASH:
+        return drafter
+    import torch
+
+    from hspec.drafters import create_drafter
+    from hspec.drafters.checkpoint import save_drafter
+
+    torch.manual_seed(0)
+    model = create_drafter("dflash", target.config, target_model=target.model)
+    path = save_drafter(model, root / "hspec" / "dflash-random", target.name)
+    return vllm_engine.VllmDrafter(drafter.name, {**config, "model": str(path)})
+
+
+def run_vllm_bench(target_name: str, drafters: str, prompts_file: str | None, num_prompts: int,
+                   max_new_tokens: int, dtype: str, k: int, max_model_len: int, out_dir: str, as_json: bool,
+                   data_dir: str | None = None, hspec_engine: bool = True) -> int:
+    """`hspec bench vllm` (module docstring); DFlash exports live in a temporary folder removed at the end."""
+    with tempfile.TemporaryDirectory(prefix="hspec-vllm-export-") as root:
+        return _run(target_name, drafters, prompts_file, num_prompts, max_new_tokens, dtype, k, max_model_len,
+                    out_dir, as_json, data_dir, hspec_engine, Path(root))
+
+
+def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts: int, max_new_tokens: int,
+         dtype: str, k: int, max_model_len: int, out_dir: str, as_json: bool, data_dir: str | None,
+         hspec_engine: bool, export_root: Path) -> int:
+    from hspec.models.loading import load_target
+
+    configs = vllm_engine.parse_drafters(drafters, k)
+    target = load_target(target_name)
+    messages = read_prompts(prompts_file, num_prompts, data_dir)
+    prompts = [target.tokenizer.encode_prompt(m) for m in messages]
+    too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens + k + 1 > max_model_len]
+    if too_long:
+        raise ValueError(f"prompts {too_long} plus --max-new-tokens {max_new_tokens} exceed --max-model-len "
+                         f"{max_model_len}; raise it or shorten them")
+    env = vllm_engine.cpu_environment()
+    vllm_engine.apply_environment(env)
+
+    configs = [_materialize_random_dflash(c, target, export_root) for c in configs]
+    configs = [vllm_engine.resolve_dflash(c, export_root / "vllm", target.path) for c in configs]
+
+    # 1. vLLM: every engine opened, then the prompts interleaved across them.
+    llms = {c.name: vllm_engine.open_llm(target.path, c, dtype, max_model_len) for c in configs}
+    for llm in llms.values():  # warm-up: the first generate of an engine pays one-off costs
+        vllm_engine.generate_greedy(llm, prompts[0], 4)
+    runs: dict[str, list[vllm_engine.GreedyRun]] = {c.name: [] for c in configs}
+    for ids in prompts:
+        for c in configs:
+            runs[c.name].append(vllm_engine.generate_greedy(llms[c.name], ids, max_new_tokens))
+    plain = [r.token_ids for r in runs[next(c.name for c in configs if c.speculative_config is None)]]
+    rows = [summarize(c.name, "vllm", runs[c.name], plain, vllm_engine.kv_capacity_tokens(llms[c.name]))
+            for c in configs]
+    del llms
+
+    # 2. hspec's own engine on the same ids (float32, its default), for the tau comparison.
+    if hspec_engine:
+        for c in configs:
+            counterpart = _hspec_counterpart(c)
+            if counterpart is not None:
+                kind, path = counterpart
+                k_c = c.speculative_config["num_speculative_tokens"] if c.speculative_config else 0
+                rows.append(summarize(c.name, "hspec", hspec_engine_runs(target, kind, path, k_c, prompts,
+                                                                         max_new_tokens), plain, None))
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    settings = {"target": target.name, "drafters": drafters, "prompts": prompts_file or f"spec_bench[{num_prompts}]",
+                "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype, "K": k,
+                "max_model_len": max_model_len, "batch": 1, "enforce_eager": True, "vllm": _vllm_version(), **env}
+    command = (f"hspec bench vllm --drafters {drafters} " + (f"--prompts-file {prompts_file} " if prompts_file else
+               f"--num-prompts {num_prompts} ") + f"--max-new-tokens {max_new_tokens} --dtype {dtype} --k {k}")
+    meta = provenance(command, settings)
+    stem = f"vllm_{dtype}"
+    json_path, md_path = write_results(Path(out_dir), stem, {"meta": meta, "rows": rows}, render_markdown(meta, rows))
+    print(render_markdown(meta, rows))
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["# hspec bench vllm: drafters inside vLLM (batch 1, greedy)", "", provenance_markdown(meta),
+             "| drafter | engine | outputs equal vLLM plain | tau | tokens/s | KV capacity (tokens) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        kv = "" if r["kv_capacity_tokens"] is None else f"{r['kv_capacity_tokens']:,}"
+        lines.append(f"| {r['drafter']} | {r['engine']} | {r['outputs_equal_plain']}/{r['num_prompts']} | "
+                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {kv} |")
+    lines += ["", "tau: tokens per verify step (accepted drafts + the bonus token). tokens/s: generated tokens over "
+              "the wall time of the generate calls (prefill included), one prompt at a time. `engine hspec` rows "
+              "run hspec's own engine on the same token ids; their equality column compares with vLLM plain too."]
+    if any(r["drafter"] == "dflash=random" for r in rows):
+        lines += ["", "dflash=random: an hspec DFlash with seed-0 random weights, exported for vLLM. Its tau says "
+                  "nothing about a trained DFlash; its rows show that output stays equal to plain and what "
+                  "DFlash's context-KV layers take from vLLM's KV capacity."]
+    return "\n".join(lines) + "\n"
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except ImportError:
+        return "not installed"

@@ -1,0 +1,1 @@
+"""Integrations of hspec with other serving engines (vLLM)."""

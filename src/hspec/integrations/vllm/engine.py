@@ -1,0 +1,161 @@
+"""Run the target in vLLM (pinned 0.32, CPU build) with one speculative configuration, and measure it.
+
+What a configuration is (`VllmDrafter`): a name and the `speculative_config` vLLM gets, or None for
+plain decoding. `parse_drafters` turns the bench's `--drafters none,ngram,dflash=PATH` into them.
+`open_llm` builds a `vllm.LLM` for the target's HF folder, `generate_greedy` runs one prompt at
+temperature 0 and returns its token ids with the request's own spec-decode counters, and
+`kv_capacity_tokens` reads vLLM's KV capacity from the engine's cache config.
+
+Prompts are token ids (hspec's chat template applied by hspec's tokenizer), so vLLM and hspec's own
+engine see the same ids. vLLM is imported inside the functions: this module imports without vLLM.
+
+Settings for a shared CPU (docs/vllm.md): `cpu_environment` pins vLLM to one OpenMP thread without
+binding, and a KV cache of `kv_cache_gib` GiB. `enforce_eager=True` loads in ~35 s instead of ~150 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The vLLM release this integration is written and tested against (scripts/install_vllm.sh installs it).
+VLLM_VERSION = "0.32.0"
+ALLOWED_DRAFTERS = ("none", "ngram", "dflash=PATH", "dflash=random")
+# `dflash=random`: a random-initialised hspec DFlash (seed 0): exercises losslessness and KV cost, not tau.
+RANDOM_DFLASH = "random"
+
+
+@dataclass(frozen=True)
+class VllmDrafter:
+    """One speculative configuration of vLLM."""
+
+    name: str  # as given on the command line: none, ngram, dflash=PATH
+    speculative_config: dict[str, Any] | None  # vLLM's speculative_config; None = plain decoding
+
+
+@dataclass(frozen=True)
+class GreedyRun:
+    """One prompt through one configuration."""
+
+    token_ids: list[int]  # generated ids (prompt excluded)
+    seconds: float  # wall time of the generate call
+    num_drafts: int  # verify steps that carried drafts (vLLM's spec_decode_num_drafts)
+    num_accepted: int  # draft tokens accepted over those steps
+
+
+def ngram_config(k: int) -> dict[str, Any]:
+    """vLLM's prompt-lookup speculation with K drafts, n-grams of 2..4 tokens (hspec's ngram defaults)."""
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def dflash_config(path: str | Path, k: int | None = None) -> dict[str, Any]:
+    """vLLM's DFlash method on an exported drafter (`export_dflash_for_vllm`); K from its config if None."""
+    if k is None:
+        methods = json.loads((Path(path) / "config.json").read_text())["speculators_config"]["proposal_methods"]
+        k = int(methods[0]["speculative_tokens"])
+    return {"method": "dflash", "model": str(path), "num_speculative_tokens": k}
+
+
+def parse_drafters(text: str, k: int) -> list[VllmDrafter]:
+    """`none,ngram,dflash=PATH` -> configurations, in order; `none` (plain) is added first if missing.
+
+    Plain decoding is what every other configuration's output is compared with, so it always runs.
+    """
+    out: list[VllmDrafter] = []
+    for item in (s.strip() for s in text.split(",")):
+        name, _, value = item.partition("=")
+        if name == "none" and not value:
+            out.append(VllmDrafter("none", None))
+        elif name == "ngram" and not value:
+            out.append(VllmDrafter("ngram", ngram_config(k)))
+        elif name == "dflash" and value:
+            if value != RANDOM_DFLASH and not (Path(value) / "config.json").exists():
+                raise ValueError(f"dflash={value}: no config.json there; give an hspec DFlash checkpoint or its "
+                                 "vLLM export (`hspec.integrations.vllm.export`, docs/vllm.md)")
+            out.append(VllmDrafter(item, {"method": "dflash", "model": value}))  # K: see `resolve_dflash`
+        elif name == "hspec" and not value:
+            raise ValueError("drafter 'hspec' inside vLLM is not implemented yet (docs/vllm.md says what is "
+                             f"missing); allowed now: {', '.join(ALLOWED_DRAFTERS)}")
+        else:
+            raise ValueError(f"unknown drafter {item!r}; allowed: {', '.join(ALLOWED_DRAFTERS)}")
+    if not any(d.speculative_config is None for d in out):
+        out.insert(0, VllmDrafter("none", None))
+    if len({d.name for d in out}) != len(out):
+        raise ValueError(f"drafters must be distinct, got {text!r}")
+    return out
+
+
+def resolve_dflash(drafter: VllmDrafter, export_dir: Path, target_dir: Path) -> VllmDrafter:
+    """A `dflash` configuration on a loadable export: an hspec checkpoint is exported into `export_dir`
+    first; K comes from the export's config. Other configurations are returned unchanged."""
+    config = drafter.speculative_config
+    if config is None or config["method"] != "dflash":
+        return drafter
+    from hspec.integrations.vllm.export import export_dflash_for_vllm, is_vllm_export
+
+    path = Path(config["model"])
+    if not is_vllm_export(path):
+        dst = export_dir / path.name
+        if dst.resolve() == path.resolve():
+            raise ValueError(f"export_dir {export_dir} would put the export over its source checkpoint {path}")
+        path = export_dflash_for_vllm(path, dst, target_dir)
+    return VllmDrafter(drafter.name, dflash_config(path))
+
+
+def cpu_environment(threads: int = 1, kv_cache_gib: int = 1) -> dict[str, str]:
+    """Environment for vLLM's CPU backend on a shared machine: `threads` OpenMP threads, no core binding."""
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # binding would pin every engine to the same cores
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB of KV cache (default: a share of RAM)
+    }
+
+
+def open_llm(model_dir: str | Path, drafter: VllmDrafter, dtype: str = "float32", max_model_len: int = 1024,
+             seed: int = 0) -> Any:
+    """A `vllm.LLM` for the target's HF folder with `drafter`'s speculative config, batch 1, eager."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    from vllm import LLM
+
+    # Per-request spec-decode counters: vLLM's global metrics are shared by every LLM of one process.
+    per_request = {"per_request_spec_decode_metrics": "summary"} if drafter.speculative_config else {}
+    return LLM(str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=max_model_len, max_num_seqs=1,
+               seed=seed, speculative_config=drafter.speculative_config, disable_log_stats=False, **per_request)
+
+
+def generate_greedy(llm: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> GreedyRun:
+    """One prompt (token ids) at temperature 0, with the request's own spec-decode counters."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    start = time.perf_counter()
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    completion = out.outputs[0]
+    spec = getattr(completion, "spec_decode_metrics", None)
+    stats = spec.to_dict() if spec is not None else {"num_spec_steps": 0, "num_accepted_draft_tokens": 0}
+    return GreedyRun(list(completion.token_ids), seconds, int(stats["num_spec_steps"]),
+                     int(stats["num_accepted_draft_tokens"]))
+
+
+def kv_capacity_tokens(llm: Any) -> int:
+    """vLLM's KV-cache capacity in tokens: the blocks its engine allocated times the block size.
+
+    What the drafter's own KV layers take (DFlash keeps one per drafter layer) is already subtracted.
+    """
+    cache = llm.llm_engine.vllm_config.cache_config
+    if not cache.num_gpu_blocks:
+        raise RuntimeError("vLLM reported no KV blocks (cache_config.num_gpu_blocks); is the engine up?")
+    return int(cache.num_gpu_blocks) * int(cache.block_size)
+
+
+def apply_environment(env: dict[str, str]) -> None:
+    """Set `env` for vLLM's engine processes, which read it when they start (call before `open_llm`)."""
+    os.environ.update(env)

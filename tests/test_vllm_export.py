@@ -1,0 +1,158 @@
+"""The vLLM export of DFlash checkpoints and the `bench vllm` plumbing that needs no vLLM (runs everywhere).
+
+The end-to-end checks inside vLLM are in test_vllm_engine.py (marker `vllm`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hspec.bench.vllm import read_prompts, summarize
+from hspec.drafters import create_drafter
+from hspec.drafters.checkpoint import save_drafter
+from hspec.drafters.dflash import DFlashConfig
+from hspec.integrations.vllm.engine import GreedyRun, parse_drafters, resolve_dflash
+from hspec.integrations.vllm.export import (
+    MASK_EMBEDDING_FILE,
+    draft_to_target_offsets,
+    export_dflash_for_vllm,
+    is_vllm_export,
+    pick_mask_token_id,
+    vllm_weight_name,
+)
+from hspec.integrations.vllm.plugin import samples_from_anchor
+
+
+@pytest.fixture()
+def dflash_checkpoint(tiny_target, tmp_path):
+    """A random DFlash drafter for the tiny target with a shuffled draft vocabulary, saved by hspec."""
+    torch.manual_seed(0)
+    config = DFlashConfig.from_target("dflash", tiny_target.config, draft_vocab_size=48)
+    drafter = create_drafter("dflash", tiny_target.config, target_model=tiny_target.model, config=config)
+    ids = torch.randperm(tiny_target.config.vocab_size)[:48]
+    drafter.head.set_vocab(ids)
+    return save_drafter(drafter, tmp_path / "hspec_dflash", "tiny"), drafter, ids
+
+
+def test_weight_names_flatten_qkv_and_drop_what_is_exported_apart():
+    assert vllm_weight_name("layers.3.self_attn.qkv.q_proj.weight") == "layers.3.self_attn.q_proj.weight"
+    assert vllm_weight_name("layers.0.self_attn.qkv.k_norm.weight") == "layers.0.self_attn.k_norm.weight"
+    assert vllm_weight_name("layers.0.self_attn.o_proj.weight") == "layers.0.self_attn.o_proj.weight"
+    assert vllm_weight_name("fc.weight") == "fc.weight"
+    assert vllm_weight_name("mask_embedding") is None
+    assert vllm_weight_name("head.draft_vocab_ids") is None
+
+
+def test_d2t_offsets_map_draft_index_to_target_id():
+    ids = torch.tensor([3, 5, 6, 40])
+    d2t = draft_to_target_offsets(ids)
+    assert torch.equal(torch.arange(4) + d2t, ids)  # vLLM: target id = index + d2t[index]
+    with pytest.raises(ValueError, match=r"\(Vp,\)"):
+        draft_to_target_offsets(ids[None])
+
+
+def test_export_layout_matches_what_vllm_dflash_loads(dflash_checkpoint, tiny_dirs, tmp_path):
+    path, drafter, ids = dflash_checkpoint
+    out = export_dflash_for_vllm(path, tmp_path / "vllm", tiny_dirs["llama"], mask_token_id=5)
+    assert is_vllm_export(out) and not is_vllm_export(path)
+    tensors = load_file(str(out / "model.safetensors"))
+    own = drafter.drafter_state_dict()
+    # 1. every layer weight under vLLM's flat name, unchanged
+    for name, value in own.items():
+        flat = vllm_weight_name(name)
+        if flat is not None:
+            assert torch.equal(tensors[flat], value), name
+    assert not any(".qkv." in n for n in tensors)
+    # 2. the draft vocabulary: sorted target ids, LM head rows of those ids, d2t offsets
+    sorted_ids = ids.sort().values
+    assert torch.equal(torch.arange(48) + tensors["d2t"], sorted_ids)
+    target_head = load_file(str(tiny_dirs["llama"] / "model.safetensors"))["lm_head.weight"]
+    assert torch.equal(tensors["lm_head.weight"], target_head[sorted_ids])
+    # 3. MASK: an id inside the target's table, the learned embedding beside it
+    mask = torch.load(out / MASK_EMBEDDING_FILE, weights_only=True)
+    assert mask["mask_token_id"] == 5 and torch.equal(mask["embedding"], own["mask_embedding"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["mask_token_id"] == 5
+    assert config["aux_hidden_state_layer_ids"] == list(drafter.config.target_layers)
+    assert config["draft_vocab_size"] == 48
+    k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert k == drafter.config.block_size - 1  # vLLM puts the anchor slot in front of K MASK slots
+
+
+def test_export_refuses_bad_input(dflash_checkpoint, tiny_target, tiny_dirs, tmp_path):
+    path, drafter, _ = dflash_checkpoint
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in 1.."):
+        export_dflash_for_vllm(path, tmp_path / "a", tiny_dirs["llama"], num_speculative_tokens=0, mask_token_id=5)
+    with pytest.raises(ValueError, match="mask_token_id must be a target id"):
+        export_dflash_for_vllm(path, tmp_path / "b", tiny_dirs["llama"], mask_token_id=10_000)
+    hspec_drafter = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
+    hspec_path = save_drafter(hspec_drafter, tmp_path / "hspec_ckpt", "tiny")
+    with pytest.raises(ValueError, match="vLLM export supports"):
+        export_dflash_for_vllm(hspec_path, tmp_path / "c", tiny_dirs["llama"], mask_token_id=5)
+
+
+def test_mask_token_is_the_last_special_token_that_is_not_bos_or_eos(tmp_path):
+    added = [{"id": i, "content": f"<s{i}>", "special": True} for i in (0, 1, 2, 7)]
+    added.append({"id": 9, "content": "word", "special": False})
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
+    assert pick_mask_token_id(tmp_path, {1, 2}) == 7
+    with pytest.raises(ValueError, match="no special token outside"):
+        pick_mask_token_id(tmp_path, {0, 1, 2, 7})
+
+
+def test_parse_drafters_adds_plain_and_names_what_is_allowed(dflash_checkpoint, tiny_dirs, tmp_path):
+    path, _, _ = dflash_checkpoint
+    names = [d.name for d in parse_drafters("ngram", 5)]
+    assert names == ["none", "ngram"]
+    assert parse_drafters("dflash=random", 5)[1].speculative_config == {"method": "dflash", "model": "random"}
+    configs = parse_drafters(f"none,dflash={path}", 5)
+    assert configs[0].speculative_config is None
+    # An hspec checkpoint is exported on the fly; K then comes from the export.
+    target_dir = tmp_path / "target"
+    shutil.copytree(tiny_dirs["llama"], target_dir)
+    added = [{"id": i, "content": f"<s{i}>", "special": True} for i in (0, 1, 2)]
+    (target_dir / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
+    resolved = resolve_dflash(configs[1], tmp_path / "exports", target_dir)
+    assert is_vllm_export(resolved.speculative_config["model"])
+    assert resolved.speculative_config["num_speculative_tokens"] == 6  # block size 7 - the anchor slot
+    assert resolve_dflash(configs[0], tmp_path / "exports", target_dir) is configs[0]
+    with pytest.raises(ValueError, match="over its source checkpoint"):  # it would replace what it reads
+        resolve_dflash(configs[1], path.parent, target_dir)
+    for bad, match in (("medusa", "unknown drafter 'medusa'; allowed"), ("dflash=/nowhere", "no config.json"),
+                       ("ngram,ngram", "distinct"), ("hspec", "not implemented yet")):
+        with pytest.raises(ValueError, match=match):
+            parse_drafters(bad, 5)
+
+
+def test_prompts_file_lines_must_hold_a_prompt(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
+    assert read_prompts(str(good), 0) == ["a", "b"]
+    assert read_prompts(str(good), 1) == ["a"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: each line must be"):
+        read_prompts(str(bad), 0)
+
+
+def test_summary_counts_equal_outputs_and_tau():
+    runs = [GreedyRun([1, 2, 3], 1.0, num_drafts=2, num_accepted=3), GreedyRun([1, 2, 4], 1.0, 1, 0)]
+    row = summarize("ngram", "vllm", runs, plain=[[1, 2, 3], [1, 2, 3]], kv_capacity=100)
+    assert row["outputs_equal_plain"] == 1
+    assert row["tau"] == pytest.approx(1 + 3 / 3)
+    assert row["tokens_per_s"] == pytest.approx(3.0)
+    plain = summarize("none", "vllm", [GreedyRun([1, 2, 3], 1.0, 0, 0)], [[1, 2, 3]], 5)
+    assert plain["tau"] == 1.0 and plain["outputs_equal_plain"] == 1
+
+
+def test_plugin_acts_only_on_drafters_that_sample_from_the_anchor():
+    assert samples_from_anchor(SimpleNamespace(dflash_config={"sample_from_anchor": True}))
+    assert not samples_from_anchor(SimpleNamespace(dflash_config={"sample_from_anchor": False}))
+    assert not samples_from_anchor(SimpleNamespace(dflash_config=None))  # vLLM's own DFlash checkpoints
+    assert not samples_from_anchor(SimpleNamespace())
