@@ -1,4 +1,4 @@
-"""The speculative generate loop for B >= 1 sequences with ragged acceptance (DESIGN.md §3).
+"""The speculative generate loop for B >= 1 sequences with ragged acceptance (docs/design.md#the-decoding-step).
 
 Named stages of one step, for all active sequences at once (implemented in `step.DecodeStages`,
 which the serving engine shares):
@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from hspec.cache.paged_pool import PagedKVPool
-from hspec.decoding.sampling import SamplingBatch, SamplingParams
+from hspec.cache.paged_pool import PagedKVPool, blocks_for
 from hspec.decoding.step import DecodeStages, SequenceOutput, stop_prefix_length
 from hspec.drafters.base import Drafter
 from hspec.metrics import AcceptanceStats, acceptance_stats, merge_stats
 from hspec.models.llama import TargetModel
+from hspec.sampling import SamplingBatch, SamplingParams
 
 __all__ = ["GenerationOutput", "SequenceOutput", "SpeculativeDecoder", "stop_prefix_length"]
 
@@ -94,7 +94,7 @@ class SpeculativeDecoder:
     def new_pool(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int = 16
                  ) -> PagedKVPool:
         """A pool just big enough for these prompts, their outputs and one block of drafts each."""
-        per_seq = [-(-self.stages.positions_needed(len(p), max_new_tokens) // block_size) for p in prompts]
+        per_seq = [blocks_for(self.stages.positions_needed(len(p), max_new_tokens), block_size) for p in prompts]
         return self.target.new_pool(sum(per_seq), block_size, self.drafter.num_pool_layers)
 
     @torch.inference_mode()

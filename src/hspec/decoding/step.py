@@ -1,18 +1,19 @@
 """The stages of one speculative decoding step, shared by the generate loop and the serving engine.
 
-`DecodeStages` couples a target, a drafter and K, and exposes each stage of DESIGN.md §3 on its own,
+`DecodeStages` couples a target, a drafter and K, and exposes each stage of docs/design.md#the-decoding-step on its own,
 so a caller chooses which sequences take part in each step:
 
 - `prefill`:  run a sequence's context into the pool (its first turn, or a recompute after
               preemption) and give the drafter the hidden states of every position;
 - `first_token`: draw the first anchor x0 from the prefill's last logits;
 - `step`:     for a batch of running sequences, 1. draft, 2. verify, 3. commit/rollback, with ragged
-              acceptance per row;
+              acceptance per row (`step_tree` when the drafter drafts token trees, `proposes_tree`);
 - `emit`:     4. append a row's new tokens, ending it at EOS, the token limit or a stop string.
 
 Every random draw comes from the row's own `torch.Generator` and a step always draws the same number
-of uniforms per row (1 for the first token, K+1 per step), so a row's output does not depend on the
-other rows of its batch, nor on whether it was preempted and recomputed in between.
+of uniforms per row (1 for the first token, K+1 per step; a tree step: node budget + 1), so a row's
+output does not depend on the other rows of its batch, nor on whether it was preempted and recomputed
+in between.
 
 Legend: B batch, K drafted tokens, V vocab.
 """
@@ -26,10 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from hspec.cache.paged_pool import PagedKVPool
-from hspec.decoding.sampling import SamplingBatch, draw_uniforms, sample_with_uniform
+from hspec.decoding.tree_step import tree_step
 from hspec.decoding.verify import verify
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.models.llama import TargetModel
+from hspec.sampling import SamplingBatch, draw_uniforms, sample_with_uniform
 
 
 @dataclass
@@ -74,8 +76,8 @@ class DecodeStages:
         return self.target.embed_tokens.weight.device
 
     def positions_needed(self, prompt_length: int, max_new_tokens: int) -> int:
-        """Most positions a request ever holds in the pool: prompt, outputs and one draft block."""
-        return prompt_length + max_new_tokens + self.K + 1
+        """Most positions a request ever holds in the pool: prompt, outputs and one draft block (or tree)."""
+        return prompt_length + max_new_tokens + (self.drafter.draft_positions(self.K) if self.K else 0) + 1
 
     # ---- stages -------------------------------------------------------------------------------
 
@@ -104,6 +106,8 @@ class DecodeStages:
         The pool must be able to grow every row by K+1 positions (the caller's scheduler checks
         `pool.can_hold`); after the step each row keeps x0 and its accepted drafts.
         """
+        if self.drafter.proposes_tree:
+            return self.step_tree(pool, seq_ids, histories, sampling, generators)
         t0 = time.perf_counter()
         anchors = torch.tensor([h[-1] for h in histories], dtype=torch.long, device=self.device)  # (B,)
         # 1. draft: d_1..d_K and the distributions they were drawn from; each row may ask to verify
@@ -133,6 +137,30 @@ class DecodeStages:
         self.drafter.commit(pool, seq_ids, out.hidden, result.num_accepted + 1)
         new_tokens = [drafts[row][: accepted[row]] + [next_tokens[row]] for row in range(len(seq_ids))]
         return StepResult(accepted, drafted, new_tokens, t1 - t0, time.perf_counter() - t1)
+
+    def step_tree(self, pool: PagedKVPool, seq_ids: Sequence[int], histories: Sequence[Sequence[int]],
+                  sampling: SamplingBatch, generators: Sequence[torch.Generator]) -> StepResult:
+        """`step` for a drafter that proposes trees: 1. draft a tree of depth <= K per row, 2. verify it
+        in one target forward with the tree's ancestor mask, 3. keep the accepted path (tree_step.py).
+
+        num_drafted is each row's tree depth (the longest path verified), so acceptance by position
+        stays conditional on the depths a step could reach. Each row draws draft_positions(K) + 1
+        uniforms per step whatever its tree's size.
+        """
+        t0 = time.perf_counter()
+        anchors = torch.tensor([h[-1] for h in histories], dtype=torch.long, device=self.device)  # (B,)
+        draft = self.drafter.propose_tree(
+            DraftBatch(list(seq_ids), anchors, histories, pool, sampling, list(generators)), self.K)
+        drafted = draft.depths().tolist()
+        if not all(1 <= d <= self.K for d in drafted):
+            raise ValueError(f"drafter {self.drafter.kind!r} drafted trees of depth {drafted}; each must be in "
+                             f"1..K = 1..{self.K}")
+        t1 = time.perf_counter()
+        result = tree_step(self.target, pool, seq_ids, anchors, draft, sampling, generators,
+                           self.drafter.hidden_layers, self.drafter.draft_positions(self.K) + 1)
+        self.drafter.commit(pool, seq_ids, result.hidden, result.num_committed)
+        accepted = result.verified.num_accepted.tolist()
+        return StepResult(accepted, drafted, result.new_tokens, t1 - t0, time.perf_counter() - t1)
 
     def emit(self, output: SequenceOutput, tokens: Sequence[int], max_new_tokens: int,
              stop: Sequence[str] = ()) -> list[int]:

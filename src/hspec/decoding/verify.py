@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hspec.decoding.sampling import sample_with_uniform
+from hspec.sampling import sample_with_uniform
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ hidden states of the target layers it asked for (at committed positions), and th
 target layers it may read in place. A kind that keeps its own context KV writes it into the pool's
 drafter layers from `commit`.
 
-Step protocol for one sequence (DESIGN.md §3):
+Step protocol for one sequence (docs/design.md#the-decoding-step):
 1. `commit(seq_ids, hidden, num_committed)` after the prompt's prefill and after every verify, with
    the target hidden states of the positions that just became part of the verified prefix;
 2. `propose(batch, K)`: fill the block [x0, MASK x (K-1)] at positions p..p+K-1 and return the
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from hspec.cache.paged_pool import PagedKVPool
-from hspec.decoding.sampling import SamplingBatch
 from hspec.models.config import TargetConfig
 from hspec.registry import Registry
+from hspec.sampling import SamplingBatch
 
 DRAFTERS = Registry("drafter kind")
 
@@ -69,6 +69,50 @@ class Proposal:
     confidence: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class TreeDraft:
+    """A drafted token tree per row (kinds with `Drafter.proposes_tree`; verified by decoding/tree_step.py).
+
+    tokens: (B, N) long node tokens in topological order (a node's parent comes before it).
+    parents: (B, N) long, -1 = a child of x0, else an earlier node's index.
+    draft_probs: (B, N+1, V): [:, 0] the distribution x0's children were drawn from, [:, j+1] node j's.
+    num_nodes: (B,) long, row b's tree is its first num_nodes[b] nodes, the rest padding (never
+    verified); None: all N nodes of every row are real.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor
+    num_nodes: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        b, n = self.tokens.shape
+        if self.parents.shape != (b, n) or self.draft_probs.shape[:2] != (b, n + 1):
+            raise ValueError(f"tokens (B, N), parents (B, N) and draft_probs (B, N+1, V) disagree: "
+                             f"{tuple(self.tokens.shape)}, {tuple(self.parents.shape)}, "
+                             f"{tuple(self.draft_probs.shape)}")
+        bad = (self.parents < -1) | (self.parents >= torch.arange(n, device=self.parents.device))
+        if bool(bad.any()):
+            row, j = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"parents[{row}, {j}] = {int(self.parents[row, j])}: a node's parent must be -1 (the "
+                             f"root) or an earlier node 0..{j - 1}")
+        if self.num_nodes is not None and (self.num_nodes.shape != (b,) or bool((self.num_nodes < 1).any())
+                                           or bool((self.num_nodes > n).any())):
+            raise ValueError(f"num_nodes must be (B,) = ({b},) in 1..N = 1..{n}, got {self.num_nodes.tolist()}")
+
+    def depths(self) -> torch.Tensor:
+        """(B,) long, the depth of each row's tree (its longest root-to-leaf path, padding left out)."""
+        b, n = self.parents.shape
+        depth = torch.zeros((b, n), dtype=torch.long, device=self.parents.device)
+        for j in range(n):  # parents come first, so their depth is known
+            parent = self.parents[:, j]
+            depth[:, j] = torch.where(parent < 0, 1, depth.gather(1, parent.clamp(min=0)[:, None])[:, 0] + 1)
+        if self.num_nodes is not None:
+            real = torch.arange(n, device=depth.device) < self.num_nodes[:, None].to(depth.device)
+            depth = torch.where(real, depth, 0)
+        return depth.max(1).values
+
+
 class Drafter(ABC):
     """Base class of every drafter kind (registered in `DRAFTERS`)."""
 
@@ -82,6 +126,14 @@ class Drafter(ABC):
     # True for trained kinds, which share the target's embedding, LM head and RoPE (`create_drafter`
     # then requires `target_model`).
     needs_target_model: bool = False
+    # True for kinds trained with COD sampling (P-Eagle: keep max(0.6^d, 0.2) of anchors at depth d).
+    trains_with_cod: bool = False
+    # Rows drafted by prompt lookup so far, for kinds that put lookup in front of a model (`KIND+ngram`);
+    # None for the others. `hspec eval` reports the share of steps lookup drafted from it.
+    lookup_rows: int | None = None
+    # True for kinds that draft a token tree (SpecBlock): the decoding step then calls `propose_tree`
+    # and verifies the tree (decoding/tree_step.py) instead of calling `propose`.
+    proposes_tree: bool = False
 
     def check_target(self, config: TargetConfig) -> None:
         """Raise ValueError, naming both shapes, if this drafter cannot serve `config`."""
@@ -89,6 +141,14 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         """Draft K tokens per row."""
+
+    def propose_tree(self, batch: DraftBatch, K: int) -> TreeDraft:
+        """Draft a token tree of depth <= K per row (kinds with `proposes_tree`)."""
+        raise NotImplementedError(f"drafter kind {self.kind!r} drafts chains, not trees")
+
+    def draft_positions(self, K: int) -> int:
+        """Most tokens after x0 one verification scores: K for a chain, the node budget for a tree."""
+        return K
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:

@@ -1,0 +1,64 @@
+"""Configuration of SpecBlock (arXiv 2605.07243). Only the abstract is public (no code, no equations):
+docs/drafters.md#specblock lists which parts below come from it and which choices are ours.
+
+From the abstract: block-iterative tree drafting; a layer-wise shift that carries the previous
+position's hidden state into every decoder layer; a new block that inherits hidden state from the
+previous block; a co-trained rank head that sets the branching per position; a valid-prefix loss mask.
+
+Ours: the backbone is DFlash's (5 layers over a drafter-side context KV cache, the target's frozen
+embedding and pruned LM head, no Markov head); the shift is a zero-initialised linear map per layer
+(so an untrained SpecBlock is DFlash); the rank head is a linear classifier over the rank of the
+target's token among the drafter's candidates, and b_k is the smallest branching whose predicted
+coverage reaches `rank_coverage`, cut to fit `node_budget`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hspec.drafters.dflash.config import DFlashConfig
+from hspec.models.config import TargetConfig
+
+
+@dataclass(frozen=True)
+class SpecBlockConfig(DFlashConfig):
+    """DFlash sizes plus the tree's shape limits and the rank head's settings."""
+
+    max_branch: int = 4  # b_max: most children per tree node; the rank head has b_max + 1 classes
+    node_budget: int = 16  # most tree nodes one step verifies (the target scores node_budget + 1 tokens)
+    rank_coverage: float = 0.8  # b_k = smallest b with P(rank of the target's token < b) >= this
+    rank_loss_weight: float = 0.1  # weight of the rank head's cross-entropy beside the drafter loss
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.reuse_target_kv:
+            raise ValueError("specblock keeps its own context KV (the shift needs its own layers); "
+                             "reuse_target_kv must be False")
+        if self.markov_rank:
+            raise ValueError(f"specblock drafts a tree whose nodes share a slot's distribution; markov_rank must "
+                             f"be 0, got {self.markov_rank}")
+        if self.max_branch < 1:
+            raise ValueError(f"max_branch must be >= 1, got {self.max_branch}")
+        if self.node_budget < 1:
+            raise ValueError(f"node_budget must be >= 1, got {self.node_budget}")
+        if not 0.0 < self.rank_coverage <= 1.0:
+            raise ValueError(f"rank_coverage must be in (0, 1], got {self.rank_coverage}")
+        if self.rank_loss_weight < 0:
+            raise ValueError(f"rank_loss_weight must be >= 0, got {self.rank_loss_weight}")
+
+    @classmethod
+    def from_target(cls, kind: str, target: TargetConfig, **overrides: Any) -> SpecBlockConfig:
+        """SpecBlock for `target`: DFlash's defaults without a Markov head, then `overrides`."""
+        # DrafterConfig's defaults directly: DFlashConfig.from_target only knows its own variants.
+        config = super(DFlashConfig, cls).from_target(kind, target, **{"markov_rank": 0, **overrides})
+        return config  # type: ignore[return-value]
+
+
+def specblock_trainable_params(config: SpecBlockConfig) -> int:
+    """Trainable parameters of `SpecBlockDrafter(config)`, by formula: DFlash's, one H x H shift per
+    layer, and the rank head (H -> b_max + 1, with bias)."""
+    from hspec.drafters.dflash.config import dflash_trainable_params
+
+    H = config.hidden_size
+    return dflash_trainable_params(config) + config.num_layers * H * H + (H + 1) * (config.max_branch + 1)

@@ -1,0 +1,238 @@
+"""SpecBlock: the tree's shape, what `propose_tree` draws, the state carried from block to block (the
+same in training as in decoding), the valid-prefix mask, and losslessness with trees that branch.
+
+The registry-wide suites cover the rest (test_generate.py: greedy == plain in fp32 and bf16, the
+sampled distribution, batch independence; test_checkpoint.py: save/load; test_kv_accounting.py and
+test_bench_serve.py: describe/kv-table rows; test_dfly.py: a few training steps lower the loss).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hspec.decoding.generate import SpeculativeDecoder
+from hspec.decoding.step import DecodeStages
+from hspec.drafters import create_drafter
+from hspec.drafters.base import DraftBatch
+from hspec.drafters.common import kv_layer_of, select_target_layers
+from hspec.drafters.sequential import inference_context
+from hspec.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, specblock_trainable_params, tree_branching
+from hspec.models.kv_accounting import known_target
+from hspec.models.llama import TargetModel
+from hspec.sampling import SamplingBatch, SamplingParams
+from hspec.serving.engine import Engine
+from hspec.training.features import compute_features
+from hspec.training.trainer import make_batch
+
+
+@pytest.fixture(scope="module")
+def features(tiny_target):
+    g = torch.Generator().manual_seed(0)
+    layers = select_target_layers(tiny_target.config.num_layers)
+    tokens = torch.randint(3, tiny_target.config.vocab_size, (60,), generator=g).tolist()
+    return compute_features(tiny_target.model, tokens, 10, layers, [kv_layer_of(x) for x in layers])
+
+
+def randomised(target, seed: int = 0, **overrides) -> SpecBlockDrafter:
+    """A specblock drafter with every weight perturbed (the zero-initialised shift included)."""
+    torch.manual_seed(seed)
+    config = SpecBlockConfig.from_target("specblock", target.config, **overrides)
+    drafter = create_drafter("specblock", target.config, target_model=target.model, config=config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        drafter.rank_head.weight.mul_(30.0)  # a confident rank head: branching varies by row and depth
+    return drafter.eval()
+
+
+def prefilled(target, drafter, tokens: list[int], seq_id: int = 0):
+    pool = target.model.new_pool(16, 8, drafter.num_pool_layers)
+    pool.add_sequence(seq_id)
+    out = target.model(torch.tensor([tokens]), pool, [seq_id], drafter.hidden_layers)
+    drafter.commit(pool, [seq_id], out.hidden, torch.tensor([len(tokens)]))
+    return pool
+
+
+# ---- configuration -----------------------------------------------------------------------------------
+
+
+def test_params_formula_and_bad_settings():
+    config = known_target("qwen3-8b").config
+    with torch.device("meta"):
+        drafter = SpecBlockDrafter(config, TargetModel(config))
+    assert drafter.num_trainable_params() == specblock_trainable_params(drafter.config)
+    assert drafter.proposes_tree and drafter.draft_positions(7) == 16 and drafter.draft_positions(20) == 20
+    for field, value in (("max_branch", 0), ("node_budget", 0), ("rank_coverage", 0.0), ("markov_rank", 8),
+                         ("reuse_target_kv", True), ("rank_loss_weight", -1.0)):
+        with pytest.raises(ValueError, match=field):
+            SpecBlockConfig.from_target("specblock", config, **{field: value})
+
+
+def test_tree_branching_coverage_and_budget():
+    # rank distributions over b_max = 3 (+ "beyond"): coverage 0.8 needs b = 1, 2, 3, and 3 (never reached)
+    probs = torch.tensor([[[0.9, 0.05, 0.05, 0.0], [0.5, 0.35, 0.1, 0.05], [0.3, 0.3, 0.3, 0.1],
+                           [0.1, 0.1, 0.1, 0.7]]])
+    assert tree_branching(probs, 0.8, 100).tolist() == [[1, 2, 3, 3]]
+    # budget 8: 1 + 2 = 3 nodes, then 2 leaves x 3 would be 9 > 8, so b = (8 - 3) // 2 = 2, then nothing fits
+    assert tree_branching(probs, 0.8, 8).tolist() == [[1, 2, 2, 0]]
+    assert tree_branching(probs, 0.8, 1).tolist() == [[1, 0, 0, 0]]
+
+
+# ---- drafting -----------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20)])
+def test_propose_tree_draws_from_the_block(tiny_target, features, params):
+    """Nodes at depth k are the top-b_k tokens of slot k (greedy) or draws from its transformed q_k,
+    each node carries its children's distribution, and the tree fits the budget and depth K."""
+    drafter = randomised(tiny_target, seed=1)
+    tokens, p, K = features.tokens.tolist(), 30, 5
+    pool = prefilled(tiny_target, drafter, tokens[:p])
+    sampling = SamplingBatch.from_params([params])
+    batch = DraftBatch([0], torch.tensor([tokens[p]]), [tokens[: p + 1]], pool, sampling,
+                       [torch.Generator().manual_seed(3)])
+    ctx = inference_context(drafter, batch, K)
+    h, _ = drafter.block_states(ctx, torch.zeros(1, len(drafter.layers), drafter.config.hidden_size))
+    logits = drafter.head(h).float()  # (1, K, Vp)
+    q = drafter.head.to_full(sampling.probs(logits))[0]  # (K, V)
+    tree = drafter.propose_tree(batch, K)
+    n = int(tree.num_nodes[0])
+    assert 1 <= n <= drafter.config.node_budget and 1 <= int(tree.depths()[0]) <= K
+    depth = torch.zeros(n, dtype=torch.long)
+    for j in range(n):
+        parent = int(tree.parents[0, j])
+        depth[j] = 1 if parent < 0 else depth[parent] + 1
+    assert len(set(tree.parents[0, :n].tolist())) < n, "the tree never branched"
+    torch.testing.assert_close(tree.draft_probs[0, 0], q[0])
+    for j in range(n):
+        slot = int(depth[j]) - 1  # the node's own token came from slot `slot`
+        if params.temperature > 0:  # drawn from q (greedy q is one-hot: later children have q = 0)
+            assert float(q[slot, tree.tokens[0, j]]) > 0
+        else:
+            width = int((tree.parents[0, :n] == tree.parents[0, j]).sum())
+            top = drafter.head.to_target_ids(logits[0, slot].topk(width).indices)
+            assert int(tree.tokens[0, j]) in top.tolist()
+        children = tree.parents[0, :n] == j
+        if bool(children.any()):  # a parent's row is the distribution its children came from
+            torch.testing.assert_close(tree.draft_probs[0, j + 1], q[slot + 1])
+
+
+@torch.no_grad()
+def test_training_inherits_the_state_decoding_inherits(tiny_target, features):
+    """After a prefill at a', a block whose d drafts were accepted leaves slot d's layer inputs to the
+    next block (anchor a' + 1 + d); `training_inherited` rebuilds exactly that state from the features."""
+    drafter = randomised(tiny_target, seed=2)
+    tokens, K = features.tokens, drafter.config.block_size
+    for d in (0, 2, K - 1):
+        a_prev = 25
+        pool = prefilled(tiny_target, drafter, tokens[:a_prev].tolist())
+        batch = DraftBatch([0], tokens[a_prev:a_prev + 1], [tokens[:a_prev + 1].tolist()], pool,
+                           SamplingBatch.from_params([SamplingParams()]), [torch.Generator()])
+        drafter.propose_tree(batch, K)
+        # the verify accepted d drafts: x0 and d more tokens join the prefix
+        out = tiny_target.model(tokens[None, a_prev:a_prev + 1 + d], pool, [0], drafter.hidden_layers)
+        drafter.commit(pool, [0], out.hidden, torch.tensor([1 + d]))
+        decoded = drafter.inherited_of([0], tokens.device)[0]  # (L, H)
+        anchors = torch.full((K,), a_prev + 1 + d)  # row n rebuilds the block before with n mod K accepted
+        ctx = make_batch(drafter, tiny_target.model, features, anchors, K).ctx
+        torch.testing.assert_close(drafter.training_inherited(ctx)[d], decoded, atol=1e-5, rtol=1e-4)
+        assert float(decoded.abs().sum()) > 0
+        drafter.release(0)
+        assert drafter.inherited_of([0], tokens.device).abs().sum() == 0  # forgotten
+
+
+def test_valid_prefix_mask_stops_the_gradient_after_a_miss(tiny_target, features):
+    drafter = randomised(tiny_target, seed=3).train()
+    K = drafter.config.block_size
+    batch = make_batch(drafter, tiny_target.model, features, torch.tensor([20, 30, 40]), K)
+    with torch.no_grad():
+        drafted = drafter.head.to_target_ids(drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens).argmax(-1))
+    labels = drafted.clone()
+    labels[0, 2] = (labels[0, 2] + 1) % tiny_target.config.vocab_size  # row 0 misses at slot 2
+    logits, rank_loss = drafter.training_logits(batch.ctx, batch.prev_tokens, labels, batch.valid)
+    assert rank_loss.requires_grad and torch.isfinite(rank_loss)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    for k, expect in ((2, True), (3, False), (K - 1, False)):
+        grads = torch.autograd.grad(logits[0, k].sum(), params, retain_graph=True, allow_unused=True)
+        moved = any(g is not None and bool(g.abs().sum() > 0) for g in grads)
+        assert moved == expect, k
+    grads = torch.autograd.grad(logits[1, K - 1].sum(), params, retain_graph=True, allow_unused=True)
+    assert any(g is not None and bool(g.abs().sum() > 0) for g in grads)  # row 1 hit everywhere
+
+
+# ---- decoding -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("K", [1, 3, 7])
+def test_greedy_trees_equal_plain_and_branch(tiny_target, K):
+    """Greedy tree-speculative output == plain greedy with trees that branch and differ per row."""
+    prompts = [tiny_target.tokenizer.encode_prompt(p) for p in ("hello world, hello", "abcabcabc", "the fox")]
+    plain = SpeculativeDecoder(tiny_target.model, create_drafter("none", tiny_target.config), 1, ())
+    drafter = randomised(tiny_target, seed=4, node_budget=12)
+    sizes = []
+    propose_tree = drafter.propose_tree
+
+    def recording(batch, k):
+        tree = propose_tree(batch, k)
+        sizes.append(tree.num_nodes.tolist())
+        return tree
+
+    drafter.propose_tree = recording  # type: ignore[method-assign]
+    spec = SpeculativeDecoder(tiny_target.model, drafter, K, ())
+    expected = plain.generate(prompts, SamplingParams(), 30).sequences
+    got = spec.generate(prompts, SamplingParams(), 30).sequences
+    assert [s.token_ids for s in got] == [s.token_ids for s in expected]
+    assert all(0 <= n <= d <= K for s in got for n, d in zip(s.num_accepted, s.num_drafted, strict=True))
+    if K > 1:
+        assert max(n for step in sizes for n in step) > K, "no tree ever branched"
+        assert any(len(set(step)) > 1 for step in sizes), "every step's rows had trees of one size"
+
+
+def test_sampled_trees_have_the_target_distribution(tiny_dirs):
+    """Chi-square goodness of fit of 3-token continuations with branching trees (4,000 samples, K = 2,
+    node budget 6). Fails when p < 1e-4: a correct implementation fails with probability 1e-4 (fixed
+    seeds, no reruns)."""
+    from conftest import build_tiny_checkpoint, load_tiny
+    from test_generate import _exact_joint
+
+    directory = tiny_dirs["llama"].parent / "tiny_vocab8"
+    if not directory.exists():
+        build_tiny_checkpoint(directory, "llama", seed=5, vocab_size=8)
+    target = load_tiny(directory)
+    params = SamplingParams(temperature=1.3, top_k=6)
+    prompt = [1, 4, 5, 6, 3]
+    exact = _exact_joint(target, prompt, params, 3)
+    N = 4000
+    drafter = randomised(target, seed=5, node_budget=6, max_branch=3, draft_vocab_size=8)
+    decoder = SpeculativeDecoder(target.model, drafter, 2, eos_token_ids=())
+    out = decoder.generate([prompt] * N, params, 3, seeds=range(2000, 2000 + N))
+    assert max(sum(s.num_accepted) for s in out.sequences) >= 1
+    counts: dict[tuple, int] = {}
+    for s in out.sequences:
+        counts[tuple(s.token_ids)] = counts.get(tuple(s.token_ids), 0) + 1
+    assert set(counts) <= set(exact), "sampled a continuation the target gives zero probability"
+    observed, expected, pooled_o, pooled_e = [], [], 0.0, 0.0
+    for cell, prob in exact.items():
+        if prob * N >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(prob * N)
+        else:
+            pooled_o += counts.get(cell, 0)
+            pooled_e += prob * N
+    observed.append(pooled_o)
+    expected.append(pooled_e)
+    o, e = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    chi2 = float(((o - e) ** 2 / e).sum())
+    dof = len(observed) - 1
+    p_value = 1 - float(torch.distributions.Chi2(torch.tensor(float(dof))).cdf(torch.tensor(chi2)))
+    assert p_value > 1e-4, f"chi2={chi2:.1f}, dof={dof}, p={p_value:.2e}"
+
+
+def test_the_engine_refuses_tree_drafters(tiny_target):
+    drafter = create_drafter("specblock", tiny_target.config, target_model=tiny_target.model)
+    stages = DecodeStages(tiny_target.model, drafter, 3, ())
+    with pytest.raises(ValueError, match="drafts trees"):
+        Engine(stages, tiny_target.model.new_pool(16, 8, drafter.num_pool_layers))
