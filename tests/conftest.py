@@ -78,6 +78,34 @@ def pool_free_draft_batch(histories: list[list[int]]):
                       generators=[torch.Generator() for _ in range(b)])
 
 
+def assert_samples_follow(samples, exact: dict[tuple, float], min_p_value: float = 1e-4) -> None:
+    """Chi-square goodness of fit of sampled continuations (tuples) to their exact probabilities.
+
+    Cells with expected count < 5 are pooled into one. Fails when p < `min_p_value`, so a correct sampler
+    fails with that probability per call; callers fix their seeds and never rerun.
+    """
+    n = len(samples)
+    counts: dict[tuple, int] = {}
+    for cell in samples:
+        counts[cell] = counts.get(cell, 0) + 1
+    assert set(counts) <= set(exact), "sampled a continuation the target gives zero probability"
+    observed, expected, pooled_o, pooled_e = [], [], 0.0, 0.0
+    for cell, prob in exact.items():
+        if prob * n >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(prob * n)
+        else:
+            pooled_o += counts.get(cell, 0)
+            pooled_e += prob * n
+    observed.append(pooled_o)
+    expected.append(pooled_e)
+    o, e = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    chi2 = float(((o - e) ** 2 / e).sum())
+    dof = len(observed) - 1
+    p_value = 1 - float(torch.distributions.Chi2(torch.tensor(float(dof))).cdf(torch.tensor(chi2)))
+    assert p_value > min_p_value, f"chi2={chi2:.1f}, dof={dof}, p={p_value:.2e}"
+
+
 def load_tiny(directory: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Target:
     """Load a tiny checkpoint through the real loader, without a HF tokenizer."""
     from hspec.models import loading

@@ -195,7 +195,7 @@ def test_sampled_trees_have_the_target_distribution(tiny_dirs):
     """Chi-square goodness of fit of 3-token continuations with branching trees (4,000 samples, K = 2,
     node budget 6). Fails when p < 1e-4: a correct implementation fails with probability 1e-4 (fixed
     seeds, no reruns)."""
-    from conftest import build_tiny_checkpoint, load_tiny
+    from conftest import assert_samples_follow, build_tiny_checkpoint, load_tiny
     from test_generate import _exact_joint
 
     directory = tiny_dirs["llama"].parent / "tiny_vocab8"
@@ -210,25 +210,7 @@ def test_sampled_trees_have_the_target_distribution(tiny_dirs):
     decoder = SpeculativeDecoder(target.model, drafter, 2, eos_token_ids=())
     out = decoder.generate([prompt] * N, params, 3, seeds=range(2000, 2000 + N))
     assert max(sum(s.num_accepted) for s in out.sequences) >= 1
-    counts: dict[tuple, int] = {}
-    for s in out.sequences:
-        counts[tuple(s.token_ids)] = counts.get(tuple(s.token_ids), 0) + 1
-    assert set(counts) <= set(exact), "sampled a continuation the target gives zero probability"
-    observed, expected, pooled_o, pooled_e = [], [], 0.0, 0.0
-    for cell, prob in exact.items():
-        if prob * N >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(prob * N)
-        else:
-            pooled_o += counts.get(cell, 0)
-            pooled_e += prob * N
-    observed.append(pooled_o)
-    expected.append(pooled_e)
-    o, e = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
-    chi2 = float(((o - e) ** 2 / e).sum())
-    dof = len(observed) - 1
-    p_value = 1 - float(torch.distributions.Chi2(torch.tensor(float(dof))).cdf(torch.tensor(chi2)))
-    assert p_value > 1e-4, f"chi2={chi2:.1f}, dof={dof}, p={p_value:.2e}"
+    assert_samples_follow([tuple(s.token_ids) for s in out.sequences], exact)
 
 
 def test_the_engine_refuses_tree_drafters(tiny_target):

@@ -193,7 +193,7 @@ def test_sampled_tree_decoding_has_the_target_distribution(tiny_dirs):
     """Chi-square goodness of fit of 3-token continuations (4,000 samples, temperature 1.3, top-k 6),
     as for the chain case (test_generate.py): fails when p < 1e-4, so a correct implementation fails
     with probability 1e-4; fixed seeds, no reruns."""
-    from conftest import build_tiny_checkpoint, load_tiny
+    from conftest import assert_samples_follow, build_tiny_checkpoint, load_tiny
     from hspec.sampling import SamplingBatch, SamplingParams
 
     directory = tiny_dirs["llama"].parent / "tiny_vocab8"
@@ -218,24 +218,7 @@ def test_sampled_tree_decoding_has_the_target_distribution(tiny_dirs):
                  for t in range(8) if dist[i, t] > 0}
     N = 4000
     samples, depths, _, _ = tree_generate(target, [prompt] * N, params, 3, seeds=range(1000, 1000 + N))
-    counts: dict[tuple, int] = {}
-    for s in samples:
-        counts[tuple(s)] = counts.get(tuple(s), 0) + 1
-    assert set(counts) <= set(exact), "sampled a continuation the target gives zero probability"
-    observed, expected, pooled_o, pooled_e = [], [], 0.0, 0.0
-    for cell, prob in exact.items():
-        if prob * N >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(prob * N)
-        else:
-            pooled_o += counts.get(cell, 0)
-            pooled_e += prob * N
-    observed.append(pooled_o)
-    expected.append(pooled_e)
-    o, e = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
-    chi2 = float(((o - e) ** 2 / e).sum())
-    p_value = 1 - float(torch.distributions.Chi2(torch.tensor(float(len(observed) - 1))).cdf(torch.tensor(chi2)))
-    assert p_value > 1e-4, f"chi2={chi2:.1f}, p={p_value:.2e}"
+    assert_samples_follow([tuple(s) for s in samples], exact)
     assert sum(d >= 2 for d in depths) > N // 20  # deep paths were accepted, so the KV moves were exercised
 
 

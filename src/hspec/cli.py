@@ -20,6 +20,13 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                         "(the embedded default, SmolLM2-135M-Instruct; default)")
 
 
+def _add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="weights, KV pool and drafters: auto (default) = bfloat16 on a GPU or a CPU with native "
+                        "bf16 dot products (AVX512-BF16 or AMX), float32 on other CPUs, where bf16 runs slower "
+                        "(docs/fast-path.md)")
+
+
 def _add_device(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument("--device", default=default,
                    help=f"auto (a CUDA GPU when one is visible, else the CPU), cpu, cuda or cuda:N; under torchrun "
@@ -42,9 +49,42 @@ def _add_drafter(p: argparse.ArgumentParser, default: str) -> None:
                         "before, by KIND otherwise; a :P suffix (e.g. hspec+ngram:0.4) verifies only the leading "
                         "drafts the drafter is at least P sure of (K stays the most per step), and behind lookup "
                         "2m+1 drafts after an m-token match")
-    p.add_argument("--k", type=int, default=7, help="tokens drafted per step, K >= 1 (default 7)")
+    p.add_argument("--k", type=int, default=7,
+                   help=f"tokens drafted per step, 1 <= K <= {MAX_DRAFT_LEN}; a trained drafter allows at most the "
+                        "K it was trained for (7 for the shipped ones) (default 7)")
     p.add_argument("--drafter-path", default=None,
-                   help="trained drafter checkpoint dir (default: the one shipped for the embedded target)")
+                   help="trained drafter checkpoint dir (default: the one shipped for the embedded target); "
+                        "only for trained kinds, not none or ngram")
+
+
+# The most tokens a step may draft. The target verifies K+1 tokens per step, so a step costs more with
+# every draft while acceptance falls off fast with the position (few steps accept 8 tokens here); trained
+# drafters allow at most their trained block size anyway (7 shipped; the paper trains up to 16). 32 leaves
+# room for long prompt-lookup copies and stops the likes of --k 5000 (half a minute per step on a CPU).
+MAX_DRAFT_LEN = 32
+
+
+def _check_draft_len(k: int, flag: str = "--k") -> None:
+    if not 1 <= k <= MAX_DRAFT_LEN:
+        raise ValueError(f"{flag} must be in 1..{MAX_DRAFT_LEN} (tokens drafted per step), got {k}")
+
+
+def _check_drafter_args(args: argparse.Namespace) -> None:
+    """--k in range, and --drafter-path only for a drafter that loads one (before any model is loaded)."""
+    from hspec.drafters.spec import MODEL_FREE, parse_drafter_spec
+
+    _check_draft_len(args.k)
+    if args.drafter_path is not None and parse_drafter_spec(args.drafter).base in MODEL_FREE:
+        raise ValueError(f"--drafter-path {args.drafter_path} was given, but --drafter {args.drafter} loads no "
+                         f"checkpoint ({', '.join(MODEL_FREE)} are model-free); drop --drafter-path or name a "
+                         "trained kind, e.g. --drafter hspec")
+
+
+def _add_data_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="folder of the evaluation sets and training prompts (spec_bench.jsonl, ..., "
+                        "train_prompts.jsonl[.gz]) instead of the copy shipped in hspec/data "
+                        "(default: $HSPEC_DATA_DIR if set, else the shipped copy)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,16 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="user message (wrapped in the chat template)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
     _add_target(gen)
+    _add_dtype(gen)
     _add_drafter(gen, "ngram")
     _add_sampling(gen)
     gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string, non-empty (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
     demo = sub.add_parser("demo", help="the README's main job: drafters vs plain decoding on a few prompts",
                           description="Runs plain decoding and each drafter on a few prompts, interleaved, "
                                       "checks that outputs match, and prints text, MAL, tokens/s, speedup.")
     _add_target(demo)
+    _add_dtype(demo)
     demo.add_argument("--drafters", default="ngram,hspec,hspec+ngram,hspec+ngram:0.4",
                       help="comma-separated drafter kinds (default ngram,hspec,hspec+ngram,hspec+ngram:0.4: n-gram, "
                            "the shipped H-Spec drafter, H-Spec behind prompt lookup, and that verifying only the "
@@ -81,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                                            "prompts, appended to a JSONL file; rerun the same command to resume.")
     _add_target(dgen)
     dgen.add_argument("--prompts", default="train_prompts.jsonl",
-                      help="prompt JSONL (normalized format), a path or a file in the shared data dir")
+                      help="prompt JSONL (normalized format): a path, or a file (or its .gz) in the data folder "
+                           "(default train_prompts.jsonl: the shipped training prompts)")
+    _add_data_dir(dgen)
     dgen.add_argument("--num-prompts", type=int, default=None, help="how many prompts (default all)")
     dgen.add_argument("--skip-prompts", type=int, default=0,
                       help="start this far into the shuffled prompt order, so corpus parts made by separate "
@@ -126,16 +170,28 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--init-from", default=None, metavar="DRAFTER_DIR",
                        help="start from this saved drafter of the same kind (e.g. RUN/drafter of an earlier run) "
                             "to train it on more data; keeps its config and draft vocabulary, restarts the "
-                            "schedule (warmup + half-cosine over --steps)")
+                            "schedule (warmup + half-cosine over --steps). For --drafter dels, a trained dflash "
+                            "drafter: DeLS-Spec trains its local head over it, frozen")
+    train.add_argument("--override", action="store_true",
+                       help="resume a run dir although settings changed (e.g. another --steps or --lr): without "
+                            "it such a rerun stops and lists the changes; with it the change is recorded in the "
+                            "run's history.jsonl and the new settings apply from the resumed step")
+    train.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16-autocast"),
+                       help="arithmetic of the drafter's forward and backward: fp32, or bf16 autocast over fp32 "
+                            "master weights, optimizer state and loss. auto: bf16-autocast on CUDA and on a CPU "
+                            "with native bf16 dot products (AVX512-BF16/AMX), else fp32 (measured: "
+                            "results/train_precision_cpu.md); a resumed run keeps the precision it recorded "
+                            "(default auto)")
     _add_device(train)
 
     ev = sub.add_parser("eval", help="drafters vs plain decoding on the task suites (tau, speedup, CIs)",
                         description="Runs plain decoding and each drafter item by item (interleaved) on fixed "
                                     "subsets of the task suites; writes JSON + markdown under --out.")
     _add_target(ev)
+    _add_dtype(ev)
     ev.add_argument("--drafters", default="ngram,hspec",
                     help="comma-separated kinds, optionally KIND=CHECKPOINT_DIR (plain decoding always runs)")
-    ev.add_argument("--tasks", default="spec_bench", help="comma-separated task names (see hspec.eval.tasks)")
+    ev.add_argument("--tasks", default="spec_bench", help="comma-separated task names (see hspec.data.tasks)")
     ev.add_argument("--size", type=int, default=24, help="items per task (evenly spaced, fixed; default 24)")
     ev.add_argument("--k", default="7",
                     help="draft length K, or several comma-separated (e.g. 3,5,7: the draft-length sensitivity; "
@@ -144,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(ev)
     ev.add_argument("--out", default="results", help="output directory")
     ev.add_argument("--name", default=None, help="file stem (default eval_<tasks>_k<K>_<greedy|sampled>)")
+    _add_data_dir(ev)
 
     exp = sub.add_parser("export-drafter", help="copy a drafter checkpoint with weights stored in bf16/fp16",
                          description="Ship a trained drafter smaller: floating weights are cast to --dtype "
@@ -176,21 +233,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that write results/*.json and *.md")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    bdec = bench_sub.add_parser("decode", help="plain-decode ITL vs transformers; verify cost vs K",
-                                description="Interleaved plain-decode ITL of this runtime vs transformers' "
-                                            "eager generate, the cost of a (K+1)-token verify, and both "
-                                            "with row-major vs the runtime's column-major linear weights.")
+    bdec = bench_sub.add_parser("decode", help="plain decode per dtype vs transformers; verify cost vs K",
+                                description="Interleaved plain-decode ms/token of this runtime in each --dtypes "
+                                            "entry, of its float32 runtime before stacked projections, and of "
+                                            "transformers' eager generate; the cost of a (K+1)-token verify over a "
+                                            "1-token decode per dtype. Writes <out>/decode_cpu.{json,md}.")
     _add_target(bdec)
-    bdec.add_argument("--num-prompts", type=int, default=4)
-    bdec.add_argument("--max-new-tokens", type=int, default=64)
-    bdec.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    bdec.add_argument("--dtypes", default="float32,bfloat16",
+                      help="comma-separated dtypes to time (auto, float32, bfloat16; default float32,bfloat16)")
+    bdec.add_argument("--no-transformers", action="store_true", help="leave out the transformers column")
+    bdec.add_argument("--max-prompt-tokens", type=int, default=128,
+                      help="keep each prompt's first N tokens (the prefill is not timed; default 128)")
+    bdec.add_argument("--num-prompts", type=int, default=2, help="Spec-Bench prompts (default 2)")
+    bdec.add_argument("--max-new-tokens", type=int, default=32,
+                      help="tokens per prompt and runtime, >= 2; the first comes from the untimed prefill (default 32)")
+    bdec.add_argument("--repeats", type=int, default=2, help="interleaved rounds")
+    bdec.add_argument("--threads", type=int, default=1,
+                      help="torch CPU threads (default 1: on a shared 2-core host, 2 threads stall on each other's "
+                           "neighbours; 0 = torch's default)")
     bdec.add_argument("--out", default="results", help="output directory")
+    _add_data_dir(bdec)
     _add_serving_parsers(sub, bench_sub)
+    _add_vllm_bench_parser(bench_sub)
     bdraft = bench_sub.add_parser("draft", help="draft forward cost T_D(K) / verify cost T_T per drafter kind",
                                   description="Interleaved timing of one propose(K=7) per kind against the "
                                               "target's 8-token verify, for several batch sizes and contexts "
                                               "(random drafter weights); writes results/draft_cost_<device>.*")
     _add_target(bdraft)
+    _add_dtype(bdraft)
     bdraft.add_argument("--drafters", default="", help="comma-separated kinds (default: every registered kind)")
     bdraft.add_argument("--batch-sizes", default="1,16", help="comma-separated B (default 1,16)")
     bdraft.add_argument("--contexts", default="256,2048", help="comma-separated context lengths (default 256,2048)")
@@ -225,8 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from hspec.demo import run_demo
 
+            _check_draft_len(args.k)
             return run_demo(args.target, [k for k in args.drafters.split(",") if k], args.k,
-                            args.max_new_tokens, list(DEMO_PROMPTS))
+                            args.max_new_tokens, list(DEMO_PROMPTS), dtype=args.dtype)
         if args.command == "data" and args.data == "generate":
             from pathlib import Path
 
@@ -236,24 +307,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 target=args.target, prompts_file=args.prompts, num_prompts=args.num_prompts,
                 skip_prompts=args.skip_prompts, max_prompt_tokens=args.max_prompt_tokens,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, batch_size=args.batch_size, shuffle_seed=args.seed, device=args.device)
+                top_k=args.top_k, batch_size=args.batch_size, shuffle_seed=args.seed, device=args.device,
+                data_dir=args.data_dir)
             print(f"wrote {generate_corpus(settings, Path(args.out))}")
             return 0
         if args.command == "eval":
             from pathlib import Path
 
-            from hspec.decoding.sampling import SamplingParams
             from hspec.eval.runner import MethodSpec, run_eval
+            from hspec.sampling import SamplingParams
 
             sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
             methods = [MethodSpec(*spec.split("=", 1)) if "=" in spec else MethodSpec(spec)
                        for spec in args.drafters.split(",") if spec]
             mode = "greedy" if sampling.greedy else "sampled"
             ks = _ints(args.k)
+            for k in ks:
+                _check_draft_len(k)
             stem = args.name or f"eval_{args.tasks.replace(',', '+')}_k{'+'.join(map(str, ks))}_{mode}"
             command = "hspec " + " ".join(sys.argv[1:]) if argv is None else "hspec " + " ".join(argv)
             run_eval(args.target, methods, args.tasks.split(","), args.size, ks if len(ks) > 1 else ks[0], sampling,
-                     args.max_new_tokens, Path(args.out), stem, args.seed, command)
+                     args.max_new_tokens, Path(args.out), stem, args.seed, command, data_dir=args.data_dir,
+                     dtype=args.dtype)
             print(f"wrote {Path(args.out) / stem}.json and .md")
             return 0
         if args.command == "eval-report":
@@ -274,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "export-drafter":
             import torch
 
-            from hspec.training.checkpoint import export_drafter
+            from hspec.drafters.checkpoint import export_drafter
 
             dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
             print(f"wrote {export_drafter(args.src, args.dst, dtype)}")
@@ -306,18 +381,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             from pathlib import Path
 
+            from hspec.drafters import DRAFTERS
             from hspec.training.run import train as run_training
             from hspec.training.trainer import TrainConfig
 
             config = TrainConfig(steps=args.steps, lr=args.lr, seqs_per_step=args.seqs_per_step,
                                  anchors_per_seq=args.anchors_per_seq, seed=args.seed,
-                                 cod_keep=args.drafter == "peagle")
+                                 cod_keep=DRAFTERS.get(args.drafter).trains_with_cod, precision=args.precision)
             out = Path(args.out or f"runs/train/{args.drafter}")
             saved = run_training(args.drafter, args.target, [Path(p) for p in args.features.split(",")], out,
                                  config, val_every=args.val_every, draft_vocab_size=args.draft_vocab,
                                  init_from=None if args.init_from is None else Path(args.init_from),
                                  corpora=None if args.corpus is None else [Path(p) for p in args.corpus.split(",")],
-                                 device=args.device)
+                                 device=args.device, override=args.override)
             print(f"wrote {saved}")
             return 0
         if args.command == "serve":
@@ -327,14 +403,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench" and args.bench == "decode":
             from hspec.bench.decode import run_decode_bench
 
-            return run_decode_bench(args.target, args.num_prompts, args.max_new_tokens, args.repeats, args.out)
+            return run_decode_bench(args.target, args.num_prompts, args.max_new_tokens, args.repeats, args.out,
+                                    data_dir=args.data_dir, dtypes=[d for d in args.dtypes.split(",") if d],
+                                    transformers=not args.no_transformers, max_prompt_tokens=args.max_prompt_tokens,
+                                    threads=args.threads)
+        if args.command == "bench" and args.bench == "vllm":
+            from hspec.bench.vllm import run_vllm_bench
+
+            return run_vllm_bench(args.target, args.drafters, args.prompts_file, args.num_prompts,
+                                  args.max_new_tokens, args.dtype, args.k, args.max_model_len, args.out, args.json,
+                                  data_dir=args.data_dir, hspec_engine=not args.no_hspec_engine)
         if args.command == "bench" and args.bench == "draft":
             from hspec.bench.draft import run_draft_bench
 
             return run_draft_bench(args.target, [k for k in args.drafters.split(",") if k], args.out, args.repeats,
-                                   _ints(args.batch_sizes), _ints(args.contexts), draft_vocab_size=args.draft_vocab)
+                                   _ints(args.batch_sizes), _ints(args.contexts), draft_vocab_size=args.draft_vocab,
+                                   dtype=args.dtype)
         if args.command == "kv-table":
-            from hspec.kv_accounting import format_kv_table, kv_table
+            from hspec.models.kv_accounting import format_kv_table, kv_table
 
             rows = kv_table()
             print(json.dumps([r.to_dict() for r in rows], indent=1) if args.json else format_kv_table(rows))
@@ -367,14 +453,15 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from hspec.decoding.generate import SpeculativeDecoder
-    from hspec.decoding.sampling import SamplingParams
     from hspec.models.loading import load_target
     from hspec.runtime import build_drafter
+    from hspec.sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)  # validate before loading
-    if args.k < 1:
-        raise ValueError(f"--k must be >= 1, got {args.k}")
-    target = load_target(args.target)
+    _check_drafter_args(args)
+    if "" in args.stop:  # an empty string is found at once: the text would be cut to nothing
+        raise ValueError(f"--stop needs a non-empty string, got {args.stop!r}")
+    target = load_target(args.target, dtype=args.dtype)
     drafter = build_drafter(args.drafter, target, args.drafter_path)
     decoder = SpeculativeDecoder(target.model, drafter, args.k, target.tokenizer.eos_token_ids,
                                  target.tokenizer.decode)
@@ -384,11 +471,15 @@ def _generate(args: argparse.Namespace) -> int:
     seq = out.sequences[0]
     text = target.tokenizer.decode(seq.token_ids)
     if args.stop:
-        text = _cut_at_stop(text, args.stop)
+        from hspec.decoding.text import cut_at_stop
+
+        text = cut_at_stop(text, args.stop)
     metrics = out.metrics()
     if args.json:
         print(json.dumps({"text": text, "finish_reason": seq.finish_reason, "drafter": args.drafter,
-                          "target": target.name, **metrics}))
+                          "target": target.name,
+                          "dtype": str(target.model.embed_tokens.weight.dtype).removeprefix("torch."),
+                          **metrics}))
         return 0
     print(text)
     print(f"\n[{args.drafter}, K={metrics['K']}] {metrics['num_tokens']} tokens, finish={seq.finish_reason}, "
@@ -401,10 +492,31 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
-    cuts = [text.find(s) for s in stop if s in text]
-    return text[: min(cuts)] if cuts else text
 
+def _add_vllm_bench_parser(bench_sub) -> None:
+    bv = bench_sub.add_parser(
+        "vllm", help="drafters inside vLLM (CPU build): greedy equality with vLLM plain, tau, tok/s, KV capacity",
+        description="Batch-1 greedy decoding of the target in vLLM with each drafter, interleaved prompt by prompt, "
+                    "plus hspec's own engine on the same token ids. Needs vLLM: `bash scripts/install_vllm.sh` "
+                    "(docs/vllm.md). Without --json writes results/vllm/vllm_<dtype>.json and .md with provenance.")
+    _add_target(bv)
+    bv.add_argument("--drafters", default="none,ngram,dflash=random",
+                    help="comma-separated: none (vLLM plain, always run), ngram, dflash=PATH (an hspec DFlash "
+                         "checkpoint, exported for vLLM on the fly, or such an export), dflash=random (seed-0 random "
+                         "weights: losslessness and KV cost, not tau); default none,ngram,dflash=random")
+    bv.add_argument("--prompts-file", default=None, metavar="F.jsonl",
+                    help='one {"prompt": "..."} per line, chat-templated like `hspec generate` '
+                         "(default: --num-prompts evenly spaced Spec-Bench items)")
+    bv.add_argument("--num-prompts", type=int, default=4, help="prompts to use (default 4; 0 = the whole file)")
+    bv.add_argument("--max-new-tokens", type=int, default=64)
+    bv.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="vLLM's compute dtype; greedy equality is exact only in float32 (default)")
+    bv.add_argument("--k", type=int, default=5, help="drafts per step for ngram (default 5; DFlash: its export's)")
+    bv.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
+    bv.add_argument("--no-hspec-engine", action="store_true", help="skip the rows of hspec's own engine")
+    bv.add_argument("--json", action="store_true", help="print the rows as JSON instead of writing results/vllm/")
+    bv.add_argument("--out", default="results/vllm", help="output directory (default results/vllm)")
+    _add_data_dir(bv)
 
 
 def _add_serving_parsers(sub, bench_sub) -> None:
@@ -415,16 +527,25 @@ def _add_serving_parsers(sub, bench_sub) -> None:
                     "/v1/completions and /v1/chat/completions (SSE streaming with \"stream\": true), "
                     "/metrics (Prometheus) and /health. Requests are batched continuously; when the pool "
                     "is full they wait, or the youngest is preempted and later recomputed; output equals "
-                    "the target's own. Extension: `top_k` in request bodies.")
+                    "the target's own. A client that disconnects cancels its request. Every error comes in "
+                    "OpenAI's envelope. Extension: `top_k` in request bodies.")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1, loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000,
+                       help="TCP port in 0..65535 (default 8000; 0 = any free port, announced at start)")
     _add_target(serve)
+    _add_dtype(serve)
     _add_drafter(serve, "ngram")
     _add_pool_options(serve, default_budget_mib=512.0)
-    serve.add_argument("--kv-blocks", type=int, default=None, help="pool size in blocks (overrides --kv-budget-mib)")
+    serve.add_argument("--kv-blocks", type=int, default=None,
+                       help="pool size in blocks, >= 1 (overrides --kv-budget-mib); a pool that cannot hold one "
+                            "request is refused, one that cannot give a request --default-max-tokens is warned of")
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                       help="largest request body in bytes (default 1048576 = 1 MiB); larger ones get 413 "
+                            "before they are read")
     serve.add_argument("--served-model-name", default=None, help="the `model` id clients send (default: target name)")
     serve.add_argument("--default-max-tokens", type=int, default=256,
-                       help="output limit of chat requests that give none (default 256)")
+                       help="output limit of chat requests that give none, clamped to the room the prompt leaves "
+                            "in the context and the KV pool (default 256; completions: OpenAI's 16, clamped too)")
     serve.add_argument("--random-drafter-weights", action="store_true",
                        help="serve a trained kind untrained (exact outputs, meaningless acceptance; for timing)")
     serve.add_argument("--threads", type=int, default=0,
@@ -457,6 +578,7 @@ def _add_serving_parsers(sub, bench_sub) -> None:
                         help="serve trained kinds untrained where no checkpoint exists (timing / KV only)")
     _add_pool_options(bserve, default_budget_mib=256.0)
     bserve.add_argument("--out", default="results", help="output directory; files go to <out>/serving/")
+    _add_data_dir(bserve)
 
 
 def _add_pool_options(p: argparse.ArgumentParser, default_budget_mib: float) -> None:
@@ -467,24 +589,28 @@ def _add_pool_options(p: argparse.ArgumentParser, default_budget_mib: float) -> 
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from hspec.serving.server import ServeSettings, serve
+    from hspec.serving.server import ServeSettings, require_serve_extra, serve
 
-    if args.k < 1:
-        raise ValueError(f"--k must be >= 1, got {args.k}")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
-    serve(ServeSettings(
+    _check_drafter_args(args)
+    settings = ServeSettings(  # checks every value, naming its flag, before anything loads
         target=args.target, drafter=args.drafter, K=args.k, drafter_path=args.drafter_path,
         kv_budget_mib=args.kv_budget_mib, kv_blocks=args.kv_blocks, block_size=args.block_size,
         max_running=args.max_running, model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
-        host=args.host, port=args.port, log_level=args.log_level, threads=args.threads,
-        random_drafter_weights=args.random_drafter_weights))
+        max_request_bytes=args.max_request_bytes, host=args.host, port=args.port, log_level=args.log_level,
+        threads=args.threads, random_drafter_weights=args.random_drafter_weights, dtype=args.dtype)
+    try:
+        require_serve_extra()
+    except ImportError as err:
+        print(f"hspec: error: {err}", file=sys.stderr)
+        return 2
+    serve(settings)
     return 0
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
     from hspec.bench.serve import ServeBenchSettings, run_serve_bench
 
+    _check_draft_len(args.k)
     def ints(text: str) -> tuple[int, ...]:
         try:
             return tuple(int(x) for x in text.split(",") if x)
@@ -498,7 +624,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens, kv_budget_mib=args.kv_budget_mib, block_size=args.block_size,
         max_running=args.max_running, server_threads=args.server_threads, out=args.out,
         random_drafter_weights=args.random_drafter_weights,
-        drafter_paths=tuple(_kind_path(x) for x in args.drafter_path))
+        drafter_paths=tuple(_kind_path(x) for x in args.drafter_path), data_dir=args.data_dir)
     return run_serve_bench(settings, "hspec " + " ".join(sys.argv[1:]))
 
 
