@@ -65,8 +65,8 @@ class DFlashBackbone(NeuralDrafter):
         self.layers = nn.ModuleList(DraftLayer(c, causal=False) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def block_logits(self, ctx: BlockContext) -> torch.Tensor:
-        """(N, K, Vp) backbone logits; ctx.context_kv holds one (k, v) per layer."""
+    def block_hidden(self, ctx: BlockContext) -> torch.Tensor:
+        """(N, K, H) the backbone's normalised output; ctx.context_kv holds one (k, v) per layer."""
         if len(ctx.context_kv) != len(self.layers):
             raise ValueError(f"{self.kind!r} reads one context K/V per layer ({len(self.layers)}), "
                              f"got {len(ctx.context_kv)}")
@@ -74,7 +74,11 @@ class DFlashBackbone(NeuralDrafter):
         cos, sin = self.rope(ctx.positions, x.dtype)  # (N, K, D) each
         for layer, context in zip(self.layers, ctx.context_kv):
             x, _ = layer(x, cos, sin, context, ctx.context_mask)  # the block's own K/V are transient
-        return self.head(self.norm(x))  # (N, K, Vp)
+        return self.norm(x)
+
+    def block_logits(self, ctx: BlockContext) -> torch.Tensor:
+        """(N, K, Vp) backbone logits."""
+        return self.head(self.block_hidden(ctx))
 
 
 @DRAFTERS.register("dflash")

@@ -130,17 +130,6 @@ class DFlash2Drafter(DFlashDrafter):
 
     # ---- forward -----------------------------------------------------------------------------------
 
-    def block_hidden(self, ctx: BlockContext) -> torch.Tensor:
-        """(N, K, H): the backbone's normalised output h_t."""
-        if len(ctx.context_kv) != len(self.layers):
-            raise ValueError(f"{self.kind!r} reads one context K/V per layer ({len(self.layers)}), "
-                             f"got {len(ctx.context_kv)}")
-        x = self.embed_block(ctx.block_tokens)  # (N, K, H)
-        cos, sin = self.rope(ctx.positions, x.dtype)  # (N, K, D) each
-        for layer, context in zip(self.layers, ctx.context_kv):
-            x, _ = layer(x, cos, sin, context, ctx.context_mask)
-        return self.norm(x)
-
     def block_logits(self, ctx: BlockContext) -> torch.Tensor:
         """U (N, K, Vp): the backbone's logits, from which each slot's candidates are taken."""
         return self.head(self.block_hidden(ctx))

@@ -86,17 +86,6 @@ class DFlyDrafter(DFlashDrafter):
 
     # ---- forward -----------------------------------------------------------------------------------
 
-    def block_hidden(self, ctx: BlockContext) -> torch.Tensor:
-        """(N, K, H): the backbone's normalised output h_k, before the correction."""
-        if len(ctx.context_kv) != len(self.layers):
-            raise ValueError(f"{self.kind!r} reads one context K/V per layer ({len(self.layers)}), "
-                             f"got {len(ctx.context_kv)}")
-        x = self.embed_block(ctx.block_tokens)  # (N, K, H)
-        cos, sin = self.rope(ctx.positions, x.dtype)  # (N, K, D) each
-        for layer, context in zip(self.layers, ctx.context_kv):
-            x, _ = layer(x, cos, sin, context, ctx.context_mask)
-        return self.norm(x)
-
     def block_logits(self, ctx: BlockContext) -> torch.Tensor:
         """(N, K, Vp) logits with the correction's previous token unknown: only the backbone's h_k.
 
