@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-config targets of each family, built locally (no downloads)."""
+"""Shared fixtures: tiny random-config targets of each family, built locally (no downloads), the features
+and runs the training tests share, and the live server the serving tests share."""
 
 from __future__ import annotations
 
@@ -106,12 +107,17 @@ def assert_samples_follow(samples, exact: dict[tuple, float], min_p_value: float
     assert p_value > min_p_value, f"chi2={chi2:.1f}, dof={dof}, p={p_value:.2e}"
 
 
-def load_tiny(directory: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Target:
-    """Load a tiny checkpoint through the real loader, without a HF tokenizer."""
+def load_tiny(directory: Path, device: str = "cpu", dtype: torch.dtype | str = torch.float32) -> Target:
+    """Load a tiny checkpoint through the real loader, without a HF tokenizer. `dtype` may also be
+    a `--dtype` name, "int8" included."""
     from hspec.models import loading
+    from hspec.models.dtype import int8_weights, resolve_dtype
+    from hspec.models.quantize import quantize_int8
 
     config = loading.read_config(directory)
-    model = loading.build_model(config, loading.read_state_dict(directory), dtype, device)
+    model = loading.build_model(config, loading.read_state_dict(directory), resolve_dtype(dtype), device)
+    if int8_weights(dtype):
+        quantize_int8(model, compute_dtype=model.embed_tokens.weight.dtype)
     return Target(directory.name, directory, config, model, _ByteTokenizer(config.vocab_size))  # type: ignore[arg-type]
 
 
@@ -140,3 +146,85 @@ def tiny_target(tiny_dirs) -> Target:
 def smollm2() -> Target:
     """The real embedded default target (slow tests only)."""
     return load_target("smollm2")
+
+
+def random_sequence_features(target: Target) -> list:
+    """Features of 4 random sequences (40, 55, 33 and 60 tokens, prompts of 10) run through `target`: what
+    the training tests train on (seed 0)."""
+    from hspec.drafters.common import kv_layer_of, select_target_layers
+    from hspec.training.features import compute_features
+
+    g = torch.Generator().manual_seed(0)
+    layers = select_target_layers(target.config.num_layers)
+    kv_layers = [kv_layer_of(x) for x in layers]
+    return [compute_features(target.model, torch.randint(3, target.config.vocab_size, (n,), generator=g).tolist(),
+                             10, layers, kv_layers) for n in (40, 55, 33, 60)]
+
+
+@pytest.fixture(scope="module")
+def features(tiny_target) -> list:
+    """`random_sequence_features` of the tiny target, once per module (test_dels.py and test_specblock.py
+    draw their own)."""
+    return random_sequence_features(tiny_target)
+
+
+@pytest.fixture()
+def feature_dir(tmp_path, tiny_target) -> Path:
+    """A feature cache of 6 random sequences of the tiny target (ids seq/0..seq/5), as `hspec data features`
+    writes it."""
+    from hspec.drafters.common import kv_layer_of, select_target_layers
+    from hspec.training.store import FeatureStore
+
+    g = torch.Generator().manual_seed(3)
+    V = tiny_target.config.vocab_size
+    records = [{"id": f"seq/{i}", "prompt_ids": torch.randint(3, V, (8,), generator=g).tolist(),
+                "response_ids": torch.randint(3, V // 2, (30,), generator=g).tolist()} for i in range(6)]
+    layers = select_target_layers(tiny_target.config.num_layers)
+    FeatureStore.build(tmp_path / "features", tiny_target.model, "tiny", records, layers,
+                       [kv_layer_of(x) for x in layers])
+    return tmp_path / "features"
+
+
+@pytest.fixture()
+def train_tiny(tiny_target, feature_dir):
+    """`train_tiny(run_dir, override=False, **recipe)`: `hspec train --drafter hspec` of the tiny target on
+    `feature_dir` (2 steps of 2 sequences x 2 anchors, Vp 20, unless `recipe` says otherwise); the saved
+    drafter's directory."""
+    from hspec.training.run import train
+    from hspec.training.trainer import TrainConfig
+
+    def run(run_dir: Path, override: bool = False, **recipe) -> Path:
+        config = TrainConfig(**{"steps": 2, "seqs_per_step": 2, "anchors_per_seq": 2, **recipe})
+        return train("hspec", "tiny", [feature_dir], run_dir, config, val_every=2, draft_vocab_size=20,
+                     override=override, target=tiny_target)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def chat_target(tiny_dirs) -> Target:
+    """The tiny Llama target with the serving tests' chat stand-in tokenizer, loaded once per module (so a
+    module may change it). A module may override it: test_server_hostile.py's never emits EOS."""
+    from serving_helpers import ChatByteTokenizer
+
+    target = load_tiny(tiny_dirs["llama"])
+    target.tokenizer = ChatByteTokenizer(target.config.vocab_size)
+    return target
+
+
+@pytest.fixture(scope="module")
+def server(chat_target):
+    """A live server of `chat_target` on loopback: n-gram drafts over 512 KV blocks of 8."""
+    from serving_helpers import start_server
+
+    with start_server(chat_target, "ngram", num_blocks=512) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official `openai` client of `server` (no retries)."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hspec.models.dtype import DTYPE_CHOICES, cpu_flags, cpu_has_native_bf16, dtype_name, resolve_dtype
+from hspec.models.dtype import DTYPE_CHOICES, cpu_flags, cpu_has_native_bf16, dtype_name, int8_weights, resolve_dtype
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
 SAPPHIRE_RAPIDS = AVX2_ONLY | {"avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
@@ -24,8 +24,9 @@ def test_named_dtypes_and_errors():
     assert resolve_dtype("float32") == resolve_dtype("fp32") == torch.float32
     assert resolve_dtype("bfloat16", flags=AVX2_ONLY) == torch.bfloat16  # asked for: honoured, even if slower
     assert resolve_dtype(torch.bfloat16) == torch.bfloat16
-    assert dtype_name(torch.bfloat16) == "bfloat16" and set(DTYPE_CHOICES) == {"auto", "float32", "bfloat16"}
-    with pytest.raises(ValueError, match=r"'int4'.*auto, float32, bfloat16"):
+    assert dtype_name(torch.bfloat16) == "bfloat16" and set(DTYPE_CHOICES) == {"auto", "float32", "bfloat16", "int8"}
+    assert resolve_dtype("int8") == torch.bfloat16 and int8_weights("int8") and not int8_weights("bfloat16")
+    with pytest.raises(ValueError, match=r"'int4'.*auto, float32, bfloat16, int8"):
         resolve_dtype("int4")
     with pytest.raises(ValueError, match="int64"):
         resolve_dtype(torch.int64)

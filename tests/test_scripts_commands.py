@@ -65,6 +65,17 @@ def test_every_hspec_command_parses_with_todays_cli(script, tmp_path):
                 3e-4, "fp32", 4, 16, 0)
 
 
+def test_fast_path_evaluations_parse_with_todays_cli(tmp_path):
+    commands = [w[1:] for w in map(_without_env, _dry_run("eval_fast_path.sh", tmp_path)) if w[0].endswith("hspec")]
+    parser = build_parser()
+    dtypes = []
+    for argv in commands:
+        args = parser.parse_args(argv)
+        assert (argv[0], args.size, args.max_new_tokens) == ("eval", 24, 128)
+        dtypes.append((args.dtype, int(args.k)))
+    assert dtypes == [("bfloat16", 7), ("int8", 7), ("int8", 3)]
+
+
 @pytest.mark.parametrize("script", TRAINING_SCRIPTS)
 def test_every_python_script_flag_exists(script, tmp_path):
     calls = [w[1:] for w in map(_without_env, _dry_run(script, tmp_path)) if w and w[0].endswith("python")]

@@ -21,10 +21,12 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 
 def _add_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
                    help="weights, KV pool and drafters: auto (default) = bfloat16 on a GPU or a CPU with native "
-                        "bf16 dot products (AVX512-BF16 or AMX), float32 on other CPUs, where bf16 runs slower "
-                        "(docs/fast-path.md)")
+                        "bf16 dot products (AVX512-BF16 or AMX), float32 on other CPUs, where bf16 runs slower; "
+                        "int8 = the target's linear weights stored as int8 (one scale per row) with bf16 "
+                        "activations, the fastest on a CPU but a slightly different model, so never picked "
+                        "by auto (docs/fast-path.md)")
 
 
 def _add_device(p: argparse.ArgumentParser, default: str = "auto") -> None:
@@ -88,10 +90,40 @@ def _add_data_dir(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line. Each `_add_*` below builds one subcommand's parser and names, with
+    `set_defaults(handler=...)`, the `_cmd_*` function `main` calls for it."""
     parser = argparse.ArgumentParser(
         prog="hspec", description="Lossless speculative decoding with the H-Spec drafter and its baselines.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_generate, _add_demo, _add_data, _add_train, _add_eval, _add_export_drafter, _add_eval_report,
+                _add_train_report, _add_validate, _add_bench, _add_serve, _add_kv_table, _add_drafters):
+        add(sub)
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the subcommand `argv` names (default: the process's arguments); a bad value exits with 2."""
+    args = build_parser().parse_args(argv)
+    args.command_line = "hspec " + " ".join(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"hspec: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _ints(text: str) -> list[int]:
+    """'1,16' -> [1, 16]; raises ValueError naming the bad list."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate text for one prompt, with metrics",
                          description="Generate with speculative decoding; output equals the target's own.")
     gen.add_argument("--prompt", required=True, help="user message (wrapped in the chat template)")
@@ -103,7 +135,52 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--stop", action="append", default=[], help="stop string, non-empty (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.set_defaults(handler=_cmd_generate)
 
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from hspec.decoding.generate import SpeculativeDecoder
+    from hspec.models.loading import load_target
+    from hspec.runtime import build_drafter
+    from hspec.sampling import SamplingParams
+
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k)  # validate before loading
+    _check_drafter_args(args)
+    if "" in args.stop:  # an empty string is found at once: the text would be cut to nothing
+        raise ValueError(f"--stop needs a non-empty string, got {args.stop!r}")
+    target = load_target(args.target, dtype=args.dtype)
+    drafter = build_drafter(args.drafter, target, args.drafter_path)
+    decoder = SpeculativeDecoder(target.model, drafter, args.k, target.tokenizer.eos_token_ids,
+                                 target.tokenizer.decode)
+    prompt_ids = target.tokenizer.encode_prompt(args.prompt, raw=args.raw)
+    torch.manual_seed(args.seed)
+    out = decoder.generate([prompt_ids], sampling, args.max_new_tokens, stop=args.stop, seeds=[args.seed])
+    seq = out.sequences[0]
+    text = target.tokenizer.decode(seq.token_ids)
+    if args.stop:
+        from hspec.decoding.text import cut_at_stop
+
+        text = cut_at_stop(text, args.stop)
+    metrics = out.metrics()
+    if args.json:
+        print(json.dumps({"text": text, "finish_reason": seq.finish_reason, "drafter": args.drafter,
+                          "target": target.name,
+                          "dtype": target.model.dtype_name,
+                          **metrics}))
+        return 0
+    print(text)
+    print(f"\n[{args.drafter}, K={metrics['K']}] {metrics['num_tokens']} tokens, finish={seq.finish_reason}, "
+          f"MAL {metrics['mean_accepted_length']:.2f}, {metrics['tokens_per_s']:.1f} tok/s, "
+          f"ITL {metrics['itl_ms']:.1f} ms, draft {metrics['draft_ms_per_step']:.1f} ms/step, "
+          f"verify {metrics['verify_ms_per_step']:.1f} ms/step")
+    if metrics["acceptance_by_position"]:
+        acc = ", ".join("-" if a is None else f"{a:.2f}" for a in metrics["acceptance_by_position"])
+        print(f"acceptance by position: {acc}")
+
+
+def _add_demo(sub) -> None:
     demo = sub.add_parser("demo", help="the README's main job: drafters vs plain decoding on a few prompts",
                           description="Runs plain decoding and each drafter on a few prompts, interleaved, "
                                       "checks that outputs match, and prints text, MAL, tokens/s, speedup.")
@@ -115,7 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
                            "drafts it is sure of)")
     demo.add_argument("--k", type=int, default=7)
     demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.set_defaults(handler=_cmd_demo)
 
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from hspec.demo import run_demo
+
+    _check_draft_len(args.k)
+    return run_demo(args.target, [k for k in args.drafters.split(",") if k], args.k,
+                    args.max_new_tokens, list(DEMO_PROMPTS), dtype=args.dtype)
+
+
+def _add_data(sub) -> None:
+    """`hspec data generate` and `hspec data features`."""
     data = sub.add_parser("data", help="training data: the target's own responses")
     data_sub = data.add_subparsers(dest="data", required=True)
     dgen = data_sub.add_parser("generate", help="generate the target's responses to training prompts (resumable)",
@@ -136,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(dgen)
     _add_device(dgen, default="cpu")
     dgen.add_argument("--out", default="runs/data/smollm2_responses.jsonl", help="output JSONL")
+    dgen.set_defaults(handler=_cmd_data_generate)
     dfeat = data_sub.add_parser("features", help="cache the target features all drafters train from (resumable)",
                                 description="Run the target once over every generated sequence and cache the "
                                             "selected layers' hidden states, their K/V and the final hidden state.")
@@ -144,7 +234,35 @@ def build_parser() -> argparse.ArgumentParser:
     dfeat.add_argument("--out", default="runs/features/smollm2", help="feature cache directory")
     dfeat.add_argument("--max-sequences", type=int, default=None)
     _add_device(dfeat, default="cpu")
+    dfeat.set_defaults(handler=_cmd_data_features)
 
+
+def _cmd_data_generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hspec.training.datagen import DataGenSettings, generate_corpus
+
+    settings = DataGenSettings(
+        target=args.target, prompts_file=args.prompts, num_prompts=args.num_prompts,
+        skip_prompts=args.skip_prompts, max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, batch_size=args.batch_size, shuffle_seed=args.seed, device=args.device,
+        data_dir=args.data_dir)
+    print(f"wrote {generate_corpus(settings, Path(args.out))}")
+    return 0
+
+
+def _cmd_data_features(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hspec.training.run import build_features
+
+    cache = build_features(args.target, Path(args.corpus), Path(args.out), args.max_sequences, args.device)
+    print(f"wrote {cache}")
+    return 0
+
+
+def _add_train(sub) -> None:
     train = sub.add_parser("train", help="train a drafter with the unified recipe (resumable; torchrun for DDP)",
                            description="0.1 CE + 0.9 TV with position weights exp(-(k-1)/4), AdamW, 1% warmup "
                                        "then half-cosine. Rerun the same command to resume after a kill.")
@@ -183,7 +301,30 @@ def build_parser() -> argparse.ArgumentParser:
                             "results/train_precision_cpu.md); a resumed run keeps the precision it recorded "
                             "(default auto)")
     _add_device(train)
+    train.set_defaults(handler=_cmd_train)
 
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hspec.drafters import DRAFTERS
+    from hspec.training.run import train as run_training
+    from hspec.training.trainer import TrainConfig
+
+    config = TrainConfig(steps=args.steps, lr=args.lr, seqs_per_step=args.seqs_per_step,
+                         anchors_per_seq=args.anchors_per_seq, seed=args.seed,
+                         cod_keep=DRAFTERS.get(args.drafter).trains_with_cod, precision=args.precision)
+    out = Path(args.out or f"runs/train/{args.drafter}")
+    saved = run_training(args.drafter, args.target, [Path(p) for p in args.features.split(",")], out,
+                         config, val_every=args.val_every, draft_vocab_size=args.draft_vocab,
+                         init_from=None if args.init_from is None else Path(args.init_from),
+                         corpora=None if args.corpus is None else [Path(p) for p in args.corpus.split(",")],
+                         device=args.device, override=args.override)
+    print(f"wrote {saved}")
+    return 0
+
+
+def _add_eval(sub) -> None:
     ev = sub.add_parser("eval", help="drafters vs plain decoding on the task suites (tau, speedup, CIs)",
                         description="Runs plain decoding and each drafter item by item (interleaved) on fixed "
                                     "subsets of the task suites; writes JSON + markdown under --out.")
@@ -201,24 +342,93 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default="results", help="output directory")
     ev.add_argument("--name", default=None, help="file stem (default eval_<tasks>_k<K>_<greedy|sampled>)")
     _add_data_dir(ev)
+    ev.set_defaults(handler=_cmd_eval)
 
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hspec.eval.runner import MethodSpec, run_eval
+    from hspec.sampling import SamplingParams
+
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+    methods = [MethodSpec(*spec.split("=", 1)) if "=" in spec else MethodSpec(spec)
+               for spec in args.drafters.split(",") if spec]
+    mode = "greedy" if sampling.greedy else "sampled"
+    ks = _ints(args.k)
+    for k in ks:
+        _check_draft_len(k)
+    stem = args.name or f"eval_{args.tasks.replace(',', '+')}_k{'+'.join(map(str, ks))}_{mode}"
+    run_eval(args.target, methods, args.tasks.split(","), args.size, ks if len(ks) > 1 else ks[0], sampling,
+             args.max_new_tokens, Path(args.out), stem, args.seed, args.command_line, data_dir=args.data_dir,
+             dtype=args.dtype)
+    print(f"wrote {Path(args.out) / stem}.json and .md")
+    return 0
+
+
+def _add_export_drafter(sub) -> None:
     exp = sub.add_parser("export-drafter", help="copy a drafter checkpoint with weights stored in bf16/fp16",
                          description="Ship a trained drafter smaller: floating weights are cast to --dtype "
                                      "(loading casts them back); the draft vocabulary ids stay exact.")
     exp.add_argument("src", help="checkpoint directory (config.json + model.safetensors)")
     exp.add_argument("dst", help="output directory")
     exp.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    exp.set_defaults(handler=_cmd_export_drafter)
 
+
+def _cmd_export_drafter(args: argparse.Namespace) -> int:
+    import torch
+
+    from hspec.drafters.checkpoint import export_drafter
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    print(f"wrote {export_drafter(args.src, args.dst, dtype)}")
+    return 0
+
+
+def _add_eval_report(sub) -> None:
     erep = sub.add_parser("eval-report", help="re-render an eval run's markdown and plots from its JSON",
                           description="Recompute the summary (per task and category, CIs) and the plots from the "
                                       "records saved in an `hspec eval` JSON file; nothing is re-run.")
     erep.add_argument("json", help="results/eval_*.json written by `hspec eval`")
+    erep.set_defaults(handler=_cmd_eval_report)
 
+
+def _cmd_eval_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hspec.eval.runner import summarize, write_report
+
+    path = Path(args.json)
+    payload = json.loads(path.read_text())
+    labels = list(dict.fromkeys(r["method"] for r in payload["records"]))
+    k_setting = payload["provenance"]["settings"]["K"]
+    payload["summary"] = summarize(payload["records"], labels, k_setting if isinstance(k_setting, int)
+                                   else k_setting[0])
+    payload["provenance"]["report_command"] = f"hspec eval-report {path}"
+    write_report(payload, path.parent, path.stem)
+    print(f"wrote {path.with_suffix('.md')} and plots")
+    return 0
+
+
+def _add_train_report(sub) -> None:
     rep = sub.add_parser("train-report", help="loss curves + validation acceptance of training runs (markdown + PNG)")
     rep.add_argument("runs", nargs="+", help="run directories of `hspec train`")
     rep.add_argument("--out", default="results/train_report.md")
     rep.add_argument("--title", default="Drafter training")
+    rep.set_defaults(handler=_cmd_train_report)
 
+
+def _cmd_train_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hspec.training.report import write_training_report
+
+    print(f"wrote {write_training_report([Path(r) for r in args.runs], Path(args.out), args.title)}")
+    return 0
+
+
+def _add_validate(sub) -> None:
     val = sub.add_parser("validate", help="validation tau of saved drafters on the held-out training split",
                          description="Greedy teacher-forced acceptance of each drafter on the held-out sequences "
                                      "`hspec train` validates on: over uniformly drawn anchors and in decode order "
@@ -230,17 +440,38 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--val-sequences", type=int, default=24, help="held-out sequences to use (default 24)")
     val.add_argument("--out", default="results", help="output directory (default results)")
     val.add_argument("--name", default="validation", help="file stem (default validation)")
+    val.set_defaults(handler=_cmd_validate)
 
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hspec.training.run import validate_drafters
+
+    _, md = validate_drafters(args.target, [Path(f) for f in args.features.split(",")],
+                              [Path(d) for d in args.drafters], Path(args.out), args.val_sequences, args.name)
+    print(f"wrote {md}")
+    return 0
+
+
+def _add_bench(sub) -> None:
+    """`hspec bench decode|serve|vllm|draft`."""
     bench = sub.add_parser("bench", help="benchmarks that write results/*.json and *.md")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for add in (_add_bench_decode, _add_bench_serve, _add_bench_vllm, _add_bench_draft):
+        add(bench_sub)
+
+
+def _add_bench_decode(bench_sub) -> None:
     bdec = bench_sub.add_parser("decode", help="plain decode per dtype vs transformers; verify cost vs K",
                                 description="Interleaved plain-decode ms/token of this runtime in each --dtypes "
                                             "entry, of its float32 runtime before stacked projections, and of "
                                             "transformers' eager generate; the cost of a (K+1)-token verify over a "
                                             "1-token decode per dtype. Writes <out>/decode_cpu.{json,md}.")
     _add_target(bdec)
-    bdec.add_argument("--dtypes", default="float32,bfloat16",
-                      help="comma-separated dtypes to time (auto, float32, bfloat16; default float32,bfloat16)")
+    bdec.add_argument("--dtypes", default="float32,bfloat16,int8",
+                      help="comma-separated dtypes to time (auto, float32, bfloat16, int8; default "
+                           "float32,bfloat16,int8)")
     bdec.add_argument("--no-transformers", action="store_true", help="leave out the transformers column")
     bdec.add_argument("--max-prompt-tokens", type=int, default=128,
                       help="keep each prompt's first N tokens (the prefill is not timed; default 128)")
@@ -253,8 +484,119 @@ def build_parser() -> argparse.ArgumentParser:
                            "neighbours; 0 = torch's default)")
     bdec.add_argument("--out", default="results", help="output directory")
     _add_data_dir(bdec)
-    _add_serving_parsers(sub, bench_sub)
-    _add_vllm_bench_parser(bench_sub)
+    bdec.set_defaults(handler=_cmd_bench_decode)
+
+
+def _cmd_bench_decode(args: argparse.Namespace) -> int:
+    from hspec.bench.decode import run_decode_bench
+
+    return run_decode_bench(args.target, args.num_prompts, args.max_new_tokens, args.repeats, args.out,
+                            data_dir=args.data_dir, dtypes=[d for d in args.dtypes.split(",") if d],
+                            transformers=not args.no_transformers, max_prompt_tokens=args.max_prompt_tokens,
+                            threads=args.threads)
+
+
+def _add_bench_serve(bench_sub) -> None:
+    bserve = bench_sub.add_parser(
+        "serve", help="closed-loop serving throughput and KV utilisation vs concurrency (paper Fig. 6)",
+        description="Starts one `hspec serve` per drafter kind on 127.0.0.1 with the same KV memory budget, "
+                    "then for each concurrency level runs C closed-loop HTTP clients (greedy chat requests "
+                    "over eval-set prompts) against each server in turn for --level-seconds. Writes "
+                    "<out>/serving/serve_bench.{json,md}, throughput_vs_concurrency.png, "
+                    "kv_vs_concurrency.png and the KV capacity in tokens per drafter kind at the budget.")
+    _add_target(bserve)
+    bserve.add_argument("--drafters", default="none,ngram",
+                        help="comma-separated kinds to serve (default none,ngram; none = plain decoding)")
+    bserve.add_argument("--concurrency", default="8,16,32,64,128", help="comma-separated client counts")
+    bserve.add_argument("--k", type=int, default=7, help="tokens drafted per step (default 7)")
+    bserve.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    bserve.add_argument("--level-seconds", type=float, default=60.0,
+                        help="time bound per level and kind: no new requests after it (default 60)")
+    bserve.add_argument("--tasks", default="spec_bench", help="comma-separated prompt sets (default spec_bench)")
+    bserve.add_argument("--num-prompts", type=int, default=240, help="items per task (default 240)")
+    bserve.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts (default 256)")
+    bserve.add_argument("--server-threads", type=int, default=0,
+                        help="torch threads of each server (default 0 = torch's default)")
+    bserve.add_argument("--drafter-path", action="append", default=[], metavar="KIND=DIR",
+                        help="trained checkpoint for a kind (repeatable); default: the one shipped for the target")
+    bserve.add_argument("--random-drafter-weights", action="store_true",
+                        help="serve trained kinds untrained where no checkpoint exists (timing / KV only)")
+    _add_pool_options(bserve, default_budget_mib=256.0)
+    bserve.add_argument("--out", default="results", help="output directory; files go to <out>/serving/")
+    _add_data_dir(bserve)
+    bserve.set_defaults(handler=_cmd_bench_serve)
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from hspec.bench.serve import ServeBenchSettings, run_serve_bench
+
+    _check_draft_len(args.k)
+    settings = ServeBenchSettings(
+        target=args.target, drafters=tuple(k for k in args.drafters.split(",") if k),
+        concurrency=_concurrency(args.concurrency), K=args.k, max_tokens=args.max_tokens,
+        level_seconds=args.level_seconds, tasks=tuple(t for t in args.tasks.split(",") if t),
+        num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens, kv_budget_mib=args.kv_budget_mib,
+        block_size=args.block_size, max_running=args.max_running, server_threads=args.server_threads, out=args.out,
+        random_drafter_weights=args.random_drafter_weights,
+        drafter_paths=tuple(_kind_path(x) for x in args.drafter_path), data_dir=args.data_dir)
+    return run_serve_bench(settings, args.command_line)
+
+
+def _concurrency(text: str) -> tuple[int, ...]:
+    """'8,16' -> (8, 16); raises ValueError naming --concurrency."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError as err:
+        raise ValueError(f"--concurrency must be comma-separated integers, got {text!r}") from err
+
+
+def _kind_path(text: str) -> tuple[str, str]:
+    """'KIND=DIR' -> (KIND, DIR); raises ValueError naming --drafter-path."""
+    kind, sep, path = text.partition("=")
+    if not sep or not kind or not path:
+        raise ValueError(f"--drafter-path must look like KIND=DIR, got {text!r}")
+    return kind, path
+
+
+def _add_bench_vllm(bench_sub) -> None:
+    bv = bench_sub.add_parser(
+        "vllm", help="drafters inside vLLM (CPU build): greedy equality with vLLM plain, tau, tok/s, KV capacity",
+        description="Batch-1 greedy decoding of the target in vLLM with each drafter, interleaved prompt by prompt, "
+                    "plus hspec's own engine on the same token ids. Needs vLLM: `bash scripts/install_vllm.sh` "
+                    "(docs/vllm.md). Without --json writes results/vllm/vllm_<dtype>.json and .md with provenance.")
+    _add_target(bv)
+    bv.add_argument("--drafters", default="none,ngram,dflash=random",
+                    help="comma-separated: none (vLLM plain, always run), ngram, dflash=PATH (an hspec DFlash "
+                         "checkpoint, exported for vLLM on the fly, or such an export), dflash=random (seed-0 random "
+                         "weights: losslessness and KV cost, not tau), hspec (the shipped H-Spec drafter as a vLLM "
+                         "proposer) or hspec=PATH (an hspec H-Spec checkpoint); default none,ngram,dflash=random")
+    bv.add_argument("--prompts-file", default=None, metavar="F.jsonl",
+                    help='one {"prompt": "..."} per line, chat-templated like `hspec generate` '
+                         "(default: --num-prompts evenly spaced Spec-Bench items)")
+    bv.add_argument("--num-prompts", type=int, default=4, help="prompts to use (default 4; 0 = the whole file)")
+    bv.add_argument("--max-new-tokens", type=int, default=64)
+    bv.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="vLLM's compute dtype; greedy equality is exact only in float32 (default)")
+    bv.add_argument("--k", type=int, default=5,
+                    help="drafts per step for ngram (default 5; DFlash: its export's; H-Spec: its checkpoint's "
+                         "block size)")
+    bv.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
+    bv.add_argument("--no-hspec-engine", action="store_true", help="skip the rows of hspec's own engine")
+    bv.add_argument("--json", action="store_true", help="print the rows as JSON instead of writing results/vllm/")
+    bv.add_argument("--out", default="results/vllm", help="output directory (default results/vllm)")
+    _add_data_dir(bv)
+    bv.set_defaults(handler=_cmd_bench_vllm)
+
+
+def _cmd_bench_vllm(args: argparse.Namespace) -> int:
+    from hspec.bench.vllm import run_vllm_bench
+
+    return run_vllm_bench(args.target, args.drafters, args.prompts_file, args.num_prompts,
+                          args.max_new_tokens, args.dtype, args.k, args.max_model_len, args.out, args.json,
+                          data_dir=args.data_dir, hspec_engine=not args.no_hspec_engine)
+
+
+def _add_bench_draft(bench_sub) -> None:
     bdraft = bench_sub.add_parser("draft", help="draft forward cost T_D(K) / verify cost T_T per drafter kind",
                                   description="Interleaved timing of one propose(K=7) per kind against the "
                                               "target's 8-token verify, for several batch sizes and contexts "
@@ -268,259 +610,19 @@ def build_parser() -> argparse.ArgumentParser:
     bdraft.add_argument("--draft-vocab", type=int, default=None,
                         help="pruned draft vocabulary Vp of every trained kind (default: the paper's 32,000)")
     bdraft.add_argument("--out", default="results", help="output directory")
-    kvt = sub.add_parser("kv-table", help="KV inflation per token from model configs (the paper's Table 1)",
-                         description="(target KV + drafter KV per token) / target KV for Qwen3-4B, Qwen3-8B, "
-                                     "Llama-3.1-8B-Instruct and SmolLM2-135M with a 5-layer DFlash drafter and "
-                                     "with H-Spec, from the models' published config values.")
-    kvt.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
-    drafters = sub.add_parser("drafters", help="inspect the registered drafter kinds")
-    drafters_sub = drafters.add_subparsers(dest="drafters", required=True)
-    describe = drafters_sub.add_parser(
-        "describe", help="parameters, drafter-side KV and per-sequence state of every kind",
-        description="Per registered kind: trainable/total parameters, drafter KV bytes per token, per-sequence "
-                    "state bytes and KV inflation. --target takes what `generate` takes, or a literal config "
-                    "(qwen3-4b, qwen3-8b, llama-3.1-8b-instruct, smollm2-135m) built without weights.")
-    _add_target(describe)
-    describe.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
-                          help="element size for the byte counts (default bf16)")
-    describe.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
-    return parser
+    bdraft.set_defaults(handler=_cmd_bench_draft)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "demo":
-            from hspec.demo import run_demo
+def _cmd_bench_draft(args: argparse.Namespace) -> int:
+    from hspec.bench.draft import run_draft_bench
 
-            _check_draft_len(args.k)
-            return run_demo(args.target, [k for k in args.drafters.split(",") if k], args.k,
-                            args.max_new_tokens, list(DEMO_PROMPTS), dtype=args.dtype)
-        if args.command == "data" and args.data == "generate":
-            from pathlib import Path
-
-            from hspec.training.datagen import DataGenSettings, generate_corpus
-
-            settings = DataGenSettings(
-                target=args.target, prompts_file=args.prompts, num_prompts=args.num_prompts,
-                skip_prompts=args.skip_prompts, max_prompt_tokens=args.max_prompt_tokens,
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, batch_size=args.batch_size, shuffle_seed=args.seed, device=args.device,
-                data_dir=args.data_dir)
-            print(f"wrote {generate_corpus(settings, Path(args.out))}")
-            return 0
-        if args.command == "eval":
-            from pathlib import Path
-
-            from hspec.eval.runner import MethodSpec, run_eval
-            from hspec.sampling import SamplingParams
-
-            sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
-            methods = [MethodSpec(*spec.split("=", 1)) if "=" in spec else MethodSpec(spec)
-                       for spec in args.drafters.split(",") if spec]
-            mode = "greedy" if sampling.greedy else "sampled"
-            ks = _ints(args.k)
-            for k in ks:
-                _check_draft_len(k)
-            stem = args.name or f"eval_{args.tasks.replace(',', '+')}_k{'+'.join(map(str, ks))}_{mode}"
-            command = "hspec " + " ".join(sys.argv[1:]) if argv is None else "hspec " + " ".join(argv)
-            run_eval(args.target, methods, args.tasks.split(","), args.size, ks if len(ks) > 1 else ks[0], sampling,
-                     args.max_new_tokens, Path(args.out), stem, args.seed, command, data_dir=args.data_dir,
-                     dtype=args.dtype)
-            print(f"wrote {Path(args.out) / stem}.json and .md")
-            return 0
-        if args.command == "eval-report":
-            from pathlib import Path
-
-            from hspec.eval.runner import summarize, write_report
-
-            path = Path(args.json)
-            payload = json.loads(path.read_text())
-            labels = list(dict.fromkeys(r["method"] for r in payload["records"]))
-            k_setting = payload["provenance"]["settings"]["K"]
-            payload["summary"] = summarize(payload["records"], labels, k_setting if isinstance(k_setting, int)
-                                           else k_setting[0])
-            payload["provenance"]["report_command"] = f"hspec eval-report {path}"
-            write_report(payload, path.parent, path.stem)
-            print(f"wrote {path.with_suffix('.md')} and plots")
-            return 0
-        if args.command == "export-drafter":
-            import torch
-
-            from hspec.drafters.checkpoint import export_drafter
-
-            dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-            print(f"wrote {export_drafter(args.src, args.dst, dtype)}")
-            return 0
-        if args.command == "validate":
-            from pathlib import Path
-
-            from hspec.training.run import validate_drafters
-
-            _, md = validate_drafters(args.target, [Path(f) for f in args.features.split(",")],
-                                      [Path(d) for d in args.drafters], Path(args.out), args.val_sequences, args.name)
-            print(f"wrote {md}")
-            return 0
-        if args.command == "train-report":
-            from pathlib import Path
-
-            from hspec.training.report import write_training_report
-
-            print(f"wrote {write_training_report([Path(r) for r in args.runs], Path(args.out), args.title)}")
-            return 0
-        if args.command == "data" and args.data == "features":
-            from pathlib import Path
-
-            from hspec.training.run import build_features
-
-            cache = build_features(args.target, Path(args.corpus), Path(args.out), args.max_sequences, args.device)
-            print(f"wrote {cache}")
-            return 0
-        if args.command == "train":
-            from pathlib import Path
-
-            from hspec.drafters import DRAFTERS
-            from hspec.training.run import train as run_training
-            from hspec.training.trainer import TrainConfig
-
-            config = TrainConfig(steps=args.steps, lr=args.lr, seqs_per_step=args.seqs_per_step,
-                                 anchors_per_seq=args.anchors_per_seq, seed=args.seed,
-                                 cod_keep=DRAFTERS.get(args.drafter).trains_with_cod, precision=args.precision)
-            out = Path(args.out or f"runs/train/{args.drafter}")
-            saved = run_training(args.drafter, args.target, [Path(p) for p in args.features.split(",")], out,
-                                 config, val_every=args.val_every, draft_vocab_size=args.draft_vocab,
-                                 init_from=None if args.init_from is None else Path(args.init_from),
-                                 corpora=None if args.corpus is None else [Path(p) for p in args.corpus.split(",")],
-                                 device=args.device, override=args.override)
-            print(f"wrote {saved}")
-            return 0
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "bench" and args.bench == "serve":
-            return _bench_serve(args)
-        if args.command == "bench" and args.bench == "decode":
-            from hspec.bench.decode import run_decode_bench
-
-            return run_decode_bench(args.target, args.num_prompts, args.max_new_tokens, args.repeats, args.out,
-                                    data_dir=args.data_dir, dtypes=[d for d in args.dtypes.split(",") if d],
-                                    transformers=not args.no_transformers, max_prompt_tokens=args.max_prompt_tokens,
-                                    threads=args.threads)
-        if args.command == "bench" and args.bench == "vllm":
-            from hspec.bench.vllm import run_vllm_bench
-
-            return run_vllm_bench(args.target, args.drafters, args.prompts_file, args.num_prompts,
-                                  args.max_new_tokens, args.dtype, args.k, args.max_model_len, args.out, args.json,
-                                  data_dir=args.data_dir, hspec_engine=not args.no_hspec_engine)
-        if args.command == "bench" and args.bench == "draft":
-            from hspec.bench.draft import run_draft_bench
-
-            return run_draft_bench(args.target, [k for k in args.drafters.split(",") if k], args.out, args.repeats,
-                                   _ints(args.batch_sizes), _ints(args.contexts), draft_vocab_size=args.draft_vocab,
-                                   dtype=args.dtype)
-        if args.command == "kv-table":
-            from hspec.models.kv_accounting import format_kv_table, kv_table
-
-            rows = kv_table()
-            print(json.dumps([r.to_dict() for r in rows], indent=1) if args.json else format_kv_table(rows))
-            return 0
-        if args.command == "drafters" and args.drafters == "describe":
-            from hspec.drafters.describe import describe_kinds, format_descriptions
-
-            described = describe_kinds(args.target, dtype=args.dtype)
-            print(json.dumps([r.to_dict() for r in described], indent=1) if args.json
-                  else format_descriptions(described))
-            return 0
-    except (ValueError, FileNotFoundError) as err:
-        print(f"hspec: error: {err}", file=sys.stderr)
-        return 2
-    raise AssertionError(f"unhandled command {args.command}")
+    return run_draft_bench(args.target, [k for k in args.drafters.split(",") if k], args.out, args.repeats,
+                           _ints(args.batch_sizes), _ints(args.contexts), draft_vocab_size=args.draft_vocab,
+                           dtype=args.dtype)
 
 
-def _ints(text: str) -> list[int]:
-    """'1,16' -> [1, 16]; raises ValueError naming the bad list."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from hspec.decoding.generate import SpeculativeDecoder
-    from hspec.models.loading import load_target
-    from hspec.runtime import build_drafter
-    from hspec.sampling import SamplingParams
-
-    sampling = SamplingParams(args.temperature, args.top_p, args.top_k)  # validate before loading
-    _check_drafter_args(args)
-    if "" in args.stop:  # an empty string is found at once: the text would be cut to nothing
-        raise ValueError(f"--stop needs a non-empty string, got {args.stop!r}")
-    target = load_target(args.target, dtype=args.dtype)
-    drafter = build_drafter(args.drafter, target, args.drafter_path)
-    decoder = SpeculativeDecoder(target.model, drafter, args.k, target.tokenizer.eos_token_ids,
-                                 target.tokenizer.decode)
-    prompt_ids = target.tokenizer.encode_prompt(args.prompt, raw=args.raw)
-    torch.manual_seed(args.seed)
-    out = decoder.generate([prompt_ids], sampling, args.max_new_tokens, stop=args.stop, seeds=[args.seed])
-    seq = out.sequences[0]
-    text = target.tokenizer.decode(seq.token_ids)
-    if args.stop:
-        from hspec.decoding.text import cut_at_stop
-
-        text = cut_at_stop(text, args.stop)
-    metrics = out.metrics()
-    if args.json:
-        print(json.dumps({"text": text, "finish_reason": seq.finish_reason, "drafter": args.drafter,
-                          "target": target.name,
-                          "dtype": str(target.model.embed_tokens.weight.dtype).removeprefix("torch."),
-                          **metrics}))
-        return 0
-    print(text)
-    print(f"\n[{args.drafter}, K={metrics['K']}] {metrics['num_tokens']} tokens, finish={seq.finish_reason}, "
-          f"MAL {metrics['mean_accepted_length']:.2f}, {metrics['tokens_per_s']:.1f} tok/s, "
-          f"ITL {metrics['itl_ms']:.1f} ms, draft {metrics['draft_ms_per_step']:.1f} ms/step, "
-          f"verify {metrics['verify_ms_per_step']:.1f} ms/step")
-    if metrics["acceptance_by_position"]:
-        acc = ", ".join("-" if a is None else f"{a:.2f}" for a in metrics["acceptance_by_position"])
-        print(f"acceptance by position: {acc}")
-    return 0
-
-
-
-def _add_vllm_bench_parser(bench_sub) -> None:
-    bv = bench_sub.add_parser(
-        "vllm", help="drafters inside vLLM (CPU build): greedy equality with vLLM plain, tau, tok/s, KV capacity",
-        description="Batch-1 greedy decoding of the target in vLLM with each drafter, interleaved prompt by prompt, "
-                    "plus hspec's own engine on the same token ids. Needs vLLM: `bash scripts/install_vllm.sh` "
-                    "(docs/vllm.md). Without --json writes results/vllm/vllm_<dtype>.json and .md with provenance.")
-    _add_target(bv)
-    bv.add_argument("--drafters", default="none,ngram,dflash=random",
-                    help="comma-separated: none (vLLM plain, always run), ngram, dflash=PATH (an hspec DFlash "
-                         "checkpoint, exported for vLLM on the fly, or such an export), dflash=random (seed-0 random "
-                         "weights: losslessness and KV cost, not tau); default none,ngram,dflash=random")
-    bv.add_argument("--prompts-file", default=None, metavar="F.jsonl",
-                    help='one {"prompt": "..."} per line, chat-templated like `hspec generate` '
-                         "(default: --num-prompts evenly spaced Spec-Bench items)")
-    bv.add_argument("--num-prompts", type=int, default=4, help="prompts to use (default 4; 0 = the whole file)")
-    bv.add_argument("--max-new-tokens", type=int, default=64)
-    bv.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="vLLM's compute dtype; greedy equality is exact only in float32 (default)")
-    bv.add_argument("--k", type=int, default=5, help="drafts per step for ngram (default 5; DFlash: its export's)")
-    bv.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
-    bv.add_argument("--no-hspec-engine", action="store_true", help="skip the rows of hspec's own engine")
-    bv.add_argument("--json", action="store_true", help="print the rows as JSON instead of writing results/vllm/")
-    bv.add_argument("--out", default="results/vllm", help="output directory (default results/vllm)")
-    _add_data_dir(bv)
-
-
-def _add_serving_parsers(sub, bench_sub) -> None:
-    """`hspec serve` and `hspec bench serve`."""
+def _add_serve(sub) -> None:
+    """`hspec serve`."""
     serve = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server with continuous batching",
         description="Serve the target with speculative decoding over a paged KV pool: /v1/models, "
@@ -551,34 +653,7 @@ def _add_serving_parsers(sub, bench_sub) -> None:
     serve.add_argument("--threads", type=int, default=0,
                        help="torch CPU threads (default 0 = torch's default; 1 is faster on a busy machine)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-
-    bserve = bench_sub.add_parser(
-        "serve", help="closed-loop serving throughput and KV utilisation vs concurrency (paper Fig. 6)",
-        description="Starts one `hspec serve` per drafter kind on 127.0.0.1 with the same KV memory budget, "
-                    "then for each concurrency level runs C closed-loop HTTP clients (greedy chat requests "
-                    "over eval-set prompts) against each server in turn for --level-seconds. Writes "
-                    "<out>/serving/serve_bench.{json,md}, throughput_vs_concurrency.png, "
-                    "kv_vs_concurrency.png and the KV capacity in tokens per drafter kind at the budget.")
-    _add_target(bserve)
-    bserve.add_argument("--drafters", default="none,ngram",
-                        help="comma-separated kinds to serve (default none,ngram; none = plain decoding)")
-    bserve.add_argument("--concurrency", default="8,16,32,64,128", help="comma-separated client counts")
-    bserve.add_argument("--k", type=int, default=7, help="tokens drafted per step (default 7)")
-    bserve.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
-    bserve.add_argument("--level-seconds", type=float, default=60.0,
-                        help="time bound per level and kind: no new requests after it (default 60)")
-    bserve.add_argument("--tasks", default="spec_bench", help="comma-separated prompt sets (default spec_bench)")
-    bserve.add_argument("--num-prompts", type=int, default=240, help="items per task (default 240)")
-    bserve.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts (default 256)")
-    bserve.add_argument("--server-threads", type=int, default=0,
-                        help="torch threads of each server (default 0 = torch's default)")
-    bserve.add_argument("--drafter-path", action="append", default=[], metavar="KIND=DIR",
-                        help="trained checkpoint for a kind (repeatable); default: the one shipped for the target")
-    bserve.add_argument("--random-drafter-weights", action="store_true",
-                        help="serve trained kinds untrained where no checkpoint exists (timing / KV only)")
-    _add_pool_options(bserve, default_budget_mib=256.0)
-    bserve.add_argument("--out", default="results", help="output directory; files go to <out>/serving/")
-    _add_data_dir(bserve)
+    serve.set_defaults(handler=_cmd_serve)
 
 
 def _add_pool_options(p: argparse.ArgumentParser, default_budget_mib: float) -> None:
@@ -588,7 +663,7 @@ def _add_pool_options(p: argparse.ArgumentParser, default_budget_mib: float) -> 
     p.add_argument("--max-running", type=int, default=128, help="largest decoding batch (default 128)")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _cmd_serve(args: argparse.Namespace) -> int:
     from hspec.serving.server import ServeSettings, require_serve_extra, serve
 
     _check_drafter_args(args)
@@ -607,32 +682,47 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_serve(args: argparse.Namespace) -> int:
-    from hspec.bench.serve import ServeBenchSettings, run_serve_bench
-
-    _check_draft_len(args.k)
-    def ints(text: str) -> tuple[int, ...]:
-        try:
-            return tuple(int(x) for x in text.split(",") if x)
-        except ValueError as err:
-            raise ValueError(f"--concurrency must be comma-separated integers, got {text!r}") from err
-
-    settings = ServeBenchSettings(
-        target=args.target, drafters=tuple(k for k in args.drafters.split(",") if k),
-        concurrency=ints(args.concurrency), K=args.k, max_tokens=args.max_tokens, level_seconds=args.level_seconds,
-        tasks=tuple(t for t in args.tasks.split(",") if t), num_prompts=args.num_prompts,
-        max_prompt_tokens=args.max_prompt_tokens, kv_budget_mib=args.kv_budget_mib, block_size=args.block_size,
-        max_running=args.max_running, server_threads=args.server_threads, out=args.out,
-        random_drafter_weights=args.random_drafter_weights,
-        drafter_paths=tuple(_kind_path(x) for x in args.drafter_path), data_dir=args.data_dir)
-    return run_serve_bench(settings, "hspec " + " ".join(sys.argv[1:]))
+def _add_kv_table(sub) -> None:
+    kvt = sub.add_parser("kv-table", help="KV inflation per token from model configs (the paper's Table 1)",
+                         description="(target KV + drafter KV per token) / target KV for Qwen3-4B, Qwen3-8B, "
+                                     "Llama-3.1-8B-Instruct and SmolLM2-135M with a 5-layer DFlash drafter and "
+                                     "with H-Spec, from the models' published config values.")
+    kvt.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
+    kvt.set_defaults(handler=_cmd_kv_table)
 
 
-def _kind_path(text: str) -> tuple[str, str]:
-    kind, sep, path = text.partition("=")
-    if not sep or not kind or not path:
-        raise ValueError(f"--drafter-path must look like KIND=DIR, got {text!r}")
-    return kind, path
+def _cmd_kv_table(args: argparse.Namespace) -> int:
+    from hspec.models.kv_accounting import format_kv_table, kv_table
+
+    rows = kv_table()
+    print(json.dumps([r.to_dict() for r in rows], indent=1) if args.json else format_kv_table(rows))
+    return 0
+
+
+def _add_drafters(sub) -> None:
+    """`hspec drafters describe`."""
+    drafters = sub.add_parser("drafters", help="inspect the registered drafter kinds")
+    drafters_sub = drafters.add_subparsers(dest="drafters", required=True)
+    describe = drafters_sub.add_parser(
+        "describe", help="parameters, drafter-side KV and per-sequence state of every kind",
+        description="Per registered kind: trainable/total parameters, drafter KV bytes per token, per-sequence "
+                    "state bytes and KV inflation. --target takes what `generate` takes, or a literal config "
+                    "(qwen3-4b, qwen3-8b, llama-3.1-8b-instruct, smollm2-135m) built without weights.")
+    _add_target(describe)
+    describe.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                          help="element size for the byte counts (default bf16)")
+    describe.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
+    describe.set_defaults(handler=_cmd_drafters_describe)
+
+
+def _cmd_drafters_describe(args: argparse.Namespace) -> int:
+    from hspec.drafters.describe import describe_kinds, format_descriptions
+
+    described = describe_kinds(args.target, dtype=args.dtype)
+    print(json.dumps([r.to_dict() for r in described], indent=1) if args.json
+          else format_descriptions(described))
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,6 +17,7 @@ from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
 from hspec.models.loading import Target
+from hspec.models.quantize import quantize_int8
 from hspec.models.weight_layout import store_linear_weights_column_major
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -48,7 +49,7 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
                              f"({path}); pass a path only with a trained kind, e.g. hspec")
         return create_drafter(kind, target.config)
     if random_weights:
-        return _for_inference(create_drafter(kind, target.config, target_model=target.model))
+        return for_inference(create_drafter(kind, target.config, target_model=target.model), target)
     checkpoint = Path(path) if path is not None else shipped_drafter_path(kind, target.name)
     if not (checkpoint / "config.json").exists():
         raise FileNotFoundError(
@@ -58,10 +59,14 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     drafter = load_drafter(checkpoint, target.model)
     if drafter.kind != kind:
         raise ValueError(f"checkpoint {checkpoint} holds a {drafter.kind!r} drafter, not {kind!r}")
-    return _for_inference(drafter)
+    return for_inference(drafter, target)
 
 
-def _for_inference(drafter: Drafter) -> Drafter:
-    """Eval mode, linear weights in the layout multi-row CPU forwards prefer (see models/weight_layout)."""
+def for_inference(drafter: Drafter, target: Target) -> Drafter:
+    """Eval mode, linear weights in the layout multi-row CPU forwards prefer (see models/weight_layout),
+    and int8 linears when the target runs in int8 (`--dtype int8`: drafts change, never the output)."""
     store_linear_weights_column_major(drafter)
+    if target.model.dtype_name == "int8":
+        drafter.requires_grad_(False)
+        quantize_int8(drafter, compute_dtype=target.model.embed_tokens.weight.dtype)
     return drafter.eval()

@@ -7,7 +7,10 @@
    - hspec float32 with q/k/v and gate/up as separate matmuls (the runtime before
      `models.weight_layout.fuse_projections`), so the gain of stacking is measured in the same run;
    - transformers on the same weights (float32): its model called token by token with its own KV
-     cache (`DynamicCache`), the loop `generate` runs without the logits processors.
+     cache (`DynamicCache`), the loop `generate` runs without the logits processors;
+   - llama.cpp on the embedded target's own GGUF (Q4_1 for SmolLM2) through `llama-cpp-python`, when
+     it is installed (`pip install 'hspec[bench]'`; it compiles llama.cpp for this CPU), greedy, with
+     the same thread count.
    Reported in ms/token and as ratios to hspec float32 within each prompt.
 2. Per dtype: the time of a (K+1)-token target forward (a verify) over a 1-token decode at the same
    context, K = 3, 7, 15, interleaved. Speculation pays only when this ratio stays small.
@@ -15,7 +18,7 @@
    position (teacher-forced on the plain greedy output): where that happens, greedy speculative output
    can part from plain output of the same dtype at a near-tie (docs/fast-path.md).
 
-Optional columns for other engines (vLLM, llama.cpp) live in their own commands (`hspec bench vllm`).
+vLLM runs as a server in its own environment, so its column lives in `hspec bench vllm`.
 """
 
 from __future__ import annotations
@@ -32,20 +35,22 @@ from hspec.cache.paged_pool import blocks_for
 from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import create_drafter
-from hspec.models.dtype import dtype_name, resolve_dtype
+from hspec.models.dtype import dtype_name, int8_weights, resolve_dtype
 from hspec.models.layers import QKVProjection, SwiGLU
 from hspec.models.llama import TargetModel
-from hspec.models.loading import Target, build_model, load_target, read_state_dict
+from hspec.models.loading import Target, build_model, default_gguf_path, load_target, read_state_dict
+from hspec.models.quantize import quantize_int8
 from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.sampling import SamplingParams
 
 VERIFY_KS = (3, 7, 15)
 UNFUSED = "float32-unfused"
 TRANSFORMERS = "transformers-float32"
+LLAMA_CPP = "llama.cpp"
 
 
 def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, repeats: int, out_dir: str,
-                     data_dir: str | None = None, dtypes: Sequence[str] = ("float32", "bfloat16"),
+                     data_dir: str | None = None, dtypes: Sequence[str] = ("float32", "bfloat16", "int8"),
                      transformers: bool = True, max_prompt_tokens: int = 128, threads: int = 1) -> int:
     """Write <out_dir>/decode_cpu.{json,md} (decode_gpu on a CUDA target). `dtypes` are `--dtype` names
     (auto resolves to this machine's choice); float32 always runs, as the reference column. `threads`
@@ -55,14 +60,16 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
                          f"got {max_new_tokens}")
     if threads:
         torch.set_num_threads(threads)
-    resolved = [dtype_name(resolve_dtype(d)) for d in dtypes]
+    resolved = ["int8" if int8_weights(d) else dtype_name(resolve_dtype(d)) for d in dtypes]
     names = list(dict.fromkeys(["float32", *resolved]))
     base = load_target(target_name, dtype=torch.float32)
     targets = {"float32": base}
     state = read_state_dict(base.path)
     for name in names[1:]:
-        targets[name] = Target(base.name, base.path, base.config,
-                               build_model(base.config, state, getattr(torch, name), "cpu"), base.tokenizer)
+        model = build_model(base.config, state, resolve_dtype(name), "cpu")
+        if int8_weights(name):
+            quantize_int8(model, compute_dtype=model.embed_tokens.weight.dtype)
+        targets[name] = Target(base.name, base.path, base.config, model, base.tokenizer)
     items = load_task("spec_bench", size=num_prompts, data_dir=data_dir).items  # data_dir: --data-dir
     prompts = [base.tokenizer.encode_prompt(item.turns[0])[:max_prompt_tokens] for item in items]
     runners: dict[str, Callable[[list[int]], float]] = {
@@ -70,6 +77,9 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
     runners[UNFUSED] = _hspec_runner(unfused_copy(base.model), max_new_tokens)
     if transformers:
         runners[TRANSFORMERS] = _transformers_runner(base, max_new_tokens)
+    llama_cpp = _llama_cpp_runner(target_name, max_new_tokens, torch.get_num_threads())
+    if llama_cpp is not None:
+        runners[LLAMA_CPP] = llama_cpp
 
     ms: dict[str, list[float]] = {name: [] for name in runners}
     with torch.inference_mode():
@@ -140,6 +150,10 @@ def _label(name: str) -> str:
         return "hspec float32, q/k/v and gate/up as separate matmuls (before the fast path)"
     if name == TRANSFORMERS:
         return "transformers generate, float32"
+    if name == LLAMA_CPP:
+        return "llama.cpp (llama-cpp-python), the GGUF's own Q4_1"
+    if name == "int8":
+        return "hspec int8 (int8 weight-only linears, bf16 activations)"
     return f"hspec {name}"
 
 
@@ -177,6 +191,32 @@ def _transformers_runner(target: Target, max_new_tokens: int) -> Callable[[list[
             out = hf(token, past_key_values=out.past_key_values, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
         return time.perf_counter() - start
+    return run
+
+
+def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int
+                      ) -> Callable[[list[int]], float] | None:
+    """Greedy decoding in llama.cpp on the embedded target's GGUF; None when llama-cpp-python is not
+    installed or the target is not the embedded default (only it comes with a GGUF here)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    if target_name not in (None, "smollm2"):
+        return None
+    llm = Llama(str(default_gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                logits_all=False, verbose=False)
+
+    def run(ids: list[int]) -> float:
+        llm.reset()
+        tokens = llm.generate(ids, temp=0.0, top_k=1, reset=True)
+        next(tokens)  # the prefill's token
+        start = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            next(tokens)
+        elapsed = time.perf_counter() - start
+        tokens.close()
+        return elapsed
     return run
 
 

@@ -33,8 +33,9 @@ from hspec.drafters import DRAFTERS, create_drafter, drafter_config
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.drafters.common import select_target_layers
 from hspec.models.llama import TargetModel
-from hspec.models.loading import load_target
+from hspec.models.loading import Target, load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
+from hspec.runtime import for_inference
 from hspec.sampling import SamplingBatch, SamplingParams
 
 GOAL = "hspec T_D(7) / T_T <= 0.25 at B = 1"
@@ -113,21 +114,24 @@ class _Setting:
 
 def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str | Path, repeats: int = 5,
                     batch_sizes: Sequence[int] = (1, 16), contexts: Sequence[int] = (256, 2048), K: int = 7,
-                    seed: int = 0, draft_vocab_size: int | None = None, dtype: str = "auto") -> int:
+                    seed: int = 0, draft_vocab_size: int | None = None, dtype: str = "auto",
+                    target: Target | None = None) -> int:
     """Time every kind's draft forward against the target's verify; write draft_cost_<device>.{json,md}.
 
     `draft_vocab_size` sets Vp of every trained kind (default: each kind's own, the paper's 32,000);
     the files then end in `_vp<Vp>`. `dtype` is the target's and drafters' (`--dtype`; the files of a
-    bfloat16 run end in `_bfloat16`).
+    bfloat16 run end in `_bfloat16`). `target`: the target `target_name` names, already loaded (its own
+    dtype is then the one timed); None loads it.
     """
-    target = load_target(target_name, dtype=dtype)
+    if target is None:
+        target = load_target(target_name, dtype=dtype)
     model = target.model.eval()
     kinds = [k for k in (kinds or DRAFTERS.names()) if k != "none"]
     torch.manual_seed(seed)
     drafters = {k: _create(k, target.config, model, draft_vocab_size) for k in kinds}
-    for drafter in drafters.values():
-        if isinstance(drafter, torch.nn.Module):
-            drafter.eval()
+    for kind, drafter in drafters.items():
+        if isinstance(drafter, torch.nn.Module):  # as `hspec generate` runs it (int8 linears under --dtype int8)
+            drafters[kind] = for_inference(drafter, target)
     device = "gpu" if model.embed_tokens.weight.is_cuda else "cpu"
     rows = []
     with torch.inference_mode():
@@ -135,7 +139,7 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
             for S in contexts:
                 rows.append(_measure(model, drafters, B, S, K, repeats, seed))
                 print(_format_row_summary(rows[-1]), flush=True)
-    settings = {"target": target.name, "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+    settings = {"target": target.name, "dtype": model.dtype_name,
                 "K": K, "batch_sizes": list(batch_sizes), "contexts": list(contexts), "repeats": repeats,
                 "kinds": kinds, "sampling": "greedy", "drafter_weights": "random",
                 "draft_vocab_size": draft_vocab_size or "each kind's default"}
@@ -198,7 +202,7 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 def _create(kind: str, target_config, model: TargetModel, draft_vocab_size: int | None) -> Drafter:
     """A kind with random weights; trained kinds get Vp = `draft_vocab_size` when it is given."""
-    if draft_vocab_size is None or not getattr(DRAFTERS.get(kind), "config_class", None):
+    if draft_vocab_size is None or DRAFTERS.get(kind).config_class is None:
         return create_drafter(kind, target_config, target_model=model)
     config = drafter_config(kind, target_config, draft_vocab_size=draft_vocab_size)
     return create_drafter(kind, target_config, target_model=model, config=config)

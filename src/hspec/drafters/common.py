@@ -198,7 +198,7 @@ class NeuralDrafter(Drafter, nn.Module):
         """Share the target's embedding, LM head and RoPE (after `check_target`)."""
         self.check_target(target_model.config)  # type: ignore[arg-type]
         self._target = TargetParts(target_model.embed_tokens.weight.detach(),  # type: ignore[union-attr]
-                                   target_model.lm_head.weight.detach(), target_model.rope)  # type: ignore[union-attr]
+                                   target_model.lm_head_weight().detach(), target_model.rope)  # type: ignore[union-attr]
         self.head.attach(self._target.lm_head_weight)
 
     @property

@@ -21,7 +21,7 @@ from hspec.decoding.generate import SpeculativeDecoder
 from hspec.eval.bootstrap import paired_bootstrap_relative_diff
 from hspec.eval.findings import evaluate_claims, itl_ratio, render_findings, tau_ratio
 from hspec.metrics import acceptance_stats, merge_stats
-from hspec.models.loading import load_target
+from hspec.models.loading import Target, load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.runtime import build_drafter
 from hspec.sampling import SamplingParams
@@ -46,10 +46,11 @@ class MethodSpec:
 def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequence[str], size: int | None,
              K: int | Sequence[int], sampling: SamplingParams, max_new_tokens: int, out_dir: Path, stem: str,
              seed: int = 0, command: str = "hspec eval", data_dir: str | Path | None = None,
-             dtype: str = "auto") -> dict[str, Any]:
+             dtype: str = "auto", target: Target | None = None) -> dict[str, Any]:
     """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
 
     The tasks are read from `data_dir` (default: $HSPEC_DATA_DIR, else the data shipped in hspec/data).
+    `target`: the target `target_name` names, already loaded (then `dtype` is not used); None loads it.
 
     With several K (the draft-length sensitivity, paper Table 4) each drafter runs once per K on
     every item, labelled "<method> k=<K>"; plain decoding runs once per item.
@@ -62,7 +63,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a label in {labels}; give their checkpoints distinct directory names")
     tasks = [load_task(name, size, data_dir) for name in task_names]  # a missing file fails before loading
-    target = load_target(target_name, dtype=dtype)  # dtype: --dtype (auto, float32, bfloat16)
+    if target is None:
+        target = load_target(target_name, dtype=dtype)  # dtype: --dtype (auto, float32, bfloat16)
     drafters = {m.label: build_drafter(m.kind, target, m.path) for m in specs}
     runs: dict[str, tuple[SpeculativeDecoder, int]] = {}  # label -> (decoder, K)
     for m in specs:
@@ -99,7 +101,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 messages.append({"role": "assistant", "content": target.tokenizer.decode(reference)})
                 bar.update(1)
     bar.close()
-    settings = {"target": target.name, "dtype": str(target.model.embed_tokens.weight.dtype).removeprefix("torch."),
+    settings = {"target": target.name, "dtype": target.model.dtype_name,
                 "K": ks[0] if len(ks) == 1 else ks, "temperature": sampling.temperature,
                 "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": max_new_tokens,
                 "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,

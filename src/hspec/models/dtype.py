@@ -8,6 +8,10 @@
 - any other CPU (AVX2 only, ARM without bf16 support here): float32, because there torch converts bf16
   to fp32 in software and a bf16 forward measures slower than the fp32 one.
 
+`--dtype int8` is never picked by auto: it stores the target's linear weights as int8 (one scale per
+output row, `models.quantize`) and computes in bfloat16, which reads half the bytes per token and
+decodes fastest on a CPU, but changes the model's numbers, so a user asks for it.
+
 Greedy speculative decoding stays lossless in every dtype: the target verifies in the dtype it decodes in,
 and the decoding loop compares the two within one runtime and dtype (see docs/fast-path.md for where
 1-token and multi-token forwards can round differently).
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
 _NAMED = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 # /proc/cpuinfo flags of instructions that compute bf16 dot products natively.
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -53,6 +57,8 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str = "cpu",
         if name not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {name} is not a floating dtype the runtime runs in; use float32 or bfloat16")
         return name
+    if name == "int8":  # int8 weights, bf16 activations (`int8_weights`)
+        return torch.bfloat16
     if name == "auto":
         if torch.device(device).type == "cuda":
             return torch.bfloat16
@@ -60,6 +66,11 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str = "cpu",
     if name not in _NAMED:
         raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(DTYPE_CHOICES)}")
     return _NAMED[name]
+
+
+def int8_weights(name: str | torch.dtype) -> bool:
+    """True when `--dtype` asks for int8 weight-only linears (`models.quantize`)."""
+    return name == "int8"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,6 +1,16 @@
 """Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, GQA attention, SwiGLU.
 
 Legend: B batch, T new tokens, S context length (keys), H hidden, Hq/Hkv heads, D head dim.
+
+Row invariance. Greedy speculative decoding is lossless only if a token's logits come out the same
+whether the target computes it alone (a 1-token decode) or as one row of a (K+1)-token verify. In
+float32 the kernels' rounding differences stay far below a logit gap. In bfloat16 on the CPU they do
+not: every op rounds to 8 bits of mantissa, and 4 of 62 greedy choices flipped between the two paths
+(docs/fast-path.md). So, for reduced-precision CPU tensors, every op here computes a row the same way
+however many rows share the call: `linear` never hands oneDNN a single row (its one-row kernel
+accumulates in another order than its many-row kernel), and `attend` uses products whose reduction
+length does not depend on how many keys the other rows see (fixed-size key chunks). Float32 and GPU
+tensors take the fused kernels (`F.linear`, `F.scaled_dot_product_attention`).
 """
 
 from __future__ import annotations
@@ -8,6 +18,55 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Keys per product in the row-invariant attention: a query's weighted sum of values is accumulated chunk
+# by chunk in fp32, so the keys that other rows of a verify add at the end never change how the earlier
+# keys are summed.
+_VALUE_CHUNK = 256
+
+
+def row_invariant(x: torch.Tensor) -> bool:
+    """True when `x` takes the row-invariant kernels (reduced precision on the CPU; see the module doc)."""
+    return x.dtype != torch.float32 and x.device.type == "cpu"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, for floating or int8 weights, with a single row on a row-invariant tensor computed
+    as one of two rows.
+
+    x (..., K) -> (..., N). weight (N, K), floating, or int8 with `scale` (N,) in x's dtype
+    (`models.quantize`). The second row is the same row again: a two-row product costs what a one-row
+    product costs (it is bound by reading the weight) and goes through the kernel larger calls use.
+    """
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    padded = rows == 1 and row_invariant(x)
+    if padded:
+        flat = flat.expand(2, -1)
+    if scale is None:
+        out = F.linear(flat, weight, bias)
+    else:
+        out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)
+        out = out if bias is None else out + bias
+    return (out[:1] if padded else out).reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose forward is `linear` (same parameters and checkpoint keys).
+
+    weight_scale: (out,) once `models.quantize.quantize_int8` stored the weight as int8, else None.
+    """
+
+    weight_scale: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.register_buffer("weight_scale", None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class RMSNorm(nn.Module):
@@ -19,10 +78,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x / sqrt(mean(x^2) + eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
@@ -48,17 +105,19 @@ class SwiGLU(nn.Module):
     """
 
     gate_up_weight: torch.Tensor | None
+    gate_up_scale: torch.Tensor | None
 
     def __init__(self, hidden: int, inner: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inner, bias=False)
+        self.up_proj = Linear(hidden, inner, bias=False)
+        self.down_proj = Linear(inner, hidden, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # (2I, H) once fused
+        self.register_buffer("gate_up_scale", None, persistent=False)  # (2I,) once quantized to int8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # (..., I) each
+            gate, up = linear(x, self.gate_up_weight, scale=self.gate_up_scale).chunk(2, dim=-1)  # (..., I) each
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -75,19 +134,21 @@ class QKVProjection(nn.Module):
 
     qkv_weight: torch.Tensor | None
     qkv_bias: torch.Tensor | None
+    qkv_scale: torch.Tensor | None
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool, qk_norm: bool, eps: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.q_proj = Linear(hidden, num_heads * head_dim, bias=bias)
+        self.k_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         # ((Hq + 2 Hkv) D, H) weight and bias once `fuse_projections` ran (inference only).
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.register_buffer("qkv_scale", None, persistent=False)  # ((Hq + 2 Hkv) D,) once quantized to int8
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,7 +156,12 @@ class QKVProjection(nn.Module):
         b, t, _ = x.shape
         if self.qkv_weight is not None:
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split((q_width, kv_width, kv_width), dim=-1)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale)
+            if self.q_norm is None:  # q and k are adjacent heads of one tensor: rotate them in one pass
+                qk = apply_rope(qkv[..., : q_width + kv_width].view(b, t, -1, self.head_dim), cos, sin)
+                q, k = qk.split((self.num_heads, self.num_kv_heads), dim=2)
+                return q, k, qkv[..., q_width + kv_width :].view(b, t, self.num_kv_heads, self.head_dim)
+            q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(b, t, self.num_heads, self.head_dim)
@@ -110,11 +176,43 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Scaled dot-product attention with GQA.
 
     q (B, T, Hq, D); k, v (B, S, Hkv, D); mask (B, 1, T, S) bool, True = may attend, or None for
-    full attention. Returns (B, T, Hq * D).
+    full attention. Returns (B, T, Hq * D). Row-invariant tensors take `_attend_row_invariant`.
     """
+    if row_invariant(q):
+        return _attend_row_invariant(q, k, v, mask)
     b, t, hq, d = q.shape
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         enable_gqa=hq != k.shape[2],
     )  # (B, Hq, T, D)
     return out.transpose(1, 2).reshape(b, t, hq * d)
+
+
+def _attend_row_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor | None) -> torch.Tensor:
+    """`attend` computed so that a query row's output does not depend on the other rows of the call.
+
+    The G = Hq / Hkv query heads that share a KV head become G * T rows of one product per KV head.
+    Scores are a bf16 product over D (as the eager attention of reference implementations computes
+    them) scaled and softmaxed in fp32; the weighted sum of values is accumulated in fp32 over chunks
+    of `_VALUE_CHUNK` keys. Keys a row may not see get weight exactly 0, so a verify row, whose call
+    holds up to K more keys, sums the same numbers in the same order as the 1-token decode did.
+    """
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    rows = q.view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)  # (B, Hkv, T G, D)
+    if t * g == 1:  # one row: compute it as one of two (see `linear`)
+        rows = rows.expand(b, hkv, 2, d)
+    scores = torch.matmul(rows, k.permute(0, 2, 3, 1))  # (B, Hkv, rows, S)
+    if mask is not None:
+        visible = mask[:, :, :, None, :].expand(b, 1, t, g, s).reshape(b, 1, t * g, s)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    weights = torch.softmax(scores.float() * d**-0.5, dim=-1).to(q.dtype)
+    values = v.permute(0, 2, 1, 3)  # (B, Hkv, S, D)
+    out = torch.matmul(weights[..., :_VALUE_CHUNK], values[:, :, :_VALUE_CHUNK]).float()
+    for start in range(_VALUE_CHUNK, s, _VALUE_CHUNK):
+        end = start + _VALUE_CHUNK
+        out = out + torch.matmul(weights[..., start:end], values[:, :, start:end]).float()
+    out = out[:, :, : t * g].to(q.dtype)  # (B, Hkv, T G, D)
+    return out.view(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, hq * d)

@@ -20,7 +20,7 @@ from torch import nn
 
 from hspec.cache.paged_pool import PagedKVPool, SlotTable
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
-from hspec.models.layers import QKVProjection, RMSNorm, SwiGLU, attend, rope_cos_sin
+from hspec.models.layers import Linear, QKVProjection, RMSNorm, SwiGLU, attend, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         c = config
         self.qkv = QKVProjection(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                  c.attention_bias, c.qk_norm, c.rms_norm_eps)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
                 layer_index: int, write_slots: torch.Tensor, table: SlotTable,
@@ -74,7 +74,7 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
@@ -85,6 +85,24 @@ class TargetModel(nn.Module):
         w = self.embed_tokens.weight
         return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
                            num_drafter_layers, dtype=w.dtype, device=w.device)
+
+    @property
+    def dtype_name(self) -> str:
+        """The `--dtype` this model runs in: 'int8' once `models.quantize` stored its linears as int8,
+        else its weights' floating dtype ('float32', 'bfloat16')."""
+        if self.lm_head.weight.dtype == torch.int8:
+            return "int8"
+        return str(self.embed_tokens.weight.dtype).removeprefix("torch.")
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head as a floating (V, H) matrix, for drafters that share it: the embedding when they
+        are tied, the int8 rows times their scales when `--dtype int8` stored it quantized."""
+        weight = self.lm_head.weight
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.weight
+        if self.lm_head.weight_scale is not None:
+            return weight.to(self.lm_head.weight_scale.dtype) * self.lm_head.weight_scale[:, None]
+        return weight
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (B, T, D) for `positions` (B, T); drafters reuse this to continue the prefix's RoPE."""

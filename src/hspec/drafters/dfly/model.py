@@ -69,7 +69,7 @@ class DFlyDrafter(DFlashDrafter):
 
     def layer_contexts(self, hidden: torch.Tensor) -> torch.Tensor:
         """c^i = RMSNorm(W_fc · concat(h) + sum_j softmax(alpha_i)_j h_j): (N, S, n_sel, H) -> (layers, N, S, H)."""
-        hidden = hidden.to(self.fc.weight.dtype)
+        hidden = hidden.to(self.hidden_norm.weight.dtype)  # the compute dtype (fc may hold int8)
         base = self.fc(hidden.flatten(-2))  # (N, S, H) DFlash's shared projection
         mix = torch.softmax(self.fusion_logits, dim=-1)  # (layers, n_sel)
         residual = torch.einsum("lj,nsjh->lnsh", mix, hidden)  # (layers, N, S, H)

@@ -1,0 +1,137 @@
+"""The fast path's kernels: row invariance of `linear` and `attend` in bf16 and int8, and int8 storage.
+
+Greedy speculative decoding is lossless only if a row comes out the same bits whether it is computed
+alone (a 1-token decode) or inside a (K+1)-token verify; these tests check that on random tensors and
+on the tiny target, where the kernels' rounding would show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hspec.cache.paged_pool import blocks_for
+from hspec.models.layers import attend, linear, row_invariant
+from hspec.models.quantize import quantize_int8, quantize_rows
+
+
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (40, 48)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_linear_computes_a_row_the_same_alone_or_among_others(out_features, in_features, int8):
+    torch.manual_seed(0)
+    weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
+    scale = None
+    if int8:
+        weight, scale = quantize_rows(weight, torch.bfloat16)
+    x = torch.randn(1, 17, in_features).to(torch.bfloat16)
+    together = linear(x, weight, scale=scale)  # (1, 17, out)
+    alone = torch.cat([linear(x[:, i : i + 1], weight, scale=scale) for i in range(17)], dim=1)
+    assert torch.equal(together, alone)
+    for rows in (2, 5, 8):
+        assert torch.equal(linear(x[:, :rows], weight, scale=scale), together[:, :rows])
+
+
+@pytest.mark.parametrize("context", [37, 255, 256, 511, 700])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_heads):
+    """Row r of a T-token verify sees the context and r + 1 new keys of T; its 1-token decode saw exactly
+    those keys and no more. The outputs must be equal bit for bit, across value-chunk boundaries."""
+    torch.manual_seed(context)
+    t, d = 8, 64
+    q = torch.randn(1, t, heads, d).to(torch.bfloat16)
+    k = torch.randn(1, context + t, kv_heads, d).to(torch.bfloat16)
+    v = torch.randn(1, context + t, kv_heads, d).to(torch.bfloat16)
+    key_pos = torch.arange(context + t)
+    mask = (key_pos[None, :] <= context + torch.arange(t)[:, None])[None, None]  # (1, 1, T, S)
+    verify = attend(q, k, v, mask)  # (1, T, Hq * D)
+    for r in range(t):
+        decode = attend(q[:, r : r + 1], k[:, : context + r + 1], v[:, : context + r + 1], None)
+        assert torch.equal(verify[:, r : r + 1], decode), f"row {r} differs"
+
+
+def test_row_invariant_attention_matches_sdpa_to_bf16_rounding():
+    torch.manual_seed(1)
+    q = torch.randn(2, 5, 9, 64)
+    k, v = torch.randn(2, 300, 3, 64), torch.randn(2, 300, 3, 64)
+    mask = torch.rand(2, 1, 5, 300) > 0.3
+    mask[..., 0] = True
+    reference = attend(q, k, v, mask)  # float32: the fused kernel
+    assert not row_invariant(q) and row_invariant(q.bfloat16())
+    got = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask).float()
+    assert (got - reference).abs().max() < 0.05
+
+
+def test_quantize_rows_bounds_the_error_by_half_a_step():
+    torch.manual_seed(2)
+    weight = torch.randn(30, 50)
+    weight[3] = 0.0  # an all-zero row must not divide by zero
+    q, scale = quantize_rows(weight, torch.float32)
+    assert q.dtype == torch.int8 and q.is_contiguous() and scale.shape == (30,)
+    error = (q.float() * scale[:, None] - weight).abs()
+    assert bool((error <= scale[:, None] / 2 + 1e-6).all())
+    assert int(q[3].abs().max()) == 0
+
+
+def test_quantize_int8_leaves_floating_the_widths_the_kernel_cannot_take():
+    from torch import nn
+
+    from hspec.models.layers import Linear
+
+    model = nn.Sequential(Linear(24, 40, bias=False), Linear(32, 40, bias=False))
+    model.to(torch.bfloat16).requires_grad_(False)
+    quantize_int8(model)
+    assert model[0].weight.dtype == torch.bfloat16 and model[0].weight_scale is None
+    assert model[1].weight.dtype == torch.int8
+    assert model[0](torch.randn(3, 24).to(torch.bfloat16)).shape == (3, 40)
+    assert model[1](torch.randn(3, 32).to(torch.bfloat16)).shape == (3, 40)
+
+
+def test_quantize_int8_keeps_names_shares_stacked_rows_and_unties_the_head(tiny_dirs):
+    from conftest import load_tiny
+
+    target = load_tiny(tiny_dirs["llama"], dtype="bfloat16")
+    model = target.model
+    names = set(model.state_dict())
+    embedding = model.embed_tokens.weight.clone()
+    quantize_int8(model)
+    assert set(model.state_dict()) == names
+    qkv = model.layers[0].self_attn.qkv
+    assert qkv.qkv_weight.dtype == torch.int8 and qkv.q_proj.weight.dtype == torch.int8
+    assert qkv.q_proj.weight.untyped_storage().data_ptr() == qkv.qkv_weight.untyped_storage().data_ptr()
+    assert model.lm_head.weight.dtype == torch.int8
+    assert torch.equal(model.embed_tokens.weight, embedding)  # lookups keep the floating rows
+    if model.config.tie_word_embeddings:
+        assert model.lm_head_weight() is model.embed_tokens.weight
+    with pytest.raises(ValueError, match="frozen"):
+        trainable = load_tiny(tiny_dirs["llama"], dtype="bfloat16").model.requires_grad_(True)
+        quantize_int8(trainable)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_tiny_target_verify_logits_equal_decode_logits_bit_for_bit(tiny_dirs, dtype):
+    from conftest import load_tiny
+
+    model = load_tiny(tiny_dirs["llama"], dtype=dtype).model
+    prompt = [3 + i % (model.config.vocab_size - 3) for i in range(290)]  # crosses a value chunk while decoding
+    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 40, 16))
+    pool.add_sequence(0)
+    with torch.inference_mode():
+        tokens = [int(model(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits[0, -1].argmax())]
+        decoded = []
+        for _ in range(24):
+            logits = model(torch.tensor([tokens[-1:]]), pool, [0]).logits[0, -1]
+            decoded.append(logits)
+            tokens.append(int(logits.argmax()))
+        for block in (3, 8):
+            pool.truncate(0, len(prompt))
+            verified = []
+            for start in range(0, 24, block):
+                verified.extend(model(torch.tensor([tokens[start : start + block]]), pool, [0]).logits[0])
+            assert all(torch.equal(a, b) for a, b in zip(decoded, verified, strict=True))
+
+
+def test_int8_is_refused_off_the_cpu():
+    from hspec.models.loading import load_target
+
+    with pytest.raises(ValueError, match="int8"):
+        load_target("smollm2", dtype="int8", device="meta")
