@@ -10,33 +10,24 @@ import pytest
 from hspec.bench.serve import ServeBenchSettings, _markdown, _plots, kv_capacity_table, run_level
 from hspec.cli import build_parser
 from hspec.drafters import DRAFTERS
-from test_serving import MODEL, _server
+from serving_helpers import MODEL, start_server
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_dirs):
-    from test_serving import ChatByteTokenizer, load_tiny
-
-    target = load_tiny(tiny_dirs["llama"])
-    target.tokenizer = ChatByteTokenizer(target.config.vocab_size)
-    return target
-
-
-def test_kv_capacity_counts_drafter_layers(tiny):
-    rows = {r["drafter"]: r for r in kv_capacity_table(tiny, 4 << 20, block_size=16)}
+def test_kv_capacity_counts_drafter_layers(chat_target):
+    rows = {r["drafter"]: r for r in kv_capacity_table(chat_target, 4 << 20, block_size=16)}
     assert set(rows) == set(DRAFTERS.names())
     plain = rows["none"]
     assert plain["drafter_kv_layers"] == 0 and plain["kv_inflation"] == 1.0
     for row in rows.values():
         assert "error" not in row, row
-        layers = tiny.config.num_layers + row["drafter_kv_layers"]
+        layers = chat_target.config.num_layers + row["drafter_kv_layers"]
         assert row["capacity_tokens"] == (4 << 20) // (row["kv_bytes_per_token"] * 16) * 16
-        assert row["kv_bytes_per_token"] == plain["kv_bytes_per_token"] * layers // tiny.config.num_layers
+        assert row["kv_bytes_per_token"] == plain["kv_bytes_per_token"] * layers // chat_target.config.num_layers
 
 
-def test_one_level_against_a_live_server(tiny, tmp_path):
+def test_one_level_against_a_live_server(chat_target, tmp_path):
     settings = ServeBenchSettings(drafters=("ngram",), concurrency=(3,), K=4, max_tokens=12, level_seconds=1.5)
-    with _server(tiny, "ngram", num_blocks=256) as srv:
+    with start_server(chat_target, "ngram", num_blocks=256) as srv:
         result = asyncio.run(run_level(srv.url, MODEL, ["hello there", "abcabcabc", "zz top"], 3, settings))
     assert result["num_requests"] >= 3 and result["output_tokens"] > 0 and result["throughput_tok_s"] > 0
     assert 0 < result["mean_kv_utilization"] <= 1 and result["mean_accepted_length"] >= 1
@@ -46,7 +37,7 @@ def test_one_level_against_a_live_server(tiny, tmp_path):
     payload = {"provenance": {"command": "test", "date": "-", "commit": "-", "settings": {},
                               "machine": {"cuda": None, "processor": "x", "cpu_count": 1, "torch_threads": 1,
                                           "platform": "p", "torch": "t"}},
-               "levels": levels, "kv_capacity": kv_capacity_table(tiny, 1 << 20, 16)}
+               "levels": levels, "kv_capacity": kv_capacity_table(chat_target, 1 << 20, 16)}
     markdown = _markdown(payload, settings)
     assert "| ngram | 3 |" in markdown and "KV capacity" in markdown
     paths = _plots(levels, tmp_path)

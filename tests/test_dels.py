@@ -95,7 +95,7 @@ def test_training_leaves_the_dflash_part_unchanged(tiny_target, features):
     assert drafter.local.up.abs().sum() > 0  # the local head did train
 
 
-def test_hspec_train_runs_dels_over_a_trained_dflash(tmp_path, tiny_target, monkeypatch):
+def test_hspec_train_runs_dels_over_a_trained_dflash(tmp_path, tiny_target):
     """`hspec train --drafter dels --init-from <dflash drafter>`: the DFlash weights and vocabulary are
     kept (frozen), the local head trains, l_prior comes from the training tokens, and it saves and loads."""
     from hspec.drafters.checkpoint import load_drafter
@@ -108,12 +108,11 @@ def test_hspec_train_runs_dels_over_a_trained_dflash(tmp_path, tiny_target, monk
     layers = select_target_layers(tiny_target.config.num_layers)
     FeatureStore.build(tmp_path / "features", tiny_target.model, "tiny", records, layers,
                        [kv_layer_of(x) for x in layers])
-    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
     recipe = TrainConfig(steps=2, seqs_per_step=2, anchors_per_seq=2)
     dflash_dir = train_run.train("dflash", "tiny", [tmp_path / "features"], tmp_path / "dflash", recipe,
-                                 val_every=2, draft_vocab_size=40)
+                                 val_every=2, draft_vocab_size=40, target=tiny_target)
     dels_dir = train_run.train("dels", "tiny", [tmp_path / "features"], tmp_path / "dels", recipe, val_every=2,
-                               init_from=dflash_dir)
+                               init_from=dflash_dir, target=tiny_target)
     dflash, dels = load_drafter(dflash_dir, tiny_target.model), load_drafter(dels_dir, tiny_target.model)
     assert dels.kind == "dels" and torch.equal(dels.head.draft_vocab_ids, dflash.head.draft_vocab_ids)
     for name, tensor in dflash.state_dict().items():

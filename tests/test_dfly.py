@@ -15,26 +15,13 @@ import torch
 
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch
-from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.drafters.dfly import DFlyConfig, DFlyDrafter, dfly_trainable_params
 from hspec.models.kv_accounting import known_target
 from hspec.models.llama import TargetModel
 from hspec.sampling import SamplingBatch, SamplingParams
-from hspec.training.features import compute_features
 from hspec.training.trainer import TrainConfig, Trainer, make_batch
 
-SEQUENTIAL_KINDS = [k for k in DRAFTERS.names() if getattr(DRAFTERS.get(k), "sequential_head", False)]
-
-
-@pytest.fixture(scope="module")
-def features(tiny_target):
-    g = torch.Generator().manual_seed(0)
-    layers = select_target_layers(tiny_target.config.num_layers)
-    seqs = []
-    for n in (40, 55, 33, 60):
-        tokens = torch.randint(3, tiny_target.config.vocab_size, (n,), generator=g).tolist()
-        seqs.append(compute_features(tiny_target.model, tokens, 10, layers, [kv_layer_of(x) for x in layers]))
-    return seqs
+SEQUENTIAL_KINDS = [k for k in DRAFTERS.names() if DRAFTERS.get(k).sequential_head]
 
 
 def randomised(tiny_target, kind: str, seed: int = 0):

@@ -92,12 +92,11 @@ def test_ablation_plot_needs_two_kinds_of_a_group(tmp_path):
 
 
 def _tiny_eval_setup(tmp_path, tiny_target, monkeypatch):
-    """run_eval's module with the tiny target (a chat stub tokenizer) and 3 two-turn mt_bench items."""
+    """The tiny target with a chat stub tokenizer, for run_eval, and 3 two-turn mt_bench items."""
     import dataclasses
     import json
 
     from hspec.data.tasks import DATA_DIR_ENV
-    from hspec.eval import runner
 
     class ChatStub:
         def __init__(self, inner):
@@ -115,18 +114,17 @@ def _tiny_eval_setup(tmp_path, tiny_target, monkeypatch):
             for i in range(3)]
     (data / "mt_bench.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     monkeypatch.setenv(DATA_DIR_ENV, str(data))
-    target = dataclasses.replace(tiny_target, tokenizer=ChatStub(tiny_target.tokenizer))
-    monkeypatch.setattr(runner, "load_target", lambda name, **how: target)
-    return runner
+    return dataclasses.replace(tiny_target, tokenizer=ChatStub(tiny_target.tokenizer))
 
 
 def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
     """Plain decoding once per turn, n-gram once per K; greedy outputs are checked equal inside."""
+    from hspec.eval.runner import MethodSpec, run_eval
     from hspec.sampling import SamplingParams
 
-    runner = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
-    payload = runner.run_eval("tiny", [runner.MethodSpec("ngram")], ["mt_bench"], 2, [2, 4], SamplingParams(), 12,
-                              tmp_path, "sweep")
+    target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
+    payload = run_eval("tiny", [MethodSpec("ngram")], ["mt_bench"], 2, [2, 4], SamplingParams(), 12, tmp_path,
+                       "sweep", target=target)
     methods = [r["method"] for r in payload["records"]]
     assert methods.count("none") == 4 and methods.count("ngram k=2") == 4 and methods.count("ngram k=4") == 4
     assert payload["summary"]["K"] == {"ngram k=2": 2, "ngram k=4": 4}
@@ -134,14 +132,15 @@ def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
 
 
 def test_run_eval_reports_the_share_of_steps_prompt_lookup_drafted(tmp_path, tiny_target, monkeypatch):
+    from hspec.eval import runner
     from hspec.runtime import build_drafter
     from hspec.sampling import SamplingParams
 
-    runner = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
+    target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
     monkeypatch.setattr(runner, "build_drafter",
                         lambda kind, target, path=None: build_drafter(kind, target, path, random_weights=True))
     payload = runner.run_eval("tiny", [runner.MethodSpec("hspec+ngram")], ["mt_bench"], 2, 3, SamplingParams(), 24,
-                              tmp_path, "lookup")
+                              tmp_path, "lookup", target=target)
     rows = [r for r in payload["records"] if r["method"] == "hspec+ngram"]
     assert len(rows) == 4 and all(0 <= r["lookup_steps"] <= len(r["num_accepted"]) for r in rows)
     assert sum(r["lookup_steps"] for r in rows) > 0  # the tiny target repeats itself within 24 tokens

@@ -2,8 +2,8 @@
 announces is the one bound, a KV pool too small to serve is refused or warned of, a missing `[serve]`
 extra says what to install.
 
-Fast tests swap the real target for the tiny one (`load_target` patched); one slow test starts the
-real command on the embedded target.
+Fast tests hand `open_server` the tiny target (conftest's `chat_target`); one slow test starts the real
+command on the embedded target.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import time
 import httpx
 import pytest
 
-from conftest import load_tiny
 from hspec.cli import main
 from hspec.drafters import create_drafter
 from hspec.serving.app import build_engine
 from hspec.serving.server import ServerThread, ServeSettings, bind_socket, check_pool, open_server
-from serving_helpers import ChatByteTokenizer
 
 
 def _cli_error(capsys, *args: str) -> str:
@@ -60,42 +58,27 @@ def test_without_the_serve_extra_it_says_what_to_install(capsys, monkeypatch):
     assert "uvicorn" in err and "pip install 'hspec[serve]'" in err
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_dirs):
-    target = load_tiny(tiny_dirs["llama"])
-    target.tokenizer = ChatByteTokenizer(target.config.vocab_size)
-    return target
-
-
 def _engine(target, num_blocks: int, block_size: int, K: int = 4):
     drafter = create_drafter("ngram", target.config, target_model=target.model)
     return build_engine(target.model, drafter, target.tokenizer, K, num_blocks=num_blocks, block_size=block_size)
 
 
-def test_a_pool_that_cannot_hold_one_request_is_refused_naming_the_minimum(tiny):
+def test_a_pool_that_cannot_hold_one_request_is_refused_naming_the_minimum(chat_target):
     # a 1-token prompt with max_tokens=1 at K=4 holds 1 + 1 + 4 + 1 = 7 positions: 2 blocks of 4
     with pytest.raises(ValueError, match=r"too few for any request.*--kv-blocks >= 2"):
-        check_pool(_engine(tiny, num_blocks=1, block_size=4), default_max_tokens=256)
+        check_pool(_engine(chat_target, num_blocks=1, block_size=4), default_max_tokens=256)
 
 
-def test_a_pool_too_small_for_the_default_output_is_warned_of(tiny):
-    warning = check_pool(_engine(tiny, num_blocks=1, block_size=16), default_max_tokens=256)
+def test_a_pool_too_small_for_the_default_output_is_warned_of(chat_target):
+    warning = check_pool(_engine(chat_target, num_blocks=1, block_size=16), default_max_tokens=256)
     # 1 + 256 + 4 + 1 = 262 positions: 17 blocks of 16
     assert warning is not None and "16 tokens" in warning and "--kv-blocks >= 17" in warning
-    assert check_pool(_engine(tiny, num_blocks=17, block_size=16), default_max_tokens=256) is None
+    assert check_pool(_engine(chat_target, num_blocks=17, block_size=16), default_max_tokens=256) is None
 
 
-@pytest.fixture
-def tiny_loader(monkeypatch, tiny):
-    """`load_target` gives the tiny target, whatever the name."""
-    from hspec.models import loading
-
-    monkeypatch.setattr(loading, "load_target", lambda *args, **kwargs: tiny)
-
-
-def test_port_0_announces_the_port_bound_and_the_settings_reach_the_app(tiny_loader):
+def test_port_0_announces_the_port_bound_and_the_settings_reach_the_app(chat_target):
     app, sock, announcement = open_server(ServeSettings(target="tiny", drafter="none", kv_blocks=64, port=0,
-                                                        max_request_bytes=200))
+                                                        max_request_bytes=200), chat_target)
     with ServerThread(app, sock=sock) as srv:
         assert srv.port != 0 and announcement.endswith(f"on http://127.0.0.1:{srv.port}")
         assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
@@ -103,20 +86,20 @@ def test_port_0_announces_the_port_bound_and_the_settings_reach_the_app(tiny_loa
         assert big.status_code == 413
 
 
-def test_a_pool_too_small_is_refused_at_start_and_the_port_freed(tiny_loader):
+def test_a_pool_too_small_is_refused_at_start_and_the_port_freed(chat_target):
     with bind_socket("127.0.0.1", 0) as probe:
         port = probe.getsockname()[1]
     # a 1-token prompt with max_tokens=1 at K=7 holds 10 positions: 3 blocks of 4
     settings = ServeSettings(target="tiny", drafter="ngram", K=7, kv_blocks=1, block_size=4, port=port)
     with pytest.raises(ValueError, match="--kv-blocks >= 3"):
-        open_server(settings)
+        open_server(settings, chat_target)
     with bind_socket("127.0.0.1", port) as again:
         again.listen()  # nothing holds the port any more
 
 
-def test_a_small_pool_starts_with_a_warning_naming_the_blocks_needed(tiny_loader, capsys):
+def test_a_small_pool_starts_with_a_warning_naming_the_blocks_needed(chat_target, capsys):
     # plain decoding (K=0): the default 256 tokens after a 1-token prompt hold 258 positions, 17 blocks of 16
-    _, sock, _ = open_server(ServeSettings(target="tiny", drafter="none", kv_blocks=2, port=0))
+    _, sock, _ = open_server(ServeSettings(target="tiny", drafter="none", kv_blocks=2, port=0), chat_target)
     sock.close()
     err = capsys.readouterr().err
     assert "warning" in err and "32 tokens (2 blocks of 16)" in err and "--kv-blocks >= 17" in err

@@ -27,23 +27,12 @@ CONTEXT = 512  # the tiny target's context (conftest's default)
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_dirs):
-    """The tiny target with a tokenizer whose EOS it never emits: every request runs to max_tokens."""
+def chat_target(tiny_dirs):
+    """Conftest's, with a tokenizer whose EOS the target never emits: every request runs to max_tokens (also
+    on conftest's `server`, which serves this)."""
     target = load_tiny(tiny_dirs["llama"])
     target.tokenizer = ChatByteTokenizer(target.config.vocab_size, eos=target.config.vocab_size)
     return target
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with start_server(tiny, "ngram", num_blocks=512) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
 
 
 def _metric(url: str, name: str) -> float:
@@ -96,10 +85,10 @@ def test_a_50_mb_body_gets_413_at_once_and_health_keeps_answering(server):
     assert _health_seconds(server.url) < 1.0
 
 
-def test_a_chunked_body_is_counted_as_it_arrives(tiny):
+def test_a_chunked_body_is_counted_as_it_arrives(chat_target):
     """Without a Content-Length the server counts bytes and stops reading past the limit."""
     limit = 64 * 1024
-    with start_server(tiny, "none", num_blocks=64, max_request_bytes=limit) as srv, \
+    with start_server(chat_target, "none", num_blocks=64, max_request_bytes=limit) as srv, \
             socket.create_connection((srv.host, srv.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
@@ -116,8 +105,8 @@ def test_a_chunked_body_is_counted_as_it_arrives(tiny):
         assert httpx.get(f"{srv.url}/health").status_code == 200
 
 
-def test_a_body_under_the_limit_is_served(tiny):
-    with start_server(tiny, "none", num_blocks=64, max_request_bytes=300) as srv:
+def test_a_body_under_the_limit_is_served(chat_target):
+    with start_server(chat_target, "none", num_blocks=64, max_request_bytes=300) as srv:
         ok = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         big = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "h" * 400, "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
@@ -134,10 +123,10 @@ class _SlowTokenizer(ChatByteTokenizer):
         return super().encode_prompt(prompt, raw)
 
 
-def test_tokenising_runs_off_the_event_loop(tiny):
+def test_tokenising_runs_off_the_event_loop(chat_target):
     """While one request tokenises for 1.5 s, /health answers at once."""
-    tokenizer = _SlowTokenizer(tiny.config.vocab_size)
-    with start_server(tiny, "none", num_blocks=64, tokenizer=tokenizer) as srv:
+    tokenizer = _SlowTokenizer(chat_target.config.vocab_size)
+    with start_server(chat_target, "none", num_blocks=64, tokenizer=tokenizer) as srv:
         result: dict = {}
 
         def post() -> None:
@@ -212,9 +201,9 @@ def test_without_max_tokens_a_long_prompt_is_clamped_to_the_room_left(server, cl
         client.completions.create(model=MODEL, prompt="p" * 510)  # no room at all
 
 
-def test_without_max_tokens_the_pool_bounds_the_output_too(tiny):
+def test_without_max_tokens_the_pool_bounds_the_output_too(chat_target):
     """8 blocks of 8 = 64 positions: a chat's default 256 tokens is clamped to what the pool holds."""
-    with start_server(tiny, "none", num_blocks=8) as small, \
+    with start_server(chat_target, "none", num_blocks=8) as small, \
             openai.OpenAI(base_url=f"{small.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         messages = [{"role": "user", "content": "hello"}]
         prompt_tokens = len(ChatByteTokenizer(96).encode_chat(messages))

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, live on loopback, driven by the official `openai` client.
 
-A tiny random target serves through the real stack (uvicorn thread -> FastAPI -> engine thread).
+A tiny random target serves through the real stack (uvicorn thread -> FastAPI -> engine thread):
+conftest's `chat_target`, `server` and `client`.
 Its stand-in tokenizer decodes injectively (one character per token id), so equal texts mean equal
 tokens.
 """
@@ -15,34 +16,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import load_tiny
 from hspec.decoding.text import TextStream
-from hspec.serving.server import ServerThread
-from serving_helpers import MODEL, ChatByteTokenizer, start_server
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dirs):
-    target = load_tiny(tiny_dirs["llama"])
-    target.tokenizer = ChatByteTokenizer(target.config.vocab_size)
-    return target
-
-
-def _server(target, kind: str, num_blocks: int, block_size: int = 8) -> ServerThread:
-    return start_server(target, kind, num_blocks, block_size)
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    with _server(tiny, "ngram", num_blocks=512) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
-
+from serving_helpers import MODEL, start_server
 
 PROMPTS = ["hello world, hello world", "abcabcabcabc", "the quick brown fox", "zz top", "one two one two one",
            "to be or not to be", "lorem ipsum dolor sit amet", "aaaa bbbb aaaa bbbb"]
@@ -124,10 +99,10 @@ def test_32_concurrent_requests_equal_each_alone(server, client):
     assert rows / steps > 4, "the concurrent requests were not batched together"
 
 
-def test_full_pool_queues_or_preempts_instead_of_failing(tiny):
+def test_full_pool_queues_or_preempts_instead_of_failing(chat_target):
     """24 blocks of 8 hold about two of these requests at full length; eight arrive at once."""
     requests = [dict(model=MODEL, prompt=p, max_tokens=90, temperature=0) for p in PROMPTS]
-    with _server(tiny, "ngram", num_blocks=24) as small:
+    with start_server(chat_target, "ngram", num_blocks=24) as small:
         with openai.OpenAI(base_url=f"{small.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
             alone = [c.completions.create(**r).choices[0].text for r in requests]
         assert _texts_concurrently(small.url, requests) == alone
@@ -157,8 +132,8 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(server
     assert client.completions.create(model=MODEL, prompt="still here", max_tokens=4, temperature=0).choices[0].text
 
 
-def test_oversize_for_the_pool_is_refused(tiny):
-    with _server(tiny, "none", num_blocks=4) as small:  # 32 KV positions
+def test_oversize_for_the_pool_is_refused(chat_target):
+    with start_server(chat_target, "none", num_blocks=4) as small:  # 32 KV positions
         response = httpx.post(f"{small.url}/v1/completions",
                               json=dict(model=MODEL, prompt="a prompt of forty characters, give or take", max_tokens=4))
         assert response.status_code == 400 and "pool's capacity" in response.json()["error"]["message"]

@@ -8,22 +8,10 @@ import pytest
 import torch
 
 from hspec.drafters import create_drafter
-from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.training import run as train_run
-from hspec.training.features import compute_features
 from hspec.training.precision import precision_context, resolve_precision
 from hspec.training.precision_bench import compare_precisions
-from hspec.training.store import FeatureStore
 from hspec.training.trainer import TrainConfig, Trainer
-
-
-@pytest.fixture(scope="module")
-def features(tiny_target):
-    g = torch.Generator().manual_seed(0)
-    layers = select_target_layers(tiny_target.config.num_layers)
-    return [compute_features(tiny_target.model, torch.randint(3, tiny_target.config.vocab_size, (n,),
-                                                              generator=g).tolist(),
-                             10, layers, [kv_layer_of(x) for x in layers]) for n in (40, 55, 33, 60)]
 
 
 def _trainer(tiny_target, features, precision, steps=30, lr=3e-3, seed=0):
@@ -88,62 +76,41 @@ def test_cli_refuses_an_unknown_precision(capsys):
     assert "invalid choice: 'bf16'" in capsys.readouterr().err
 
 
-@pytest.fixture()
-def feature_dir(tmp_path, tiny_target):
-    g = torch.Generator().manual_seed(3)
-    V = tiny_target.config.vocab_size
-    records = [{"id": f"seq/{i}", "prompt_ids": torch.randint(3, V, (8,), generator=g).tolist(),
-                "response_ids": torch.randint(3, V // 2, (30,), generator=g).tolist()} for i in range(6)]
-    layers = select_target_layers(tiny_target.config.num_layers)
-    FeatureStore.build(tmp_path / "features", tiny_target.model, "tiny", records, layers,
-                       [kv_layer_of(x) for x in layers])
-    return tmp_path / "features"
-
-
-def _train(run_dir, feature_dir, precision, steps=2, override=False):
-    config = TrainConfig(steps=steps, seqs_per_step=2, anchors_per_seq=2, precision=precision)
-    return train_run.train("hspec", "tiny", [feature_dir], run_dir, config, val_every=2, draft_vocab_size=20,
-                           override=override)
-
-
 def _config_record(run_dir):
     return json.loads((run_dir / "history.jsonl").read_text().split("\n")[0])
 
 
-def test_the_run_records_its_resolved_precision_and_resume_keeps_it(tmp_path, tiny_target, feature_dir,
-                                                                     monkeypatch, capsys):
-    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
+def test_the_run_records_its_resolved_precision_and_resume_keeps_it(tmp_path, train_tiny, monkeypatch, capsys):
     monkeypatch.setattr(train_run, "resolve_precision", lambda name, device: "fp32")  # a CPU without bf16
     auto = tmp_path / "auto"
-    _train(auto, feature_dir, "auto")
+    train_tiny(auto, precision="auto")
     assert _config_record(auto)["settings"]["precision"] == "fp32" and _config_record(auto)["precision"] == "fp32"
 
     run = tmp_path / "run"
-    _train(run, feature_dir, "bf16-autocast")
+    train_tiny(run, precision="bf16-autocast")
     assert _config_record(run)["settings"]["precision"] == "bf16-autocast"
     with pytest.raises(ValueError, match=r"changed: --precision bf16-autocast -> fp32\. .*--override"):
-        _train(run, feature_dir, "fp32")
+        train_tiny(run, precision="fp32")
     capsys.readouterr()
-    _train(run, feature_dir, "auto", steps=4, override=True)  # auto keeps the recorded bf16, on any machine
+    train_tiny(run, precision="auto", steps=4, override=True)  # auto keeps the recorded bf16, on any machine
     out = capsys.readouterr().out
     assert "precision bf16-autocast" in out and "--precision" not in out
-    _train(run, feature_dir, "fp32", steps=4, override=True)
+    train_tiny(run, precision="fp32", steps=4, override=True)
     records = [json.loads(line) for line in (run / "history.jsonl").read_text().split("\n") if line]
     assert records[-1] == {"event": "override", "step": 4, "changed": {"precision": ["bf16-autocast", "fp32"]}}
 
 
-def test_a_run_recorded_before_precisions_existed_resumes_as_fp32(tmp_path, tiny_target, feature_dir, monkeypatch):
-    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
+def test_a_run_recorded_before_precisions_existed_resumes_as_fp32(tmp_path, train_tiny, monkeypatch):
     monkeypatch.setattr(train_run, "resolve_precision", lambda name, device: "bf16-autocast")  # a CPU with bf16
     run = tmp_path / "run"
-    _train(run, feature_dir, "fp32")
+    train_tiny(run, precision="fp32")
     lines = (run / "history.jsonl").read_text().split("\n")
     config = json.loads(lines[0])
     del config["precision"], config["settings"]["precision"]
     (run / "history.jsonl").write_text("\n".join([json.dumps(config), *lines[1:]]))
-    _train(run, feature_dir, "auto")  # auto resolves to the fp32 it trained in, not this machine's bf16
+    train_tiny(run, precision="auto")  # auto resolves to the fp32 it trained in, not this machine's bf16
     with pytest.raises(ValueError, match=r"--precision fp32 -> bf16-autocast"):
-        _train(run, feature_dir, "bf16-autocast")
+        train_tiny(run, precision="bf16-autocast")
 
 
 def test_the_precision_comparison_interleaves_from_one_initialisation(tiny_target, features):

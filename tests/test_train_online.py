@@ -89,16 +89,14 @@ def test_online_features_refuse_a_missing_or_empty_corpus(tmp_path, tiny_target)
         OnlineFeatures([empty], tiny_target.model, "tiny", layers, kv_layers)
 
 
-def test_training_online_matches_training_from_the_cache_up_to_its_rounding(tmp_path, tiny_target, corpora,
-                                                                           monkeypatch):
-    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
+def test_training_online_matches_training_from_the_cache_up_to_its_rounding(tmp_path, tiny_target, corpora):
     config = TrainConfig(steps=3, seqs_per_step=2, anchors_per_seq=4)
     caches = [_cache(tiny_target, c, tmp_path / f"f{i}") for i, c in enumerate(corpora)]
     torch.manual_seed(0)
-    train_run.train("hspec", "tiny", caches, tmp_path / "cached", config, log_every=1, val_every=3)
+    train_run.train("hspec", "tiny", caches, tmp_path / "cached", config, log_every=1, val_every=3, target=tiny_target)
     torch.manual_seed(0)
     saved = train_run.train("hspec", "tiny", [], tmp_path / "online", config, log_every=1, val_every=3,
-                            corpora=corpora)
+                            corpora=corpora, target=tiny_target)
     logs = {}
     for name in ("cached", "online"):
         lines = [json.loads(x) for x in (tmp_path / name / "history.jsonl").read_text().split("\n") if x]
@@ -136,7 +134,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-def test_training_on_the_gpu_follows_the_cpu(tmp_path, tiny_dirs, corpora, monkeypatch):
+def test_training_on_the_gpu_follows_the_cpu(tmp_path, tiny_dirs, corpora):
     from hspec.drafters import create_drafter
     from hspec.drafters.checkpoint import save_drafter
 
@@ -148,10 +146,10 @@ def test_training_on_the_gpu_follows_the_cpu(tmp_path, tiny_dirs, corpora, monke
     losses = {}
     for device in ("cpu", "cuda"):
         target = load_tiny(tiny_dirs["llama"], device)
-        monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu", t=target: t)
+        # init_from: the same weights on both (a fresh drafter's init is per device)
         saved = train_run.train("hspec", "tiny", [], tmp_path / device, TrainConfig(steps=3, seqs_per_step=2,
                                 anchors_per_seq=4), log_every=1, val_every=3, corpora=corpora, device=device,
-                                init_from=start)  # the same weights on both (a fresh drafter's init is per device)
+                                init_from=start, target=target)
         lines = [json.loads(x) for x in (tmp_path / device / "history.jsonl").read_text().split("\n") if x]
         losses[device] = [r["loss"] for r in lines if r["event"] == "step"]
         assert lines[0]["device"].startswith(device) and (saved / "model.safetensors").exists()

@@ -17,23 +17,10 @@ from hspec.training.store import FeatureStore
 from hspec.training.trainer import TrainConfig, Trainer
 
 
-@pytest.fixture()
-def feature_dir(tmp_path, tiny_target):
-    g = torch.Generator().manual_seed(3)
-    V = tiny_target.config.vocab_size
-    records = [{"id": f"seq/{i}", "prompt_ids": torch.randint(3, V, (8,), generator=g).tolist(),
-                "response_ids": torch.randint(3, V // 2, (30,), generator=g).tolist()} for i in range(6)]
-    layers = select_target_layers(tiny_target.config.num_layers)
-    FeatureStore.build(tmp_path / "features", tiny_target.model, "tiny", records, layers,
-                       [kv_layer_of(x) for x in layers])
-    return tmp_path / "features"
-
-
-def test_train_with_a_smaller_draft_vocabulary(tmp_path, tiny_target, feature_dir, monkeypatch):
-    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
+def test_train_with_a_smaller_draft_vocabulary(tmp_path, tiny_target, feature_dir):
     config = TrainConfig(steps=2, seqs_per_step=2, anchors_per_seq=2)
     saved = train_run.train("hspec", "tiny", [feature_dir], tmp_path / "run", config, val_every=2,
-                            draft_vocab_size=20)
+                            draft_vocab_size=20, target=tiny_target)
     drafter = load_drafter(saved, tiny_target.model)
     assert drafter.config.draft_vocab_size == 20
     store = FeatureStore(feature_dir)
@@ -53,10 +40,9 @@ def test_train_with_a_smaller_draft_vocabulary(tmp_path, tiny_target, feature_di
     assert "draft_vocab_size=20" in report and f"| {first['train_tokens']} |" in report
 
 
-def test_bench_draft_with_a_draft_vocabulary(tmp_path, tiny_target, monkeypatch):
-    monkeypatch.setattr(draft_bench, "load_target", lambda name, **how: tiny_target)
+def test_bench_draft_with_a_draft_vocabulary(tmp_path, tiny_target):
     draft_bench.run_draft_bench("tiny", ["hspec", "ngram"], tmp_path, repeats=1, batch_sizes=(1,), contexts=(16,),
-                                draft_vocab_size=24)
+                                draft_vocab_size=24, target=tiny_target)
     payload = json.loads((tmp_path / "draft_cost_cpu_vp24.json").read_text())
     assert payload["provenance"]["settings"]["draft_vocab_size"] == 24
     assert "--draft-vocab 24" in payload["provenance"]["command"]
@@ -70,11 +56,10 @@ def test_draft_vocabulary_of_a_model_free_kind_is_refused(tiny_target):
         drafter_config("ngram", tiny_target.config, draft_vocab_size=10)
 
 
-def test_train_from_a_saved_drafter_starts_from_its_weights_and_vocabulary(tmp_path, tiny_target, feature_dir,
-                                                                           monkeypatch):
-    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
+def test_train_from_a_saved_drafter_starts_from_its_weights_and_vocabulary(tmp_path, tiny_target, feature_dir):
     first = train_run.train("hspec", "tiny", [feature_dir], tmp_path / "first", TrainConfig(steps=2,
-                            seqs_per_step=2, anchors_per_seq=2), val_every=2, draft_vocab_size=20)
+                            seqs_per_step=2, anchors_per_seq=2), val_every=2, draft_vocab_size=20,
+                            target=tiny_target)
     start = load_drafter(first, tiny_target.model)
     # a vocabulary the data would never choose (the 20 highest ids), so keeping it is visible
     start.head.set_vocab(torch.arange(tiny_target.config.vocab_size - 20, tiny_target.config.vocab_size))
@@ -83,7 +68,7 @@ def test_train_from_a_saved_drafter_starts_from_its_weights_and_vocabulary(tmp_p
 
     tuned_dir = train_run.train("hspec", "tiny", [feature_dir], tmp_path / "tuned",
                                 TrainConfig(steps=1, lr=1e-5, seqs_per_step=2, anchors_per_seq=2), val_every=1,
-                                init_from=tmp_path / "start")
+                                init_from=tmp_path / "start", target=tiny_target)
     tuned = load_drafter(tuned_dir, tiny_target.model)
     assert torch.equal(tuned.head.draft_vocab_ids, start.head.draft_vocab_ids)
     before, after = start.drafter_state_dict(), tuned.drafter_state_dict()
@@ -98,10 +83,10 @@ def test_train_from_a_saved_drafter_starts_from_its_weights_and_vocabulary(tmp_p
 
     with pytest.raises(ValueError, match="holds a 'hspec' drafter, not the 'dflash'"):
         train_run.train("dflash", "tiny", [feature_dir], tmp_path / "wrong_kind", TrainConfig(steps=1),
-                        init_from=tmp_path / "start")
+                        init_from=tmp_path / "start", target=tiny_target)
     with pytest.raises(ValueError, match="--draft-vocab 30 differs"):
         train_run.train("hspec", "tiny", [feature_dir], tmp_path / "wrong_vocab", TrainConfig(steps=1),
-                        draft_vocab_size=30, init_from=tmp_path / "start")
+                        draft_vocab_size=30, init_from=tmp_path / "start", target=tiny_target)
 
 
 def test_report_continues_the_step_axis_of_the_run_a_drafter_started_from():
@@ -130,11 +115,9 @@ def test_report_shows_the_validation_in_decode_order_where_a_run_has_it(tmp_path
     assert f"| {anchors.mean_accepted_length:.2f} | {in_order.mean_accepted_length:.2f} |" in rows["| new"]
 
 
-def test_validate_reports_both_validations_of_saved_drafters_on_the_held_out_split(tmp_path, tiny_target,
-                                                                                   monkeypatch):
+def test_validate_reports_both_validations_of_saved_drafters_on_the_held_out_split(tmp_path, tiny_target):
     from hspec.drafters import create_drafter
 
-    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
     held_out = [f"seq/{i}" for i in range(400) if train_run.is_validation(f"seq/{i}")][:2]
     g = torch.Generator().manual_seed(4)
     V = tiny_target.config.vocab_size
@@ -149,7 +132,8 @@ def test_validate_reports_both_validations_of_saved_drafters_on_the_held_out_spl
         drafter = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
         paths.append(save_drafter(drafter, tmp_path / f"d{seed}", verifier_name_or_path="tiny",
                                   verifier_architectures=["LlamaForCausalLM"]))
-    json_path, md_path = train_run.validate_drafters("tiny", [tmp_path / "features"], paths, tmp_path / "out")
+    json_path, md_path = train_run.validate_drafters("tiny", [tmp_path / "features"], paths, tmp_path / "out",
+                                                     target=tiny_target)
     rows = json.loads(json_path.read_text())["drafters"]
     assert [r["drafter"] for r in rows] == [str(p) for p in paths]
     store = FeatureStore(tmp_path / "features")
@@ -162,41 +146,33 @@ def test_validate_reports_both_validations_of_saved_drafters_on_the_held_out_spl
     assert f"| `{paths[1]}` | hspec | {rows[1]['anchors']['mean_accepted_length']:.3f} |" in md_path.read_text()
 
 
-def _tiny_train(run_dir, feature_dir, override=False, **recipe):
-    config = TrainConfig(**{"steps": 2, "seqs_per_step": 2, "anchors_per_seq": 2, **recipe})
-    return train_run.train("hspec", "tiny", [feature_dir], run_dir, config, val_every=2, draft_vocab_size=20,
-                           override=override)
-
-
-def test_resume_refuses_changed_settings_unless_overridden(tmp_path, tiny_target, feature_dir, monkeypatch, capsys):
-    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
+def test_resume_refuses_changed_settings_unless_overridden(tmp_path, train_tiny, capsys):
     run = tmp_path / "run"
-    _tiny_train(run, feature_dir)
-    _tiny_train(run, feature_dir)  # the same settings resume (here: nothing left to do)
+    train_tiny(run)
+    train_tiny(run)  # the same settings resume (here: nothing left to do)
     with pytest.raises(ValueError, match=r"changed: --steps 2 -> 4, --lr 0.0006 -> 0.001\. .*--override"):
-        _tiny_train(run, feature_dir, steps=4, lr=1e-3)
+        train_tiny(run, steps=4, lr=1e-3)
     with pytest.raises(ValueError, match=r"changed: --seqs-per-step 2 -> 3\b"):
-        _tiny_train(run, feature_dir, seqs_per_step=3)
+        train_tiny(run, seqs_per_step=3)
     assert [p.name for p in (run / "state").iterdir()] == ["step-000000002"]  # nothing was trained or written
 
-    _tiny_train(run, feature_dir, override=True, steps=4)
+    train_tiny(run, override=True, steps=4)
     assert "--override: continuing with --steps 2 -> 4" in capsys.readouterr().out
     records = [json.loads(line) for line in (run / "history.jsonl").read_text().split("\n") if line]
     overrides = [r for r in records if r["event"] == "override"]
     assert overrides == [{"event": "override", "step": 2, "changed": {"steps": [2, 4]}}]
     assert max(r["step"] + 1 for r in records if r["event"] == "step") == 4  # it trained on to the new end
-    _tiny_train(run, feature_dir, steps=4)  # the overridden settings are now the recorded ones
+    train_tiny(run, steps=4)  # the overridden settings are now the recorded ones
     with pytest.raises(ValueError, match=r"--steps 4 -> 2"):
-        _tiny_train(run, feature_dir)
+        train_tiny(run)
     from hspec.training.report import read_history
 
     assert read_history(run)["config"]["steps"] == 4
 
 
-def test_start_clears_what_a_killed_save_left(tmp_path, tiny_target, feature_dir, monkeypatch, capsys):
-    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
+def test_start_clears_what_a_killed_save_left(tmp_path, tiny_target, train_tiny, capsys):
     run = tmp_path / "run"
-    _tiny_train(run, feature_dir)
+    train_tiny(run)
     # What `kill -9` during a save leaves: half-written temporary folders of a state step and of the drafter,
     # and a drafter that was moved aside for its replacement that never arrived.
     for stale in (run / ".state.tmp-k1ll3d", run / "state" / ".step-000000004.tmp-abc_12"):
@@ -204,7 +180,7 @@ def test_start_clears_what_a_killed_save_left(tmp_path, tiny_target, feature_dir
         (stale / "drafter.safetensors").write_bytes(b"\0" * 64)
     (run / ".drafter.old-xyz").mkdir()
     (run / "drafter").rename(run / ".drafter.old-xyz" / "checkpoint")
-    _tiny_train(run, feature_dir)
+    train_tiny(run)
     out = capsys.readouterr().out
     assert f"removed {run / '.state.tmp-k1ll3d'}" in out
     assert f"removed {run / 'state' / '.step-000000004.tmp-abc_12'}" in out
@@ -213,15 +189,14 @@ def test_start_clears_what_a_killed_save_left(tmp_path, tiny_target, feature_dir
     load_drafter(run / "drafter", tiny_target.model)
 
 
-def test_resume_of_a_run_recorded_before_settings_were(tmp_path, tiny_target, feature_dir, monkeypatch):
+def test_resume_of_a_run_recorded_before_settings_were(tmp_path, train_tiny):
     """An older history has only the flat config record: its recipe is compared, its measured values not."""
-    monkeypatch.setattr(train_run, "load_target", lambda name, device="cpu": tiny_target)
     run = tmp_path / "run"
-    _tiny_train(run, feature_dir)
+    train_tiny(run)
     lines = (run / "history.jsonl").read_text().split("\n")
     config = json.loads(lines[0])
     del config["settings"]
     (run / "history.jsonl").write_text("\n".join([json.dumps(config), *lines[1:]]))
-    _tiny_train(run, feature_dir)  # val_sequences (measured) and draft_vocab_size (20 either way) are not compared
+    train_tiny(run)  # val_sequences (measured) and draft_vocab_size (20 either way) are not compared
     with pytest.raises(ValueError, match=r"changed: --steps 2 -> 3\."):
-        _tiny_train(run, feature_dir, steps=3)
+        train_tiny(run, steps=3)

@@ -54,17 +54,6 @@ def test_vocab_pruning_keeps_most_frequent():
     assert ids.tolist() == [5, 9]
 
 
-@pytest.fixture(scope="module")
-def features(tiny_target):
-    g = torch.Generator().manual_seed(0)
-    layers = select_target_layers(tiny_target.config.num_layers)
-    seqs = []
-    for n in (40, 55, 33, 60):
-        tokens = torch.randint(3, tiny_target.config.vocab_size, (n,), generator=g).tolist()
-        seqs.append(compute_features(tiny_target.model, tokens, 10, layers, [kv_layer_of(x) for x in layers]))
-    return seqs
-
-
 def _drafter(tiny_target, kind="hspec", seed=0):
     torch.manual_seed(seed)
     return create_drafter(kind, tiny_target.config, target_model=tiny_target.model)
@@ -141,13 +130,10 @@ def test_target_stays_frozen_and_gets_no_gradient(tiny_dirs, features):
 
 def _gradient_trainer(tiny_dir, seqs_per_step: int, rank: int = 0, world: int = 1) -> Trainer:
     """The same 4 random sequences and the same initial drafter in every process; gradients of step 0."""
-    from conftest import load_tiny
+    from conftest import load_tiny, random_sequence_features
 
     target = load_tiny(tiny_dir)
-    layers = select_target_layers(target.config.num_layers)
-    g = torch.Generator().manual_seed(0)
-    feats = [compute_features(target.model, torch.randint(3, target.config.vocab_size, (n,), generator=g).tolist(),
-                              10, layers, [kv_layer_of(x) for x in layers]) for n in (40, 55, 33, 60)]
+    feats = random_sequence_features(target)
     torch.manual_seed(0)
     drafter = create_drafter("hspec", target.config, target_model=target.model)
     trainer = Trainer(drafter, target.model, feats.__getitem__, [0, 1, 2, 3],

@@ -150,7 +150,7 @@ def _weights(kind: str, settings: ServeBenchSettings) -> str:
     path = dict(settings.drafter_paths).get(kind)
     if path:
         return f"trained: {path}"
-    if not getattr(DRAFTERS.get(kind), "needs_target_model", False):
+    if not DRAFTERS.get(kind).needs_target_model:
         return "model-free"
     return "random (untrained)" if settings.random_drafter_weights else "shipped checkpoint for the target"
 

@@ -128,6 +128,16 @@ class Drafter(ABC):
     needs_target_model: bool = False
     # True for kinds trained with COD sampling (P-Eagle: keep max(0.6^d, 0.2) of anchors at depth d).
     trains_with_cod: bool = False
+    # True for kinds whose slot k depends on the draft before it through more than an additive Markov
+    # term (DFly, DFlash-2, DeLS-Spec, SpecBlock): the trainer then calls their `training_logits`,
+    # which teacher-forces that head and may add a loss of its own.
+    sequential_head: bool = False
+    # How many tokens before x0 the trainer hands the head as `BlockContext.history` (DeLS-Spec's local
+    # window, SpecBlock's block size); 0 for kinds that read no token history. A kind may set it per
+    # instance from its config.
+    history_window: int = 0
+    # The configuration class of trained kinds (`drafter_config` builds one); None for model-free kinds.
+    config_class: type | None = None
     # Rows drafted by prompt lookup so far, for kinds that put lookup in front of a model (`KIND+ngram`);
     # None for the others. `hspec eval` reports the share of steps lookup drafted from it.
     lookup_rows: int | None = None
@@ -189,8 +199,7 @@ def create_drafter(kind: str, target_config: TargetConfig, target_model: torch.n
 def drafter_config(kind: str, target_config: TargetConfig, **overrides):
     """The default configuration of trained kind `kind` for the target, with `overrides` applied
     (e.g. `draft_vocab_size`); pass it to `create_drafter(..., config=...)`."""
-    cls = DRAFTERS.get(kind)
-    config_class = getattr(cls, "config_class", None)
+    config_class = DRAFTERS.get(kind).config_class
     if config_class is None:
         raise ValueError(f"drafter kind {kind!r} has no trained configuration (it takes no options like "
                          f"{sorted(overrides)})")

@@ -74,7 +74,7 @@ def describe_drafter(drafter: Drafter, target_name: str, config: TargetConfig,
     own = [p for p in drafter.parameters()] if isinstance(drafter, nn.Module) else []
     trainable = sum(p.numel() for p in own if p.requires_grad)
     shared = 0
-    if getattr(drafter, "needs_target_model", False):
+    if drafter.needs_target_model:
         # The target's embedding and LM head, read in place (one matrix when tied).
         shared = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     drafter_kv = kv_bytes_per_token(drafter.num_pool_layers, config.num_kv_heads, config.head_dim, bytes_per_element)

@@ -27,6 +27,7 @@ from hspec.models.dtype import DTYPE_CHOICES
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from hspec.models.loading import Target
     from hspec.serving.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -122,9 +123,13 @@ def check_pool(engine: Engine, default_max_tokens: int) -> str | None:
     return None
 
 
-def open_server(settings: ServeSettings) -> tuple[FastAPI, socket.socket, str]:
+def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[FastAPI, socket.socket, str]:
     """Bind, load the target and drafter, build and check the engine: the app, its bound socket and the
-    line announcing where it serves. Nothing serves until `run_server`."""
+    line announcing where it serves. Nothing serves until `run_server`.
+
+    `target`: the target `settings.target` names, already loaded (`settings.dtype` is then not used);
+    None loads it.
+    """
     require_serve_extra()
     from hspec.models.loading import load_target
     from hspec.runtime import build_drafter
@@ -134,9 +139,10 @@ def open_server(settings: ServeSettings) -> tuple[FastAPI, socket.socket, str]:
         torch.set_num_threads(settings.threads)  # this process's setting, made once by its entry point
     sock = bind_socket(settings.host, settings.port)
     try:
-        target = load_target(settings.target, dtype=settings.dtype)
+        if target is None:
+            target = load_target(settings.target, dtype=settings.dtype)
         drafter = build_drafter(settings.drafter, target, settings.drafter_path, settings.random_drafter_weights)
-        if settings.random_drafter_weights and getattr(drafter, "needs_target_model", False):
+        if settings.random_drafter_weights and drafter.needs_target_model:
             log.warning("serving an untrained %r drafter (random weights): outputs stay exact, acceptance is "
                         "meaningless", settings.drafter)
         blocks = settings.kv_blocks

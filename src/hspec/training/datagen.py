@@ -20,7 +20,7 @@ from tqdm import tqdm
 from hspec.data.tasks import data_file, read_jsonl
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import create_drafter
-from hspec.models.loading import load_target, resolve_device
+from hspec.models.loading import Target, load_target, resolve_device
 from hspec.sampling import SamplingParams
 
 
@@ -72,8 +72,11 @@ def prompts_path(settings: DataGenSettings) -> Path:
                                 f"{err}") from None
 
 
-def generate_corpus(settings: DataGenSettings, out_path: Path) -> Path:
-    """Generate (or resume) the corpus at `out_path` (JSONL, one record per prompt)."""
+def generate_corpus(settings: DataGenSettings, out_path: Path, target: Target | None = None) -> Path:
+    """Generate (or resume) the corpus at `out_path` (JSONL, one record per prompt).
+
+    `target`: the target `settings.target` names, already loaded on `settings.device`; None loads it.
+    """
     source = prompts_path(settings)  # a missing file or data folder fails before anything is written
     settings_path = out_path.with_suffix(".settings.json")
     if settings_path.exists() and out_path.exists():
@@ -87,7 +90,8 @@ def generate_corpus(settings: DataGenSettings, out_path: Path) -> Path:
     rows = read_prompts(source)
     random.Random(settings.shuffle_seed).shuffle(rows)
 
-    target = load_target(settings.target, device=resolve_device(settings.device))
+    if target is None:
+        target = load_target(settings.target, device=resolve_device(settings.device))
     tokenizer = target.tokenizer
     todo = []
     for row in rows:

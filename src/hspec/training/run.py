@@ -48,9 +48,13 @@ def held_out_ids(store: FeatureStores, count: int) -> list[int]:
 
 
 def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_sequences: int | None = None,
-                   device: str = "cpu") -> Path:
-    """`hspec data features`: cache the target features every drafter kind needs (5 selected layers)."""
-    target = load_target(target_name, device=resolve_device(device))
+                   device: str = "cpu", target: Target | None = None) -> Path:
+    """`hspec data features`: cache the target features every drafter kind needs (5 selected layers).
+
+    `target`: the target `target_name` names, already loaded on `device`; None loads it.
+    """
+    if target is None:
+        target = load_target(target_name, device=resolve_device(device))
     records = [r for r in read_corpus(corpus_path) if r["response_ids"]]
     records.sort(key=lambda r: r["id"])
     if max_sequences is not None:
@@ -64,7 +68,8 @@ def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_seque
 def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path, config: TrainConfig,
           log_every: int = 10, val_every: int = 100, val_sequences: int = 24,
           draft_vocab_size: int | None = None, init_from: Path | None = None,
-          corpora: list[Path] | None = None, device: str = "cpu", override: bool = False) -> Path:
+          corpora: list[Path] | None = None, device: str = "cpu", override: bool = False,
+          target: Target | None = None) -> Path:
     """Train `kind` on the cached features; resumable; returns the saved drafter directory.
 
     `corpora` (generated JSONL files) replaces `features_dirs`: the target then computes each
@@ -77,6 +82,8 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     `override` is True (the change is then logged in the history and the new settings apply).
     `config.precision` 'auto' resolves for `device` (training/precision.py), or on a resume to the precision
     the run recorded, so that moving a run to other hardware does not switch it.
+    `target` is the target `target_name` names, already loaded on `device`; None loads it (after the
+    resume check, so a refused rerun loads nothing).
     """
     where = resolve_device(device)
     rank, world = _init_distributed(where)
@@ -98,7 +105,8 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                          f"with the recorded settings to resume, pass --override to continue with the new ones "
                          f"(recorded in {history}), or train into another --out")
     torch.manual_seed(config.seed)
-    target = load_target(target_name, device=where)
+    if target is None:
+        target = load_target(target_name, device=where)
     store = _feature_source(target, features_dirs, corpora)
     available = store.available()
     train_ids = [i for i in available if not is_validation(store.ids[i])]
@@ -224,16 +232,19 @@ def _describe(changes: dict[str, list[Any]]) -> str:
 
 
 def validate_drafters(target_name: str, features_dirs: list[Path], drafter_dirs: list[Path], out_dir: Path,
-                      val_sequences: int = 24, stem: str = "validation") -> tuple[Path, Path]:
+                      val_sequences: int = 24, stem: str = "validation",
+                      target: Target | None = None) -> tuple[Path, Path]:
     """`hspec validate`: both validations of saved drafters on the held-out split `hspec train` uses.
 
     Given the feature dirs of a training run, in the same order, these are that run's held-out sequences
     and anchors, so a drafter trained before the decode-order validation existed can be compared with a
-    later one. Writes `<stem>.json` and `<stem>.md` under `out_dir`.
+    later one. Writes `<stem>.json` and `<stem>.md` under `out_dir`. `target`: the target `target_name`
+    names, already loaded; None loads it.
     """
     from hspec.training.report import write_validation_report
 
-    target = load_target(target_name)
+    if target is None:
+        target = load_target(target_name)
     store = FeatureStores(features_dirs)
     val_ids = held_out_ids(store, val_sequences)
     if not val_ids:

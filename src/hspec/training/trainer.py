@@ -129,7 +129,7 @@ def make_batch(drafter: NeuralDrafter, target: TargetModel, feats: SequenceFeatu
     key_pos = torch.arange(s, device=device)
     window = drafter.config.sliding_window
     context_mask = (key_pos[None] < anchors[:, None]) & (key_pos[None] >= anchors[:, None] - window)  # (N, S)
-    history_len = getattr(drafter, "history_window", 0)  # DeLS-Spec's local head reads the W tokens before x0
+    history_len = drafter.history_window  # DeLS-Spec's local head reads the W tokens before x0
     history = None
     if history_len:
         index = anchors[:, None] - history_len + torch.arange(history_len, device=device)  # (N, W)
@@ -250,7 +250,7 @@ class Trainer:
                 continue
             batch = make_batch(self.drafter, self.target, feats, anchors, self.K, g if self.config.cod_keep else None)
             batches.append(batch)
-            if getattr(self.drafter, "sequential_head", False):
+            if self.drafter.sequential_head:
                 # Slot k depends on the previous token through more than an additive Markov term
                 # (DFly, DFlash-2, DeLS-Spec): such a kind teacher-forces its own head and may add a
                 # loss of its own (DFlash-2's path-selector cross-entropy).
