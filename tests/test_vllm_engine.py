@@ -1,4 +1,5 @@
-"""hspec's drafters inside vLLM (CPU build, float32): greedy output equals vLLM plain, token for token.
+"""hspec's drafters inside vLLM (CPU build, float32): greedy output equals vLLM plain, token for token;
+H-Spec served by hspec's proposer keeps vLLM's KV capacity and drafts as hspec's own engine does.
 
 Needs vLLM (`bash scripts/install_vllm.sh`; the module is skipped without it) and the real SmolLM2
 target (converted to a HF folder on first load). Each engine loads in 1-3 minutes on a shared 2-core
@@ -106,3 +107,53 @@ def test_plugin_drafts_from_the_anchor_as_hspec_does(smollm2, tmp_path):
     assert [r.token_ids for r in served] == [s.token_ids for s in own]
     assert [r.num_accepted for r in served] == [sum(s.num_accepted) for s in own]
     assert sum(r.num_accepted for r in served) > 0
+
+
+def test_hspec_proposer_is_lossless_keeps_kv_and_matches_hspec_tau(smollm2, plain):
+    """The shipped H-Spec drafter served by vLLM (method custom_class + hspec's plugin): greedy output equals
+    vLLM plain, the KV capacity equals plain's (no drafter KV), and tau is within 5% of hspec's own engine
+    on the same token ids (K = 7, the trained block size)."""
+    from hspec.bench.vllm import hspec_engine_runs
+
+    prompts, expected, capacity = plain
+    config = vllm_engine.resolve_hspec(vllm_engine.hspec_drafter("hspec", None), smollm2.name)
+    k = config.speculative_config["num_speculative_tokens"]
+    vllm_engine.apply_environment(vllm_engine.cpu_environment())
+    llm = vllm_engine.open_llm(smollm2.path, config, "float32", max_model_len=256)
+    try:
+        served = [vllm_engine.generate_greedy(llm, ids, MAX_NEW_TOKENS) for ids in prompts]
+        hspec_capacity = vllm_engine.kv_capacity_tokens(llm)
+    finally:
+        del llm
+    own = hspec_engine_runs(smollm2, "hspec", vllm_engine.hspec_checkpoint(config, smollm2.name), k, prompts,
+                            MAX_NEW_TOKENS)
+    assert [r.token_ids for r in served] == expected
+    assert [r.token_ids for r in own] == expected
+    assert hspec_capacity == capacity
+    tau_vllm = 1 + sum(r.num_accepted for r in served) / sum(r.num_drafts for r in served)
+    tau_hspec = 1 + sum(r.num_accepted for r in own) / sum(r.num_drafts for r in own)
+    print(f"tau: vLLM + H-Spec {tau_vllm:.3f}, hspec's engine {tau_hspec:.3f}")
+    assert tau_vllm > 1.5  # the trained drafter is really drafting
+    assert abs(tau_vllm - tau_hspec) <= 0.05 * tau_hspec
+
+
+def test_hspec_proposer_batched_greedy_equals_vllm_plain(smollm2, plain):
+    """Both prompts in one batch (max_num_seqs=4): the proposer drafts for requests of different lengths
+    in one call (its own rows, positions and block tables); output still equals vLLM plain at batch 1.
+    A sampled request (temperature 0.8) runs too: vLLM verifies the greedy drafts without draft probabilities."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts, expected, _ = plain
+    config = vllm_engine.resolve_hspec(vllm_engine.hspec_drafter("hspec", None), smollm2.name)
+    vllm_engine.apply_environment(vllm_engine.cpu_environment())
+    llm = vllm_engine.open_llm(smollm2.path, config, "float32", max_model_len=256, max_num_seqs=4)
+    try:
+        served = vllm_engine.generate_greedy_batch(llm, prompts, MAX_NEW_TOKENS)
+        params = SamplingParams(temperature=0.8, seed=0, max_tokens=MAX_NEW_TOKENS)
+        (sampled,) = llm.generate([TokensPrompt(prompt_token_ids=prompts[1])], params, use_tqdm=False)
+    finally:
+        del llm
+    assert [r.token_ids for r in served] == expected
+    assert all(r.num_drafts > 0 for r in served)
+    assert len(sampled.outputs[0].token_ids) > 0

@@ -125,9 +125,28 @@ def test_parse_drafters_adds_plain_and_names_what_is_allowed(dflash_checkpoint, 
     with pytest.raises(ValueError, match="over its source checkpoint"):  # it would replace what it reads
         resolve_dflash(configs[1], path.parent, target_dir)
     for bad, match in (("medusa", "unknown drafter 'medusa'; allowed"), ("dflash=/nowhere", "no config.json"),
-                       ("ngram,ngram", "distinct"), ("hspec", "not implemented yet")):
+                       ("ngram,ngram", "distinct"), ("hspec=/nowhere", "no config.json")):
         with pytest.raises(ValueError, match=match):
             parse_drafters(bad, 5)
+
+
+def test_hspec_drafter_names_its_checkpoint_and_takes_k_from_it(tiny_target, tmp_path):
+    """`hspec` -> vLLM's custom_class method on hspec's proposer, the checkpoint passed as hf_overrides."""
+    from hspec.integrations.vllm.engine import resolve_hspec
+    from hspec.integrations.vllm.proposer import HF_OVERRIDE_KEY, PROPOSER_CLASS
+    from hspec.runtime import shipped_drafter_path
+
+    path = save_drafter(create_drafter("hspec", tiny_target.config, target_model=tiny_target.model),
+                        tmp_path / "hspec_ckpt", "tiny")
+    plain, shipped, own = parse_drafters(f"hspec,hspec={path}", 5)
+    assert plain.speculative_config is None
+    assert shipped.speculative_config == {"method": "custom_class", "model": PROPOSER_CLASS}
+    assert shipped.hf_overrides is None and own.hf_overrides == {HF_OVERRIDE_KEY: str(path)}
+    resolved = resolve_hspec(shipped, "SmolLM2-135M-Instruct")  # the drafter shipped with hspec
+    assert resolved.hf_overrides == {HF_OVERRIDE_KEY: str(shipped_drafter_path("hspec", "SmolLM2-135M-Instruct"))}
+    assert resolved.speculative_config["num_speculative_tokens"] == 7  # its trained block size
+    assert resolve_hspec(own, "tiny", k=3).speculative_config["num_speculative_tokens"] == 3
+    assert resolve_hspec(plain, "tiny") is plain
 
 
 def test_prompts_file_lines_must_hold_a_prompt(tmp_path):

@@ -4,8 +4,9 @@ For every prompt (chat-templated by hspec's tokenizer, so every engine sees the 
 1. each vLLM configuration (`--drafters`, plain always included) generates greedily, interleaved prompt
    by prompt so machine noise hits all alike; every configuration's engine is opened first;
 2. hspec's own engine runs the matching drafter on the same ids (ngram -> hspec's ngram with the same
-   K; dflash=PATH -> the hspec checkpoint the export came from, when it is still there), so tau can be
-   compared engine against engine.
+   K; dflash=PATH -> the hspec checkpoint the export came from, when it is still there; hspec[=PATH] -> the
+   same H-Spec checkpoint, which vLLM runs through hspec's proposer), so tau can be compared engine
+   against engine.
 
 Per configuration it reports how many prompts' greedy outputs equal vLLM plain's (`outputs_equal_plain`;
 exact in float32, a divergence rate in bfloat16), tau (mean accepted length: tokens per verify step,
@@ -91,7 +92,7 @@ def hspec_engine_runs(target: Any, kind: str, path: Path | None, k: int, prompts
     return runs
 
 
-def _hspec_counterpart(drafter: vllm_engine.VllmDrafter) -> tuple[str, Path | None] | None:
+def _hspec_counterpart(drafter: vllm_engine.VllmDrafter, target_name: str) -> tuple[str, Path | None] | None:
     """The hspec drafter that matches a vLLM configuration, or None when there is none to run."""
     if drafter.speculative_config is None:
         return "none", None
@@ -102,6 +103,8 @@ def _hspec_counterpart(drafter: vllm_engine.VllmDrafter) -> tuple[str, Path | No
         exported = json.loads((Path(drafter.speculative_config["model"]) / "config.json").read_text())
         source = Path(exported.get("hspec_source", {}).get("path", ""))
         return ("dflash", source) if (source / "config.json").exists() else None
+    if method == "custom_class":
+        return "hspec", vllm_engine.hspec_checkpoint(drafter, target_name)
     return None
 
 
@@ -139,15 +142,17 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
     target = load_target(target_name)
     messages = read_prompts(prompts_file, num_prompts, data_dir)
     prompts = [target.tokenizer.encode_prompt(m) for m in messages]
-    too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens + k + 1 > max_model_len]
-    if too_long:
-        raise ValueError(f"prompts {too_long} plus --max-new-tokens {max_new_tokens} exceed --max-model-len "
-                         f"{max_model_len}; raise it or shorten them")
     env = vllm_engine.cpu_environment()
     vllm_engine.apply_environment(env)
 
     configs = [_materialize_random_dflash(c, target, export_root) for c in configs]
     configs = [vllm_engine.resolve_dflash(c, export_root / "vllm", target.path) for c in configs]
+    configs = [vllm_engine.resolve_hspec(c, target.name) for c in configs]  # K: the checkpoint's block size
+    most_k = max([k, *(c.speculative_config["num_speculative_tokens"] for c in configs if c.speculative_config)])
+    too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens + most_k + 1 > max_model_len]
+    if too_long:
+        raise ValueError(f"prompts {too_long} plus --max-new-tokens {max_new_tokens} exceed --max-model-len "
+                         f"{max_model_len}; raise it or shorten them")
 
     # 1. vLLM: every engine opened, then the prompts interleaved across them.
     llms = {c.name: vllm_engine.open_llm(target.path, c, dtype, max_model_len) for c in configs}
@@ -165,7 +170,7 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
     # 2. hspec's own engine on the same ids (float32, its default), for the tau comparison.
     if hspec_engine:
         for c in configs:
-            counterpart = _hspec_counterpart(c)
+            counterpart = _hspec_counterpart(c, target.name)
             if counterpart is not None:
                 kind, path = counterpart
                 k_c = c.speculative_config["num_speculative_tokens"] if c.speculative_config else 0
@@ -176,6 +181,8 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
         return 0
     settings = {"target": target.name, "drafters": drafters, "prompts": prompts_file or f"spec_bench[{num_prompts}]",
                 "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype, "K": k,
+                "K_per_drafter": {c.name: c.speculative_config["num_speculative_tokens"] for c in configs
+                                  if c.speculative_config},
                 "max_model_len": max_model_len, "batch": 1, "enforce_eager": True, "vllm": _vllm_version(), **env}
     command = (f"hspec bench vllm --drafters {drafters} " + (f"--prompts-file {prompts_file} " if prompts_file else
                f"--num-prompts {num_prompts} ") + f"--max-new-tokens {max_new_tokens} --dtype {dtype} --k {k}")
@@ -198,6 +205,9 @@ def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str
     lines += ["", "tau: tokens per verify step (accepted drafts + the bonus token). tokens/s: generated tokens over "
               "the wall time of the generate calls (prefill included), one prompt at a time. `engine hspec` rows "
               "run hspec's own engine on the same token ids; their equality column compares with vLLM plain too."]
+    if any(r["drafter"].partition("=")[0] == "hspec" for r in rows):
+        lines += ["", "hspec: H-Spec served by hspec's proposer (vLLM method `custom_class` + hspec's plugin), "
+                  "K = the checkpoint's trained block size; it keeps no KV, so its KV capacity is plain's."]
     if any(r["drafter"] == "dflash=random" for r in rows):
         lines += ["", "dflash=random: an hspec DFlash with seed-0 random weights, exported for vLLM. Its tau says "
                   "nothing about a trained DFlash; its rows show that output stays equal to plain and what "

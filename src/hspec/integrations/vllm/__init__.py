@@ -2,9 +2,9 @@
 
 - `export`: hspec's DFlash checkpoints in the layout vLLM's `dflash` method loads;
 - `engine`: run the target in vLLM with one speculative configuration and measure it;
-- `plugin`: the `vllm.general_plugins` entry point: vLLM's DFlash drafts from the anchor slot as hspec's does.
-
-H-Spec as a vLLM proposer is not built yet; docs/vllm.md gives the chosen hook and the steps left.
+- `proposer`: H-Spec as a vLLM proposer (`method: custom_class`), reading the target's paged KV cache in place;
+- `plugin`: the `vllm.general_plugins` entry point: vLLM's DFlash drafts from the anchor slot as hspec's does,
+  and the model runner hands `proposer.HSpecProposer` the target's tapped hidden states and attention metadata.
 
 Nothing here imports vLLM at module level, so hspec works without it.
 """

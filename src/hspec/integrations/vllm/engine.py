@@ -1,7 +1,8 @@
 """Run the target in vLLM (pinned 0.32, CPU build) with one speculative configuration, and measure it.
 
-What a configuration is (`VllmDrafter`): a name and the `speculative_config` vLLM gets, or None for
-plain decoding. `parse_drafters` turns the bench's `--drafters none,ngram,dflash=PATH` into them.
+What a configuration is (`VllmDrafter`): a name, the `speculative_config` vLLM gets (None for plain
+decoding) and, for H-Spec, the `hf_overrides` that name its checkpoint. `parse_drafters` turns the
+bench's `--drafters none,ngram,dflash=PATH,hspec[=PATH]` into them.
 `open_llm` builds a `vllm.LLM` for the target's HF folder, `generate_greedy` runs one prompt at
 temperature 0 and returns its token ids with the request's own spec-decode counters, and
 `kv_capacity_tokens` reads vLLM's KV capacity from the engine's cache config.
@@ -25,7 +26,7 @@ from typing import Any
 
 # The vLLM release this integration is written and tested against (scripts/install_vllm.sh installs it).
 VLLM_VERSION = "0.32.0"
-ALLOWED_DRAFTERS = ("none", "ngram", "dflash=PATH", "dflash=random")
+ALLOWED_DRAFTERS = ("none", "ngram", "dflash=PATH", "dflash=random", "hspec", "hspec=PATH")
 # `dflash=random`: a random-initialised hspec DFlash (seed 0): exercises losslessness and KV cost, not tau.
 RANDOM_DFLASH = "random"
 
@@ -36,6 +37,7 @@ class VllmDrafter:
 
     name: str  # as given on the command line: none, ngram, dflash=PATH
     speculative_config: dict[str, Any] | None  # vLLM's speculative_config; None = plain decoding
+    hf_overrides: dict[str, Any] | None = None  # H-Spec: {"hspec_drafter": PATH} (proposer.HF_OVERRIDE_KEY)
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,11 @@ def parse_drafters(text: str, k: int) -> list[VllmDrafter]:
                 raise ValueError(f"dflash={value}: no config.json there; give an hspec DFlash checkpoint or its "
                                  "vLLM export (`hspec.integrations.vllm.export`, docs/vllm.md)")
             out.append(VllmDrafter(item, {"method": "dflash", "model": value}))  # K: see `resolve_dflash`
-        elif name == "hspec" and not value:
-            raise ValueError("drafter 'hspec' inside vLLM is not implemented yet (docs/vllm.md says what is "
-                             f"missing); allowed now: {', '.join(ALLOWED_DRAFTERS)}")
+        elif name == "hspec":
+            if value and not (Path(value) / "config.json").exists():
+                raise ValueError(f"hspec={value}: no config.json there; give an hspec H-Spec checkpoint "
+                                 "(`hspec train --drafter hspec`), or `hspec` alone for the shipped one")
+            out.append(hspec_drafter(item, value or None))  # K: see `resolve_hspec`
         else:
             raise ValueError(f"unknown drafter {item!r}; allowed: {', '.join(ALLOWED_DRAFTERS)}")
     if not any(d.speculative_config is None for d in out):
@@ -107,6 +111,39 @@ def resolve_dflash(drafter: VllmDrafter, export_dir: Path, target_dir: Path) -> 
     return VllmDrafter(drafter.name, dflash_config(path))
 
 
+def hspec_drafter(name: str, path: str | Path | None, k: int | None = None) -> VllmDrafter:
+    """H-Spec through hspec's proposer (`proposer.HSpecProposer`): the checkpoint at `path`, or (None) the
+    one shipped for the target; K = None until `resolve_hspec` reads the checkpoint's block size."""
+    from hspec.integrations.vllm.proposer import hspec_config
+
+    config, overrides = hspec_config(k, path)
+    return VllmDrafter(name, config, overrides or None)
+
+
+def hspec_checkpoint(drafter: VllmDrafter, target_name: str) -> Path:
+    """The H-Spec checkpoint of an `hspec` configuration: its hf_overrides path, else the shipped drafter."""
+    from hspec.integrations.vllm.proposer import HF_OVERRIDE_KEY
+    from hspec.runtime import shipped_drafter_path
+
+    path = (drafter.hf_overrides or {}).get(HF_OVERRIDE_KEY)
+    return Path(path) if path else shipped_drafter_path("hspec", target_name)
+
+
+def resolve_hspec(drafter: VllmDrafter, target_name: str, k: int | None = None) -> VllmDrafter:
+    """An `hspec` configuration with its checkpoint path explicit and K set (default: the trained block
+    size, the most the drafter drafts). Other configurations are returned unchanged."""
+    from hspec.integrations.vllm.proposer import PROPOSER_CLASS
+
+    config = drafter.speculative_config
+    if config is None or config.get("model") != PROPOSER_CLASS:
+        return drafter
+    from hspec.drafters.checkpoint import read_checkpoint
+
+    path = hspec_checkpoint(drafter, target_name)
+    block_size = read_checkpoint(path).drafter_config.block_size
+    return hspec_drafter(drafter.name, path, k or config.get("num_speculative_tokens") or block_size)
+
+
 def cpu_environment(threads: int = 1, kv_cache_gib: int = 1) -> dict[str, str]:
     """Environment for vLLM's CPU backend on a shared machine: `threads` OpenMP threads, no core binding."""
     return {
@@ -117,32 +154,45 @@ def cpu_environment(threads: int = 1, kv_cache_gib: int = 1) -> dict[str, str]:
 
 
 def open_llm(model_dir: str | Path, drafter: VllmDrafter, dtype: str = "float32", max_model_len: int = 1024,
-             seed: int = 0) -> Any:
-    """A `vllm.LLM` for the target's HF folder with `drafter`'s speculative config, batch 1, eager."""
+             seed: int = 0, max_num_seqs: int = 1) -> Any:
+    """A `vllm.LLM` for the target's HF folder with `drafter`'s speculative config, eager, batch up to
+    `max_num_seqs` (1: the bench's batch-1 measurements)."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     from vllm import LLM
 
     # Per-request spec-decode counters: vLLM's global metrics are shared by every LLM of one process.
     per_request = {"per_request_spec_decode_metrics": "summary"} if drafter.speculative_config else {}
-    return LLM(str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=max_model_len, max_num_seqs=1,
-               seed=seed, speculative_config=drafter.speculative_config, disable_log_stats=False, **per_request)
+    overrides = {"hf_overrides": drafter.hf_overrides} if drafter.hf_overrides else {}
+    return LLM(str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+               seed=seed, speculative_config=drafter.speculative_config, disable_log_stats=False, **per_request,
+               **overrides)
 
 
 def generate_greedy(llm: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> GreedyRun:
     """One prompt (token ids) at temperature 0, with the request's own spec-decode counters."""
+    (run,) = generate_greedy_batch(llm, [prompt_ids], max_new_tokens)
+    return run
+
+
+def generate_greedy_batch(llm: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[GreedyRun]:
+    """Prompts (token ids) submitted together at temperature 0 (vLLM batches up to its max_num_seqs);
+    per prompt its ids and spec-decode counters, `seconds` the wall time of the whole call."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     start = time.perf_counter()
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))], params, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    completion = out.outputs[0]
-    spec = getattr(completion, "spec_decode_metrics", None)
-    stats = spec.to_dict() if spec is not None else {"num_spec_steps": 0, "num_accepted_draft_tokens": 0}
-    return GreedyRun(list(completion.token_ids), seconds, int(stats["num_spec_steps"]),
-                     int(stats["num_accepted_draft_tokens"]))
+    runs = []
+    for out in outs:
+        completion = out.outputs[0]
+        spec = getattr(completion, "spec_decode_metrics", None)
+        stats = spec.to_dict() if spec is not None else {"num_spec_steps": 0, "num_accepted_draft_tokens": 0}
+        runs.append(GreedyRun(list(completion.token_ids), seconds, int(stats["num_spec_steps"]),
+                              int(stats["num_accepted_draft_tokens"])))
+    return runs
 
 
 def kv_capacity_tokens(llm: Any) -> int:

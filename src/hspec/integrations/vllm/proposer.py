@@ -1,0 +1,277 @@
+"""H-Spec as a vLLM proposer (pinned vLLM 0.32, CPU build): `speculative_config={"method": "custom_class",
+"model": "hspec.integrations.vllm.proposer.HSpecProposer", "num_speculative_tokens": K}`.
+
+What vLLM gives it, through hspec's plugin (`plugin.register` patches the model runner for this class
+only; vLLM's own custom-class call passes token ids alone):
+- the target's hidden states of the drafter's 5 tapped layers (`target_layers`, HF indices: the input
+  of decoder layer l) for every row of the step's forward, from vLLM's aux-hidden-state outputs;
+- the step's attention metadata: per request the query rows, the KV length and the block table, with
+  which the drafter's attention reads the target's paged KV cache of the last 3 tapped layers in place.
+
+What it runs: hspec's own H-Spec modules (`HSpecDrafter.block_logits`, then `sample_block`, greedy,
+Markov head included) on a `BlockContext` built from vLLM's tensors; only the context K/V read is
+new here (`paged_context_kv`). The block's own K/V stay the transient tensors of `BlockAttention`.
+It owns no attention layer, so vLLM allocates no drafter KV blocks: its KV capacity equals plain's.
+
+Which checkpoint (an hspec H-Spec drafter directory, `hspec train --drafter hspec`):
+1. `hf_overrides={"hspec_drafter": PATH}` on the `vllm.LLM` (per engine; vLLM copies it into the
+   target's HF config, which custom-class proposers share);
+2. else the environment variable `HSPEC_VLLM_DRAFTER` (read in the worker process);
+3. else the drafter shipped for the target folder's name (`hspec.runtime.shipped_drafter_path`),
+   e.g. `src/hspec/assets/hspec-smollm2-135m-instruct/` for SmolLM2-135M-Instruct.
+
+Drafts are greedy (argmax), like vLLM's n-gram and custom proposers: vLLM verifies them without draft
+probabilities, which keeps sampling exact at any temperature.
+
+Legend: B requests in the step, N requests drafted, T rows of the step's forward, K drafts, S context
+keys, H hidden, Hkv KV heads, D head dim, nb KV blocks, bs block size, n_sel tapped layers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hspec.drafters.checkpoint import load_drafter, read_checkpoint
+from hspec.drafters.common import BlockContext, NeuralDrafter, build_block
+from hspec.models.config import TargetConfig, rope_inverse_frequencies
+from hspec.models.layers import rope_cos_sin
+from hspec.models.loading import read_config
+from hspec.models.weight_layout import store_linear_weights_column_major
+from hspec.sampling import SamplingBatch
+
+PROPOSER_CLASS = "hspec.integrations.vllm.proposer.HSpecProposer"
+HF_OVERRIDE_KEY = "hspec_drafter"  # hf_overrides={"hspec_drafter": PATH}
+ENV_DRAFTER = "HSPEC_VLLM_DRAFTER"
+# Kinds whose drafter reads the target's K/V in place and keeps no KV of its own (H-Spec and its ablations).
+KV_FREE_KINDS = ("hspec", "hspec-lasttoken-only", "hspec-kvreuse-only", "hspec-nomarkov", "mamba-only",
+                 "attention-only")
+# vLLM CPU attention ISAs whose paged layout `paged_context_kv` reads (the others pack keys differently).
+READABLE_ISAS = ("vec",)
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.attn$")
+
+
+def hspec_config(k: int | None, drafter_path: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(speculative_config, hf_overrides) for a `vllm.LLM` drafting K tokens with H-Spec from `drafter_path`
+    (None: the drafter shipped for the target). K None leaves `num_speculative_tokens` for the caller to set."""
+    config: dict[str, Any] = {"method": "custom_class", "model": PROPOSER_CLASS}
+    if k is not None:
+        config["num_speculative_tokens"] = k
+    return config, ({HF_OVERRIDE_KEY: str(drafter_path)} if drafter_path is not None else {})
+
+
+def drafter_path(vllm_config: Any) -> Path:
+    """The H-Spec checkpoint this engine drafts with: hf_overrides, then $HSPEC_VLLM_DRAFTER, then the shipped one."""
+    from hspec.runtime import shipped_drafter_path
+
+    model_config = vllm_config.model_config
+    chosen = getattr(model_config.hf_config, HF_OVERRIDE_KEY, None) or os.environ.get(ENV_DRAFTER)
+    if chosen:
+        return Path(chosen)
+    return shipped_drafter_path("hspec", Path(model_config.model).name)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A (V, H) weight under the attribute name hspec's drafters read (`embed_tokens.weight`)."""
+
+    weight: torch.Tensor
+
+
+class VllmTargetView:
+    """What hspec's trained drafters read from their target (`NeuralDrafter.attach_target`), over vLLM's model.
+
+    config: hspec's `TargetConfig` of the target's HF folder. The embedding and LM head are vLLM's own
+    tensors (rows past V, vLLM's vocabulary padding, cut off), shared, not copied. RoPE: hspec's tables
+    for the same (theta, scaling), so drafted positions continue the keys vLLM cached.
+    """
+
+    def __init__(self, config: TargetConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        v = config.vocab_size
+        self.config = config
+        self.embed_tokens = _Rows(embed_weight[:v])  # (V, H)
+        self._lm_head = lm_head_weight[:v]  # (V, H)
+        self.inv_freq = rope_inverse_frequencies(config).to(embed_weight.device)  # (D/2,)
+
+    @classmethod
+    def of(cls, model: Any, model_dir: str | Path) -> VllmTargetView:
+        """The view of a loaded vLLM causal LM (`model.model.embed_tokens`, `model.lm_head`)."""
+        config = read_config(Path(model_dir))
+        embed = model.model.embed_tokens.weight
+        lm_head = embed if config.tie_word_embeddings else model.lm_head.weight
+        return cls(config, embed.detach(), lm_head.detach())
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self._lm_head
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (N, K, D) for positions (N, K)."""
+        return rope_cos_sin(self.inv_freq, positions, dtype)
+
+
+def paged_context_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, slots_pos: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read K/V of positions `slots_pos` (N, S) from one layer of vLLM's CPU KV cache ("vec" ISA layout).
+
+    kv_cache: (nb, Hkv, bs, 2D) as vLLM allocates it; inside one (block, head) the first bs*D numbers
+    are the keys stored transposed (D, bs), the next bs*D the values (bs, D) (what
+    `cpu_attn_reshape_and_cache` writes for the "vec" ISA). block_table: (N, max_blocks) int, the
+    request's block ids. slots_pos: (N, S) long positions, >= 0. Returns k, v each (N, S, Hkv, D), K post-RoPE.
+    """
+    nb, hkv, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    halves = kv_cache.view(nb, hkv, 2, bs * d)
+    keys_t = halves[:, :, 0].view(nb, hkv, d, bs)  # key of token t: keys_t[b, h, :, t]
+    values = halves[:, :, 1].view(nb, hkv, bs, d)
+    blocks = block_table.long().gather(1, slots_pos // bs)  # (N, S)
+    offsets = slots_pos % bs  # (N, S)
+    # Advanced indices split by a slice: their (N, S) dims come first.
+    return keys_t[blocks, :, :, offsets], values[blocks, :, offsets]  # (N, S, Hkv, D) x2
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """The requests of one step that get drafts, and where their inputs are.
+
+    requests: (N,) indices into the step's batch. hidden_rows: (N,) row of the last verified position in
+    the step's forward. positions: (N,) p, the anchor's position (= the verified prefix length).
+    anchors: (N,) x0, the last sampled token.
+    """
+
+    requests: torch.Tensor
+    hidden_rows: torch.Tensor
+    positions: torch.Tensor
+    anchors: torch.Tensor
+
+
+def draft_rows(sampled_token_ids: Sequence[Sequence[int]], query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+               num_draft_tokens: Sequence[int] | None) -> DraftRows:
+    """Which rows to draft from, after a step that verified `num_draft_tokens[i]` drafts of request i.
+
+    Request i ran query rows [query_start_loc[i], query_start_loc[i+1]) ending at KV length seq_lens[i];
+    it kept len(sampled[i]) - 1 drafts plus one sampled token, so num_draft + 1 - len(sampled) rows at the
+    end were rejected. A request with nothing sampled (a prefill chunk that is not the last) gets no draft.
+    """
+    requests, rows, positions, anchors = [], [], [], []
+    for i, sampled in enumerate(sampled_token_ids):
+        if not sampled:
+            continue
+        drafted = num_draft_tokens[i] if num_draft_tokens is not None else 0
+        rejected = drafted + 1 - len(sampled)
+        requests.append(i)
+        rows.append(int(query_start_loc[i + 1]) - 1 - rejected)
+        positions.append(int(seq_lens[i]) - rejected)
+        anchors.append(int(sampled[-1]))
+    return DraftRows(*(torch.tensor(xs, dtype=torch.long) for xs in (requests, rows, positions, anchors)))
+
+
+class HSpecProposer:
+    """vLLM's custom-class proposer running hspec's H-Spec drafter (module docstring).
+
+    Built by vLLM's runner as `HSpecProposer(vllm_config)`; `load_model(model)` gets the target once it
+    is loaded; the plugin's patched runner then calls `propose_with_target` after every step.
+    """
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.checkpoint = drafter_path(vllm_config)
+        info = read_checkpoint(self.checkpoint)
+        if info.kind not in KV_FREE_KINDS:
+            raise ValueError(f"{self.checkpoint} holds a {info.kind!r} drafter; HSpecProposer serves the KV-free "
+                             f"kinds {KV_FREE_KINDS} (DFlash: vLLM's `dflash` method on an export, docs/vllm.md)")
+        if not 1 <= self.k <= info.drafter_config.block_size:
+            raise ValueError(f"num_speculative_tokens={self.k}: the drafter at {self.checkpoint} drafts 1.."
+                             f"{info.drafter_config.block_size} tokens (its trained block size)")
+        # HF hidden-state indices = vLLM aux layers (the input of decoder layer l), ascending as vLLM returns them.
+        self.aux_hidden_state_layers = tuple(info.drafter_config.target_layers)
+        if list(self.aux_hidden_state_layers) != sorted(set(self.aux_hidden_state_layers)):
+            raise ValueError(f"target_layers {self.aux_hidden_state_layers} must be ascending and distinct")
+        self.drafter: NeuralDrafter | None = None
+
+    def load_model(self, model: Any) -> None:
+        """Rebuild the drafter on vLLM's target (its embedding, LM head; hspec's RoPE), for inference."""
+        view = VllmTargetView.of(model, self.vllm_config.model_config.model)
+        drafter = load_drafter(self.checkpoint, view)  # type: ignore[arg-type]
+        store_linear_weights_column_major(drafter)  # the layout hspec's engine runs (hspec.runtime)
+        self.drafter = drafter.eval()
+
+    def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
+        """vLLM's token-only custom-class call: H-Spec cannot draft from it (it needs the plugin's call)."""
+        raise RuntimeError("HSpecProposer needs hidden states and the KV cache, which vLLM passes only through "
+                           "hspec's plugin (entry point vllm.general_plugins: hspec); reinstall hspec "
+                           "(`pip install -e .`) in vLLM's environment so the entry point is registered")
+
+    def context_caches(self) -> list[torch.Tensor]:
+        """KV caches (nb, Hkv, bs, 2D) of the target decoder layers the attention modules read, in module order."""
+        context = self.vllm_config.compilation_config.static_forward_context
+        by_index = {int(m.group(1)): layer for name, layer in context.items() if (m := _LAYER_NAME.search(name))}
+        caches = []
+        for decoder_layer in self.drafter_model.reused_kv_layers():
+            layer = by_index[decoder_layer]
+            isa = getattr(layer, "isa", None)
+            if isa not in READABLE_ISAS:
+                raise NotImplementedError(f"vLLM's CPU attention uses ISA {isa!r} here; HSpecProposer reads the "
+                                          f"paged layout of {READABLE_ISAS} only (float32, or bf16 without AMX)")
+            if not layer.kv_cache.is_floating_point() or layer.kv_cache.element_size() < 2:
+                raise NotImplementedError(f"KV cache dtype {layer.kv_cache.dtype}: HSpecProposer reads unquantized "
+                                          "K/V only (kv_cache_dtype='auto')")
+            caches.append(layer.kv_cache)
+        return caches
+
+    @property
+    def drafter_model(self) -> NeuralDrafter:
+        if self.drafter is None:
+            raise RuntimeError("HSpecProposer.load_model has not run: vLLM loads the drafter with the target")
+        return self.drafter
+
+    def block_context(self, rows: DraftRows, aux_hidden_states: Sequence[torch.Tensor],
+                      block_table: torch.Tensor) -> BlockContext:
+        """The H-Spec block inputs of `rows`: hidden states of the tapped layers, paged target K/V."""
+        drafter = self.drafter_model
+        device = aux_hidden_states[0].device
+        hidden_rows = rows.hidden_rows.to(device)
+        last_hidden = torch.stack([h[hidden_rows] for h in aux_hidden_states], dim=1)  # (N, n_sel, H)
+        positions_start = rows.positions.to(device)  # (N,) p
+        block_tokens, positions = build_block(rows.anchors.to(device), positions_start, self.k,
+                                              drafter.config.mask_token_id)  # (N, K) x2
+        s = min(int(positions_start.max()), drafter.config.sliding_window)
+        keys = positions_start[:, None] - s + torch.arange(s, device=device)  # (N, S), right-aligned
+        table = block_table[rows.requests.to(block_table.device)].to(device)  # (N, max_blocks)
+        context_kv = [paged_context_kv(cache, table, keys.clamp(min=0)) for cache in self.context_caches()]
+        return BlockContext(block_tokens, positions, last_hidden, context_kv, keys >= 0)
+
+    def propose_with_target(self, sampled_token_ids: Sequence[Sequence[int]],
+                            aux_hidden_states: Sequence[torch.Tensor], common_attn_metadata: Any,
+                            spec_decode_metadata: Any) -> list[list[int]]:
+        """K greedy drafts per request of the step that sampled a token, [] for the others.
+
+        sampled_token_ids: per request of the step, the tokens it kept (accepted drafts + the new one).
+        aux_hidden_states: n_sel tensors (T, H), the tapped layers' outputs for every row of the step.
+        common_attn_metadata: vLLM's `CommonAttentionMetadata` of the step (query_start_loc_cpu,
+        seq_lens, block_table_tensor). spec_decode_metadata: vLLM's `SpecDecodeMetadata` or None.
+        """
+        if aux_hidden_states is None:
+            raise RuntimeError("HSpecProposer got no aux hidden states: hspec's plugin did not turn them on")
+        m = common_attn_metadata
+        num_draft = spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None else None
+        rows = draft_rows(sampled_token_ids, m.query_start_loc_cpu, m.seq_lens.cpu(), num_draft)
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        if rows.requests.numel() == 0:
+            return out
+        drafter = self.drafter_model
+        ctx = self.block_context(rows, aux_hidden_states, m.block_table_tensor)
+        logits = drafter.block_logits(ctx)  # (N, K, Vp)
+        n = logits.shape[0]
+        greedy = SamplingBatch(torch.zeros(n), torch.ones(n), torch.zeros(n, dtype=torch.long))
+        local, _, _ = drafter.sample_block(logits, ctx.block_tokens[:, 0], greedy, [])  # (N, K)
+        drafts = drafter.head.to_target_ids(local).tolist()
+        for request, tokens in zip(rows.requests.tolist(), drafts):
+            out[request] = tokens
+        return out
