@@ -111,13 +111,9 @@ def load_tiny(directory: Path, device: str = "cpu", dtype: torch.dtype | str = t
     """Load a tiny checkpoint through the real loader, without a HF tokenizer. `dtype` may also be
     a `--dtype` name, "int8" included."""
     from hspec.models import loading
-    from hspec.models.dtype import int8_weights, resolve_dtype
-    from hspec.models.quantize import quantize_int8
 
     config = loading.read_config(directory)
-    model = loading.build_model(config, loading.read_state_dict(directory), resolve_dtype(dtype), device)
-    if int8_weights(dtype):
-        quantize_int8(model, compute_dtype=model.embed_tokens.weight.dtype)
+    model = loading.build_model(config, loading.read_state_dict(directory), dtype, device)
     return Target(directory.name, directory, config, model, _ByteTokenizer(config.vocab_size))  # type: ignore[arg-type]
 
 

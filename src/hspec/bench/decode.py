@@ -39,7 +39,6 @@ from hspec.models.dtype import dtype_name, int8_weights, resolve_dtype
 from hspec.models.layers import QKVProjection, SwiGLU
 from hspec.models.llama import TargetModel
 from hspec.models.loading import Target, build_model, default_gguf_path, load_target, read_state_dict
-from hspec.models.quantize import quantize_int8
 from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.sampling import SamplingParams
 
@@ -66,10 +65,8 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
     targets = {"float32": base}
     state = read_state_dict(base.path)
     for name in names[1:]:
-        model = build_model(base.config, state, resolve_dtype(name), "cpu")
-        if int8_weights(name):
-            quantize_int8(model, compute_dtype=model.embed_tokens.weight.dtype)
-        targets[name] = Target(base.name, base.path, base.config, model, base.tokenizer)
+        targets[name] = Target(base.name, base.path, base.config, build_model(base.config, state, name, "cpu"),
+                               base.tokenizer)
     items = load_task("spec_bench", size=num_prompts, data_dir=data_dir).items  # data_dir: --data-dir
     prompts = [base.tokenizer.encode_prompt(item.turns[0])[:max_prompt_tokens] for item in items]
     runners: dict[str, Callable[[list[int]], float]] = {
@@ -208,7 +205,6 @@ def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int
                 logits_all=False, verbose=False)
 
     def run(ids: list[int]) -> float:
-        llm.reset()
         tokens = llm.generate(ids, temp=0.0, top_k=1, reset=True)
         next(tokens)  # the prefill's token
         start = time.perf_counter()

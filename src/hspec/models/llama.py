@@ -20,6 +20,7 @@ from torch import nn
 
 from hspec.cache.paged_pool import PagedKVPool, SlotTable
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
+from hspec.models.dtype import dtype_name
 from hspec.models.layers import Linear, QKVProjection, RMSNorm, SwiGLU, attend, rope_cos_sin
 
 
@@ -92,17 +93,15 @@ class TargetModel(nn.Module):
         else its weights' floating dtype ('float32', 'bfloat16')."""
         if self.lm_head.weight.dtype == torch.int8:
             return "int8"
-        return str(self.embed_tokens.weight.dtype).removeprefix("torch.")
+        return dtype_name(self.embed_tokens.weight.dtype)
 
     def lm_head_weight(self) -> torch.Tensor:
         """The LM head as a floating (V, H) matrix, for drafters that share it: the embedding when they
         are tied, the int8 rows times their scales when `--dtype int8` stored it quantized."""
-        weight = self.lm_head.weight
         if self.config.tie_word_embeddings:
             return self.embed_tokens.weight
-        if self.lm_head.weight_scale is not None:
-            return weight.to(self.lm_head.weight_scale.dtype) * self.lm_head.weight_scale[:, None]
-        return weight
+        weight, scale = self.lm_head.weight, self.lm_head.weight_scale
+        return weight if scale is None else weight.to(scale.dtype) * scale[:, None]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (B, T, D) for `positions` (B, T); drafters reuse this to continue the prefix's RoPE."""

@@ -76,17 +76,13 @@ def load_target(name_or_path: str | None = None, dtype: str | torch.dtype = torc
                 device: torch.device | str = "cpu") -> Target:
     """Load the target's weights, config and tokenizer; errors name the bad file and what was expected.
 
-    `dtype` is a torch dtype or a `--dtype` name (auto, float32, bfloat16; see `models.dtype`): the
+    `dtype` is a torch dtype or a `--dtype` name (auto, float32, bfloat16, int8; see `models.dtype`): the
     weights, the KV pools the model makes and the drafters built on it all run in it. The library
     default stays float32 (training and cached features); the inference commands default to auto.
     """
-    if int8_weights(dtype) and torch.device(device).type != "cpu":
-        raise ValueError(f"--dtype int8 (int8 weight-only linears) runs on the CPU; on {device} use bfloat16")
     name, directory = resolve_target_dir(name_or_path)
     config = read_config(directory)
-    model = build_model(config, read_state_dict(directory), resolve_dtype(dtype, device), device)
-    if int8_weights(dtype):
-        quantize_int8(model, compute_dtype=model.embed_tokens.weight.dtype)
+    model = build_model(config, read_state_dict(directory), dtype, device)
     return Target(name, directory, config, model, ChatTokenizer.from_directory(directory, config))
 
 
@@ -142,9 +138,15 @@ def hf_to_runtime_key(key: str) -> str:
     return key
 
 
-def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype,
+def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: str | torch.dtype,
                 device: torch.device | str) -> TargetModel:
-    """Build on the meta device, then adopt the checkpoint's tensors (no double allocation)."""
+    """Build on the meta device, then adopt the checkpoint's tensors (no double allocation).
+
+    `dtype`: a torch dtype or a `--dtype` name; "int8" stores the linears as int8 (`models.quantize`).
+    """
+    if int8_weights(dtype) and torch.device(device).type != "cpu":
+        raise ValueError(f"--dtype int8 (int8 weight-only linears) runs on the CPU; on {device} use bfloat16")
+    compute_dtype = resolve_dtype(dtype, device)
     state = {hf_to_runtime_key(k): v for k, v in hf_state.items() if "rotary_emb" not in k}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -163,7 +165,7 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
         if tuple(tensor.shape) != tuple(model_state[key].shape):
             raise ValueError(f"weight {key} has shape {tuple(tensor.shape)}, expected "
                              f"{tuple(model_state[key].shape)} for this config")
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
+    model.load_state_dict({k: v.to(device=device, dtype=compute_dtype) for k, v in state.items()},
                           strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -173,6 +175,8 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     # The target is never trained here: frozen, no gradient reaches (or is computed for) its weights.
     model.eval().requires_grad_(False)
     fuse_projections(model)  # q/k/v and gate/up as one GEMM each (the named weights become views)
+    if int8_weights(dtype):
+        quantize_int8(model, compute_dtype)
     return model
 
 
