@@ -1,4 +1,4 @@
-"""Linear weights stored column-major: same values, ties kept, same outputs, applied to targets and drafters."""
+"""Linear weights in the fast CPU layout (fp32 column-major, bf16 row-major): same values, ties kept, same outputs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from hspec.models.weight_layout import store_linear_weights_column_major
+from hspec.models.weight_layout import store_linear_weights_in_fast_layout
 
 
 def _is_column_major(weight: torch.Tensor) -> bool:
@@ -26,13 +26,22 @@ def test_values_kept_ties_kept_outputs_equal():
     x = torch.randn(3, 4)
     before = model[:3](x)
     values = [p.detach().clone() for p in model.parameters()]
-    store_linear_weights_column_major(model)
+    store_linear_weights_in_fast_layout(model)
     assert all(torch.equal(a, b) for a, b in zip(values, model.parameters()))
     assert _is_column_major(model[0].weight) and _is_column_major(shared.weight)
     assert model.twin.weight is shared.weight
     assert torch.allclose(model[:3](x), before, atol=1e-6)
-    store_linear_weights_column_major(model)  # idempotent
+    store_linear_weights_in_fast_layout(model)  # idempotent
     assert _is_column_major(model[0].weight)
+
+
+def test_reduced_precision_weights_stay_row_major():
+    """bf16 GEMMs run faster on row-major weights on CPU (docs/fast-path.md), so only fp32 is re-stored."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)).to(torch.bfloat16)
+    model.append(nn.Linear(3, 5))  # fp32 beside them
+    store_linear_weights_in_fast_layout(model)
+    assert model[0].weight.is_contiguous() and model[1].weight.is_contiguous()
+    assert _is_column_major(model[2].weight)
 
 
 def test_embedding_tied_to_a_linear_keeps_sharing_it():
@@ -41,7 +50,7 @@ def test_embedding_tied_to_a_linear_keeps_sharing_it():
     head.weight = embed.weight
     model = nn.ModuleDict({"embed": embed, "head": head})
     rows = embed(torch.tensor([1, 7])).detach().clone()
-    store_linear_weights_column_major(model)
+    store_linear_weights_in_fast_layout(model)
     assert model["embed"].weight is model["head"].weight and _is_column_major(model["head"].weight)
     assert torch.equal(model["embed"](torch.tensor([1, 7])), rows)
 

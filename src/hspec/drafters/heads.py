@@ -7,7 +7,10 @@ Vp pruned vocab, r Markov rank.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from hspec.models.weight_layout import in_fast_layout
 
 
 class PrunedVocabHead(nn.Module):
@@ -15,9 +18,10 @@ class PrunedVocabHead(nn.Module):
 
     The ids are a buffer saved with the drafter (default: the first Vp ids, until training picks the
     most frequent tokens, `set_vocab`). A token outside the draft vocabulary is never drafted (paper
-    B.2). The restricted rows are cached as one transposed (H, Vp) copy, neither trained nor saved,
-    refreshed whenever the ids or the attached weight change: gathering Vp rows per call would cost
-    more than the product, and hidden @ (H, Vp) streams the matrix faster than a (Vp, H) `F.linear`.
+    B.2). The restricted rows are cached as one (Vp, H) copy, neither trained nor saved, refreshed
+    whenever the ids or the attached weight change (gathering Vp rows per call would cost more than the
+    product), in the memory layout the CPU's GEMM runs fastest for its dtype (`in_fast_layout`: fp32
+    column-major, bf16 row-major, 1.4x faster than column-major for a 7-row bf16 block here).
     """
 
     def __init__(self, vocab_size: int, draft_vocab_size: int) -> None:
@@ -25,7 +29,7 @@ class PrunedVocabHead(nn.Module):
         self.vocab_size = vocab_size
         self.register_buffer("draft_vocab_ids", torch.arange(draft_vocab_size))  # (Vp,) long
         self._weight: torch.Tensor | None = None  # (V, H) the target's head, detached, not registered
-        self._rows_t: torch.Tensor | None = None  # (H, Vp) cached restricted rows, transposed
+        self._rows: torch.Tensor | None = None  # (Vp, H) cached restricted rows
         self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
 
     def attach(self, lm_head_weight: torch.Tensor) -> None:
@@ -49,13 +53,13 @@ class PrunedVocabHead(nn.Module):
 
     def _refresh(self) -> None:
         if self._weight is not None:
-            self._rows_t = self._weight[self.draft_vocab_ids.to(self._weight.device)].t().contiguous()
+            self._rows = in_fast_layout(self._weight[self.draft_vocab_ids.to(self._weight.device)])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, K, H) -> logits (N, K, Vp)."""
-        if self._rows_t is None:
+        if self._rows is None:
             raise RuntimeError("the pruned vocabulary head has no LM head attached; call attach() first")
-        return hidden @ self._rows_t.to(hidden.dtype)  # (N, K, H) @ (H, Vp)
+        return F.linear(hidden, self._rows.to(hidden.dtype))  # (N, K, H) x (Vp, H)^T
 
     def to_full(self, probs: torch.Tensor) -> torch.Tensor:
         """(..., Vp) probabilities -> (..., V), zero outside the draft vocabulary."""
