@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The long comparison (issue 18): every drafter kind and ablation trained with one recipe for 3,000 steps
+# on the whole committed corpus (results/train_data/corpus_part1-15, 5,173 responses of the target), then
+# evaluated interleaved with plain decoding. Results go to results/comparison_long/.
+#
+# Resumable at every step and across machines: rerun the script after a kill and it continues where it
+# stopped (feature files, training checkpoints, finished evaluations are kept). It takes about a day of
+# 2-core CPU time (features ~1 h, training ~50 min per kind per core, evaluations ~3 h), so it runs in the
+# background over several sessions; on a CUDA GPU run it unchanged (training then takes minutes per kind).
+# The defaults are the settings of the committed results/comparison_long/; LANES only sets how many
+# trainings run side by side (one torch thread each), which does not change any result.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HSPEC=${HSPEC:-.venv/bin/hspec}
+STEPS=${STEPS:-3000}
+VAL_EVERY=${VAL_EVERY:-500}
+LANES=${LANES:-2}
+EVAL_SIZE=${EVAL_SIZE:-24}
+TASK_SIZE=${TASK_SIZE:-16}
+DTYPE=${DTYPE:-bfloat16}
+PARTS=${PARTS:-"1 2 3 4 5 6 7 8 9 10 11 12 13 14 15"}
+# Order matters only for what finishes first: H-Spec and the baselines vLLM can serve (DFlash, P-Eagle),
+# then the other baselines, the ablations and the round-2 kinds. DeLS-Spec trains last, over DFlash.
+KINDS=${KINDS:-"hspec dflash peagle dspark dflash-kvreuse hspec-lasttoken-only hspec-kvreuse-only mamba-only attention-only hspec-nomarkov dflash2 dfly specblock dels"}
+OUT=${OUT:-results/comparison_long}
+RUNS=${RUNS:-runs/compare_long}
+mkdir -p "$OUT" "$RUNS" runs/features
+
+# 1. Target features of every committed corpus part (5 tapped layers' hidden states, their K/V, the final
+#    hidden state), computed once in fp32 and cached; a part already complete is only checked.
+features=""
+for part in $PARTS; do
+  $HSPEC data features --corpus "results/train_data/corpus_part$part.jsonl" --out "runs/features/part$part"
+  features="$features,runs/features/part$part"
+done
+features=${features#,}
+
+# 2. One recipe for all: 0.1 CE + 0.9 TV, gamma 4, AdamW 6e-4, 1% warmup + half-cosine, Vp = 8192,
+#    4 sequences x 16 anchors a step, --precision auto (bf16 autocast where the CPU has native bf16).
+train_kind() {  # train_kind KIND [extra train args...]
+  local kind=$1
+  shift
+  mkdir -p "$RUNS/$kind"
+  $HSPEC train --drafter "$kind" --features "$features" --out "$RUNS/$kind" --steps "$STEPS" \
+    --val-every "$VAL_EVERY" --draft-vocab 8192 "$@" >> "$RUNS/$kind/train.log" 2>&1
+  echo "[compare_long] $kind: $(tail -n 1 "$RUNS/$kind/train.log")"
+}
+train_lane() {  # train_lane INDEX: every LANES-th kind from INDEX (dels waits for dflash below)
+  local i=0
+  for kind in $KINDS; do
+    if [ "$kind" != dels ] && (( i % LANES == $1 )); then
+      OMP_NUM_THREADS=1 train_kind "$kind"
+    fi
+    i=$((i + 1))
+  done
+}
+pids=()
+for ((lane = 0; lane < LANES; lane++)); do
+  train_lane "$lane" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+# DeLS-Spec trains its local head over the trained DFlash drafter, which stays frozen (same steps and data).
+if [[ " $KINDS " == *" dels "* ]]; then
+  OMP_NUM_THREADS=$LANES train_kind dels --init-from "$RUNS/dflash/drafter"
+fi
+runs=()
+drafters=()
+for kind in $KINDS; do
+  runs+=("$RUNS/$kind")
+  drafters+=("$kind=$RUNS/$kind/drafter")
+done
+$HSPEC train-report "${runs[@]}" --out "$OUT/training.md" --title "All kinds, one recipe, $STEPS steps, SmolLM2-135M-Instruct"
+list=$(IFS=,; echo "ngram,${drafters[*]}")
+
+# 3. Evaluations, each skipped when its JSON exists (delete it to rerun), all interleaved item by item
+#    with plain decoding in the same process.
+export OMP_NUM_THREADS=2
+#    Paper Table 2 / Fig. 4 / Fig. 7: every kind and ablation, Spec-Bench subset, K = 7, greedy.
+[ -f "$OUT/eval_spec_bench_k7_greedy.json" ] || $HSPEC eval --dtype "$DTYPE" --drafters "$list" --tasks spec_bench \
+  --size "$EVAL_SIZE" --k 7 --max-new-tokens 128 --out "$OUT" --name eval_spec_bench_k7_greedy
+#    Paper Table 3: the same at temperature 1.0 (lossless rejection sampling; tau is the measure).
+[ -f "$OUT/eval_spec_bench_k7_t1.json" ] || $HSPEC eval --dtype "$DTYPE" --drafters "$list" --tasks spec_bench \
+  --size "$EVAL_SIZE" --k 7 --max-new-tokens 128 --temperature 1.0 --seed 0 --out "$OUT" --name eval_spec_bench_k7_t1
+#    Paper Table 4: draft-length sensitivity of H-Spec and the parallel baselines.
+sweep="hspec=$RUNS/hspec/drafter,dspark=$RUNS/dspark/drafter,dflash=$RUNS/dflash/drafter,peagle=$RUNS/peagle/drafter"
+[ -f "$OUT/eval_spec_bench_k_sweep_greedy.json" ] || $HSPEC eval --dtype "$DTYPE" --drafters "$sweep" \
+  --tasks spec_bench --size "$EVAL_SIZE" --k 3,5,7 --max-new-tokens 128 --out "$OUT" --name eval_spec_bench_k_sweep_greedy
+#    The paper's other suites at K = 7, greedy.
+[ -f "$OUT/eval_tasks_k7_greedy.json" ] || $HSPEC eval --dtype "$DTYPE" --drafters "$list" \
+  --tasks mt_bench,humaneval,gsm8k --size "$TASK_SIZE" --k 7 --max-new-tokens 128 --out "$OUT" --name eval_tasks_k7_greedy
+#    The paper's claims, each with its paired bootstrap CI (docs/claims.md).
+$HSPEC claims "$OUT"
+echo "[compare_long] done: $OUT"
