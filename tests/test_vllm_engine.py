@@ -57,13 +57,31 @@ def test_exported_dflash_greedy_equals_vllm_plain_and_costs_kv(smollm2, plain, t
     torch.manual_seed(0)
     drafter = create_drafter("dflash", smollm2.config, target_model=smollm2.model)
     checkpoint = save_drafter(drafter, tmp_path / "dflash", smollm2.name)
-    config = vllm_engine.resolve_dflash(vllm_engine.VllmDrafter("dflash", {"method": "dflash",
+    config = vllm_engine.resolve_export(vllm_engine.VllmDrafter("dflash", {"method": "dflash",
                                                                            "model": str(checkpoint)}),
                                         tmp_path / "exports", smollm2.path)
     outputs, drafts, dflash_capacity = _run(smollm2, config, prompts)
     assert outputs == expected
     assert drafts > 0  # DFlash drafts every step
     assert dflash_capacity < capacity  # its 5 context-KV layers share the same KV budget
+
+
+def test_exported_peagle_runs_as_parallel_eagle3_and_greedy_equals_vllm_plain(smollm2, plain, tmp_path):
+    """hspec's P-Eagle with random weights, exported as vLLM's parallel EAGLE-3: vLLM loads it, drafts with
+    it (K drafts per step from one forward), and greedy output stays vLLM plain's."""
+    prompts, expected, capacity = plain
+    torch.manual_seed(0)
+    drafter = create_drafter("peagle", smollm2.config, target_model=smollm2.model)
+    checkpoint = save_drafter(drafter, tmp_path / "peagle", smollm2.name)
+    config = vllm_engine.resolve_export(vllm_engine.VllmDrafter("peagle=PATH", {"method": "eagle3",
+                                                                                "model": str(checkpoint),
+                                                                                "parallel_drafting": True}),
+                                        tmp_path / "exports", smollm2.path)
+    assert config.speculative_config["num_speculative_tokens"] == drafter.config.max_draft_len
+    outputs, drafts, peagle_capacity = _run(smollm2, config, prompts)
+    assert outputs == expected
+    assert drafts > 0
+    assert peagle_capacity < capacity  # its 4 layers keep context K/V in the same KV budget
 
 
 def test_plugin_drafts_from_the_anchor_as_hspec_does(smollm2, tmp_path):
@@ -87,7 +105,7 @@ def test_plugin_drafts_from_the_anchor_as_hspec_does(smollm2, tmp_path):
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
     checkpoint = save_drafter(drafter, tmp_path / "dflash", smollm2.name)
-    config = vllm_engine.resolve_dflash(vllm_engine.VllmDrafter("dflash", {"method": "dflash",
+    config = vllm_engine.resolve_export(vllm_engine.VllmDrafter("dflash", {"method": "dflash",
                                                                            "model": str(checkpoint)}),
                                         tmp_path / "exports", smollm2.path)
     k = config.speculative_config["num_speculative_tokens"]
@@ -112,7 +130,7 @@ def test_plugin_drafts_from_the_anchor_as_hspec_does(smollm2, tmp_path):
 def test_hspec_proposer_is_lossless_keeps_kv_and_matches_hspec_tau(smollm2, plain):
     """The shipped H-Spec drafter served by vLLM (method custom_class + hspec's plugin): greedy output equals
     vLLM plain, the KV capacity equals plain's (no drafter KV), and tau is within 5% of hspec's own engine
-    on the same token ids (K = 7, the trained block size)."""
+    on the same token ids (K = 7, its max_draft_len)."""
     from hspec.bench.vllm import hspec_engine_runs
 
     prompts, expected, capacity = plain

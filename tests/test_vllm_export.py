@@ -17,11 +17,13 @@ from hspec.bench.vllm import read_prompts, summarize
 from hspec.drafters import create_drafter
 from hspec.drafters.checkpoint import save_drafter
 from hspec.drafters.dflash import DFlashConfig
-from hspec.integrations.vllm.engine import GreedyRun, parse_drafters, resolve_dflash
+from hspec.drafters.peagle import PEagleConfig
+from hspec.integrations.vllm.engine import GreedyRun, parse_drafters, resolve_export
 from hspec.integrations.vllm.export import (
     MASK_EMBEDDING_FILE,
     draft_to_target_offsets,
     export_dflash_for_vllm,
+    export_peagle_for_vllm,
     is_vllm_export,
     pick_mask_token_id,
     vllm_weight_name,
@@ -82,7 +84,7 @@ def test_export_layout_matches_what_vllm_dflash_loads(dflash_checkpoint, tiny_di
     assert config["aux_hidden_state_layer_ids"] == list(drafter.config.target_layers)
     assert config["draft_vocab_size"] == 48
     k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    assert k == drafter.config.block_size - 1  # vLLM puts the anchor slot in front of K MASK slots
+    assert k == drafter.config.max_draft_len - 1  # vLLM puts the anchor slot in front of K MASK slots
 
 
 def test_export_refuses_bad_input(dflash_checkpoint, tiny_target, tiny_dirs, tmp_path):
@@ -93,8 +95,51 @@ def test_export_refuses_bad_input(dflash_checkpoint, tiny_target, tiny_dirs, tmp
         export_dflash_for_vllm(path, tmp_path / "b", tiny_dirs["llama"], mask_token_id=10_000)
     hspec_drafter = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
     hspec_path = save_drafter(hspec_drafter, tmp_path / "hspec_ckpt", "tiny")
-    with pytest.raises(ValueError, match="vLLM export supports"):
+    with pytest.raises(ValueError, match="takes 'dflash'"):
         export_dflash_for_vllm(hspec_path, tmp_path / "c", tiny_dirs["llama"], mask_token_id=5)
+    with pytest.raises(ValueError, match="takes 'peagle'"):
+        export_peagle_for_vllm(hspec_path, tmp_path / "d", tiny_dirs["llama"], mask_token_id=5)
+
+
+def test_peagle_export_layout_matches_what_vllm_parallel_eagle3_loads(tiny_target, tiny_dirs, tmp_path):
+    torch.manual_seed(0)
+    drafter = create_drafter("peagle", tiny_target.config, target_model=tiny_target.model,
+                             config=PEagleConfig.from_target("peagle", tiny_target.config, draft_vocab_size=48))
+    ids = torch.randperm(tiny_target.config.vocab_size)[:48]
+    drafter.head.set_vocab(ids)
+    path = save_drafter(drafter, tmp_path / "hspec_peagle", "tiny")
+    out = export_peagle_for_vllm(path, tmp_path / "vllm", tiny_dirs["llama"], mask_token_id=5)
+    assert is_vllm_export(out)
+    tensors = load_file(str(out / "model.safetensors"))
+    own = drafter.drafter_state_dict()
+    for name, value in own.items():
+        flat = vllm_weight_name(name)
+        if flat is not None and name != "mask_hidden":
+            assert torch.equal(tensors[flat], value), name
+    assert torch.equal(tensors["mask_hidden"], own["mask_hidden"])  # (n_sel*H,), before fc as in vLLM
+    target = load_file(str(tiny_dirs["llama"] / "model.safetensors"))
+    sorted_ids = ids.sort().values
+    assert torch.equal(torch.arange(48) + tensors["d2t"], sorted_ids)
+    assert torch.equal(tensors["lm_head.weight"], target["lm_head.weight"][sorted_ids])
+    # The MASK row of the drafter's own table is hspec's learned MASK embedding; every other row the target's.
+    embed = tensors["embed_tokens.weight"]
+    assert torch.equal(embed[5], own["mask_embedding"])
+    keep = torch.arange(embed.shape[0]) != 5
+    assert torch.equal(embed[keep], target["model.embed_tokens.weight"][keep])
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 5
+    assert config["transformer_layer_config"]["model_type"] == "qwen3"
+    assert config["transformer_layer_config"]["num_hidden_layers"] == drafter.config.num_layers
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(drafter.config.target_layers)
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == drafter.config.max_draft_len
+    target_dir = tmp_path / "target"  # the on-the-fly export picks MASK from the target's tokenizer.json
+    shutil.copytree(tiny_dirs["llama"], target_dir)
+    added = [{"id": i, "content": f"<s{i}>", "special": True} for i in (0, 1, 2)]
+    (target_dir / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
+    resolved = resolve_export(parse_drafters(f"peagle={path}", 5)[1], tmp_path / "exports", target_dir)
+    assert resolved.speculative_config == {"method": "eagle3", "model": str(tmp_path / "exports" / path.name),
+                                           "num_speculative_tokens": drafter.config.max_draft_len,
+                                           "parallel_drafting": True}
 
 
 def test_mask_token_is_the_last_special_token_that_is_not_bos_or_eos(tmp_path):
@@ -118,12 +163,12 @@ def test_parse_drafters_adds_plain_and_names_what_is_allowed(dflash_checkpoint, 
     shutil.copytree(tiny_dirs["llama"], target_dir)
     added = [{"id": i, "content": f"<s{i}>", "special": True} for i in (0, 1, 2)]
     (target_dir / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
-    resolved = resolve_dflash(configs[1], tmp_path / "exports", target_dir)
+    resolved = resolve_export(configs[1], tmp_path / "exports", target_dir)
     assert is_vllm_export(resolved.speculative_config["model"])
     assert resolved.speculative_config["num_speculative_tokens"] == 6  # block size 7 - the anchor slot
-    assert resolve_dflash(configs[0], tmp_path / "exports", target_dir) is configs[0]
+    assert resolve_export(configs[0], tmp_path / "exports", target_dir) is configs[0]
     with pytest.raises(ValueError, match="over its source checkpoint"):  # it would replace what it reads
-        resolve_dflash(configs[1], path.parent, target_dir)
+        resolve_export(configs[1], path.parent, target_dir)
     for bad, match in (("medusa", "unknown drafter 'medusa'; allowed"), ("dflash=/nowhere", "no config.json"),
                        ("ngram,ngram", "distinct"), ("hspec=/nowhere", "no config.json")):
         with pytest.raises(ValueError, match=match):
@@ -144,7 +189,7 @@ def test_hspec_drafter_names_its_checkpoint_and_takes_k_from_it(tiny_target, tmp
     assert shipped.hf_overrides is None and own.hf_overrides == {HF_OVERRIDE_KEY: str(path)}
     resolved = resolve_hspec(shipped, "SmolLM2-135M-Instruct")  # the drafter shipped with hspec
     assert resolved.hf_overrides == {HF_OVERRIDE_KEY: str(shipped_drafter_path("hspec", "SmolLM2-135M-Instruct"))}
-    assert resolved.speculative_config["num_speculative_tokens"] == 7  # its trained block size
+    assert resolved.speculative_config["num_speculative_tokens"] == 7  # its max_draft_len
     assert resolve_hspec(own, "tiny", k=3).speculative_config["num_speculative_tokens"] == 3
     assert resolve_hspec(plain, "tiny") is plain
 

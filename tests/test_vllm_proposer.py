@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from hspec.cache.paged_pool import blocks_for  # noqa: E402
 from hspec.integrations.vllm.proposer import (  # noqa: E402
     DraftRows,
     HSpecProposer,
@@ -75,7 +76,7 @@ def test_block_context_from_a_paged_cache_drafts_as_hspec_does(smollm2):
     layers = own.reused_kv_layers()
     pool = smollm2.model.new_pool(num_blocks=8)
     pool.add_sequence(0)
-    out = smollm2.model(torch.tensor([ids]), pool, [0], hidden_layers=own.hidden_layers)
+    out = smollm2.model(torch.tensor([ids]), pool, [0], hidden_layers=own.target_layers)
     own.commit(pool, [0], out.hidden, torch.tensor([len(ids)]))
     anchor = out.logits[0, -1].argmax()[None]
     batch = DraftBatch([0], anchor, [ids + [int(anchor)]], pool, SamplingBatch.from_params([SamplingParams()]),
@@ -83,7 +84,7 @@ def test_block_context_from_a_paged_cache_drafts_as_hspec_does(smollm2):
     expected = own.propose(batch, k).draft_tokens[0].tolist()
 
     # The same prefix K/V in vLLM's paged layout, blocks in reverse order; the hidden states as aux outputs.
-    n_blocks = (len(ids) + block_size - 1) // block_size
+    n_blocks = blocks_for(len(ids), block_size)
     block_ids = torch.arange(n_blocks).flip(0) + 1
     positions = torch.arange(len(ids))
     slots = block_ids[positions // block_size] * block_size + positions % block_size

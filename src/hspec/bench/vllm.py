@@ -4,7 +4,7 @@ For every prompt (chat-templated by hspec's tokenizer, so every engine sees the 
 1. each vLLM configuration (`--drafters`, plain always included) generates greedily, interleaved prompt
    by prompt so machine noise hits all alike; every configuration's engine is opened first;
 2. hspec's own engine runs the matching drafter on the same ids (ngram -> hspec's ngram with the same
-   K; dflash=PATH -> the hspec checkpoint the export came from, when it is still there; hspec[=PATH] -> the
+   K; dflash=PATH, peagle=PATH -> the hspec checkpoint the export came from, when it is still there; hspec[=PATH] -> the
    same H-Spec checkpoint, which vLLM runs through hspec's proposer), so tau can be compared engine
    against engine.
 
@@ -92,35 +92,37 @@ def hspec_engine_runs(target: Any, kind: str, path: Path | None, k: int, prompts
     return runs
 
 
-def _hspec_counterpart(drafter: vllm_engine.VllmDrafter, target_name: str) -> tuple[str, Path | None] | None:
+def hspec_counterpart(drafter: vllm_engine.VllmDrafter, target_name: str) -> tuple[str, Path | None] | None:
     """The hspec drafter that matches a vLLM configuration, or None when there is none to run."""
     if drafter.speculative_config is None:
         return "none", None
     method = drafter.speculative_config["method"]
     if method == "ngram":
         return "ngram", None
-    if method == "dflash":
+    if method in vllm_engine.EXPORTED_KINDS:
         exported = json.loads((Path(drafter.speculative_config["model"]) / "config.json").read_text())
         source = Path(exported.get("hspec_source", {}).get("path", ""))
-        return ("dflash", source) if (source / "config.json").exists() else None
+        return (vllm_engine.EXPORTED_KINDS[method], source) if (source / "config.json").exists() else None
     if method == "custom_class":
         return "hspec", vllm_engine.hspec_checkpoint(drafter, target_name)
     return None
 
 
-def _materialize_random_dflash(drafter: vllm_engine.VllmDrafter, target: Any, root: Path) -> vllm_engine.VllmDrafter:
-    """`dflash=random` -> a random-initialised hspec DFlash (seed 0) saved under `root`; others unchanged."""
+def materialize_random(drafter: vllm_engine.VllmDrafter, target: Any, root: Path) -> vllm_engine.VllmDrafter:
+    """`dflash=random`, `peagle=random` -> a random-initialised hspec drafter of that kind (seed 0) saved
+    under `root`; others unchanged."""
     config = drafter.speculative_config
-    if config is None or config.get("model") != vllm_engine.RANDOM_DFLASH:
+    if config is None or config.get("model") != vllm_engine.RANDOM_WEIGHTS:
         return drafter
+    kind = vllm_engine.EXPORTED_KINDS[config["method"]]
     import torch
 
     from hspec.drafters import create_drafter
     from hspec.drafters.checkpoint import save_drafter
 
     torch.manual_seed(0)
-    model = create_drafter("dflash", target.config, target_model=target.model)
-    path = save_drafter(model, root / "hspec" / "dflash-random", target.name)
+    model = create_drafter(kind, target.config, target_model=target.model)
+    path = save_drafter(model, root / "hspec" / f"{kind}-random", target.name)
     return vllm_engine.VllmDrafter(drafter.name, {**config, "model": str(path)})
 
 
@@ -145,8 +147,8 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
     env = vllm_engine.cpu_environment()
     vllm_engine.apply_environment(env)
 
-    configs = [_materialize_random_dflash(c, target, export_root) for c in configs]
-    configs = [vllm_engine.resolve_dflash(c, export_root / "vllm", target.path) for c in configs]
+    configs = [materialize_random(c, target, export_root) for c in configs]
+    configs = [vllm_engine.resolve_export(c, export_root / "vllm", target.path) for c in configs]
     configs = [vllm_engine.resolve_hspec(c, target.name) for c in configs]  # K: the checkpoint's block size
     most_k = max([k, *(c.speculative_config["num_speculative_tokens"] for c in configs if c.speculative_config)])
     too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens + most_k + 1 > max_model_len]
@@ -170,7 +172,7 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
     # 2. hspec's own engine on the same ids (float32, its default), for the tau comparison.
     if hspec_engine:
         for c in configs:
-            counterpart = _hspec_counterpart(c, target.name)
+            counterpart = hspec_counterpart(c, target.name)
             if counterpart is not None:
                 kind, path = counterpart
                 k_c = c.speculative_config["num_speculative_tokens"] if c.speculative_config else 0
@@ -183,7 +185,7 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
                 "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype, "K": k,
                 "K_per_drafter": {c.name: c.speculative_config["num_speculative_tokens"] for c in configs
                                   if c.speculative_config},
-                "max_model_len": max_model_len, "batch": 1, "enforce_eager": True, "vllm": _vllm_version(), **env}
+                "max_model_len": max_model_len, "batch": 1, "enforce_eager": True, "vllm": vllm_version(), **env}
     command = (f"hspec bench vllm --drafters {drafters} " + (f"--prompts-file {prompts_file} " if prompts_file else
                f"--num-prompts {num_prompts} ") + f"--max-new-tokens {max_new_tokens} --dtype {dtype} --k {k}")
     meta = provenance(command, settings)
@@ -207,7 +209,10 @@ def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str
               "run hspec's own engine on the same token ids; their equality column compares with vLLM plain too."]
     if any(r["drafter"].partition("=")[0] == "hspec" for r in rows):
         lines += ["", "hspec: H-Spec served by hspec's proposer (vLLM method `custom_class` + hspec's plugin), "
-                  "K = the checkpoint's trained block size; it keeps no KV, so its KV capacity is plain's."]
+                  "K = the checkpoint's max_draft_len; it keeps no KV, so its KV capacity is plain's."]
+    if any(r["drafter"] == "peagle=random" for r in rows):
+        lines += ["", "peagle=random: an hspec P-Eagle with seed-0 random weights, exported as vLLM's parallel EAGLE-3 "
+                  "(`eagle3` + `parallel_drafting`). Its rows show losslessness and the KV its 4 layers take."]
     if any(r["drafter"] == "dflash=random" for r in rows):
         lines += ["", "dflash=random: an hspec DFlash with seed-0 random weights, exported for vLLM. Its tau says "
                   "nothing about a trained DFlash; its rows show that output stays equal to plain and what "
@@ -215,7 +220,7 @@ def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str
     return "\n".join(lines) + "\n"
 
 
-def _vllm_version() -> str:
+def vllm_version() -> str:
     try:
         import vllm
 

@@ -26,9 +26,13 @@ from typing import Any
 
 # The vLLM release this integration is written and tested against (scripts/install_vllm.sh installs it).
 VLLM_VERSION = "0.32.0"
-ALLOWED_DRAFTERS = ("none", "ngram", "dflash=PATH", "dflash=random", "hspec", "hspec=PATH")
-# `dflash=random`: a random-initialised hspec DFlash (seed 0): exercises losslessness and KV cost, not tau.
-RANDOM_DFLASH = "random"
+ALLOWED_DRAFTERS = ("none", "ngram", "dflash=PATH", "dflash=random", "peagle=PATH", "peagle=random", "hspec",
+                    "hspec=PATH")
+# `dflash=random`, `peagle=random`: a random-initialised hspec drafter of that kind (seed 0): exercises
+# losslessness and KV cost, not tau.
+RANDOM_WEIGHTS = "random"
+# hspec kinds served through an export, by the vLLM method that serves them.
+EXPORTED_KINDS = {"dflash": "dflash", "eagle3": "peagle"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,14 @@ def dflash_config(path: str | Path, k: int | None = None) -> dict[str, Any]:
     return {"method": "dflash", "model": str(path), "num_speculative_tokens": k}
 
 
+def peagle_config(path: str | Path, k: int | None = None) -> dict[str, Any]:
+    """vLLM's parallel EAGLE-3 on an exported P-Eagle (`export_peagle_for_vllm`); K from its config if None."""
+    if k is None:
+        methods = json.loads((Path(path) / "config.json").read_text())["speculators_config"]["proposal_methods"]
+        k = int(methods[0]["speculative_tokens"])
+    return {"method": "eagle3", "model": str(path), "num_speculative_tokens": k, "parallel_drafting": True}
+
+
 def parse_drafters(text: str, k: int) -> list[VllmDrafter]:
     """`none,ngram,dflash=PATH` -> configurations, in order; `none` (plain) is added first if missing.
 
@@ -76,10 +88,15 @@ def parse_drafters(text: str, k: int) -> list[VllmDrafter]:
         elif name == "ngram" and not value:
             out.append(VllmDrafter("ngram", ngram_config(k)))
         elif name == "dflash" and value:
-            if value != RANDOM_DFLASH and not (Path(value) / "config.json").exists():
+            if value != RANDOM_WEIGHTS and not (Path(value) / "config.json").exists():
                 raise ValueError(f"dflash={value}: no config.json there; give an hspec DFlash checkpoint or its "
                                  "vLLM export (`hspec.integrations.vllm.export`, docs/vllm.md)")
-            out.append(VllmDrafter(item, {"method": "dflash", "model": value}))  # K: see `resolve_dflash`
+            out.append(VllmDrafter(item, {"method": "dflash", "model": value}))  # K: see `resolve_export`
+        elif name == "peagle" and value:
+            if value != RANDOM_WEIGHTS and not (Path(value) / "config.json").exists():
+                raise ValueError(f"peagle={value}: no config.json there; give an hspec P-Eagle checkpoint or its "
+                                 "vLLM export (`hspec.integrations.vllm.export`, docs/vllm.md)")
+            out.append(VllmDrafter(item, {"method": "eagle3", "model": value, "parallel_drafting": True}))
         elif name == "hspec":
             if value and not (Path(value) / "config.json").exists():
                 raise ValueError(f"hspec={value}: no config.json there; give an hspec H-Spec checkpoint "
@@ -94,21 +111,22 @@ def parse_drafters(text: str, k: int) -> list[VllmDrafter]:
     return out
 
 
-def resolve_dflash(drafter: VllmDrafter, export_dir: Path, target_dir: Path) -> VllmDrafter:
-    """A `dflash` configuration on a loadable export: an hspec checkpoint is exported into `export_dir`
-    first; K comes from the export's config. Other configurations are returned unchanged."""
+def resolve_export(drafter: VllmDrafter, export_dir: Path, target_dir: Path) -> VllmDrafter:
+    """A `dflash` or `peagle` configuration on a loadable export: an hspec checkpoint is exported into
+    `export_dir` first; K comes from the export's config. Other configurations are returned unchanged."""
     config = drafter.speculative_config
-    if config is None or config["method"] != "dflash":
+    if config is None or config["method"] not in EXPORTED_KINDS:
         return drafter
-    from hspec.integrations.vllm.export import export_dflash_for_vllm, is_vllm_export
+    from hspec.integrations.vllm.export import export_dflash_for_vllm, export_peagle_for_vllm, is_vllm_export
 
+    kind = EXPORTED_KINDS[config["method"]]
     path = Path(config["model"])
     if not is_vllm_export(path):
         dst = export_dir / path.name
         if dst.resolve() == path.resolve():
             raise ValueError(f"export_dir {export_dir} would put the export over its source checkpoint {path}")
-        path = export_dflash_for_vllm(path, dst, target_dir)
-    return VllmDrafter(drafter.name, dflash_config(path))
+        path = (export_dflash_for_vllm if kind == "dflash" else export_peagle_for_vllm)(path, dst, target_dir)
+    return VllmDrafter(drafter.name, dflash_config(path) if kind == "dflash" else peagle_config(path))
 
 
 def hspec_drafter(name: str, path: str | Path | None, k: int | None = None) -> VllmDrafter:
@@ -140,8 +158,8 @@ def resolve_hspec(drafter: VllmDrafter, target_name: str, k: int | None = None) 
     from hspec.drafters.checkpoint import read_checkpoint
 
     path = hspec_checkpoint(drafter, target_name)
-    block_size = read_checkpoint(path).drafter_config.block_size
-    return hspec_drafter(drafter.name, path, k or config.get("num_speculative_tokens") or block_size)
+    max_draft_len = read_checkpoint(path).drafter_config.max_draft_len
+    return hspec_drafter(drafter.name, path, k or config.get("num_speculative_tokens") or max_draft_len)
 
 
 def cpu_environment(threads: int = 1, kv_cache_gib: int = 1) -> dict[str, str]:

@@ -21,7 +21,13 @@ it do not load in vLLM 0.32's DFlash path (`vllm/model_executor/models/qwen3_dfl
 
 The exported directory holds config.json (Speculators format, `speculators_model_type: dflash`),
 model.safetensors and mask_embedding.pt. Embedding and RoPE are shared with the target at load.
-Only `dflash` is exported: vLLM has no Markov head (`dspark`) and no target-KV reuse.
+`export_peagle_for_vllm` writes hspec's P-Eagle as vLLM's parallel EAGLE-3 (`method: eagle3`,
+`parallel_drafting: true`, model `Eagle3Qwen3ForCausalLM`: hspec's drafter layers have q/k norms, as
+Qwen3's do): the same attention renaming, LM head and d2t; `mask_hidden` (n_sel*H) as it is (vLLM
+projects it through `fc` as hspec does); and, since vLLM's EAGLE embeds the MASK slots' `pard_token` id
+from its embedding table, `embed_tokens.weight` = the target's table with that row replaced by hspec's
+learned MASK embedding (a table of its own: vLLM then does not share the target's).
+No other kind is exported: vLLM has no Markov head (`dspark`) and no target-KV reuse.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from hspec.drafters.checkpoint import CONFIG_FILE, DRAFTER_CONFIG_KEY, WEIGHTS_FILE, atomic_directory, read_checkpoint
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
-EXPORTABLE_KINDS = ("dflash",)
+EXPORTABLE_KINDS = ("dflash", "peagle")
 
 
 def vllm_weight_name(name: str) -> str | None:
@@ -61,6 +67,15 @@ def draft_to_target_offsets(draft_vocab_ids: torch.Tensor) -> torch.Tensor:
     if draft_vocab_ids.dim() != 1:
         raise ValueError(f"draft_vocab_ids must be (Vp,), got {tuple(draft_vocab_ids.shape)}")
     return draft_vocab_ids.long() - torch.arange(draft_vocab_ids.shape[0], dtype=torch.long)
+
+
+def read_target_embedding(target_dir: Path) -> torch.Tensor:
+    """The target's input embedding table (V, H) from its HF folder."""
+    for path in sorted(target_dir.glob("*.safetensors")):
+        state = load_file(str(path))
+        if "model.embed_tokens.weight" in state:
+            return state["model.embed_tokens.weight"]
+    raise ValueError(f"{target_dir}: no model.embed_tokens.weight in its *.safetensors")
 
 
 def read_target_lm_head(target_dir: Path) -> torch.Tensor:
@@ -95,6 +110,31 @@ def pick_mask_token_id(target_dir: Path, reserved_ids: set[int]) -> int:
     return candidates[-1]
 
 
+def _vllm_tensors(state: dict[str, torch.Tensor], target_dir: Path, target: dict[str, Any], dtype: torch.dtype
+                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The drafter's tensors under vLLM's names, plus `lm_head.weight` (Vp, H) and `d2t` (Vp,); and the
+    draft ids (Vp,), sorted ascending as vLLM's d2t wants them."""
+    ids = torch.sort(state["head.draft_vocab_ids"].long()).values  # (Vp,)
+    lm_head = read_target_lm_head(target_dir)  # (V, H)
+    if lm_head.shape != (target["vocab_size"], target["hidden_size"]):
+        raise ValueError(f"target LM head in {target_dir} is {tuple(lm_head.shape)}, the checkpoint's target is "
+                         f"(V, H) = ({target['vocab_size']}, {target['hidden_size']})")
+    tensors = {vllm_weight_name(n): t for n, t in state.items() if vllm_weight_name(n) is not None}
+    tensors["lm_head.weight"] = lm_head[ids]  # (Vp, H), the frozen rows hspec's head reads
+    tensors = {n: t.to(dtype).contiguous() for n, t in tensors.items()}
+    tensors["d2t"] = draft_to_target_offsets(ids)  # (Vp,) long
+    return tensors, ids
+
+
+def _mask_id(mask_token_id: int | None, target_dir: Path, target: dict[str, Any]) -> int:
+    """`mask_token_id`, or `pick_mask_token_id`'s; checked to lie inside the target's table."""
+    reserved = set(target.get("eos_token_ids") or []) | {target.get("bos_token_id")}
+    mask_id = mask_token_id if mask_token_id is not None else pick_mask_token_id(target_dir, reserved)
+    if not 0 <= mask_id < target["vocab_size"]:
+        raise ValueError(f"mask_token_id must be a target id in 0..{target['vocab_size'] - 1}, got {mask_id}")
+    return mask_id
+
+
 def is_vllm_export(path: str | Path) -> bool:
     """True for a directory this module wrote (vLLM layout), False for an hspec checkpoint."""
     config = json.loads((Path(path) / CONFIG_FILE).read_text())
@@ -113,33 +153,20 @@ def export_dflash_for_vllm(src: str | Path, dst: str | Path, target_dir: str | P
     """
     src, dst, target_dir = Path(src), Path(dst), Path(target_dir)
     info = read_checkpoint(src)
-    if info.kind not in EXPORTABLE_KINDS:
-        raise ValueError(f"{src} holds a {info.kind!r} drafter; vLLM export supports {list(EXPORTABLE_KINDS)}")
+    if info.kind != "dflash":
+        raise ValueError(f"{src} holds a {info.kind!r} drafter; export_dflash_for_vllm takes 'dflash' "
+                         "(peagle: export_peagle_for_vllm)")
     raw: dict[str, Any] = json.loads((src / CONFIG_FILE).read_text())
     drafter_config = raw[DRAFTER_CONFIG_KEY]
     target = drafter_config["target"]
-    block_size = int(drafter_config["block_size"])
+    block_size = info.drafter_config.max_draft_len  # K_train: the trained block
     k = num_speculative_tokens if num_speculative_tokens is not None else block_size - 1
     if not 1 <= k <= block_size:
-        raise ValueError(f"num_speculative_tokens must be in 1..{block_size} (the block size), got {k}")
+        raise ValueError(f"num_speculative_tokens must be in 1..{block_size} (the trained draft length), got {k}")
 
     state = load_file(str(src / WEIGHTS_FILE))
-    ids = state["head.draft_vocab_ids"].long()  # (Vp,)
-    order = torch.argsort(ids)  # vLLM's d2t convention: ascending target ids
-    ids = ids[order]
-    lm_head = read_target_lm_head(target_dir)  # (V, H)
-    if lm_head.shape != (target["vocab_size"], target["hidden_size"]):
-        raise ValueError(f"target LM head in {target_dir} is {tuple(lm_head.shape)}, the checkpoint's target is "
-                         f"(V, H) = ({target['vocab_size']}, {target['hidden_size']})")
-    tensors = {vllm_weight_name(n): t for n, t in state.items() if vllm_weight_name(n) is not None}
-    tensors["lm_head.weight"] = lm_head[ids]  # (Vp, H), the frozen rows hspec's head reads
-    tensors = {n: t.to(dtype).contiguous() for n, t in tensors.items()}
-    tensors["d2t"] = draft_to_target_offsets(ids)  # (Vp,) long
-
-    reserved = set(target.get("eos_token_ids") or []) | {target.get("bos_token_id")}
-    mask_id = mask_token_id if mask_token_id is not None else pick_mask_token_id(target_dir, reserved)
-    if not 0 <= mask_id < target["vocab_size"]:
-        raise ValueError(f"mask_token_id must be a target id in 0..{target['vocab_size'] - 1}, got {mask_id}")
+    tensors, ids = _vllm_tensors(state, target_dir, target, dtype)
+    mask_id = _mask_id(mask_token_id, target_dir, target)
 
     config = {
         "speculators_model_type": "dflash",
@@ -168,5 +195,70 @@ def export_dflash_for_vllm(src: str | Path, dst: str | Path, target_dir: str | P
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         torch.save({"mask_token_id": mask_id, "embedding": state["mask_embedding"].to(dtype).clone()},
                    staging / MASK_EMBEDDING_FILE)
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return dst
+
+
+def export_peagle_for_vllm(src: str | Path, dst: str | Path, target_dir: str | Path,
+                           num_speculative_tokens: int | None = None, mask_token_id: int | None = None,
+                           dtype: torch.dtype = torch.float32) -> Path:
+    """Write hspec's P-Eagle checkpoint `src` as vLLM's parallel EAGLE-3 drafter at `dst` (module docstring).
+
+    num_speculative_tokens: K, default the trained draft length (vLLM's parallel EAGLE drafts K tokens
+    from the last verified entry plus K - 1 MASK entries, hspec's block). Returns `dst`.
+    """
+    src, dst, target_dir = Path(src), Path(dst), Path(target_dir)
+    info = read_checkpoint(src)
+    if info.kind != "peagle":
+        raise ValueError(f"{src} holds a {info.kind!r} drafter; export_peagle_for_vllm takes 'peagle'")
+    raw: dict[str, Any] = json.loads((src / CONFIG_FILE).read_text())
+    drafter_config = raw[DRAFTER_CONFIG_KEY]
+    target = drafter_config["target"]
+    max_draft_len = info.drafter_config.max_draft_len
+    k = num_speculative_tokens if num_speculative_tokens is not None else max_draft_len
+    if not 1 <= k <= max_draft_len:
+        raise ValueError(f"num_speculative_tokens must be in 1..{max_draft_len} (the trained draft length), got {k}")
+    state = load_file(str(src / WEIGHTS_FILE))
+    tensors, ids = _vllm_tensors(state, target_dir, target, dtype)
+    mask_id = _mask_id(mask_token_id, target_dir, target)
+    embed = read_target_embedding(target_dir).to(dtype).clone()  # (V, H)
+    embed[mask_id] = state["mask_embedding"].to(dtype)
+    tensors["embed_tokens.weight"] = embed
+    tensors["mask_hidden"] = state["mask_hidden"].to(dtype).contiguous()  # (n_sel*H,)
+
+    layer_config = {
+        **raw["transformer_layer_config"],
+        "model_type": "qwen3",  # vLLM: PeagleQwen3ForCausalLM -> Eagle3Qwen3ForCausalLM (q/k norms)
+        "architectures": ["Qwen3ForCausalLM"],
+        "num_hidden_layers": info.drafter_config.num_layers,
+        "hidden_size": target["hidden_size"], "intermediate_size": target["intermediate_size"],
+        "num_attention_heads": target["num_heads"], "num_key_value_heads": target["num_kv_heads"],
+        "head_dim": target["head_dim"], "rms_norm_eps": target["rms_norm_eps"], "rope_theta": target["rope_theta"],
+        "max_position_embeddings": target["max_position_embeddings"], "vocab_size": target["vocab_size"],
+        "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False,
+    }
+    config = {
+        "speculators_model_type": "peagle",
+        "speculators_version": raw.get("speculators_version"),
+        "architectures": ["PEagleSpeculator"],
+        "speculators_config": {
+            **raw["speculators_config"],
+            "algorithm": "peagle",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        },
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": int(ids.shape[0]),
+        "target_hidden_size": target["hidden_size"],
+        # vLLM's aux layer l is the input of decoder layer l: hspec's HF hidden-state index l.
+        "eagle_aux_hidden_state_layer_ids": list(drafter_config["target_layers"]),
+        "mask_token_id": mask_id,
+        "norm_before_residual": False,  # hspec's fused layer keeps the un-normed feature as its residual
+        "norm_before_fc": False,
+        "hspec_source": {"path": str(src), "kind": info.kind,
+                         "hspec_mask_token_id": drafter_config.get("mask_token_id")},
+    }
+    with atomic_directory(dst) as staging:
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return dst

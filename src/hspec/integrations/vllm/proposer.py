@@ -43,7 +43,7 @@ from hspec.drafters.common import BlockContext, NeuralDrafter, build_block
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.layers import rope_cos_sin
 from hspec.models.loading import read_config
-from hspec.models.weight_layout import store_linear_weights_column_major
+from hspec.models.weight_layout import store_linear_weights_in_fast_layout
 from hspec.sampling import SamplingBatch
 
 PROPOSER_CLASS = "hspec.integrations.vllm.proposer.HSpecProposer"
@@ -186,9 +186,9 @@ class HSpecProposer:
         if info.kind not in KV_FREE_KINDS:
             raise ValueError(f"{self.checkpoint} holds a {info.kind!r} drafter; HSpecProposer serves the KV-free "
                              f"kinds {KV_FREE_KINDS} (DFlash: vLLM's `dflash` method on an export, docs/vllm.md)")
-        if not 1 <= self.k <= info.drafter_config.block_size:
+        if not 1 <= self.k <= info.drafter_config.max_draft_len:
             raise ValueError(f"num_speculative_tokens={self.k}: the drafter at {self.checkpoint} drafts 1.."
-                             f"{info.drafter_config.block_size} tokens (its trained block size)")
+                             f"{info.drafter_config.max_draft_len} tokens (its trained draft length)")
         # HF hidden-state indices = vLLM aux layers (the input of decoder layer l), ascending as vLLM returns them.
         self.aux_hidden_state_layers = tuple(info.drafter_config.target_layers)
         if list(self.aux_hidden_state_layers) != sorted(set(self.aux_hidden_state_layers)):
@@ -199,7 +199,7 @@ class HSpecProposer:
         """Rebuild the drafter on vLLM's target (its embedding, LM head; hspec's RoPE), for inference."""
         view = VllmTargetView.of(model, self.vllm_config.model_config.model)
         drafter = load_drafter(self.checkpoint, view)  # type: ignore[arg-type]
-        store_linear_weights_column_major(drafter)  # the layout hspec's engine runs (hspec.runtime)
+        store_linear_weights_in_fast_layout(drafter)  # the layout hspec's engine runs (hspec.runtime)
         self.drafter = drafter.eval()
 
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
