@@ -98,7 +98,7 @@ def test_round_trip(tiny_target, tmp_path, kind):
     assert type(loaded) is type(drafter) and loaded.config == drafter.config
     assert_same_state(drafter, loaded)
     assert torch.equal(loaded.head.draft_vocab_ids, drafter.head.draft_vocab_ids)
-    K = min(5, drafter.config.block_size)
+    K = min(5, drafter.config.max_draft_len)
     before, tokens_before = recorded_proposals(tiny_target, drafter, K)
     after, tokens_after = recorded_proposals(tiny_target, loaded, K)
     assert tokens_before == tokens_after and len(before) == len(after) > 0
@@ -120,14 +120,14 @@ def test_config_json_layout(tiny_target, tmp_path, kind):
     spec = raw["speculators_config"]
     assert spec["algorithm"] == kind
     assert spec["default_proposal_method"] == "greedy"
-    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": c.block_size,
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": c.max_draft_len,
                                          "verifier_accept_k": 1, "accept_tolerance": 0.0}]
     assert spec["verifier"] == {"name_or_path": VERIFIER, "architectures": ["LlamaForCausalLM"]}
     layer = raw["transformer_layer_config"]
     assert (layer["hidden_size"], layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]) == (
         c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
     assert layer["vocab_size"] == c.vocab_size and layer["num_hidden_layers"] >= 1
-    assert raw["draft_vocab_size"] == DRAFT_VOCAB and raw["block_size"] == c.block_size
+    assert raw["draft_vocab_size"] == DRAFT_VOCAB and raw["block_size"] == c.max_draft_len
     assert raw["aux_hidden_state_layer_ids"] == list(c.target_layers)
     assert raw[DRAFTER_CONFIG_KEY]["kind"] == kind
     assert read_checkpoint(tmp_path / "ckpt").drafter_config == c

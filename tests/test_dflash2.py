@@ -41,7 +41,7 @@ def test_params_formula_and_config_validation():
     with torch.device("meta"):
         drafter = DFlash2Drafter(config, TargetModel(config))
     assert drafter.num_trainable_params() == dflash2_trainable_params(drafter.config)
-    assert drafter.markov is None and drafter.num_pool_layers == 5
+    assert drafter.markov is None and drafter.num_drafter_layers == 5
     bad_values = {"conv_group_size": 7, "selector_candidates": 0, "selector_rank": 0, "selector_loss_weight": -1.0}
     for name, value in bad_values.items():
         with pytest.raises(ValueError, match=name):
@@ -86,9 +86,9 @@ def test_sampled_drafts_stay_among_the_candidates(tiny_target):
     config = DFlash2Config.from_target("dflash2", tiny_target.config, selector_candidates=4)
     drafter = perturbed(DFlash2Drafter(tiny_target.config, tiny_target.model, config=config))
     tokens = torch.randint(3, 90, (14,), generator=torch.Generator().manual_seed(2))
-    pool = tiny_target.model.new_pool(8, 8, drafter.num_pool_layers)
+    pool = tiny_target.model.new_pool(8, 8, drafter.num_drafter_layers)
     pool.add_sequence(0)
-    out = tiny_target.model(tokens[None, :-1], pool, [0], drafter.hidden_layers)
+    out = tiny_target.model(tokens[None, :-1], pool, [0], drafter.target_layers)
     drafter.commit(pool, [0], out.hidden, torch.tensor([13]))
     batch = DraftBatch([0], tokens[-1:], [tokens.tolist()], pool,
                        SamplingBatch.from_params([SamplingParams(temperature=1.0)]), [torch.Generator().manual_seed(3)])

@@ -40,7 +40,7 @@ def _fresh_hidden(target, tokens: list[int], layers) -> torch.Tensor:
 def _run_steps(target, drafter, prompts: list[list[int]], steps: int, block_size: int = 8):
     """Prefill `prompts` and run `steps` greedy speculative steps; returns (pool, histories)."""
     stages = DecodeStages(target.model, drafter, 4, eos_token_ids=())
-    pool = target.model.new_pool(64, block_size, drafter.num_pool_layers)
+    pool = target.model.new_pool(64, block_size, drafter.num_drafter_layers)
     histories = []
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
@@ -85,13 +85,13 @@ def test_drafter_kv_grows_exactly_per_context_token(tiny_target, kind):
     c = tiny_target.config
     drafter = create_drafter(kind, c, target_model=tiny_target.model)
     expected_layers = {"dflash": 5, "dspark": 5, "peagle": drafter.config.num_layers, "dflash-kvreuse": 0}[kind]
-    assert drafter.num_pool_layers == expected_layers
+    assert drafter.num_drafter_layers == expected_layers
     element = tiny_target.model.embed_tokens.weight.element_size()
     per_token = expected_layers * 2 * c.num_kv_heads * c.head_dim * element
     allocated, written = [], []
     lengths = (16, 32, 48)
     for n in lengths:
-        pool = tiny_target.model.new_pool(8, 16, drafter.num_pool_layers)
+        pool = tiny_target.model.new_pool(8, 16, drafter.num_drafter_layers)
         tokens = _tokens(n, seed=n)
         with torch.no_grad():
             DecodeStages(tiny_target.model, drafter, 4, ()).prefill(pool, 0, tokens)
@@ -117,8 +117,8 @@ def test_drafter_kv_grows_exactly_per_context_token(tiny_target, kind):
 
 def test_kvreuse_reads_the_selected_target_layers_in_place(tiny_target):
     drafter = create_drafter("dflash-kvreuse", tiny_target.config, target_model=tiny_target.model)
-    pool = tiny_target.model.new_pool(4, 16, drafter.num_pool_layers)
-    assert drafter.hidden_layers == () and drafter.num_pool_layers == 0
+    pool = tiny_target.model.new_pool(4, 16, drafter.num_drafter_layers)
+    assert drafter.target_layers == () and drafter.num_drafter_layers == 0
     assert drafter.context_pool_layers(pool) == [kv_layer_of(layer) for layer in drafter.config.target_layers]
     assert not hasattr(drafter, "fc")  # no fusion weights
 
@@ -139,7 +139,7 @@ def test_pool_context_equals_context_recomputed_from_scratch(tiny_target, kind):
             p = pool.length(seq)
             tokens = histories[seq][:p]
             assert len(histories[seq]) == p + 1  # the history ends with the anchor x0
-            hidden = _fresh_hidden(tiny_target, tokens, drafter.hidden_layers)  # (1, p, n_sel, H)
+            hidden = _fresh_hidden(tiny_target, tokens, drafter.target_layers)  # (1, p, n_sel, H)
             positions = torch.arange(p)[None]
             if kind == "peagle":
                 fresh = drafter.context_kv_from_sequence(torch.tensor([tokens]), hidden, positions)
@@ -164,7 +164,7 @@ def test_training_rows_equal_inference_blocks_within_the_window(tiny_target):
     config = DFlashConfig.from_target("dflash", c, sliding_window=6)
     drafter = DFlashDrafter(c, tiny_target.model, config=config)
     tokens = _tokens(24, 3)
-    hidden = _fresh_hidden(tiny_target, tokens, drafter.hidden_layers)[0]  # (S, n_sel, H)
+    hidden = _fresh_hidden(tiny_target, tokens, drafter.target_layers)[0]  # (S, n_sel, H)
     s = len(tokens)
     anchors = torch.tensor([4, 9, 17])
     n = anchors.shape[0]
@@ -178,7 +178,7 @@ def test_training_rows_equal_inference_blocks_within_the_window(tiny_target):
     assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
     with torch.no_grad():
         for row, a in enumerate(anchors.tolist()):
-            pool = tiny_target.model.new_pool(4, 16, drafter.num_pool_layers)
+            pool = tiny_target.model.new_pool(4, 16, drafter.num_drafter_layers)
             DecodeStages(tiny_target.model, drafter, 4, ()).prefill(pool, 0, tokens[:a])
             cached, cached_mask = drafter.context_kv_from_pool(pool, [0], [a])
             assert cached[0][0].shape[1] == min(a, 6)
@@ -193,7 +193,7 @@ def test_peagle_is_causal_inside_the_draft_and_dflash_is_not(tiny_target):
     tokens = _tokens(10, 4)
     for kind, causal in (("peagle", True), ("dflash", False)):
         drafter = create_drafter(kind, tiny_target.config, target_model=tiny_target.model)
-        pool = tiny_target.model.new_pool(4, 16, drafter.num_pool_layers)
+        pool = tiny_target.model.new_pool(4, 16, drafter.num_drafter_layers)
         with torch.no_grad():
             DecodeStages(tiny_target.model, drafter, 4, ()).prefill(pool, 0, tokens)
             if kind == "peagle":
@@ -241,6 +241,6 @@ def test_checkpoint_round_trip(tiny_target, tmp_path, kind):
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     loaded = load_drafter(save_drafter(drafter, tmp_path / kind, "tiny-llama"), tiny_target.model)
     assert type(loaded) is type(drafter) and loaded.config == drafter.config
-    assert loaded.num_pool_layers == drafter.num_pool_layers and loaded.hidden_layers == drafter.hidden_layers
+    assert loaded.num_drafter_layers == drafter.num_drafter_layers and loaded.target_layers == drafter.target_layers
     for name, tensor in drafter.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor)

@@ -45,7 +45,7 @@ def test_dfly_params_formula_and_paper_sized_target():
         drafter = DFlyDrafter(config, TargetModel(config))
     assert drafter.num_trainable_params() == dfly_trainable_params(drafter.config)
     assert drafter.config.markov_rank == 0 and drafter.markov is None
-    assert drafter.num_pool_layers == 5  # one drafter KV layer per drafter layer, as DFlash
+    assert drafter.num_drafter_layers == 5  # one drafter KV layer per drafter layer, as DFlash
     with pytest.raises(ValueError, match="correction_intermediate_size"):
         DFlyConfig.from_target("dfly", config, correction_intermediate_size=-1)
     with pytest.raises(ValueError, match="reuse_target_kv"):
@@ -96,9 +96,9 @@ def test_teacher_forced_logits_are_what_propose_drafts_from(tiny_target, feature
     feats, K = features[1], 5
     tokens = feats.tokens
     for p in (feats.prompt_length, feats.prompt_length + 17):
-        pool = tiny_target.model.new_pool(16, 8, drafter.num_pool_layers)
+        pool = tiny_target.model.new_pool(16, 8, drafter.num_drafter_layers)
         pool.add_sequence(0)
-        out = tiny_target.model(tokens[None, :p], pool, [0], drafter.hidden_layers)
+        out = tiny_target.model(tokens[None, :p], pool, [0], drafter.target_layers)
         drafter.commit(pool, [0], out.hidden, torch.tensor([p]))
         blocks = make_batch(drafter, tiny_target.model, feats, torch.tensor([p]), K)
         for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=20)):

@@ -42,7 +42,7 @@ def test_select_target_layers_reproduces_the_paper():
 def test_drafter_config_defaults_validation_and_json_round_trip():
     config = DrafterConfig.from_target("dspark", LLAMA31_8B)
     assert config.target_layers == (1, 8, 15, 22, 30) and config.draft_vocab_size == 32000
-    assert (config.markov_rank, config.block_size, config.sliding_window) == (256, 7, 2048)
+    assert (config.markov_rank, config.max_draft_len, config.sliding_window) == (256, 7, 2048)
     assert config.mask_token_id == 128256 and config.hidden_size == 4096 and config.num_kv_heads == 8
     assert DrafterConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     hspec = HSpecConfig.from_target("hspec", QWEN3_8B)
@@ -53,6 +53,17 @@ def test_drafter_config_defaults_validation_and_json_round_trip():
         DrafterConfig.from_target("dspark", LLAMA31_8B, draft_vocab_size=0)
     with pytest.raises(ValueError, match="unknown DrafterConfig fields"):
         DrafterConfig.from_dict({**config.to_dict(), "nope": 1})
+
+
+def test_drafter_config_reads_the_old_name_of_max_draft_len():
+    """Configs saved before the rename call the trained draft length `block_size`; they still load."""
+    config = DrafterConfig.from_target("dspark", LLAMA31_8B, max_draft_len=5)
+    saved = config.to_dict()
+    assert "max_draft_len" in saved and "block_size" not in saved
+    old = {k: v for k, v in saved.items() if k != "max_draft_len"} | {"block_size": 5}
+    assert DrafterConfig.from_dict(old) == config
+    with pytest.raises(ValueError, match="both 'block_size' and"):
+        DrafterConfig.from_dict({**saved, "block_size": 5})
 
 
 def test_dspark_param_formula_on_the_paper_targets():

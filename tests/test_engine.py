@@ -82,7 +82,7 @@ def _run(engine, requests, join_every=0, max_steps=2000):
 
 def _engine(target, drafter, num_blocks, block_size=8, max_running=64):
     stages = DecodeStages(target.model, drafter, K, target.tokenizer.eos_token_ids, target.tokenizer.decode)
-    return Engine(stages, target.model.new_pool(num_blocks, block_size, drafter.num_pool_layers), max_running)
+    return Engine(stages, target.model.new_pool(num_blocks, block_size, drafter.num_drafter_layers), max_running)
 
 
 # Model-free kinds run every schedule; each other registered kind (random weights here) runs the

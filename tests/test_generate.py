@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 
+from hspec.cache.paged_pool import blocks_for
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
@@ -115,7 +116,7 @@ def assert_equal_up_to_a_rounding_tie(model, prompt: list[int], plain: list[int]
     if first is None:
         assert len(plain) == len(speculative) or plain[-1] in model.config.eos_token_ids
         return
-    pool = model.new_pool(num_blocks=-(-(len(prompt) + first + 1) // 16))
+    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + first + 1, 16))
     pool.add_sequence(0)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + plain[:first]]), pool, [0], last_logits_only=True).logits[0, -1].float()

@@ -77,7 +77,7 @@ def _prefill(target, drafter, pool, seq_id, tokens):
     """Run `tokens` into the pool as the next positions of `seq_id` and commit them to the drafter."""
     if not pool.has_sequence(seq_id):
         pool.add_sequence(seq_id)
-    out = target.model(torch.tensor([tokens]), pool, [seq_id], drafter.hidden_layers)
+    out = target.model(torch.tensor([tokens]), pool, [seq_id], drafter.target_layers)
     drafter.commit(pool, [seq_id], out.hidden, torch.tensor([len(tokens)]))
 
 
@@ -99,7 +99,7 @@ def _context_from_scratch(target, drafter, tokens, anchor, K):
         kv.append((k[:, start:], v[:, start:]))
     block_tokens, positions = build_block(torch.tensor([anchor]), torch.tensor([p]), K, drafter.config.mask_token_id)
     width = kv[0][0].shape[1] if kv else 0
-    return BlockContext(block_tokens, positions, hidden[p - 1, list(drafter.hidden_layers)][None], kv,
+    return BlockContext(block_tokens, positions, hidden[p - 1, list(drafter.target_layers)][None], kv,
                         torch.ones(1, width, dtype=torch.bool))
 
 
@@ -190,7 +190,7 @@ def test_state_injection_changes_the_output_and_kvreuse_only_ignores_it(tiny_tar
 def test_nothing_grows_with_the_context(tiny_target):
     """H-Spec owns no pool layers and keeps the same per-sequence state for 16 and 200 tokens."""
     drafter = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
-    assert drafter.num_pool_layers == 0
+    assert drafter.num_drafter_layers == 0
     weights = sum(t.numel() for t in drafter.state_dict().values())
     sizes = []
     for n in (16, 200):

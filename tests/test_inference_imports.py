@@ -10,7 +10,7 @@ import sys
 
 
 def test_building_a_drafter_loads_no_training_module():
-    code = ("import sys, hspec.runtime, hspec.drafters.checkpoint; "
+    code = ("import sys, hspec.runtime, hspec.drafters.checkpoint, hspec.decoding.generate, hspec.serving.engine; "
             "print(sorted(m for m in sys.modules if m.startswith('hspec.training')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -92,6 +92,6 @@ def test_build_drafter_names_the_composite(tiny_target):
 
     drafter = build_drafter("hspec+ngram", tiny_target, random_weights=True)
     assert isinstance(drafter, LookupFirstDrafter) and drafter.kind == "hspec+ngram"
-    assert drafter.hidden_layers == drafter.model.hidden_layers
+    assert drafter.target_layers == drafter.model.target_layers
     with pytest.raises(ValueError, match="trained drafter kind"):
         build_drafter("ngram+ngram", tiny_target)

@@ -48,9 +48,9 @@ def randomised(target, seed: int = 0, **overrides) -> SpecBlockDrafter:
 
 
 def prefilled(target, drafter, tokens: list[int], seq_id: int = 0):
-    pool = target.model.new_pool(16, 8, drafter.num_pool_layers)
+    pool = target.model.new_pool(16, 8, drafter.num_drafter_layers)
     pool.add_sequence(seq_id)
-    out = target.model(torch.tensor([tokens]), pool, [seq_id], drafter.hidden_layers)
+    out = target.model(torch.tensor([tokens]), pool, [seq_id], drafter.target_layers)
     drafter.commit(pool, [seq_id], out.hidden, torch.tensor([len(tokens)]))
     return pool
 
@@ -125,7 +125,7 @@ def test_training_inherits_the_state_decoding_inherits(tiny_target, features):
     """After a prefill at a', a block whose d drafts were accepted leaves slot d's layer inputs to the
     next block (anchor a' + 1 + d); `training_inherited` rebuilds exactly that state from the features."""
     drafter = randomised(tiny_target, seed=2)
-    tokens, K = features.tokens, drafter.config.block_size
+    tokens, K = features.tokens, drafter.config.max_draft_len
     for d in (0, 2, K - 1):
         a_prev = 25
         pool = prefilled(tiny_target, drafter, tokens[:a_prev].tolist())
@@ -133,7 +133,7 @@ def test_training_inherits_the_state_decoding_inherits(tiny_target, features):
                            SamplingBatch.from_params([SamplingParams()]), [torch.Generator()])
         drafter.propose_tree(batch, K)
         # the verify accepted d drafts: x0 and d more tokens join the prefix
-        out = tiny_target.model(tokens[None, a_prev:a_prev + 1 + d], pool, [0], drafter.hidden_layers)
+        out = tiny_target.model(tokens[None, a_prev:a_prev + 1 + d], pool, [0], drafter.target_layers)
         drafter.commit(pool, [0], out.hidden, torch.tensor([1 + d]))
         decoded = drafter.inherited_of([0], tokens.device)[0]  # (L, H)
         anchors = torch.full((K,), a_prev + 1 + d)  # row n rebuilds the block before with n mod K accepted
@@ -146,7 +146,7 @@ def test_training_inherits_the_state_decoding_inherits(tiny_target, features):
 
 def test_valid_prefix_mask_stops_the_gradient_after_a_miss(tiny_target, features):
     drafter = randomised(tiny_target, seed=3).train()
-    K = drafter.config.block_size
+    K = drafter.config.max_draft_len
     batch = make_batch(drafter, tiny_target.model, features, torch.tensor([20, 30, 40]), K)
     with torch.no_grad():
         drafted = drafter.head.to_target_ids(drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens).argmax(-1))
@@ -217,4 +217,4 @@ def test_the_engine_refuses_tree_drafters(tiny_target):
     drafter = create_drafter("specblock", tiny_target.config, target_model=tiny_target.model)
     stages = DecodeStages(tiny_target.model, drafter, 3, ())
     with pytest.raises(ValueError, match="drafts trees"):
-        Engine(stages, tiny_target.model.new_pool(16, 8, drafter.num_pool_layers))
+        Engine(stages, tiny_target.model.new_pool(16, 8, drafter.num_drafter_layers))

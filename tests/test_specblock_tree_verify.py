@@ -245,7 +245,7 @@ def test_tree_step_hands_the_accepted_path_hidden_states_in_order(tiny_target):
     parents = torch.tensor([[-1, -1, 1, 1]])
     q = torch.full((1, 5, 96), 1 / 96)
     step = tree_step(model, pool, [0], torch.tensor([x0]), TreeDraft(tokens, parents, q),
-                     SamplingBatch.from_params([SamplingParams()]), [torch.Generator()], hidden_layers=(1, 3))
+                     SamplingBatch.from_params([SamplingParams()]), [torch.Generator()], target_layers=(1, 3))
     assert step.new_tokens[0][:2] == [t1, t2] and int(step.num_committed[0]) == 3
     ref3 = model(torch.tensor([[t2]]), ref_pool, [0], (1, 3))
     expected = torch.cat([ref.hidden[:, -1:], ref2.hidden, ref3.hidden], 1)  # (1, 3, 2, H): x0, t1, t2 as a chain

@@ -79,6 +79,19 @@ def _cache(target, corpus, out_dir):
     return out_dir
 
 
+def test_feature_cache_written_under_the_old_layer_key_still_loads_and_resumes(tmp_path, tiny_target, corpora):
+    """Caches written before the rename name the layers "hidden_layers" in index.json: reading one and
+    resuming its build both accept it, and the index is left as it was."""
+    out = _cache(tiny_target, corpora[0], tmp_path / "f")
+    index = out / "index.json"
+    meta = json.loads(index.read_text())
+    meta["hidden_layers"] = meta.pop("target_layers")
+    index.write_text(json.dumps(meta))
+    assert FeatureStore(out).target_layers == tuple(meta["hidden_layers"])
+    _cache(tiny_target, corpora[0], out)
+    assert json.loads(index.read_text()) == meta
+
+
 def test_online_features_refuse_a_missing_or_empty_corpus(tmp_path, tiny_target):
     layers, kv_layers = _layers(tiny_target)
     with pytest.raises(FileNotFoundError, match="no corpus at .*nothing.jsonl"):

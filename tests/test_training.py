@@ -191,9 +191,9 @@ def test_training_blocks_see_what_inference_sees(tiny_target, features, kind):
     feats, K = features[1], 5
     tokens = feats.tokens
     for p in (feats.prompt_length, feats.prompt_length + 17):
-        pool = tiny_target.model.new_pool(16, 8, drafter.num_pool_layers)
+        pool = tiny_target.model.new_pool(16, 8, drafter.num_drafter_layers)
         pool.add_sequence(0)
-        out = tiny_target.model(tokens[None, :p], pool, [0], drafter.hidden_layers)
+        out = tiny_target.model(tokens[None, :p], pool, [0], drafter.target_layers)
         drafter.commit(pool, [0], out.hidden, torch.tensor([p]))
         batch = DraftBatch([0], tokens[p:p + 1], [tokens[:p + 1].tolist()], pool,
                            SamplingBatch.from_params([SamplingParams()]), [torch.Generator()])

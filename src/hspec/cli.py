@@ -61,14 +61,15 @@ def _add_drafter(p: argparse.ArgumentParser, default: str) -> None:
 
 # The most tokens a step may draft. The target verifies K+1 tokens per step, so a step costs more with
 # every draft while acceptance falls off fast with the position (few steps accept 8 tokens here); trained
-# drafters allow at most their trained block size anyway (7 shipped; the paper trains up to 16). 32 leaves
+# drafters allow at most their trained draft length anyway (7 shipped; the paper trains up to 16). 32 leaves
 # room for long prompt-lookup copies and stops the likes of --k 5000 (half a minute per step on a CPU).
 MAX_DRAFT_LEN = 32
 
 
-def _check_draft_len(k: int, flag: str = "--k") -> None:
-    if not 1 <= k <= MAX_DRAFT_LEN:
-        raise ValueError(f"{flag} must be in 1..{MAX_DRAFT_LEN} (tokens drafted per step), got {k}")
+def _check_draft_len(K: int, flag: str = "--k") -> None:
+    """Raise ValueError unless the draft length K given by `flag` is in 1..MAX_DRAFT_LEN."""
+    if not 1 <= K <= MAX_DRAFT_LEN:
+        raise ValueError(f"{flag} must be in 1..{MAX_DRAFT_LEN} (tokens drafted per step), got {K}")
 
 
 def _check_drafter_args(args: argparse.Namespace) -> None:
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hspec", description="Lossless speculative decoding with the H-Spec drafter and its baselines.")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_generate, _add_demo, _add_data, _add_train, _add_eval, _add_export_drafter, _add_eval_report,
-                _add_train_report, _add_validate, _add_bench, _add_serve, _add_kv_table, _add_drafters):
+                _add_claims, _add_train_report, _add_validate, _add_bench, _add_serve, _add_kv_table, _add_drafters):
         add(sub)
     return parser
 
@@ -139,6 +140,7 @@ def _add_generate(sub) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    """Generate text for one prompt with a drafter and print it with its metrics."""
     import torch
 
     from hspec.decoding.generate import SpeculativeDecoder
@@ -196,6 +198,7 @@ def _add_demo(sub) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    """Run the README's demo: drafters against plain decoding on a few prompts."""
     from hspec.demo import run_demo
 
     _check_draft_len(args.k)
@@ -238,6 +241,7 @@ def _add_data(sub) -> None:
 
 
 def _cmd_data_generate(args: argparse.Namespace) -> int:
+    """Generate the target's responses to the training prompts (resumable)."""
     from pathlib import Path
 
     from hspec.training.datagen import DataGenSettings, generate_corpus
@@ -253,6 +257,7 @@ def _cmd_data_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_features(args: argparse.Namespace) -> int:
+    """Cache the target features every drafter trains from (resumable)."""
     from pathlib import Path
 
     from hspec.training.run import build_features
@@ -305,6 +310,7 @@ def _add_train(sub) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    """Train (or resume training) a drafter with the unified recipe."""
     from pathlib import Path
 
     from hspec.drafters import DRAFTERS
@@ -346,6 +352,7 @@ def _add_eval(sub) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate drafters against plain decoding on the task suites."""
     from pathlib import Path
 
     from hspec.eval.runner import MethodSpec, run_eval
@@ -377,6 +384,7 @@ def _add_export_drafter(sub) -> None:
 
 
 def _cmd_export_drafter(args: argparse.Namespace) -> int:
+    """Copy a drafter checkpoint with its weights stored in a smaller dtype."""
     import torch
 
     from hspec.drafters.checkpoint import export_drafter
@@ -395,6 +403,7 @@ def _add_eval_report(sub) -> None:
 
 
 def _cmd_eval_report(args: argparse.Namespace) -> int:
+    """Re-render an eval run's markdown and plots from its JSON."""
     from pathlib import Path
 
     from hspec.eval.runner import summarize, write_report
@@ -411,6 +420,33 @@ def _cmd_eval_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_claims(sub) -> None:
+    claims = sub.add_parser("claims", help="the paper's claims tested on a comparison's eval JSONs (docs/claims.md)",
+                            description="Reads the `hspec eval` JSONs of a results folder (as scripts/compare_long.sh "
+                                        "names them) and, per claim of the H-Spec paper (Tables 2-4, Fig. 4, Fig. 7, "
+                                        "the Markov head), gives paired bootstrap 95% CIs over items and a verdict: "
+                                        "reproduced, contradicted or unresolved; a claim whose file or drafter is "
+                                        "missing is skipped, saying why. Writes claims.json and claims.md.")
+    claims.add_argument("folder", help="results folder holding the eval JSONs, e.g. results/comparison_long")
+    claims.add_argument("--out", default=None, help="output directory (default: the folder itself)")
+    claims.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling (default 0)")
+    claims.set_defaults(handler=_cmd_claims)
+
+
+def _cmd_claims(args: argparse.Namespace) -> int:
+    """Test the paper's claims on a folder's eval JSONs; print each verdict, write claims.json and .md."""
+    from pathlib import Path
+
+    from hspec.eval.claims import write_claims
+
+    json_path, md_path = write_claims(Path(args.folder), None if args.out is None else Path(args.out),
+                                      args.command_line, seed=args.seed)
+    for claim in json.loads(json_path.read_text())["claims"]:
+        print(f"{claim['name']} ({claim['source']}): {claim['verdict']}")
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
 def _add_train_report(sub) -> None:
     rep = sub.add_parser("train-report", help="loss curves + validation acceptance of training runs (markdown + PNG)")
     rep.add_argument("runs", nargs="+", help="run directories of `hspec train`")
@@ -420,6 +456,7 @@ def _add_train_report(sub) -> None:
 
 
 def _cmd_train_report(args: argparse.Namespace) -> int:
+    """Write loss curves and validation acceptance of training runs."""
     from pathlib import Path
 
     from hspec.training.report import write_training_report
@@ -444,6 +481,7 @@ def _add_validate(sub) -> None:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    """Measure validation tau of saved drafters on the held-out training split."""
     from pathlib import Path
 
     from hspec.training.run import validate_drafters
@@ -455,10 +493,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub) -> None:
-    """`hspec bench decode|serve|vllm|draft`."""
+    """`hspec bench decode|serve|vllm|vllm-serve|draft`."""
     bench = sub.add_parser("bench", help="benchmarks that write results/*.json and *.md")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for add in (_add_bench_decode, _add_bench_serve, _add_bench_vllm, _add_bench_draft):
+    for add in (_add_bench_decode, _add_bench_serve, _add_bench_vllm, _add_bench_vllm_serve, _add_bench_draft):
         add(bench_sub)
 
 
@@ -488,6 +526,7 @@ def _add_bench_decode(bench_sub) -> None:
 
 
 def _cmd_bench_decode(args: argparse.Namespace) -> int:
+    """Benchmark plain decoding per dtype and the verify cost against K."""
     from hspec.bench.decode import run_decode_bench
 
     return run_decode_bench(args.target, args.num_prompts, args.max_new_tokens, args.repeats, args.out,
@@ -528,6 +567,7 @@ def _add_bench_serve(bench_sub) -> None:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Benchmark the server under load: throughput, latency and KV use."""
     from hspec.bench.serve import ServeBenchSettings, run_serve_bench
 
     _check_draft_len(args.k)
@@ -568,7 +608,8 @@ def _add_bench_vllm(bench_sub) -> None:
     bv.add_argument("--drafters", default="none,ngram,dflash=random",
                     help="comma-separated: none (vLLM plain, always run), ngram, dflash=PATH (an hspec DFlash "
                          "checkpoint, exported for vLLM on the fly, or such an export), dflash=random (seed-0 random "
-                         "weights: losslessness and KV cost, not tau), hspec (the shipped H-Spec drafter as a vLLM "
+                         "weights: losslessness and KV cost, not tau), peagle=PATH or peagle=random (hspec's P-Eagle "
+                         "as vLLM's parallel EAGLE-3), hspec (the shipped H-Spec drafter as a vLLM "
                          "proposer) or hspec=PATH (an hspec H-Spec checkpoint); default none,ngram,dflash=random")
     bv.add_argument("--prompts-file", default=None, metavar="F.jsonl",
                     help='one {"prompt": "..."} per line, chat-templated like `hspec generate` '
@@ -579,7 +620,7 @@ def _add_bench_vllm(bench_sub) -> None:
                     help="vLLM's compute dtype; greedy equality is exact only in float32 (default)")
     bv.add_argument("--k", type=int, default=5,
                     help="drafts per step for ngram (default 5; DFlash: its export's; H-Spec: its checkpoint's "
-                         "block size)")
+                         "trained draft length)")
     bv.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
     bv.add_argument("--no-hspec-engine", action="store_true", help="skip the rows of hspec's own engine")
     bv.add_argument("--json", action="store_true", help="print the rows as JSON instead of writing results/vllm/")
@@ -589,11 +630,52 @@ def _add_bench_vllm(bench_sub) -> None:
 
 
 def _cmd_bench_vllm(args: argparse.Namespace) -> int:
+    """Benchmark drafters inside vLLM: greedy equality with vLLM plain decoding, tau, tok/s, KV capacity."""
     from hspec.bench.vllm import run_vllm_bench
 
     return run_vllm_bench(args.target, args.drafters, args.prompts_file, args.num_prompts,
                           args.max_new_tokens, args.dtype, args.k, args.max_model_len, args.out, args.json,
                           data_dir=args.data_dir, hspec_engine=not args.no_hspec_engine)
+
+
+def _add_bench_vllm_serve(bench_sub) -> None:
+    bvs = bench_sub.add_parser(
+        "vllm-serve", help="serving throughput vs concurrency through vLLM's OpenAI server, and hspec serve",
+        description="Starts vLLM's OpenAI server once per --drafters configuration (then `hspec serve` with the "
+                    "matching drafter), sends the same --num-requests greedy chat requests at each --concurrency, "
+                    "and records output tok/s, latency and TTFT p50/p90, KV use and capacity, tau, and outputs "
+                    "equal to vLLM plain at batch 1. Writes <out>/serve_<dtype>.{json,md} and "
+                    "serve_<dtype>_throughput.png. Needs vLLM (docs/vllm.md).")
+    _add_target(bvs)
+    bvs.add_argument("--drafters", default="none,ngram,hspec",
+                     help="as `hspec bench vllm --drafters`: none (always run), ngram, dflash=PATH, dflash=random, "
+                          "hspec, hspec=PATH (default none,ngram,hspec)")
+    bvs.add_argument("--concurrency", default="8,16,32,64", help="comma-separated levels (default 8,16,32,64)")
+    bvs.add_argument("--num-requests", type=int, default=128, help="requests per level (default 128)")
+    bvs.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default 128)")
+    bvs.add_argument("--prompts-file", default=None, metavar="F.jsonl",
+                     help='one {"prompt": "..."} per line (default: evenly spaced Spec-Bench items)')
+    bvs.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                     help="compute dtype of every server (default float32, where outputs must equal batch 1)")
+    bvs.add_argument("--k", type=int, default=5, help="drafts per step for ngram (default 5)")
+    bvs.add_argument("--max-model-len", type=int, default=1024)
+    bvs.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of every server in GiB (default 1)")
+    bvs.add_argument("--threads", type=int, default=1, help="OpenMP/torch threads per server (default 1)")
+    bvs.add_argument("--no-hspec-engine", action="store_true", help="skip the `hspec serve` rows")
+    bvs.add_argument("--out", default="results/vllm", help="output directory (default results/vllm)")
+    _add_data_dir(bvs)
+    bvs.set_defaults(handler=_cmd_bench_vllm_serve)
+
+
+def _cmd_bench_vllm_serve(args: argparse.Namespace) -> int:
+    from hspec.bench.vllm_serve import VllmServeSettings, run_vllm_serve_bench
+
+    settings = VllmServeSettings(
+        target=args.target, drafters=args.drafters, concurrency=tuple(int(c) for c in args.concurrency.split(",")),
+        num_requests=args.num_requests, max_tokens=args.max_tokens, dtype=args.dtype, k=args.k,
+        max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
+        prompts_file=args.prompts_file, hspec_engine=not args.no_hspec_engine, out=args.out, data_dir=args.data_dir)
+    return run_vllm_serve_bench(settings, args.command_line)
 
 
 def _add_bench_draft(bench_sub) -> None:
@@ -614,6 +696,7 @@ def _add_bench_draft(bench_sub) -> None:
 
 
 def _cmd_bench_draft(args: argparse.Namespace) -> int:
+    """Benchmark the draft forward cost T_D(K) against the verify cost T_T per drafter kind."""
     from hspec.bench.draft import run_draft_bench
 
     return run_draft_bench(args.target, [k for k in args.drafters.split(",") if k], args.out, args.repeats,
@@ -664,6 +747,7 @@ def _add_pool_options(p: argparse.ArgumentParser, default_budget_mib: float) -> 
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the target with a drafter over an OpenAI-compatible HTTP API."""
     from hspec.serving.server import ServeSettings, require_serve_extra, serve
 
     _check_drafter_args(args)
@@ -692,6 +776,7 @@ def _add_kv_table(sub) -> None:
 
 
 def _cmd_kv_table(args: argparse.Namespace) -> int:
+    """Print the KV inflation per token of the known target configs (the paper's Table 1)."""
     from hspec.models.kv_accounting import format_kv_table, kv_table
 
     rows = kv_table()
@@ -716,6 +801,7 @@ def _add_drafters(sub) -> None:
 
 
 def _cmd_drafters_describe(args: argparse.Namespace) -> int:
+    """Describe the registered drafter kinds: parameters, layers read, KV cost."""
     from hspec.drafters.describe import describe_kinds, format_descriptions
 
     described = describe_kinds(args.target, dtype=args.dtype)

@@ -18,7 +18,7 @@ from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
 from hspec.models.loading import Target
 from hspec.models.quantize import quantize_int8
-from hspec.models.weight_layout import store_linear_weights_column_major
+from hspec.models.weight_layout import store_linear_weights_in_fast_layout
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -65,7 +65,7 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
 def for_inference(drafter: Drafter, target: Target) -> Drafter:
     """Eval mode, linear weights in the layout multi-row CPU forwards prefer (see models/weight_layout),
     and int8 linears when the target runs in int8 (`--dtype int8`: drafts change, never the output)."""
-    store_linear_weights_column_major(drafter)
+    store_linear_weights_in_fast_layout(drafter)
     if target.model.dtype_name == "int8":
         drafter.requires_grad_(False)
         quantize_int8(drafter, compute_dtype=target.model.embed_tokens.weight.dtype)

@@ -56,7 +56,7 @@ class _Setting:
         g = torch.Generator().manual_seed(seed)
         c = model.config
         block = 16
-        drafter_layers = max((d.num_pool_layers for d in drafters.values()), default=0)
+        drafter_layers = max((d.num_drafter_layers for d in drafters.values()), default=0)
         per_seq = S + (repeats + 3) * (K + 1)  # context + commit rounds + one verify block
         self.pool = model.new_pool(B * blocks_for(per_seq, block), block, drafter_layers)
         self.seq_ids = list(range(B))
@@ -65,7 +65,7 @@ class _Setting:
         self.pool.extend(self.seq_ids, S)
         self.pool.k.normal_(generator=g)
         self.pool.v.normal_(generator=g)
-        self.hidden_layers = select_target_layers(c.num_layers)
+        self.target_layers = select_target_layers(c.num_layers)
         histories = [torch.randint(0, c.vocab_size, (S + 1,), generator=g).tolist() for _ in self.seq_ids]
         self.batch = DraftBatch(self.seq_ids, torch.tensor([h[-1] for h in histories]), histories, self.pool,
                                 SamplingBatch.from_params([SamplingParams()] * B),
@@ -77,7 +77,7 @@ class _Setting:
     def time_verify(self) -> float:
         """Seconds of one (K+1)-token target forward over every sequence (then rolled back)."""
         start = time.perf_counter()
-        self.model(self.verify_ids, self.pool, self.seq_ids, self.hidden_layers)
+        self.model(self.verify_ids, self.pool, self.seq_ids, self.target_layers)
         elapsed = time.perf_counter() - start
         for s in self.seq_ids:
             self.pool.truncate(s, self.length)
@@ -104,8 +104,8 @@ class _Setting:
     def _commit(self, drafter: Drafter, n: int) -> float:
         """Commit the last n pool positions of every sequence to `drafter`; returns seconds."""
         hidden = None
-        if drafter.hidden_layers:
-            hidden = torch.empty(self.B, n, len(drafter.hidden_layers), self.model.config.hidden_size,
+        if drafter.target_layers:
+            hidden = torch.empty(self.B, n, len(drafter.target_layers), self.model.config.hidden_size,
                                  dtype=self.model.embed_tokens.weight.dtype).normal_()
         start = time.perf_counter()
         drafter.commit(self.pool, self.seq_ids, hidden, torch.full((self.B,), n, dtype=torch.long))

@@ -10,7 +10,7 @@
    server's `hspec_kv_cache_usage_seconds_total` over that window / its length.
 3. Write results/serving/serve_bench.{json,md}, throughput_vs_concurrency.png and
    kv_vs_concurrency.png, and the KV capacity in tokens at the budget for every registered kind
-   (`PagedKVPool.from_memory_budget` with the kind's `num_pool_layers`).
+   (`PagedKVPool.from_memory_budget` with the kind's `num_drafter_layers`).
 
 Greedy decoding throughout, and the first prompt's output must be identical on every server
 (losslessness, end to end).
@@ -133,7 +133,7 @@ def kv_capacity_table(target, budget_bytes: float, block_size: int) -> list[dict
     rows = []
     for kind in DRAFTERS.names():
         try:
-            layers = create_drafter(kind, c, target_model=target.model).num_pool_layers
+            layers = create_drafter(kind, c, target_model=target.model).num_drafter_layers
         except (ValueError, TypeError) as err:
             rows.append({"drafter": kind, "error": str(err)})
             continue
@@ -210,9 +210,9 @@ class _Server:
 
 
 def scrape_metrics(url: str) -> dict[str, float]:
-    """The numeric samples of a server's /metrics, by name with labels."""
+    """The numeric samples of a server's /metrics, by name with labels (names may hold colons, as vLLM's do)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([\w:]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
 
 
 def _free_port() -> int:

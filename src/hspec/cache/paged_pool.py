@@ -247,12 +247,41 @@ class PagedKVPool:
 
     def gather(self, layer: int, table: SlotTable) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the table's positions, each (B, S, Hkv, D): a view when contiguous, else a gather."""
-        k, v = self.k[layer], self.v[layer]
+        return self._read(layer, table.slots, table.contiguous_start)
+
+    def gather_window(self, layers: Sequence[int], seq_ids: Sequence[int], ends: Sequence[int], window: int
+                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """K and V of `layers` at the last min(end, window) positions before ends[b] of each sequence.
+
+        Keys are right-aligned: key j of row b is position ends[b] - S + j, S = min(max(ends), window);
+        keys at negative positions are masked. A lone sequence with consecutive blocks gets views, as
+        in `gather`. Returns ([(k, v) each (B, S, Hkv, D)] in `layers` order, visible (B, S) bool).
+        """
+        device = self.k.device
+        if not layers:
+            return [], torch.zeros((len(seq_ids), 0), dtype=torch.bool, device=device)
+        max_len = max(ends)
+        s = min(max_len, window)
+        table = self.slot_table(seq_ids)
         if table.contiguous_start is not None:
-            s = table.slots.shape[1]
-            start = table.contiguous_start
-            return k[start : start + s].unsqueeze(0), v[start : start + s].unsqueeze(0)
-        return k[table.slots], v[table.slots]
+            start = table.contiguous_start + max_len - s
+            slots = torch.arange(start, start + s, device=device)[None, :]  # (1, S)
+            return ([self._read(i, slots, start) for i in layers],
+                    torch.ones((1, s), dtype=torch.bool, device=device))
+        ends_t = torch.as_tensor(list(ends), dtype=torch.long, device=device)
+        positions = ends_t[:, None] - s + torch.arange(s, device=device)  # (B, S)
+        slots = table.slots.gather(1, positions.clamp(min=0))  # (B, S)
+        return [self._read(i, slots, None) for i in layers], positions >= 0
+
+    def _read(self, layer: int, slots: torch.Tensor, contiguous_start: int | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` (B, S) of one layer, each (B, S, Hkv, D); a slice when the slots run
+        consecutively from `contiguous_start` (then B == 1)."""
+        k, v = self.k[layer], self.v[layer]
+        if contiguous_start is not None:
+            window = slice(contiguous_start, contiguous_start + slots.shape[1])
+            return k[window].unsqueeze(0), v[window].unsqueeze(0)
+        return k[slots], v[slots]
 
     def _check(self, seq_id: int) -> int:
         if seq_id not in self._lengths:

@@ -95,7 +95,7 @@ class SpeculativeDecoder:
                  ) -> PagedKVPool:
         """A pool just big enough for these prompts, their outputs and one block of drafts each."""
         per_seq = [blocks_for(self.stages.positions_needed(len(p), max_new_tokens), block_size) for p in prompts]
-        return self.target.new_pool(sum(per_seq), block_size, self.drafter.num_pool_layers)
+        return self.target.new_pool(sum(per_seq), block_size, self.drafter.num_drafter_layers)
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams],

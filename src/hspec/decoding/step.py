@@ -90,7 +90,7 @@ class DecodeStages:
         """
         pool.add_sequence(seq_id)
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # (1, T)
-        out = self.target(ids, pool, [seq_id], self.drafter.hidden_layers, last_logits_only=True)
+        out = self.target(ids, pool, [seq_id], self.drafter.target_layers, last_logits_only=True)
         self.drafter.commit(pool, [seq_id], out.hidden, torch.tensor([len(tokens)], device=self.device))
         return out.logits[:, -1]
 
@@ -124,7 +124,7 @@ class DecodeStages:
         t1 = time.perf_counter()
         # 2. verify: the target scores [x0, d_1..d_L] at positions p..p+L in one forward.
         block = torch.cat([anchors[:, None], drafts_t], dim=1)  # (B, L+1)
-        out = self.target(block, pool, seq_ids, self.drafter.hidden_layers)
+        out = self.target(block, pool, seq_ids, self.drafter.target_layers)
         target_probs = sampling.probs(out.logits)  # (B, L+1, V)
         uniforms = draw_uniforms(generators, self.K + 1, self.device)  # (B, K+1): the same draws whatever L is
         result = verify(target_probs, draft_probs, drafts_t, uniforms[:, :L], uniforms[:, self.K], num_drafts)
@@ -157,7 +157,7 @@ class DecodeStages:
                              f"1..K = 1..{self.K}")
         t1 = time.perf_counter()
         result = tree_step(self.target, pool, seq_ids, anchors, draft, sampling, generators,
-                           self.drafter.hidden_layers, self.drafter.draft_positions(self.K) + 1)
+                           self.drafter.target_layers, self.drafter.draft_positions(self.K) + 1)
         self.drafter.commit(pool, seq_ids, result.hidden, result.num_committed)
         accepted = result.verified.num_accepted.tolist()
         return StepResult(accepted, drafted, result.new_tokens, t1 - t0, time.perf_counter() - t1)

@@ -34,19 +34,19 @@ class TreeStepResult:
     new_tokens: list[list[int]]  # per row: the accepted path's tokens, then the recovered/bonus token
     verified: TreeVerifyResult
     # (B, 1 + max d, n_sel, H): hidden states of [x0 ; accepted path] in path order, of which the first
-    # 1 + d of each row were committed (what `Drafter.commit` takes); None without hidden_layers.
+    # 1 + d of each row were committed (what `Drafter.commit` takes); None without target_layers.
     hidden: torch.Tensor | None
     num_committed: torch.Tensor  # (B,) 1 + d
 
 
 def tree_step(model: TargetModel, pool: PagedKVPool, seq_ids: Sequence[int], anchor_tokens: torch.Tensor,
               draft: TreeDraft, sampling: SamplingBatch, generators: Sequence[torch.Generator],
-              hidden_layers: Sequence[int] = (), num_uniforms: int | None = None) -> TreeStepResult:
+              target_layers: Sequence[int] = (), num_uniforms: int | None = None) -> TreeStepResult:
     """Verify `draft` after each row's anchor x0 (B,), which is not yet in the pool (module docstring).
 
     Draws `num_uniforms` (default N + 1, at least N + 1) uniforms per row from the row's own generator,
     whatever is accepted: a caller whose trees vary in size passes the largest tree it can draft + 1, so
-    a row's draws depend neither on the other rows nor on its own tree's size. `hidden_layers`: target
+    a row's draws depend neither on the other rows nor on its own tree's size. `target_layers`: target
     layers whose hidden states of the committed positions the result carries.
     """
     b, n = draft.tokens.shape
@@ -59,7 +59,7 @@ def tree_step(model: TargetModel, pool: PagedKVPool, seq_ids: Sequence[int], anc
     parents = torch.cat([torch.full((b, 1), -1, device=device), draft.parents + 1], 1)  # (B, N+1)
     parents[:, 1:] = torch.where(draft.parents < 0, 0, parents[:, 1:])
     input_ids = torch.cat([anchor_tokens[:, None].to(device), draft.tokens], 1)  # (B, N+1)
-    out = model(input_ids, pool, seq_ids, hidden_layers, tree_mask=tree_attention_mask(parents))
+    out = model(input_ids, pool, seq_ids, target_layers, tree_mask=tree_attention_mask(parents))
     target_probs = sampling.probs(out.logits)  # (B, N+1, V)
     # 2. verification
     uniforms = draw_uniforms(generators, count, device)  # (B, count >= N+1)

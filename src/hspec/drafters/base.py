@@ -117,10 +117,12 @@ class Drafter(ABC):
     """Base class of every drafter kind (registered in `DRAFTERS`)."""
 
     kind: str = "abstract"
-    # Target hidden-state layers (HF indexing, 0 = embeddings) the drafter needs at committed positions.
-    hidden_layers: tuple[int, ...] = ()
+    # Target layers (HF hidden-state indices, 0 = embeddings) whose hidden states the drafter needs at
+    # committed positions: its config's `target_layers`, or () for a kind that reads none (dflash-kvreuse
+    # reads those layers' K/V from the pool instead).
+    target_layers: tuple[int, ...] = ()
     # Layers of drafter-owned context KV it needs in the shared pool.
-    num_pool_layers: int = 0
+    num_drafter_layers: int = 0
     # False for plain decoding, which drafts nothing (K is forced to 0).
     drafts: bool = True
     # True for trained kinds, which share the target's embedding, LM head and RoPE (`create_drafter`
@@ -164,8 +166,8 @@ class Drafter(ABC):
                num_committed: torch.Tensor) -> None:
         """Positions [len - num_committed[b], len) of each row just joined its verified prefix.
 
-        hidden: (B, T, len(hidden_layers), H) target hidden states of the T processed positions, of
-        which the first num_committed[b] of row b were committed; None if hidden_layers is empty.
+        hidden: (B, T, len(target_layers), H) target hidden states of the T processed positions, of
+        which the first num_committed[b] of row b were committed; None if target_layers is empty.
         The pool has already been rolled back, so `pool.length(seq)` is the new prefix length.
         """
 

@@ -6,9 +6,9 @@ A drafter checkpoint is a directory in the layout of vllm-project/speculators (d
                         {algorithm, proposal_methods [greedy, speculative_tokens = K], default_proposal_method,
                         verifier {name_or_path, architectures}}, transformer_layer_config (the attention/MLP
                         dims, as a Qwen3 config), the Speculators names of our shared fields (draft_vocab_size,
-                        block_size, aux_hidden_state_layer_ids, mask_token_id, markov_rank, ...) and, under
-                        `hspec_drafter_config`, the full `DrafterConfig.to_dict()`: the one source `load_drafter`
-                        rebuilds the drafter from.
+                        block_size = max_draft_len, aux_hidden_state_layer_ids = target_layers, mask_token_id,
+                        markov_rank, ...) and, under `hspec_drafter_config`, the full `DrafterConfig.to_dict()`:
+                        the one source `load_drafter` rebuilds the drafter from.
     model.safetensors   the drafter's own tensors only (`drafter_state_dict()`: trainable weights and the
                         draft-vocabulary ids). The target's embedding and LM head are never saved: a drafter
                         shares them with its target at load.
@@ -80,7 +80,7 @@ def speculators_config(drafter: NeuralDrafter, verifier_name_or_path: str,
             "algorithm": drafter.kind,
             # One chain of K drafts per step, verified by the target. `speculative_tokens` = K: every slot of
             # the block, the anchor's included, predicts a token (`sample_from_anchor` below).
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.max_draft_len,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier_name_or_path, "architectures": architectures},
@@ -89,7 +89,7 @@ def speculators_config(drafter: NeuralDrafter, verifier_name_or_path: str,
         # Our fields under the names Speculators' DFlash/DSpark/P-Eagle configs give them. Informational:
         # `load_drafter` reads only DRAFTER_CONFIG_KEY.
         "draft_vocab_size": config.draft_vocab_size,
-        "block_size": config.block_size,
+        "block_size": config.max_draft_len,  # Speculators' DFlash name for the trained draft length K
         "sample_from_anchor": True,  # slot 0 (the anchor x0) predicts x_{p+1} (docs/design.md#the-decoding-step)
         "target_hidden_size": config.hidden_size,
         # HF hidden-state indices (0 = embeddings), the convention Speculators uses for these ids.
@@ -126,7 +126,7 @@ def transformer_layer_config(drafter: NeuralDrafter) -> dict[str, Any]:
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": _num_drafter_layers(drafter),
+        "num_hidden_layers": _num_hidden_layers(drafter),
         "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim,
@@ -139,7 +139,7 @@ def transformer_layer_config(drafter: NeuralDrafter) -> dict[str, Any]:
     }
 
 
-def _num_drafter_layers(drafter: nn.Module) -> int:
+def _num_hidden_layers(drafter: nn.Module) -> int:
     """Drafter layers: the length of its longest direct `nn.ModuleList` (every kind keeps its layers in one)."""
     lists = [len(m) for m in drafter.children() if isinstance(m, nn.ModuleList)]
     return max(lists, default=0)

@@ -138,8 +138,9 @@ class NeuralDrafter(Drafter, nn.Module):
     """Base of every trained kind: proposes with one `block_logits` forward + the Markov head.
 
     A subclass sets `config_class`, implements `default_config`, `build` (its modules) and
-    `block_logits`; DFlash-style kinds with their own context K/V also override
-    `context_pool_layers` (read their drafter layers) and `commit` (write them, then call super).
+    `block_logits`; kinds that read target K/V in place override `reused_kv_layers`, and DFlash-style
+    kinds with their own context K/V override `context_pool_layers` (read their drafter layers) and
+    `commit` (write them, then call super).
 
     Per sequence the base keeps only `last_hidden` (n_sel, H): the selected layers' hidden states at
     the last committed position.
@@ -156,7 +157,7 @@ class NeuralDrafter(Drafter, nn.Module):
         if config.kind != self.kind:
             raise ValueError(f"config is for kind {config.kind!r}, this drafter is {self.kind!r}")
         self.config = config
-        self.hidden_layers = tuple(config.target_layers)
+        self.target_layers = tuple(config.target_layers)
         weight = target_model.embed_tokens.weight if target_model is not None else None  # type: ignore[union-attr]
         device = device if device is not None else (weight.device if weight is not None else "cpu")
         dtype = dtype if dtype is not None else (weight.dtype if weight is not None else torch.float32)
@@ -189,8 +190,13 @@ class NeuralDrafter(Drafter, nn.Module):
         raise NotImplementedError
 
     def context_pool_layers(self, pool: PagedKVPool) -> list[int]:
-        """Pool layers whose K/V each context-reading attention module reads, in module order."""
-        return []
+        """Pool layers whose K/V each context-reading attention module reads, in module order.
+
+        By default the target layers the kind reuses (`reused_kv_layers`): the pool's target layers come
+        first, so target decoder layer i is pool layer i. Kinds with their own context K/V return their
+        drafter layers of the pool instead.
+        """
+        return self.reused_kv_layers()
 
     # ---- target ----------------------------------------------------------------------------------
 
@@ -256,29 +262,13 @@ class NeuralDrafter(Drafter, nn.Module):
 
     def context_kv_from_pool(self, pool: PagedKVPool, seq_ids: Sequence[int], lengths: Sequence[int]
                              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """Context K/V of `context_pool_layers` for the last min(p, window) positions of each row.
+        """Context K/V of `context_pool_layers` for the last min(p, sliding_window) positions of each row.
 
-        Keys are right-aligned: key j of row n is position p_n - S + j, S = min(max p, window); keys
-        at negative positions are masked. A single sequence gets zero-copy views of the pool.
-        Returns ([(k, v) each (B, S, Hkv, D)], context_mask (B, S)).
+        `lengths`: p per row. Read with `PagedKVPool.gather_window`: keys right-aligned (key j of row n
+        is position p_n - S + j), keys at negative positions masked, zero-copy views for a single
+        sequence. Returns ([(k, v) each (B, S, Hkv, D)], context_mask (B, S)).
         """
-        layers = self.context_pool_layers(pool)
-        device = pool.k.device
-        b = len(seq_ids)
-        if not layers:
-            return [], torch.zeros((b, 0), dtype=torch.bool, device=device)
-        max_len = max(lengths)
-        s = min(max_len, self.config.sliding_window)
-        table = pool.slot_table(seq_ids)
-        if table.contiguous_start is not None:
-            start = table.contiguous_start + max_len - s
-            kv = [(pool.layer(i).k[start:start + s][None], pool.layer(i).v[start:start + s][None]) for i in layers]
-            return kv, torch.ones((1, s), dtype=torch.bool, device=device)
-        lengths_t = torch.as_tensor(list(lengths), dtype=torch.long, device=device)
-        positions = lengths_t[:, None] - s + torch.arange(s, device=device)  # (B, S)
-        slots = table.slots.gather(1, positions.clamp(min=0))  # (B, S)
-        kv = [(pool.layer(i).k[slots], pool.layer(i).v[slots]) for i in layers]
-        return kv, positions >= 0
+        return pool.gather_window(self.context_pool_layers(pool), seq_ids, lengths, self.config.sliding_window)
 
     def context_kv_from_features(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                                  target_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -306,8 +296,8 @@ class NeuralDrafter(Drafter, nn.Module):
 
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         """One block forward, then the sequential Markov correction and sampling (module docstring)."""
-        if not 1 <= K <= self.config.block_size:
-            raise ValueError(f"K must be in 1..{self.config.block_size} (the trained block size), got {K}")
+        if not 1 <= K <= self.config.max_draft_len:
+            raise ValueError(f"K must be in 1..{self.config.max_draft_len} (the trained draft length), got {K}")
         lengths = batch.pool.lengths(batch.seq_ids)
         device = batch.anchor_tokens.device
         p = torch.tensor(lengths, dtype=torch.long, device=device)  # (B,)
@@ -338,15 +328,16 @@ class NeuralDrafter(Drafter, nn.Module):
             l_k = logits[:, k]  # (B, Vp)
             if self.markov is not None:
                 l_k = l_k + self.markov(prev[:, None])[:, 0]
+            l_k32 = l_k.float()  # (B, Vp); a bf16 argmax runs 5x slower than its exact fp32 copy's on CPU
             if uniforms is None:
-                d_k = l_k.argmax(-1)  # (B,)
-                p_k = torch.zeros_like(l_k, dtype=torch.float32).scatter_(-1, d_k[:, None], 1.0)
+                d_k = l_k32.argmax(-1)  # (B,)
+                p_k = torch.zeros_like(l_k32).scatter_(-1, d_k[:, None], 1.0)
             else:
                 p_k = sampling.probs(l_k[:, None])[:, 0]  # (B, Vp)
                 d_k = sample_with_uniform(p_k, uniforms[:, k])
             tokens.append(d_k)
             probs.append(p_k)
-            confidence.append(torch.softmax(l_k.float(), -1).gather(-1, d_k[:, None])[:, 0])
+            confidence.append(torch.softmax(l_k32, -1).gather(-1, d_k[:, None])[:, 0])
             prev = self.head.to_target_ids(d_k)
         return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidence, 1)
 
@@ -354,7 +345,7 @@ class NeuralDrafter(Drafter, nn.Module):
                num_committed: torch.Tensor) -> None:
         """Keep the hidden states of each row's last committed position (O(1) per sequence)."""
         if hidden is None:
-            raise ValueError(f"drafter {self.kind!r} needs the hidden states of layers {self.hidden_layers}")
+            raise ValueError(f"drafter {self.kind!r} needs the hidden states of layers {self.target_layers}")
         rows = torch.arange(len(seq_ids), device=hidden.device)
         last = hidden[rows, num_committed.to(hidden.device) - 1]  # (B, n_sel, H)
         for row, seq_id in enumerate(seq_ids):

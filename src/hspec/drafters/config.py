@@ -48,6 +48,10 @@ def kv_layer_of(hidden_layer: int) -> int:
 
 # ---- configuration -----------------------------------------------------------------------------------
 
+# Fields renamed since checkpoints were first written: old name -> current name. `from_dict` is the one
+# place that reads the old names (config.json files already on disk, e.g. the shipped drafter).
+_RENAMED_FIELDS = {"block_size": "max_draft_len"}
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
@@ -62,7 +66,7 @@ class DrafterConfig:
     target_layers: tuple[int, ...]  # M: HF hidden-state indices of the selected target layers
     draft_vocab_size: int  # Vp: pruned draft vocabulary (paper: 32,000 most frequent tokens)
     markov_rank: int = 256  # r of the DSpark Markov head; 0 = no Markov head
-    block_size: int = 7  # K_train: block length trained for; inference may use any K <= it
+    max_draft_len: int = 7  # K_train: the draft length trained for; inference may use any K <= it
     sliding_window: int = 2048  # context keys visible to a block: positions p - window .. p - 1
 
     def __post_init__(self) -> None:
@@ -74,7 +78,7 @@ class DrafterConfig:
             raise ValueError(f"target_layers {bad} outside 1..{L} (the target's decoder layers)")
         if not 1 <= self.draft_vocab_size <= self.target.vocab_size:
             raise ValueError(f"draft_vocab_size must be in 1..{self.target.vocab_size}, got {self.draft_vocab_size}")
-        for name in ("block_size", "sliding_window"):
+        for name in ("max_draft_len", "sliding_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.markov_rank < 0:
@@ -108,8 +112,13 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DrafterConfig:
-        """Inverse of `to_dict` (lists become tuples again)."""
+        """Inverse of `to_dict` (lists become tuples again); also reads configs saved under old field names."""
         raw = dict(raw)
+        for old, new in _RENAMED_FIELDS.items():
+            if old in raw:
+                if new in raw:
+                    raise ValueError(f"both {old!r} and its new name {new!r} given; keep only {new!r}")
+                raw[new] = raw.pop(old)
         target = dict(raw.pop("target"))
         target["rope_scaling"] = RopeScaling(**target["rope_scaling"])
         target["eos_token_ids"] = tuple(target["eos_token_ids"])

@@ -7,7 +7,7 @@ For every kind in `DRAFTERS`, built for the target (on the `meta` device for the
 - total_params: every parameter a drafter forward reads: its own plus the target's embedding and
   LM head it shares (counted once when they are tied); 0 for model-free kinds;
 - drafter_kv_bytes_per_token: K/V the drafter keeps in the pool for every context token
-  (num_pool_layers x 2 x Hkv x D x bytes);
+  (num_drafter_layers x 2 x Hkv x D x bytes);
 - per_sequence_state_bytes: what it keeps per sequence independent of the context length (the
   selected layers' hidden states at the last position, n_sel x H), not counting transient buffers
   of one step;
@@ -41,7 +41,7 @@ class DrafterDescription:
     target: str
     trainable_params: int
     total_params: int
-    hidden_layers: list[int]  # target hidden-state layers the drafter reads (HF indexing)
+    target_layers: list[int]  # target hidden-state layers the drafter reads (HF indexing)
     reused_kv_layers: list[int]  # target decoder layers (0-based) whose K/V it reads in place
     drafter_kv_layers: int  # layers of drafter-owned context KV in the pool
     drafter_kv_bytes_per_token: int
@@ -77,13 +77,13 @@ def describe_drafter(drafter: Drafter, target_name: str, config: TargetConfig,
     if drafter.needs_target_model:
         # The target's embedding and LM head, read in place (one matrix when tied).
         shared = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
-    drafter_kv = kv_bytes_per_token(drafter.num_pool_layers, config.num_kv_heads, config.head_dim, bytes_per_element)
-    state = len(drafter.hidden_layers) * config.hidden_size * bytes_per_element if own else 0
+    drafter_kv = kv_bytes_per_token(drafter.num_drafter_layers, config.num_kv_heads, config.head_dim, bytes_per_element)
+    state = len(drafter.target_layers) * config.hidden_size * bytes_per_element if own else 0
     return DrafterDescription(
         kind=drafter.kind, target=target_name, trainable_params=trainable,
-        total_params=sum(p.numel() for p in own) + shared, hidden_layers=list(drafter.hidden_layers),
+        total_params=sum(p.numel() for p in own) + shared, target_layers=list(drafter.target_layers),
         reused_kv_layers=list(drafter.reused_kv_layers()) if hasattr(drafter, "reused_kv_layers") else [],
-        drafter_kv_layers=drafter.num_pool_layers, drafter_kv_bytes_per_token=drafter_kv,
+        drafter_kv_layers=drafter.num_drafter_layers, drafter_kv_bytes_per_token=drafter_kv,
         per_sequence_state_bytes=state, kv_inflation=kv_inflation(config, drafter_kv, bytes_per_element),
         bytes_per_element=bytes_per_element)
 
@@ -108,7 +108,7 @@ def format_descriptions(rows: Sequence[DrafterDescription]) -> str:
              "| drafter KV layers | drafter KV B/token | per-seq state B | KV inflation |",
              "|---|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        layers = ", ".join(map(str, r.hidden_layers)) or "-"
+        layers = ", ".join(map(str, r.target_layers)) or "-"
         reused = ", ".join(map(str, r.reused_kv_layers)) or "-"
         lines.append(f"| {r.kind} | {r.trainable_params:,} | {r.total_params:,} | {layers} | {reused} | "
                      f"{r.drafter_kv_layers} | "

@@ -51,8 +51,8 @@ class EarlyStopDrafter(Drafter):
         self.model = model
         self.floor = floor
         self.kind = f"{model.kind}{CONFIDENCE_SEPARATOR}{floor:g}"
-        self.hidden_layers = model.hidden_layers
-        self.num_pool_layers = model.num_pool_layers
+        self.target_layers = model.target_layers
+        self.num_drafter_layers = model.num_drafter_layers
 
     def check_target(self, config: TargetConfig) -> None:
         self.model.check_target(config)

@@ -63,8 +63,8 @@ class LookupFirstDrafter(Drafter):
             self.kind = f"{model.model.kind}{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}{model.floor:g}"
         else:
             self.kind = model.kind + LOOKUP_SUFFIX
-        self.hidden_layers = model.hidden_layers
-        self.num_pool_layers = model.num_pool_layers
+        self.target_layers = model.target_layers
+        self.num_drafter_layers = model.num_drafter_layers
         self.lookup_rows = 0  # rows drafted by lookup so far (with model_rows: how often each drafted)
         self.model_rows = 0
 

@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 def inference_context(drafter: NeuralDrafter, batch: DraftBatch, K: int) -> BlockContext:
     """The block context of a proposal, read from the pool as `NeuralDrafter.propose` reads it.
 
-    Checks K against the trained block size; the block [x0, MASK x (K-1)] sits at p..p+K-1.
+    Checks K against the trained draft length (`max_draft_len`); the block [x0, MASK x (K-1)] sits at p..p+K-1.
     """
-    if not 1 <= K <= drafter.config.block_size:
-        raise ValueError(f"K must be in 1..{drafter.config.block_size} (the trained block size), got {K}")
+    if not 1 <= K <= drafter.config.max_draft_len:
+        raise ValueError(f"K must be in 1..{drafter.config.max_draft_len} (the trained draft length), got {K}")
     lengths = batch.pool.lengths(batch.seq_ids)
     p = torch.tensor(lengths, dtype=torch.long, device=batch.anchor_tokens.device)  # (B,)
     block_tokens, positions = build_block(batch.anchor_tokens, p, K, drafter.config.mask_token_id)

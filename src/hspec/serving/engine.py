@@ -109,8 +109,8 @@ class Engine:
             # preemption would reset the state a tree drafter carries from block to block.
             raise ValueError(f"drafter kind {stages.drafter.kind!r} drafts trees, which the serving engine does not "
                              "run yet; use `hspec generate` (the single-batch loop) for it, or a chain kind here")
-        if pool.num_drafter_layers < stages.drafter.num_pool_layers:
-            raise ValueError(f"the drafter needs {stages.drafter.num_pool_layers} pool layers, the pool has "
+        if pool.num_drafter_layers < stages.drafter.num_drafter_layers:
+            raise ValueError(f"the drafter needs {stages.drafter.num_drafter_layers} pool layers, the pool has "
                              f"{pool.num_drafter_layers}")
         self.stages = stages
         self.pool = pool

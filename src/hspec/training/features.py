@@ -30,8 +30,8 @@ from hspec.training.precision import full_precision
 class SequenceFeatures:
     tokens: torch.Tensor  # (S,) long
     prompt_length: int  # responses start here; anchors are drawn from the response
-    hidden: torch.Tensor  # (S, n_sel, H) at the layers in `hidden_layers`
-    hidden_layers: tuple[int, ...]
+    hidden: torch.Tensor  # (S, n_sel, H) at the layers in `target_layers`
+    target_layers: tuple[int, ...]
     final_hidden: torch.Tensor  # (S, H) after the target's final norm
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # pool layer -> (k, v), each (S, Hkv, D)
 
@@ -42,7 +42,7 @@ class SequenceFeatures:
             return self
         return SequenceFeatures(
             tokens=self.tokens.to(device), prompt_length=self.prompt_length, hidden=self.hidden.to(device),
-            hidden_layers=self.hidden_layers, final_hidden=self.final_hidden.to(device),
+            target_layers=self.target_layers, final_hidden=self.final_hidden.to(device),
             kv={layer: (k.to(device), v.to(device)) for layer, (k, v) in self.kv.items()})
 
     @torch.no_grad()
@@ -59,11 +59,11 @@ class SequenceFeatures:
 
 
 @torch.no_grad()  # not inference_mode: training saves these tensors for its backward pass
-def compute_features(model: TargetModel, tokens: Sequence[int], prompt_length: int, hidden_layers: Sequence[int],
+def compute_features(model: TargetModel, tokens: Sequence[int], prompt_length: int, target_layers: Sequence[int],
                      kv_layers: Sequence[int], block_size: int = 64) -> SequenceFeatures:
     """Run the target over `tokens` once and keep what training needs (see module docstring)."""
     L = model.config.num_layers
-    wanted = tuple(sorted(set(hidden_layers) | {L}))
+    wanted = tuple(sorted(set(target_layers) | {L}))
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=model.embed_tokens.weight.device)
     pool = model.new_pool(num_blocks=blocks_for(ids.shape[1], block_size), block_size=block_size)
     pool.add_sequence(0)
@@ -77,8 +77,8 @@ def compute_features(model: TargetModel, tokens: Sequence[int], prompt_length: i
     return SequenceFeatures(
         tokens=ids[0].clone(),
         prompt_length=prompt_length,
-        hidden=torch.stack([by_layer[layer] for layer in hidden_layers], dim=1).clone(),
-        hidden_layers=tuple(hidden_layers),
+        hidden=torch.stack([by_layer[layer] for layer in target_layers], dim=1).clone(),
+        target_layers=tuple(target_layers),
         final_hidden=model.norm(by_layer[L]).clone(),
         kv=kv,
     )
@@ -93,7 +93,7 @@ class OnlineFeatures:
     """
 
     def __init__(self, corpus_paths: Sequence[Path], model: TargetModel, target_name: str,
-                 hidden_layers: Sequence[int], kv_layers: Sequence[int]) -> None:
+                 target_layers: Sequence[int], kv_layers: Sequence[int]) -> None:
         if not corpus_paths:
             raise ValueError("no corpus files given")
         self.records: list[dict] = []
@@ -105,7 +105,7 @@ class OnlineFeatures:
                 raise ValueError(f"{path} holds no response to train on")
             self.records += records
         self.model, self.target = model, target_name
-        self.hidden_layers, self.kv_layers = tuple(hidden_layers), tuple(kv_layers)
+        self.target_layers, self.kv_layers = tuple(target_layers), tuple(kv_layers)
         self.ids = [r["id"] for r in self.records]
         self.lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in self.records]
 
@@ -115,7 +115,7 @@ class OnlineFeatures:
     def load(self, i: int) -> SequenceFeatures:
         r = self.records[i]
         return compute_features(self.model, r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]),
-                                self.hidden_layers, self.kv_layers)
+                                self.target_layers, self.kv_layers)
 
     def tokens(self, i: int) -> torch.Tensor:
         """The token ids of sequence i, (S,) long, on the CPU."""

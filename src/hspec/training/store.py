@@ -21,6 +21,18 @@ from tqdm import tqdm
 from hspec.models.llama import TargetModel
 from hspec.training.features import SequenceFeatures, compute_features
 
+# index.json keys renamed since caches were first written: old key -> current key (`read_index` maps them).
+_RENAMED_KEYS = {"hidden_layers": "target_layers"}
+
+
+def read_index(path: Path) -> dict:
+    """A cache's index.json, with keys written under an old name (caches already on disk) renamed."""
+    meta = json.loads(Path(path).read_text())
+    for old, new in _RENAMED_KEYS.items():
+        if old in meta and new not in meta:
+            meta[new] = meta.pop(old)
+    return meta
+
 
 class FeatureStore:
     """Features of a corpus under `root`: `index.json` + `seq_XXXXX.safetensors`."""
@@ -30,8 +42,8 @@ class FeatureStore:
         index = self.root / "index.json"
         if not index.exists():
             raise FileNotFoundError(f"no feature cache at {self.root} (index.json missing); run `hspec data features`")
-        meta = json.loads(index.read_text())
-        self.hidden_layers = tuple(meta["hidden_layers"])
+        meta = read_index(index)
+        self.target_layers = tuple(meta["target_layers"])
         self.kv_layers = tuple(meta["kv_layers"])
         self.ids: list[str] = meta["ids"]
         self.lengths: list[int] = meta["lengths"]
@@ -47,7 +59,7 @@ class FeatureStore:
             get = f.get_tensor
             kv = {layer: (get(f"k.{layer}").float(), get(f"v.{layer}").float()) for layer in self.kv_layers}
             return SequenceFeatures(tokens=get("tokens").long(), prompt_length=int(meta["prompt_length"]),
-                                    hidden=get("hidden").float(), hidden_layers=self.hidden_layers,
+                                    hidden=get("hidden").float(), target_layers=self.target_layers,
                                     final_hidden=get("final_hidden").float(), kv=kv)
 
     def tokens(self, i: int) -> torch.Tensor:
@@ -60,16 +72,16 @@ class FeatureStore:
 
     @staticmethod
     def build(root: Path, model: TargetModel, target_name: str, records: Sequence[dict],
-              hidden_layers: Sequence[int], kv_layers: Sequence[int]) -> FeatureStore:
+              target_layers: Sequence[int], kv_layers: Sequence[int]) -> FeatureStore:
         """Compute (or finish computing) the features of `records` (prompt_ids + response_ids)."""
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
-        meta = {"target": target_name, "hidden_layers": list(hidden_layers), "kv_layers": list(kv_layers),
+        meta = {"target": target_name, "target_layers": list(target_layers), "kv_layers": list(kv_layers),
                 "ids": [r["id"] for r in records],
                 "lengths": [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]}
         index = root / "index.json"
         if index.exists():
-            old = json.loads(index.read_text())
+            old = read_index(index)
             if {k: old[k] for k in meta} != meta:
                 raise ValueError(f"{root} holds features of another corpus or layer set; use another directory")
         else:
@@ -79,7 +91,7 @@ class FeatureStore:
         for i in tqdm(todo, desc="features", unit="seq"):
             r = records[i]
             feats = compute_features(model, list(r["prompt_ids"]) + list(r["response_ids"]), len(r["prompt_ids"]),
-                                     hidden_layers, kv_layers).to("cpu")
+                                     target_layers, kv_layers).to("cpu")
             tensors = {"tokens": feats.tokens.int(), "hidden": feats.hidden.bfloat16(),
                        "final_hidden": feats.final_hidden.half()}
             for layer, (k, v) in feats.kv.items():
@@ -100,10 +112,10 @@ class FeatureStores:
         self.stores = [FeatureStore(r) for r in roots]
         first = self.stores[0]
         for store in self.stores[1:]:
-            if (store.hidden_layers, store.kv_layers, store.target) != (first.hidden_layers, first.kv_layers,
+            if (store.target_layers, store.kv_layers, store.target) != (first.target_layers, first.kv_layers,
                                                                          first.target):
                 raise ValueError(f"feature caches {first.root} and {store.root} differ in target or layers")
-        self.hidden_layers, self.kv_layers, self.target = first.hidden_layers, first.kv_layers, first.target
+        self.target_layers, self.kv_layers, self.target = first.target_layers, first.kv_layers, first.target
         self._where = [(s, i) for s in self.stores for i in range(len(s.ids))]
         self.ids = [s.ids[i] for s, i in self._where]
         self.lengths = [s.lengths[i] for s, i in self._where]  # prompt + response tokens

@@ -191,7 +191,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=config.lr, betas=(0.9, 0.95), fused=all(p.device.type in ("cpu", "cuda") for p in self.params))
-        self.K = drafter.config.block_size
+        self.K = drafter.config.max_draft_len
         self.device = drafter.head.draft_vocab_ids.device  # where the drafter lives; features are moved there
         self.precision = resolve_precision(config.precision, self.device)  # never 'auto'
 

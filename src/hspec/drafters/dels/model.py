@@ -86,7 +86,7 @@ class DeLSDrafter(DFlashDrafter):
             raise ValueError(f"DeLS-Spec fuses a 'dflash' drafter, got kind {dflash.kind!r}")
         c = dflash.config
         config = DeLSConfig.from_target("dels", c.target, target_layers=c.target_layers,
-                                        draft_vocab_size=c.draft_vocab_size, block_size=c.block_size,
+                                        draft_vocab_size=c.draft_vocab_size, max_draft_len=c.max_draft_len,
                                         sliding_window=c.sliding_window, num_layers=c.num_layers, **overrides)
         weight = dflash.mask_embedding
         drafter = cls(c.target, target_model, config=config, device=weight.device, dtype=weight.dtype)

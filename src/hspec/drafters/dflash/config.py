@@ -49,11 +49,6 @@ class DFlashConfig(DrafterConfig):
             raise ValueError(f"unknown DFlash variant {kind!r}; allowed: {sorted(VARIANTS)}")
         return super().from_target(kind, target, **{**VARIANTS[kind], **overrides})  # type: ignore[return-value]
 
-    @property
-    def num_drafter_kv_layers(self) -> int:
-        """Layers of drafter-side context KV this kind keeps in the pool (0 when it reuses the target's)."""
-        return 0 if self.reuse_target_kv else self.num_layers
-
 
 def dflash_trainable_params(config: DFlashConfig) -> int:
     """Trainable parameters of a DFlash-family drafter for `config`, by formula.

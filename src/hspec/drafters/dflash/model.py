@@ -50,7 +50,7 @@ def own_pool_layers(pool: PagedKVPool, kind: str, count: int) -> list[int]:
     if pool.num_drafter_layers < count:
         raise ValueError(f"drafter {kind!r} keeps {count} layers of context K/V in the pool, but the pool has "
                          f"{pool.num_drafter_layers} drafter layers; build it with num_drafter_layers="
-                         f"drafter.num_pool_layers")
+                         f"drafter.num_drafter_layers")
     return [pool.drafter_layer_index(i) for i in range(count)]
 
 
@@ -89,7 +89,7 @@ class DFlashDrafter(DFlashBackbone):
                  config: DFlashConfig | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(target_config, target_model, config, device, dtype)
-        self.num_pool_layers = self.config.num_layers  # one drafter pool layer per drafter layer
+        self.num_drafter_layers = self.config.num_layers  # one drafter pool layer per drafter layer
 
     def build(self) -> None:
         super().build()
@@ -114,8 +114,8 @@ class DFlashDrafter(DFlashBackbone):
         hidden (N or 1, S, n_sel, H) -> per layer (k, v), each (N or 1, S, Hkv, D), k post-RoPE. Used by
         `commit` (what it writes to the pool) and by training (from a whole sequence, with gradients).
         """
-        if hidden.dim() != 4 or hidden.shape[:2] != positions.shape or hidden.shape[2] != len(self.hidden_layers):
-            raise ValueError(f"hidden must be (N, S, {len(self.hidden_layers)}, H) with positions (N, S); got "
+        if hidden.dim() != 4 or hidden.shape[:2] != positions.shape or hidden.shape[2] != len(self.target_layers):
+            raise ValueError(f"hidden must be (N, S, {len(self.target_layers)}, H) with positions (N, S); got "
                              f"{tuple(hidden.shape)} and {tuple(positions.shape)}")
         c = self.fused_context(hidden)  # (N, S, H)
         cos, sin = self.rope(positions, c.dtype)  # (N, S, D) each
@@ -162,13 +162,10 @@ class DFlashKVReuse(DFlashBackbone):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(target_config, target_model, config, device, dtype)
         # The target's K/V are all it reads: no hidden states, so nothing is kept per sequence.
-        self.hidden_layers = ()
+        self.target_layers = ()
 
     def reused_kv_layers(self) -> list[int]:
         return [kv_layer_of(layer) for layer in self.config.target_layers]
-
-    def context_pool_layers(self, pool: PagedKVPool) -> list[int]:
-        return self.reused_kv_layers()  # the target's own layers come first in the pool
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:

@@ -77,8 +77,8 @@ class DFlyDrafter(DFlashDrafter):
 
     def context_kv_from_hidden(self, hidden: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """Per layer (k, v), each (N, S, Hkv, D), of positions (N, S) from hidden (N, S, n_sel, H)."""
-        if hidden.dim() != 4 or hidden.shape[:2] != positions.shape or hidden.shape[2] != len(self.hidden_layers):
-            raise ValueError(f"hidden must be (N, S, {len(self.hidden_layers)}, H) with positions (N, S); got "
+        if hidden.dim() != 4 or hidden.shape[:2] != positions.shape or hidden.shape[2] != len(self.target_layers):
+            raise ValueError(f"hidden must be (N, S, {len(self.target_layers)}, H) with positions (N, S); got "
                              f"{tuple(hidden.shape)} and {tuple(positions.shape)}")
         contexts = self.layer_contexts(hidden)  # (layers, N, S, H)
         cos, sin = self.rope(positions, contexts.dtype)  # (N, S, D) each

@@ -29,10 +29,10 @@ LAYER_KINDS = (FULL, PARTIAL, ATTENTION_MLP)
 # kind -> how it differs from H-Spec (the ablations keep H-Spec's module dimensions, paper B.4).
 VARIANTS: dict[str, dict[str, Any]] = {
     "hspec": {},
-    # §4.3 target-context ablations: same architecture, one context source removed.
+    # paper §4.3 target-context ablations: same architecture, one context source removed.
     "hspec-lasttoken-only": {"attend_target": False},  # attention sees the block only
     "hspec-kvreuse-only": {"inject_state": False},  # S_init = 0, no fusion weights
-    # §4.3 / B.4 architecture ablations: no Markov head. "Hybrid" is H-Spec's backbone alone.
+    # paper §4.3 / App. B.4 architecture ablations: no Markov head. "Hybrid" is H-Spec's backbone alone.
     "hspec-nomarkov": {"markov_rank": 0},
     "mamba-only": {"layers": (PARTIAL,) * 5, "markov_rank": 0},
     "attention-only": {"layers": (ATTENTION_MLP,) * 5, "markov_rank": 0, "inject_state": False},

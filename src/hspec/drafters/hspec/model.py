@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hspec.cache.paged_pool import PagedKVPool
 from hspec.drafters.base import DRAFTERS
 from hspec.drafters.common import BlockAttention, BlockContext, NeuralDrafter, kv_layer_of
 from hspec.drafters.hspec.config import HSpecConfig
@@ -94,9 +93,6 @@ class HSpecDrafter(NeuralDrafter):
             return []
         return [kv_layer_of(layer) for layer in self.config.attention_source_layers]
 
-    def context_pool_layers(self, pool: PagedKVPool) -> list[int]:
-        return self.reused_kv_layers()  # the target's own layers come first in the pool
-
     def initial_state(self, last_hidden: torch.Tensor) -> torch.Tensor | None:
         """S_init (N, nheads, P, N_state) from last_hidden (N, n_sel, H); None (zeros) without injection."""
         return None if self.injection is None else self.injection(last_hidden)
@@ -122,17 +118,17 @@ class HSpecDrafter(NeuralDrafter):
 
 @DRAFTERS.register("hspec-lasttoken-only")
 class HSpecLastTokenOnly(HSpecDrafter):
-    """Ablation (§4.3): H-Spec whose attention sees the block only (no target K/V)."""
+    """Ablation (paper §4.3): H-Spec whose attention sees the block only (no target K/V)."""
 
 
 @DRAFTERS.register("hspec-kvreuse-only")
 class HSpecKVReuseOnly(HSpecDrafter):
-    """Ablation (§4.3): H-Spec with S_init = 0 and no fusion weights (target K/V only)."""
+    """Ablation (paper §4.3): H-Spec with S_init = 0 and no fusion weights (target K/V only)."""
 
 
 @DRAFTERS.register("hspec-nomarkov")
 class HSpecNoMarkov(HSpecDrafter):
-    """Ablation (§4.3, B.4 "Hybrid"): H-Spec's backbone without the Markov head."""
+    """Ablation (paper §4.3, B.4 "Hybrid"): H-Spec's backbone without the Markov head."""
 
 
 @DRAFTERS.register("mamba-only")

@@ -75,7 +75,7 @@ class PEagleDrafter(NeuralDrafter):
                  config: PEagleConfig | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(target_config, target_model, config, device, dtype)
-        self.num_pool_layers = self.config.num_layers
+        self.num_drafter_layers = self.config.num_layers
         # seq_id -> (first position, features (T, n_sel*H)) of committed positions not yet in the cache.
         self._pending: dict[int, tuple[int, torch.Tensor]] = {}
 

@@ -81,7 +81,7 @@ class SpecBlockDrafter(DFlashDrafter):
         super().__init__(*args, **kwargs)
         # The trainer hands `BlockContext.history` (the K tokens before x0) to kinds with a history
         # window: training reads the previous block's x0 from it.
-        self.history_window = self.config.block_size
+        self.history_window = self.config.max_draft_len
         self._inherited: dict[int, torch.Tensor] = {}  # seq_id -> (L, H) x^i at the position before x0
         self._pending: dict[int, torch.Tensor] = {}  # seq_id -> (K, L, H) the last proposal's layer inputs
 
