@@ -1,9 +1,11 @@
 """SpecBlock: the tree's shape, what `propose_tree` draws, the state carried from block to block (the
-same in training as in decoding), the valid-prefix mask, and losslessness with trees that branch.
+same in training as in decoding), the valid-prefix mask, losslessness with trees that branch, and what
+the serving engine needs (positions reserved for a tree, the state kept across a preemption).
 
 The registry-wide suites cover the rest (test_generate.py: greedy == plain in fp32 and bf16, the
 sampled distribution, batch independence; test_checkpoint.py: save/load; test_kv_accounting.py and
-test_bench_serve.py: describe/kv-table rows; test_dfly.py: a few training steps lower the loss).
+test_bench_serve.py: describe/kv-table rows; test_dfly.py: a few training steps lower the loss;
+test_engine.py: the serving engine with preemption against the single-request loop).
 """
 
 from __future__ import annotations
@@ -213,8 +215,37 @@ def test_sampled_trees_have_the_target_distribution(tiny_dirs):
     assert_samples_follow([tuple(s.token_ids) for s in out.sequences], exact)
 
 
-def test_the_engine_refuses_tree_drafters(tiny_target):
-    drafter = create_drafter("specblock", tiny_target.config, target_model=tiny_target.model)
+@torch.no_grad()
+def test_the_engine_reserves_the_tree_and_keeps_the_inherited_state_across_preemption(tiny_target, features):
+    """The engine reserves node budget + 1 positions a step for a tree drafter (a verify writes x0 and
+    every node); the inherited state, which a prefill resets to zeros, survives a release and a
+    recompute's prefill through `carried_state` / `restore_carried_state` (test_engine.py runs the
+    engine with preemption against the single-request loop)."""
+    drafter = randomised(tiny_target, seed=6, node_budget=12)
     stages = DecodeStages(tiny_target.model, drafter, 3, ())
-    with pytest.raises(ValueError, match="drafts trees"):
-        Engine(stages, tiny_target.model.new_pool(16, 8, drafter.num_drafter_layers))
+    engine = Engine(stages, tiny_target.model.new_pool(16, 8, drafter.num_drafter_layers))
+    assert engine.growth == 13
+    tokens = features.tokens.tolist()
+    pool = tiny_target.model.new_pool(16, 8, drafter.num_drafter_layers)
+    stages.prefill(pool, 0, tokens[:20])
+    assert drafter.carried_state(0) is None  # zeros after a prefill
+    sampling = SamplingBatch.from_params([SamplingParams()])
+    result = stages.step(pool, [0], [tokens[:21]], sampling, [torch.Generator()])
+    carried = drafter.carried_state(0)
+    assert carried is not None and float(carried.abs().sum()) > 0
+    verified = tokens[:21] + result.new_tokens[0][:-1]  # the prefix in the pool: x0 and the accepted drafts
+    assert len(verified) == pool.length(0)
+    stages.release(pool, 0)
+    assert drafter.carried_state(0) is None
+    stages.prefill(pool, 0, verified)
+    assert drafter.carried_state(0) is None  # what a recompute alone would draft from
+    drafter.restore_carried_state(0, carried)
+    assert torch.equal(drafter.inherited_of([0], carried.device)[0], carried)
+    drafter.restore_carried_state(0, None)
+    assert drafter.carried_state(0) is None
+    with pytest.raises(ValueError, match=r"shape \(5, 64\) \(layers, hidden\) between steps, got \(3,\)"):
+        drafter.restore_carried_state(0, torch.zeros(3))
+    plain = create_drafter("ngram", tiny_target.config)
+    assert plain.carried_state(0) is None
+    with pytest.raises(ValueError, match="carries no state"):
+        plain.restore_carried_state(0, carried)

@@ -103,8 +103,9 @@ class DecodeStages:
              sampling: SamplingBatch, generators: Sequence[torch.Generator]) -> StepResult:
         """Stages 1-3 for a batch of running sequences; `histories[b]` ends with row b's anchor x0.
 
-        The pool must be able to grow every row by K+1 positions (the caller's scheduler checks
-        `pool.can_hold`); after the step each row keeps x0 and its accepted drafts.
+        The pool must be able to grow every row by `draft_positions(K)` + 1 positions (K+1 for a chain;
+        the caller's scheduler checks `pool.can_hold`); after the step each row keeps x0 and its
+        accepted drafts.
         """
         if self.drafter.proposes_tree:
             return self.step_tree(pool, seq_ids, histories, sampling, generators)

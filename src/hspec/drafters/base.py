@@ -174,6 +174,18 @@ class Drafter(ABC):
     def release(self, seq_id: int) -> None:
         """Forget everything kept for `seq_id`."""
 
+    def carried_state(self, seq_id: int) -> object | None:
+        """What the drafter carries for `seq_id` from one step to the next beyond what a prefill of its
+        verified prefix rebuilds (SpecBlock: the inherited layer inputs); None when there is nothing (every
+        chain kind). The serving engine keeps it across a preemption (`restore_carried_state`)."""
+        return None
+
+    def restore_carried_state(self, seq_id: int, state: object | None) -> None:
+        """Put back what `carried_state(seq_id)` returned, after a prefill of the same verified prefix, so
+        a recomputed sequence drafts as if it had never left (None: nothing to put back)."""
+        if state is not None:
+            raise ValueError(f"drafter kind {self.kind!r} carries no state between steps, got a {type(state).__name__}")
+
 
 def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(B, K) tokens -> (B, K, V) one-hot distributions, for drafters that propose deterministically."""

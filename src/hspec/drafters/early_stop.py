@@ -72,3 +72,9 @@ class EarlyStopDrafter(Drafter):
 
     def release(self, seq_id: int) -> None:
         self.model.release(seq_id)
+
+    def carried_state(self, seq_id: int) -> object | None:
+        return self.model.carried_state(seq_id)
+
+    def restore_carried_state(self, seq_id: int, state: object | None) -> None:
+        self.model.restore_carried_state(seq_id, state)

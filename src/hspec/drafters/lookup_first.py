@@ -111,6 +111,12 @@ class LookupFirstDrafter(Drafter):
     def release(self, seq_id: int) -> None:
         self.model.release(seq_id)
 
+    def carried_state(self, seq_id: int) -> object | None:
+        return self.model.carried_state(seq_id)
+
+    def restore_carried_state(self, seq_id: int, state: object | None) -> None:
+        self.model.restore_carried_state(seq_id, state)
+
     def lookup_share(self) -> float:
         """Fraction of row-steps drafted by lookup so far (0 before any proposal)."""
         total = self.lookup_rows + self.model_rows

@@ -2,11 +2,13 @@
 
 One `Engine.step()`:
 1. schedule: ask the pure policy (`scheduler.schedule`) which running sequences to preempt and which
-   waiting requests to admit, given the pool's free blocks and the K+1 positions every running
-   sequence appends in a step;
+   waiting requests to admit, given the pool's free blocks and the positions every running sequence
+   writes in a step (`Engine.growth`: K+1, or node budget + 1 for a drafter that proposes trees);
 2. preempt: free each victim's blocks and drafter state and put it back in the waiting queue, with
-   its prompt + outputs so far as the prefix to recompute (same generator, so its output is unchanged);
-3. admit: prefill each admitted request (a new one also draws and emits its first token x0);
+   its prompt + outputs so far as the prefix to recompute (same generator, so its output is unchanged)
+   and what the drafter carries between steps beyond that prefix (`Drafter.carried_state`);
+3. admit: prefill each admitted request (a new one also draws and emits its first token x0; a
+   recomputed one gets its carried drafter state back);
 4. decode: one batched draft -> verify -> commit step for all running sequences, ragged acceptance;
 5. emit: append each row's tokens (EOS, max_tokens, stop strings), finish and free finished rows.
 
@@ -15,9 +17,9 @@ for the HTTP server. It never raises for a full pool: requests wait, or the youn
 A request that could not run even alone in the whole pool is refused when added (`validate`).
 
 Exactness: every random draw comes from the request's own generator, and a recompute restarts at a
-step boundary with the same history, so a request's tokens are the ones `SpeculativeDecoder.generate`
-gives it alone (bit-exact up to float reassociation across batch shapes, which greedy decoding
-absorbs unless two logits tie).
+step boundary with the same history and drafter state, so a request's tokens are the ones
+`SpeculativeDecoder.generate` gives it alone (bit-exact up to float reassociation across batch shapes,
+which greedy decoding absorbs unless two logits tie).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class StepReport:
     updates: list[RequestUpdate]
     num_decoded: int  # rows of the batched decoding step (0 when nothing ran)
     num_accepted: list[int]  # per row of the speculative step (empty for plain decoding or no step)
-    num_drafted: list[int]  # per row: drafts it verified (K, or fewer where a `KIND:P` drafter stopped early)
+    num_drafted: list[int]  # per row: drafts verified (K, fewer where `KIND:P` stopped early; a tree: its depth)
     K: int
     num_prefill_tokens: int  # positions prefilled, recomputes included
     num_new_tokens: int  # tokens emitted to outputs
@@ -91,6 +93,7 @@ class _Sequence:
     output: SequenceOutput
     history: list[int]  # prompt + outputs; ends with the anchor x0 once the first token exists
     num_preemptions: int = 0
+    carried: object | None = None  # the drafter's `carried_state` while preempted, restored after the recompute
 
     @property
     def prefill_tokens(self) -> list[int]:
@@ -104,11 +107,6 @@ class Engine:
     def __init__(self, stages: DecodeStages, pool: PagedKVPool, max_running: int = 256) -> None:
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
-        if stages.drafter.proposes_tree:
-            # Not wired yet: the scheduler reserves K + 1 positions a step, and a recompute after
-            # preemption would reset the state a tree drafter carries from block to block.
-            raise ValueError(f"drafter kind {stages.drafter.kind!r} drafts trees, which the serving engine does not "
-                             "run yet; use `hspec generate` (the single-batch loop) for it, or a chain kind here")
         if pool.num_drafter_layers < stages.drafter.num_drafter_layers:
             raise ValueError(f"the drafter needs {stages.drafter.num_drafter_layers} pool layers, the pool has "
                              f"{pool.num_drafter_layers}")
@@ -125,6 +123,12 @@ class Engine:
     @property
     def K(self) -> int:
         return self.stages.K
+
+    @property
+    def growth(self) -> int:
+        """Positions a running sequence writes in one step, what the scheduler reserves for it: the
+        verify block [x0, d_1..d_K] (K + 1), or [x0 ; the tree's nodes] (node budget + 1) for a tree."""
+        return self.stages.drafter.draft_positions(self.K) + 1 if self.K else 1
 
     @property
     def num_running(self) -> int:
@@ -207,13 +211,15 @@ class Engine:
         # The pool holds exactly ceil(length / block_size) blocks per sequence (truncate frees the rest).
         running = [RunningSeq(s.key, s.arrival, n, blocks_for(n, bs)) for s, n in zip(self._running.values(), lengths)]
         waiting = [WaitingSeq(s.key, s.arrival, len(s.prefill_tokens)) for s in self._waiting.values()]
-        plan = schedule(running, waiting, self.pool.num_free_blocks, self.pool.block_size, self.K + 1,
+        plan = schedule(running, waiting, self.pool.num_free_blocks, self.pool.block_size, self.growth,
                         self.max_running)
         by_key = {s.key: s for s in [*self._running.values(), *self._waiting.values()]}
 
-        # 2. preempt with recompute: free everything now, rebuild from the history on readmission.
+        # 2. preempt with recompute: free everything now, rebuild from the history on readmission; keep
+        #    only what the drafter carries between steps and a prefill cannot rebuild.
         for key in plan.preempt:
             seq = by_key[key]
+            seq.carried = self.stages.drafter.carried_state(seq.key)
             self.stages.release(self.pool, seq.key)
             del self._running[seq.request.request_id]
             seq.num_preemptions += 1
@@ -230,6 +236,8 @@ class Engine:
             tokens = seq.prefill_tokens
             try:
                 logits = self.stages.prefill(self.pool, seq.key, tokens)
+                self.stages.drafter.restore_carried_state(seq.key, seq.carried)
+                seq.carried = None
                 num_prefill += len(tokens)
                 if not seq.output.token_ids:
                     token = self.stages.first_token(logits, seq.sampling, seq.generator)

@@ -1,7 +1,9 @@
 """Admission and preemption policy over the KV pool's free blocks (pure: no model, no pool).
 
-Before every engine step each running sequence must be able to grow by K+1 positions (the verify
-block [x0, d_1..d_K]); the pool's `extend` is all-or-nothing, so the engine asks this policy first:
+Before every engine step each running sequence must be able to grow by the positions one step writes
+(`growth`: the verify block [x0, d_1..d_K], K+1; for a drafter that proposes trees [x0 ; the tree's
+nodes], node budget + 1, which the rollback after verification then shrinks to the accepted path);
+the pool's `extend` is all-or-nothing, so the engine asks this policy first:
 
 1. Preempt: while the running sequences' growth does not fit in the free blocks, preempt the
    youngest (latest arrival). Its blocks return to the pool and it goes back to the waiting queue,
@@ -55,7 +57,7 @@ def schedule(running: Sequence[RunningSeq], waiting: Sequence[WaitingSeq], free_
              block_size: int, growth: int, max_running: int) -> Schedule:
     """Decide preemptions and admissions for one step.
 
-    growth: positions each running sequence appends in a step (K+1).
+    growth: positions each running sequence writes in a step (K+1, or node budget + 1 for a tree drafter).
     max_running: the most sequences in one batch.
     """
     if growth < 1 or block_size < 1 or max_running < 1:

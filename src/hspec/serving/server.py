@@ -105,7 +105,7 @@ def check_pool(engine: Engine, default_max_tokens: int) -> str | None:
     """Raise ValueError if the engine's KV pool cannot run any request; a warning if it cannot run a
     request with `default_max_tokens` new tokens; None if it can.
 
-    A request holds prompt + max_tokens + K + 1 positions at most (`DecodeStages.positions_needed`).
+    A request holds prompt + max_tokens + `draft_positions(K)` + 1 positions at most (`DecodeStages.positions_needed`).
     """
     pool, positions = engine.pool, engine.stages.positions_needed
     blocks = f"{pool.num_blocks} block" + ("s" if pool.num_blocks != 1 else "")

@@ -10,6 +10,8 @@ Forward over a block [x0, MASK x (K-1)] at positions p..p+K-1 (`block_states`):
 3. after verification accepts d drafts, the next block's x0 sits at p+1+d and its previous position
    p+d is slot d of this block: the sequence inherits x^i_d of every layer (slot K-1 when all K were
    accepted, the block's last position). `commit` does this; `propose_tree` leaves the states pending.
+   A prefill cannot rebuild this state (it depends on where earlier blocks began), so the serving
+   engine keeps it across a preemption: `carried_state` / `restore_carried_state`.
 
 Tree (`propose_tree`): slot k's distribution q_k does not depend on the drafts before it (one parallel
 block), so every node at depth k gets its children from q_{k+1}'s: b_k children per node, b_k from the
@@ -289,3 +291,20 @@ class SpecBlockDrafter(DFlashDrafter):
         super().release(seq_id)
         self._inherited.pop(seq_id, None)
         self._pending.pop(seq_id, None)
+
+    def carried_state(self, seq_id: int) -> torch.Tensor | None:
+        """(L, H): the layer inputs the next block of `seq_id` inherits (step 3); None while it has none
+        (zeros, right after a prefill). A prefill cannot rebuild it: it depends on where past blocks began."""
+        return self._inherited.get(seq_id)
+
+    def restore_carried_state(self, seq_id: int, state: object | None) -> None:
+        """Inherit `state` (from `carried_state`) again, after the prefill of a recompute set it to zeros."""
+        if state is None:
+            self._inherited.pop(seq_id, None)
+            return
+        shape = (len(self.layers), self.config.hidden_size)
+        if not isinstance(state, torch.Tensor) or tuple(state.shape) != shape:
+            got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
+            raise ValueError(f"{self.kind!r} carries a tensor of shape {shape} (layers, hidden) between steps, "
+                             f"got {got}")
+        self._inherited[seq_id] = state
