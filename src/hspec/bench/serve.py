@@ -91,7 +91,7 @@ def run_serve_bench(settings: ServeBenchSettings, command: str) -> int:
     del target  # the servers load their own copies
 
     logs = Path(tempfile.mkdtemp(prefix="hspec-bench-serve-"))
-    servers = {kind: _Server(kind, settings, logs / f"{kind}.log") for kind in settings.drafters}
+    servers = {kind: ServerProcess(kind, settings, logs / f"{kind}.log") for kind in settings.drafters}
     levels: dict[str, list[dict[str, Any]]] = {kind: [] for kind in settings.drafters}
     try:
         for server in servers.values():
@@ -158,12 +158,12 @@ def _weights(kind: str, settings: ServeBenchSettings) -> str:
 # ---- servers and clients ------------------------------------------------------------------------
 
 
-class _Server:
+class ServerProcess:
     """An `hspec serve` subprocess on 127.0.0.1 and a free port."""
 
     def __init__(self, kind: str, settings: ServeBenchSettings, log_path: Path) -> None:
         self.kind = kind
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("w")
@@ -215,20 +215,22 @@ def scrape_metrics(url: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([\w:]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def request_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """An OpenAI chat request: one user turn, greedy."""
     return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0}
 
 
-def _check_lossless(servers: dict[str, _Server], model: str, prompt: str, max_tokens: int) -> None:
+def _check_lossless(servers: dict[str, ServerProcess], model: str, prompt: str, max_tokens: int) -> None:
     """Warm every server up with the same greedy request; outputs must be identical."""
-    texts = {kind: httpx.post(f"{s.url}/v1/chat/completions", json=_body(model, prompt, max_tokens), timeout=600)
+    texts = {kind: httpx.post(f"{s.url}/v1/chat/completions", json=request_body(model, prompt, max_tokens), timeout=600)
              .json()["choices"][0]["message"]["content"] for kind, s in servers.items()}
     if len(set(texts.values())) != 1:
         raise RuntimeError(f"greedy outputs differ between servers (lossless bug): {texts}")
@@ -256,7 +258,7 @@ async def run_level(url: str, model: str, prompts: Sequence[str], concurrency: i
             prompt = prompts[next(next_prompt) % len(prompts)]
             t0 = time.perf_counter()
             response = await http.post(f"{url}/v1/chat/completions",
-                                       json=_body(model, prompt, settings.max_tokens))
+                                       json=request_body(model, prompt, settings.max_tokens))
             response.raise_for_status()
             tokens.append(response.json()["usage"]["completion_tokens"])
             latencies.append(time.perf_counter() - t0)

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from hspec.bench.serve import _body, _free_port, _Server, scrape_metrics
+from hspec.bench.serve import ServerProcess, free_port, request_body, scrape_metrics
 from hspec.bench.vllm import hspec_counterpart, materialize_random, read_prompts, vllm_version
 from hspec.integrations.vllm import engine as vllm_engine
 from hspec.provenance import provenance, provenance_markdown, write_results
@@ -118,14 +118,14 @@ class LevelResult:
 # ---- servers ------------------------------------------------------------------------------------
 
 
-class _Subprocess(_Server):
-    """A server subprocess from `make_args(port)`, on 127.0.0.1; readiness and shutdown are `_Server`'s
+class _Subprocess(ServerProcess):
+    """A server subprocess from `make_args(port)`, on 127.0.0.1; readiness and shutdown are `ServerProcess`'s
     (`/health`, then `/v1/models`; terminate, kill after 30 s)."""
 
     def __init__(self, kind: str, make_args: Callable[[int], list[str]], log_path: Path,
-                 env: dict[str, str]) -> None:  # not `_Server.__init__`: that builds `hspec serve`'s command line
+                 env: dict[str, str]) -> None:  # not `ServerProcess.__init__`: that builds `hspec serve`'s command line
         self.kind = kind
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("w")
@@ -195,7 +195,7 @@ def metric_total(samples: dict[str, float], name: str) -> float:
 async def stream_chat(http: httpx.AsyncClient, url: str, model: str, index: int, prompt: str,
                       max_tokens: int) -> RequestResult:
     """One greedy chat request, streamed (SSE) so the first content chunk gives TTFT."""
-    body = {**_body(model, prompt, max_tokens), "stream": True, "stream_options": {"include_usage": True}}
+    body = {**request_body(model, prompt, max_tokens), "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, parts, tokens = None, [], 0
     async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
