@@ -23,3 +23,28 @@ def test_markdown_has_a_line_for_a_dirty_tree():
     assert "tree_dirty" not in provenance_markdown({**older, "commit": "abc1234"})
     unknown = {**meta, "commit": "unknown", "tree_dirty": None}
     assert "tree_dirty" not in provenance_markdown(unknown)
+
+
+def test_only_files_outside_results_make_the_tree_dirty(tmp_path):
+    import subprocess
+
+    from hspec.provenance import _git_state
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "results" / "r.md").write_text("old")
+    (tmp_path / "src" / "code.py").write_text("old")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    assert _git_state(tmp_path / "src")[1] is False
+    (tmp_path / "results" / "r.md").write_text("new result")
+    commit, dirty = _git_state(tmp_path / "src")
+    assert dirty is False and not commit.endswith("-dirty")
+    (tmp_path / "src" / "code.py").write_text("changed")
+    commit, dirty = _git_state(tmp_path / "src")
+    assert dirty is True and commit.endswith("-dirty")

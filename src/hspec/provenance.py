@@ -70,16 +70,22 @@ def _jsonable(x: Any) -> Any:
     return str(x)
 
 
-def _git_state() -> tuple[str, bool | None]:
-    """(short commit, + "-dirty" when tracked files differ from it; whether they do), or ("unknown", None)."""
-    here = Path(__file__).resolve().parent
+def _git_state(where: Path | None = None) -> tuple[str, bool | None]:
+    """(short commit, + "-dirty" when tracked files differ from it; whether they do), or ("unknown", None).
+
+    `where`: a folder inside the repository (default: this package's). Files under the repository's
+    `results/` do not count: they are what benchmark commands write, never what a run reads, so a run
+    made while earlier results were still uncommitted is as reproducible as one made after.
+    """
+    here = where or Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=here)
         if out.returncode != 0:
             return "unknown", None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, timeout=5, cwd=here).stdout.strip())
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                 ":(top,exclude)results"], capture_output=True, text=True, timeout=5, cwd=here)
+        dirty = bool(status.stdout.strip())
         return out.stdout.strip() + ("-dirty" if dirty else ""), dirty
     except (OSError, subprocess.SubprocessError):
         return "unknown", None
