@@ -119,3 +119,35 @@ def test_group_by_match_counts_what_trimmed_verification_would_keep():
     assert [r["verified_if_trimmed"] for r in rows] == [None, 3, 5, 7]
     assert [r["mean_accepted_if_trimmed"] for r in rows] == [None, 1.5, 4.0, 7.0]  # m = 1: min(5, 3) = 3
     assert rows[1]["share_none_accepted"] == 0.5
+
+
+def test_long_comparison_runs_todays_cli_in_order(tmp_path):
+    """scripts/compare_long.sh end to end with a recording stand-in for `hspec`: every command parses,
+    every kind trains with the one recipe, DeLS-Spec trains last over the trained DFlash, and the claims
+    come after the evaluations they read."""
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "hspec"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {log}\necho >> {log}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "HSPEC": str(fake), "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"),
+           "PARTS": "1 2", "LANES": "2"}
+    subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True, check=True,
+                   cwd=ROOT)
+    calls = [shlex.split(line) for line in log.read_text().splitlines() if line.strip()]
+    parser = build_parser()
+    for words in calls:
+        parser.parse_args(words)
+    trained = [c[c.index("--drafter") + 1] for c in calls if c[0] == "train"]
+    assert sorted(trained) == sorted(["hspec", "dflash", "peagle", "dspark", "dflash-kvreuse", "hspec-lasttoken-only",
+                                      "hspec-kvreuse-only", "mamba-only", "attention-only", "hspec-nomarkov",
+                                      "dflash2", "dfly", "specblock", "dels"])
+    assert trained[-1] == "dels"
+    dels = [c for c in calls if c[0] == "train"][-1]
+    assert dels[dels.index("--init-from") + 1] == str(tmp_path / "runs" / "dflash" / "drafter")
+    for c in calls:
+        if c[0] == "train":
+            assert c[c.index("--steps") + 1] == "3000" and c[c.index("--draft-vocab") + 1] == "8192"
+            assert c[c.index("--features") + 1] == "runs/features/part1,runs/features/part2"
+    order = [c[0] for c in calls]
+    assert order.count("eval") == 4 and order[-1] == "claims"
+    assert order.index("train-report") > max(i for i, w in enumerate(order) if w == "train")
