@@ -293,19 +293,21 @@ _Result = tuple[BootstrapCI, int, tuple[PositionGap, ...]] | str  # (ci, items, 
 
 
 def _tau(ctx: _Context, units_a: list[dict], units_b: list[dict], item_index: np.ndarray, K: int) -> _Result:
-    a, b = _per_item(tau_ratio(units_a), item_index), _per_item(tau_ratio(units_b), item_index)
-    if len(a) < 2:
-        return f"{len(a)} paired item(s), a bootstrap needs 2"
-    return paired_bootstrap_relative_diff(a, b, seed=ctx.seed, num_resamples=ctx.num_resamples,
-                                          confidence=CONFIDENCE), len(a), ()
+    """tau(a) / tau(b) - 1 over paired items."""
+    return _relative(ctx, _per_item(tau_ratio(units_a), item_index), _per_item(tau_ratio(units_b), item_index))
 
 
 def _speedup(ctx: _Context, units_a: list[dict], units_b: list[dict], item_index: np.ndarray, K: int) -> _Result:
-    a, b = _per_item(itl_ratio(units_a), item_index), _per_item(itl_ratio(units_b), item_index)
-    if len(a) < 2:
-        return f"{len(a)} paired item(s), a bootstrap needs 2"
-    return paired_bootstrap_relative_diff(b, a, seed=ctx.seed, num_resamples=ctx.num_resamples,
-                                          confidence=CONFIDENCE), len(a), ()
+    """ITL(b) / ITL(a) - 1 over paired items: how much faster a decodes than b."""
+    return _relative(ctx, _per_item(itl_ratio(units_b), item_index), _per_item(itl_ratio(units_a), item_index))
+
+
+def _relative(ctx: _Context, ahead: np.ndarray, behind: np.ndarray) -> _Result:
+    """The paired bootstrap of ahead / behind - 1, or why it cannot run."""
+    if len(ahead) < 2:
+        return f"{len(ahead)} paired item(s), a bootstrap needs 2"
+    return paired_bootstrap_relative_diff(ahead, behind, seed=ctx.seed, num_resamples=ctx.num_resamples,
+                                          confidence=CONFIDENCE), len(ahead), ()
 
 
 def _late_acceptance(ctx: _Context, units_a: list[dict], units_b: list[dict], item_index: np.ndarray,

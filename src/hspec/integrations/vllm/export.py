@@ -169,15 +169,7 @@ def export_dflash_for_vllm(src: str | Path, dst: str | Path, target_dir: str | P
     mask_id = _mask_id(mask_token_id, target_dir, target)
 
     config = {
-        "speculators_model_type": "dflash",
-        "speculators_version": raw.get("speculators_version"),
-        "architectures": ["DFlashDraftModel"],
-        "speculators_config": {
-            **raw["speculators_config"],
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-        },
+        **_speculators_header(raw, "dflash", "DFlashDraftModel", k),
         "transformer_layer_config": raw["transformer_layer_config"],
         "draft_vocab_size": int(ids.shape[0]),
         "target_hidden_size": target["hidden_size"],
@@ -238,15 +230,7 @@ def export_peagle_for_vllm(src: str | Path, dst: str | Path, target_dir: str | P
         "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False,
     }
     config = {
-        "speculators_model_type": "peagle",
-        "speculators_version": raw.get("speculators_version"),
-        "architectures": ["PEagleSpeculator"],
-        "speculators_config": {
-            **raw["speculators_config"],
-            "algorithm": "peagle",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-        },
+        **_speculators_header(raw, "peagle", "PEagleSpeculator", k),
         "transformer_layer_config": layer_config,
         "draft_vocab_size": int(ids.shape[0]),
         "target_hidden_size": target["hidden_size"],
@@ -262,3 +246,19 @@ def export_peagle_for_vllm(src: str | Path, dst: str | Path, target_dir: str | P
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return dst
+
+
+def _speculators_header(raw: dict[str, Any], algorithm: str, architecture: str, k: int) -> dict[str, Any]:
+    """The Speculators-format keys every export shares: type, version, architecture, and the config of one
+    greedy proposal method drafting k tokens a step (vLLM reads `speculative_tokens` as its default K)."""
+    return {
+        "speculators_model_type": algorithm,
+        "speculators_version": raw.get("speculators_version"),
+        "architectures": [architecture],
+        "speculators_config": {
+            **raw["speculators_config"],
+            "algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        },
+    }
