@@ -75,9 +75,15 @@ class DecodeStages:
     def device(self) -> torch.device:
         return self.target.embed_tokens.weight.device
 
+    @property
+    def growth(self) -> int:
+        """Positions one step writes per row before its rollback: the verify block [x0, d_1..d_K] (K + 1),
+        [x0 ; the tree's nodes] (node budget + 1) for a drafter that proposes trees, 1 for plain decoding."""
+        return self.drafter.draft_positions(self.K) + 1 if self.K else 1
+
     def positions_needed(self, prompt_length: int, max_new_tokens: int) -> int:
-        """Most positions a request ever holds in the pool: prompt, outputs and one draft block (or tree)."""
-        return prompt_length + max_new_tokens + (self.drafter.draft_positions(self.K) if self.K else 0) + 1
+        """Most positions a request ever holds in the pool: prompt, outputs and one step's block (or tree)."""
+        return prompt_length + max_new_tokens + self.growth
 
     # ---- stages -------------------------------------------------------------------------------
 

@@ -126,9 +126,9 @@ class Engine:
 
     @property
     def growth(self) -> int:
-        """Positions a running sequence writes in one step, what the scheduler reserves for it: the
-        verify block [x0, d_1..d_K] (K + 1), or [x0 ; the tree's nodes] (node budget + 1) for a tree."""
-        return self.stages.drafter.draft_positions(self.K) + 1 if self.K else 1
+        """Positions a running sequence writes in one step, what the scheduler reserves for it
+        (`DecodeStages.growth`)."""
+        return self.stages.growth
 
     @property
     def num_running(self) -> int:
