@@ -649,18 +649,20 @@ def _add_bench_vllm_serve(bench_sub) -> None:
     _add_target(bvs)
     bvs.add_argument("--drafters", default="none,ngram,hspec",
                      help="as `hspec bench vllm --drafters`: none (always run), ngram, dflash=PATH, dflash=random, "
-                          "hspec, hspec=PATH (default none,ngram,hspec)")
+                          "peagle=PATH, peagle=random, hspec, hspec=PATH (default none,ngram,hspec)")
     bvs.add_argument("--concurrency", default="8,16,32,64", help="comma-separated levels (default 8,16,32,64)")
-    bvs.add_argument("--num-requests", type=int, default=128, help="requests per level (default 128)")
-    bvs.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default 128)")
+    bvs.add_argument("--num-requests", type=int, default=64, help="requests per level (default 64)")
+    bvs.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     bvs.add_argument("--prompts-file", default=None, metavar="F.jsonl",
                      help='one {"prompt": "..."} per line (default: evenly spaced Spec-Bench items)')
     bvs.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                      help="compute dtype of every server (default float32, where outputs must equal batch 1)")
     bvs.add_argument("--k", type=int, default=5, help="drafts per step for ngram (default 5)")
-    bvs.add_argument("--max-model-len", type=int, default=1024)
+    bvs.add_argument("--max-model-len", type=int, default=2048,
+                     help="vLLM's max_model_len; prompt + --max-tokens must fit (default 2048)")
     bvs.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of every server in GiB (default 1)")
-    bvs.add_argument("--threads", type=int, default=1, help="OpenMP/torch threads per server (default 1)")
+    bvs.add_argument("--threads", type=int, default=2,
+                     help="OpenMP/torch threads per server; servers run one at a time (default 2)")
     bvs.add_argument("--no-hspec-engine", action="store_true", help="skip the `hspec serve` rows")
     bvs.add_argument("--out", default="results/vllm", help="output directory (default results/vllm)")
     _add_data_dir(bvs)
@@ -668,10 +670,11 @@ def _add_bench_vllm_serve(bench_sub) -> None:
 
 
 def _cmd_bench_vllm_serve(args: argparse.Namespace) -> int:
+    """Benchmark serving throughput, latency and KV use vs concurrency through vLLM's OpenAI server."""
     from hspec.bench.vllm_serve import VllmServeSettings, run_vllm_serve_bench
 
     settings = VllmServeSettings(
-        target=args.target, drafters=args.drafters, concurrency=tuple(int(c) for c in args.concurrency.split(",")),
+        target=args.target, drafters=args.drafters, concurrency=tuple(_ints(args.concurrency)),
         num_requests=args.num_requests, max_tokens=args.max_tokens, dtype=args.dtype, k=args.k,
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
         prompts_file=args.prompts_file, hspec_engine=not args.no_hspec_engine, out=args.out, data_dir=args.data_dir)

@@ -66,13 +66,13 @@ class VllmServeSettings:
     target: str = "smollm2"
     drafters: str = "none,ngram,hspec"  # vLLM configurations, `hspec bench vllm`'s syntax
     concurrency: tuple[int, ...] = (8, 16, 32, 64)  # requests in flight at most, per level
-    num_requests: int = 128  # N: prompts 0..N-1 sent once per level
-    max_tokens: int = 128  # output tokens per request (greedy; EOS may end it sooner)
+    num_requests: int = 64  # N: prompts 0..N-1 sent once per level
+    max_tokens: int = 64  # output tokens per request (greedy; EOS may end it sooner)
     dtype: str = "float32"  # vLLM's compute dtype and hspec server's --dtype
     k: int = 5  # drafts per step for ngram (DFlash: its export's; H-Spec: its checkpoint's block size)
-    max_model_len: int = 1024
+    max_model_len: int = 2048  # the longest evenly spaced Spec-Bench prompts need more than 1,024
     kv_cache_gib: int = 1  # vLLM's KV cache; hspec's server gets the same budget
-    threads: int = 1  # OpenMP / torch threads of every server
+    threads: int = 2  # OpenMP / torch threads of every server (the servers run one at a time)
     kv_sample_s: float = 0.5  # /metrics polling period for the KV-usage gauge
     prompts_file: str | None = None  # {"prompt": ...} per line; None: N evenly spaced Spec-Bench items
     hspec_engine: bool = True  # also run `hspec serve` with the matching drafters
