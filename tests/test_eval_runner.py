@@ -138,7 +138,8 @@ def test_run_eval_reports_the_share_of_steps_prompt_lookup_drafted(tmp_path, tin
 
     target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
     monkeypatch.setattr(runner, "build_drafter",
-                        lambda kind, target, path=None: build_drafter(kind, target, path, random_weights=True))
+                        lambda kind, target, path=None, **kw: build_drafter(kind, target, path, random_weights=True,
+                                                                            **kw))
     payload = runner.run_eval("tiny", [runner.MethodSpec("hspec+ngram")], ["mt_bench"], 2, 3, SamplingParams(), 24,
                               tmp_path, "lookup", target=target)
     rows = [r for r in payload["records"] if r["method"] == "hspec+ngram"]

@@ -5,6 +5,7 @@ target under `hspec/assets/<kind>-<target>/`. Model-free kinds (`none`, `ngram`)
 `KIND+ngram` (e.g. `hspec+ngram`) is KIND behind prompt lookup (`hspec.drafters.lookup_first`).
 `SPEC:P` (e.g. `hspec:0.4`, `hspec+ngram:0.4`) verifies only the drafts KIND is at least P sure of,
 and behind lookup only 2m+1 drafts after an m-token match (`hspec.drafters.early_stop`).
+`compiled=True` runs a trained drafter's block forward through torch.compile (`hspec.drafters.compile`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 
 from hspec.drafters import DRAFTERS, Drafter, create_drafter
 from hspec.drafters.checkpoint import load_drafter
+from hspec.drafters.common import NeuralDrafter
+from hspec.drafters.compile import compile_block_forward
 from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
@@ -28,15 +31,17 @@ def shipped_drafter_path(kind: str, target_name: str) -> Path:
     return ASSETS / f"{kind}-{target_name.lower()}"
 
 
-def build_drafter(kind: str, target: Target, path: str | Path | None = None, random_weights: bool = False) -> Drafter:
+def build_drafter(kind: str, target: Target, path: str | Path | None = None, random_weights: bool = False,
+                  compiled: bool = False) -> Drafter:
     """A drafter of `kind` for `target`: loaded from `path` (or the shipped one), or random for tests/timing.
 
     `KIND+ngram` builds KIND this way and puts prompt lookup in front of it; a `:P` suffix stops
     each row's drafts at the first one of confidence below P (the grammar: `hspec.drafters.spec`).
+    `compiled`: a trained kind's block forward runs through torch.compile (model-free kinds ignore it).
     """
     spec = parse_drafter_spec(kind)
     if spec.lookup or spec.confidence_floor is not None:
-        model = build_drafter(spec.base, target, path, random_weights)
+        model = build_drafter(spec.base, target, path, random_weights, compiled)
         if spec.confidence_floor is not None:
             model = EarlyStopDrafter(model, spec.confidence_floor)
         if spec.lookup:  # behind lookup, `:P` also trims lookup rows to 2m+1 drafts
@@ -49,7 +54,7 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
                              f"({path}); pass a path only with a trained kind, e.g. hspec")
         return create_drafter(kind, target.config)
     if random_weights:
-        return for_inference(create_drafter(kind, target.config, target_model=target.model), target)
+        return for_inference(create_drafter(kind, target.config, target_model=target.model), target, compiled)
     checkpoint = Path(path) if path is not None else shipped_drafter_path(kind, target.name)
     if not (checkpoint / "config.json").exists():
         raise FileNotFoundError(
@@ -59,14 +64,18 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     drafter = load_drafter(checkpoint, target.model)
     if drafter.kind != kind:
         raise ValueError(f"checkpoint {checkpoint} holds a {drafter.kind!r} drafter, not {kind!r}")
-    return for_inference(drafter, target)
+    return for_inference(drafter, target, compiled)
 
 
-def for_inference(drafter: Drafter, target: Target) -> Drafter:
+def for_inference(drafter: Drafter, target: Target, compiled: bool = False) -> Drafter:
     """Eval mode, linear weights in the layout multi-row CPU forwards prefer (see models/weight_layout),
-    and int8 linears when the target runs in int8 (`--dtype int8`: drafts change, never the output)."""
+    int8 linears when the target runs in int8 (`--dtype int8`: drafts change, never the output), and
+    with `compiled` the block forward through torch.compile."""
     store_linear_weights_in_fast_layout(drafter)
     if target.model.dtype_name == "int8":
         drafter.requires_grad_(False)
         quantize_int8(drafter, compute_dtype=target.model.embed_tokens.weight.dtype)
-    return drafter.eval()
+    drafter = drafter.eval()
+    if compiled and isinstance(drafter, NeuralDrafter):
+        compile_block_forward(drafter)
+    return drafter

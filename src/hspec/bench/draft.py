@@ -115,13 +115,14 @@ class _Setting:
 def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str | Path, repeats: int = 5,
                     batch_sizes: Sequence[int] = (1, 16), contexts: Sequence[int] = (256, 2048), K: int = 7,
                     seed: int = 0, draft_vocab_size: int | None = None, dtype: str = "auto",
-                    target: Target | None = None) -> int:
+                    target: Target | None = None, compile_drafters: bool = False) -> int:
     """Time every kind's draft forward against the target's verify; write draft_cost_<device>.{json,md}.
 
     `draft_vocab_size` sets Vp of every trained kind (default: each kind's own, the paper's 32,000);
     the files then end in `_vp<Vp>`. `dtype` is the target's and drafters' (`--dtype`; the files of a
     bfloat16 run end in `_bfloat16`). `target`: the target `target_name` names, already loaded (its own
-    dtype is then the one timed); None loads it.
+    dtype is then the one timed); None loads it. `compile_drafters`: trained kinds' block forward through
+    torch.compile (compiled in the untimed warm-up; the files then end in `_compiled`).
     """
     if target is None:
         target = load_target(target_name, dtype=dtype)
@@ -131,7 +132,7 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
     drafters = {k: _create(k, target.config, model, draft_vocab_size) for k in kinds}
     for kind, drafter in drafters.items():
         if isinstance(drafter, torch.nn.Module):  # as `hspec generate` runs it (int8 linears under --dtype int8)
-            drafters[kind] = for_inference(drafter, target)
+            drafters[kind] = for_inference(drafter, target, compile_drafters)
     device = "gpu" if model.embed_tokens.weight.is_cuda else "cpu"
     rows = []
     with torch.inference_mode():
@@ -142,17 +143,18 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
     settings = {"target": target.name, "dtype": model.dtype_name,
                 "K": K, "batch_sizes": list(batch_sizes), "contexts": list(contexts), "repeats": repeats,
                 "kinds": kinds, "sampling": "greedy", "drafter_weights": "random",
-                "draft_vocab_size": draft_vocab_size or "each kind's default"}
+                "draft_vocab_size": draft_vocab_size or "each kind's default", "compile_drafters": compile_drafters}
     command = (f"hspec bench draft --target {target_name} --drafters {','.join(kinds)} --repeats {repeats} "
                f"--batch-sizes {','.join(map(str, batch_sizes))} --contexts {','.join(map(str, contexts))}")
     if draft_vocab_size is not None:
         command += f" --draft-vocab {draft_vocab_size}"
-    command += f" --dtype {dtype}"
+    command += f" --dtype {dtype}" + (" --compile-drafter" if compile_drafters else "")
     payload = {"provenance": provenance(command, settings), "goal": GOAL,
                "params": {k: _num_params(d) for k, d in drafters.items()}, "results": rows}
     markdown = _markdown(payload)
     name = f"draft_cost_{device}" + (f"_vp{draft_vocab_size}" if draft_vocab_size else "")
     name += "" if settings["dtype"] == "float32" else f"_{settings['dtype']}"
+    name += "_compiled" if compile_drafters else ""
     json_path, md_path = write_results(Path(out_dir), name, payload, markdown)
     print(markdown)
     print(f"wrote {json_path} and {md_path}")

@@ -26,6 +26,8 @@ from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.runtime import build_drafter
 from hspec.sampling import SamplingParams
 
+WARM_UP_TOKENS = 8  # untimed tokens each method decodes before the timed items
+
 
 @dataclass(frozen=True)
 class MethodSpec:
@@ -46,8 +48,11 @@ class MethodSpec:
 def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequence[str], size: int | None,
              K: int | Sequence[int], sampling: SamplingParams, max_new_tokens: int, out_dir: Path, stem: str,
              seed: int = 0, command: str = "hspec eval", data_dir: str | Path | None = None,
-             dtype: str = "auto", target: Target | None = None) -> dict[str, Any]:
+             dtype: str = "auto", target: Target | None = None, compile_drafters: bool = False) -> dict[str, Any]:
     """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
+
+    Every method first decodes WARM_UP_TOKENS untimed (first-call dispatch, and with `compile_drafters`
+    the drafters' torch.compile), then the items run interleaved.
 
     The tasks are read from `data_dir` (default: $HSPEC_DATA_DIR, else the data shipped in hspec/data).
     `target`: the target `target_name` names, already loaded (then `dtype` is not used); None loads it.
@@ -65,12 +70,15 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     tasks = [load_task(name, size, data_dir) for name in task_names]  # a missing file fails before loading
     if target is None:
         target = load_target(target_name, dtype=dtype)  # dtype: --dtype (auto, float32, bfloat16)
-    drafters = {m.label: build_drafter(m.kind, target, m.path) for m in specs}
+    drafters = {m.label: build_drafter(m.kind, target, m.path, compiled=compile_drafters) for m in specs}
     runs: dict[str, tuple[SpeculativeDecoder, int]] = {}  # label -> (decoder, K)
     for m in specs:
         for k in ([ks[0]] if m.kind == "none" else ks):
             label = m.label if (len(ks) == 1 or m.kind == "none") else f"{m.label} k={k}"
             runs[label] = (SpeculativeDecoder(target.model, drafters[m.label], k, target.tokenizer.eos_token_ids), k)
+    warm_up = target.tokenizer.encode_chat([{"role": "user", "content": tasks[0].items[0].turns[0]}])
+    for dec, _ in runs.values():
+        dec.generate([warm_up], sampling, WARM_UP_TOKENS, seeds=[seed])
     records: list[dict[str, Any]] = []
     total_turns = sum(len(item.turns) for task in tasks for item in task.items)
     bar = tqdm(total=total_turns, desc="eval", unit="turn")
@@ -105,7 +113,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 "K": ks[0] if len(ks) == 1 else ks, "temperature": sampling.temperature,
                 "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": max_new_tokens,
                 "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,
-                "methods": ",".join(m.label for m in specs),
+                "methods": ",".join(m.label for m in specs), "compile_drafters": compile_drafters,
                 **({} if data_dir is None else {"data_dir": str(data_dir)})}
     summary = summarize(records, list(runs), ks[0])
     payload = {"provenance": provenance(command, settings), "summary": summary, "records": records}

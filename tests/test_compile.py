@@ -1,0 +1,68 @@
+"""`--compile-drafter`: a trained drafter's block forward through torch.compile, lossless, with an eager fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hspec.decoding.generate import SpeculativeDecoder
+from hspec.drafters import compile as compile_module
+from hspec.drafters import create_drafter
+from hspec.drafters.compile import CompiledBlockForward, compile_block_forward
+from hspec.runtime import build_drafter
+from hspec.sampling import SamplingParams
+
+PROMPT = [1, 5, 9, 14, 5, 9, 3, 7]
+
+
+def _failing_compile(fn, **_):
+    def compiled(*args, **kwargs):
+        raise RuntimeError("inductor: no C++ compiler")
+    return compiled
+
+
+def _greedy(target, drafter, K=3, tokens=20):
+    return SpeculativeDecoder(target.model, drafter, K, eos_token_ids=()).generate(
+        [PROMPT], SamplingParams(), tokens).sequences[0].token_ids
+
+
+def test_a_failing_compile_warns_once_and_the_drafter_stays_eager(tiny_target, monkeypatch):
+    monkeypatch.setattr(compile_module.torch, "compile", _failing_compile)
+    drafter = build_drafter("hspec", tiny_target, random_weights=True, compiled=True)
+    wrapper = drafter.block_logits
+    assert isinstance(wrapper, CompiledBlockForward) and wrapper.is_compiled
+    plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1)
+    with pytest.warns(RuntimeWarning, match="torch.compile failed for drafter 'hspec'.*no C\\+\\+ compiler"):
+        assert _greedy(tiny_target, drafter) == plain
+    assert not wrapper.is_compiled  # later calls go straight to the eager forward
+
+
+def test_an_error_of_the_forward_itself_still_raises(tiny_target, monkeypatch):
+    monkeypatch.setattr(compile_module.torch, "compile", _failing_compile)
+    drafter = build_drafter("hspec", tiny_target, random_weights=True)
+    compile_block_forward(drafter)
+    with pytest.raises(AttributeError):
+        drafter.block_logits(None)  # the eager forward's own error, not a compile warning
+
+
+def test_compiled_reaches_the_trained_kind_behind_wrappers_and_skips_model_free_kinds(tiny_target, monkeypatch):
+    monkeypatch.setattr(compile_module.torch, "compile", lambda fn, **_: fn)
+    behind = build_drafter("hspec+ngram:0.4", tiny_target, random_weights=True, compiled=True)
+    assert isinstance(behind.model.model.block_logits, CompiledBlockForward)
+    assert not isinstance(build_drafter("hspec", tiny_target, random_weights=True).block_logits,
+                          CompiledBlockForward)
+    assert build_drafter("ngram", tiny_target, compiled=True).kind == "ngram"
+    drafter = build_drafter("hspec", tiny_target, random_weights=True)
+    assert compile_block_forward(drafter) is compile_block_forward(drafter)  # compiled once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["hspec", "dflash"])
+def test_a_compiled_drafter_keeps_greedy_output_equal_to_plain(tiny_target, kind):
+    """A real inductor compile (minutes on 2 cores without inductor's cache): drafts may round
+    differently from the eager drafter's, the output must equal plain decoding's."""
+    torch.manual_seed(0)
+    drafter = build_drafter(kind, tiny_target, random_weights=True, compiled=True)
+    plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1, tokens=32)
+    assert _greedy(tiny_target, drafter, tokens=32) == plain
+    assert drafter.block_logits.is_compiled
