@@ -175,6 +175,18 @@ def test_parse_drafters_adds_plain_and_names_what_is_allowed(dflash_checkpoint, 
             parse_drafters(bad, 5)
 
 
+def test_suffix_needs_arctic_inference_and_says_how_to_get_it(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "arctic_inference" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"suffix decoding needs arctic-inference==0\.1\.1.*builds from source"):
+        parse_drafters("suffix", 5)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert parse_drafters("suffix", 4)[1].speculative_config == {"method": "suffix", "num_speculative_tokens": 4}
+
+
 def test_hspec_drafter_names_its_checkpoint_and_takes_k_from_it(tiny_target, tmp_path):
     """`hspec` -> vLLM's custom_class method on hspec's proposer, the checkpoint passed as hf_overrides."""
     from hspec.integrations.vllm.engine import resolve_hspec

@@ -616,7 +616,8 @@ def _add_bench_vllm(bench_sub) -> None:
                     "(docs/vllm.md). Without --json writes results/vllm/vllm_<dtype>.json and .md with provenance.")
     _add_target(bv)
     bv.add_argument("--drafters", default="none,ngram,dflash=random",
-                    help="comma-separated: none (vLLM plain, always run), ngram, dflash=PATH (an hspec DFlash "
+                    help="comma-separated: none (vLLM plain, always run), ngram, suffix (vLLM's suffix decoding; "
+                         "needs arctic-inference==0.1.1, a source build), dflash=PATH (an hspec DFlash "
                          "checkpoint, exported for vLLM on the fly, or such an export), dflash=random (seed-0 random "
                          "weights: losslessness and KV cost, not tau), peagle=PATH or peagle=random (hspec's P-Eagle "
                          "as vLLM's parallel EAGLE-3), hspec (the shipped H-Spec drafter as a vLLM "
@@ -658,8 +659,8 @@ def _add_bench_vllm_serve(bench_sub) -> None:
                     "serve_<dtype>_throughput.png. Needs vLLM (docs/vllm.md).")
     _add_target(bvs)
     bvs.add_argument("--drafters", default="none,ngram,hspec",
-                     help="as `hspec bench vllm --drafters`: none (always run), ngram, dflash=PATH, dflash=random, "
-                          "peagle=PATH, peagle=random, hspec, hspec=PATH (default none,ngram,hspec)")
+                     help="as `hspec bench vllm --drafters`: none (always run), ngram, suffix, dflash=PATH, "
+                          "dflash=random, peagle=PATH, peagle=random, hspec, hspec=PATH (default none,ngram,hspec)")
     bvs.add_argument("--concurrency", default="8,16,32,64", help="comma-separated levels (default 8,16,32,64)")
     bvs.add_argument("--num-requests", type=int, default=64, help="requests per level (default 64)")
     bvs.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")

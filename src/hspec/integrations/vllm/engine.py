@@ -2,7 +2,7 @@
 
 What a configuration is (`VllmDrafter`): a name, the `speculative_config` vLLM gets (None for plain
 decoding) and, for H-Spec, the `hf_overrides` that name its checkpoint. `parse_drafters` turns the
-bench's `--drafters none,ngram,dflash=PATH,hspec[=PATH]` into them.
+bench's `--drafters none,ngram,suffix,dflash=PATH,hspec[=PATH]` into them.
 `open_llm` builds a `vllm.LLM` for the target's HF folder, `generate_greedy` runs one prompt at
 temperature 0 and returns its token ids with the request's own spec-decode counters, and
 `kv_capacity_tokens` reads vLLM's KV capacity from the engine's cache config.
@@ -26,8 +26,10 @@ from typing import Any
 
 # The vLLM release this integration is written and tested against (scripts/install_vllm.sh installs it).
 VLLM_VERSION = "0.32.0"
-ALLOWED_DRAFTERS = ("none", "ngram", "dflash=PATH", "dflash=random", "peagle=PATH", "peagle=random", "hspec",
-                    "hspec=PATH")
+ALLOWED_DRAFTERS = ("none", "ngram", "suffix", "dflash=PATH", "dflash=random", "peagle=PATH", "peagle=random",
+                    "hspec", "hspec=PATH")
+# vLLM's suffix decoding runs on arctic-inference's suffix tree, at the version vLLM 0.32 names.
+SUFFIX_REQUIREMENT = "arctic-inference==0.1.1"
 # `dflash=random`, `peagle=random`: a random-initialised hspec drafter of that kind (seed 0): exercises
 # losslessness and KV cost, not tau.
 RANDOM_WEIGHTS = "random"
@@ -59,6 +61,17 @@ def ngram_config(k: int) -> dict[str, Any]:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
+def suffix_config(k: int) -> dict[str, Any]:
+    """vLLM's suffix decoding with at most K drafts a step. It needs arctic-inference, which PyPI serves
+    only as source (a C++ build); a clear error here beats vLLM's from inside its engine process."""
+    import importlib.util
+
+    if importlib.util.find_spec("arctic_inference") is None:
+        raise ValueError(f"suffix decoding needs {SUFFIX_REQUIREMENT} in this environment (it builds from "
+                         f"source: pip install '{SUFFIX_REQUIREMENT}', a few minutes with a C++ compiler)")
+    return {"method": "suffix", "num_speculative_tokens": k}
+
+
 def dflash_config(path: str | Path, k: int | None = None) -> dict[str, Any]:
     """vLLM's DFlash method on an exported drafter (`export_dflash_for_vllm`); K from its config if None."""
     if k is None:
@@ -87,6 +100,8 @@ def parse_drafters(text: str, k: int) -> list[VllmDrafter]:
             out.append(VllmDrafter("none", None))
         elif name == "ngram" and not value:
             out.append(VllmDrafter("ngram", ngram_config(k)))
+        elif name == "suffix" and not value:
+            out.append(VllmDrafter("suffix", suffix_config(k)))
         elif name == "dflash" and value:
             if value != RANDOM_WEIGHTS and not (Path(value) / "config.json").exists():
                 raise ValueError(f"dflash={value}: no config.json there; give an hspec DFlash checkpoint or its "
