@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 
 from hspec.cache.paged_pool import blocks_for  # noqa: E402
 from hspec.integrations.vllm.proposer import (  # noqa: E402
+    DraftLength,
     DraftRows,
     HSpecProposer,
     VllmTargetView,
@@ -107,3 +108,9 @@ def test_block_context_from_a_paged_cache_drafts_as_hspec_does(smollm2):
                                block_table_tensor=block_ids[None].int())
     drafts = proposer.propose_with_target([[int(anchor)]], aux, metadata, None)
     assert drafts == [expected]
+    # Under a budget of 0 drafts per step nothing is drafted; under a floor each row keeps a sure prefix.
+    proposer.draft_length = DraftLength(k, budget=0)
+    assert proposer.propose_with_target([[int(anchor)]], aux, metadata, None) == [[]]
+    proposer.draft_length = DraftLength(k, confidence_floor=0.99)
+    (cut,) = proposer.propose_with_target([[int(anchor)]], aux, metadata, None)
+    assert 1 <= len(cut) and cut == expected[: len(cut)]

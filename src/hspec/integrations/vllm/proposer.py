@@ -23,6 +23,13 @@ Which checkpoint (an hspec H-Spec drafter directory, `hspec train --drafter hspe
 Drafts are greedy (argmax), like vLLM's n-gram and custom proposers: vLLM verifies them without draft
 probabilities, which keeps sampling exact at any temperature.
 
+How many drafts a request gets (`DraftLength`, docs/vllm.md#draft-length-under-load): K by default; with
+`hf_overrides={"hspec_draft_budget": B}` at most B drafts per step over the whole batch (K per request
+while N K <= B, then B // N, and a step with B < N drafts nothing), so a loaded batch verifies fewer rows;
+with `{"hspec_confidence_floor": P}` each request keeps only its leading drafts H-Spec gives at least
+P (at least one), as `hspec:P` does in hspec's engine. Neither looks at the target's verdict, so the
+output stays the target's.
+
 Legend: B requests in the step, N requests drafted, T rows of the step's forward, K drafts, S context
 keys, H hidden, Hkv KV heads, D head dim, nb KV blocks, bs block size, n_sel tapped layers.
 """
@@ -48,6 +55,8 @@ from hspec.sampling import SamplingBatch
 
 PROPOSER_CLASS = "hspec.integrations.vllm.proposer.HSpecProposer"
 HF_OVERRIDE_KEY = "hspec_drafter"  # hf_overrides={"hspec_drafter": PATH}
+HF_BUDGET_KEY = "hspec_draft_budget"  # hf_overrides={"hspec_draft_budget": B}: drafts per step, whole batch
+HF_FLOOR_KEY = "hspec_confidence_floor"  # hf_overrides={"hspec_confidence_floor": P}: H-Spec's `:P` cut
 ENV_DRAFTER = "HSPEC_VLLM_DRAFTER"
 # Kinds whose drafter reads the target's K/V in place and keeps no KV of its own (H-Spec and its ablations).
 KV_FREE_KINDS = ("hspec", "hspec-lasttoken-only", "hspec-kvreuse-only", "hspec-nomarkov", "mamba-only",
@@ -57,13 +66,58 @@ READABLE_ISAS = ("vec",)
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.attn$")
 
 
-def hspec_config(k: int | None, drafter_path: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def hspec_config(k: int | None, drafter_path: str | Path | None = None, draft_budget: int | None = None,
+                 confidence_floor: float | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(speculative_config, hf_overrides) for a `vllm.LLM` drafting K tokens with H-Spec from `drafter_path`
-    (None: the drafter shipped for the target). K None leaves `num_speculative_tokens` for the caller to set."""
+    (None: the drafter shipped for the target). K None leaves `num_speculative_tokens` for the caller to set.
+    `draft_budget`, `confidence_floor`: the `DraftLength` settings (None: off)."""
     config: dict[str, Any] = {"method": "custom_class", "model": PROPOSER_CLASS}
     if k is not None:
         config["num_speculative_tokens"] = k
-    return config, ({HF_OVERRIDE_KEY: str(drafter_path)} if drafter_path is not None else {})
+    overrides = {key: value for key, value in ((HF_OVERRIDE_KEY, drafter_path), (HF_BUDGET_KEY, draft_budget),
+                                                (HF_FLOOR_KEY, confidence_floor)) if value is not None}
+    if HF_OVERRIDE_KEY in overrides:
+        overrides[HF_OVERRIDE_KEY] = str(overrides[HF_OVERRIDE_KEY])
+    return config, overrides
+
+
+@dataclass(frozen=True)
+class DraftLength:
+    """How many drafts each request of a step gets (module docstring): K, a per-step budget over the
+    batch, and a confidence floor. budget None = no budget; confidence_floor None = no cut."""
+
+    k: int
+    budget: int | None = None
+    confidence_floor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget < 0:
+            raise ValueError(f"{HF_BUDGET_KEY} must be >= 0 (drafts per step over the batch), got {self.budget}")
+        if self.confidence_floor is not None and not 0.0 <= self.confidence_floor < 1.0:
+            raise ValueError(f"{HF_FLOOR_KEY} must be in [0, 1), got {self.confidence_floor}")
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> DraftLength:
+        """K from the speculative config, budget and floor from the target's hf_overrides."""
+        hf_config = vllm_config.model_config.hf_config
+        budget, floor = getattr(hf_config, HF_BUDGET_KEY, None), getattr(hf_config, HF_FLOOR_KEY, None)
+        return cls(int(vllm_config.speculative_config.num_speculative_tokens),
+                   None if budget is None else int(budget), None if floor is None else float(floor))
+
+    def per_request(self, num_requests: int) -> int:
+        """Drafts per request in a step drafting for `num_requests` requests: K, or budget // N if fewer."""
+        if self.budget is None:
+            return self.k
+        return min(self.k, self.budget // max(num_requests, 1))
+
+    def trim(self, drafts: list[list[int]], confidence: torch.Tensor) -> list[list[int]]:
+        """Each row's drafts up to the first one of confidence below the floor (at least one).
+
+        drafts: N rows of k ids; confidence: (N, k) the drafter's probability of each draft."""
+        if self.confidence_floor is None:
+            return drafts
+        sure = (confidence >= self.confidence_floor).long().cumprod(-1).sum(-1).clamp(min=1)  # (N,)
+        return [row[:n] for row, n in zip(drafts, sure.tolist())]
 
 
 def drafter_path(vllm_config: Any) -> Path:
@@ -180,7 +234,8 @@ class HSpecProposer:
 
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
-        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.draft_length = DraftLength.of(vllm_config)
+        self.k = self.draft_length.k
         self.checkpoint = drafter_path(vllm_config)
         info = read_checkpoint(self.checkpoint)
         if info.kind not in KV_FREE_KINDS:
@@ -232,14 +287,14 @@ class HSpecProposer:
         return self.drafter
 
     def block_context(self, rows: DraftRows, aux_hidden_states: Sequence[torch.Tensor],
-                      block_table: torch.Tensor) -> BlockContext:
-        """The H-Spec block inputs of `rows`: hidden states of the tapped layers, paged target K/V."""
+                      block_table: torch.Tensor, k: int) -> BlockContext:
+        """The H-Spec block inputs of `rows` for k drafts: hidden states of the tapped layers, paged target K/V."""
         drafter = self.drafter_model
         device = aux_hidden_states[0].device
         hidden_rows = rows.hidden_rows.to(device)
         last_hidden = torch.stack([h[hidden_rows] for h in aux_hidden_states], dim=1)  # (N, n_sel, H)
         positions_start = rows.positions.to(device)  # (N,) p
-        block_tokens, positions = build_block(rows.anchors.to(device), positions_start, self.k,
+        block_tokens, positions = build_block(rows.anchors.to(device), positions_start, k,
                                               drafter.config.mask_token_id)  # (N, K) x2
         s = min(int(positions_start.max()), drafter.config.sliding_window)
         keys = positions_start[:, None] - s + torch.arange(s, device=device)  # (N, S), right-aligned
@@ -250,7 +305,8 @@ class HSpecProposer:
     def propose_with_target(self, sampled_token_ids: Sequence[Sequence[int]],
                             aux_hidden_states: Sequence[torch.Tensor], common_attn_metadata: Any,
                             spec_decode_metadata: Any) -> list[list[int]]:
-        """K greedy drafts per request of the step that sampled a token, [] for the others.
+        """Greedy drafts (`DraftLength`: K by default) per request of the step that sampled a token, [] for
+        the others.
 
         sampled_token_ids: per request of the step, the tokens it kept (accepted drafts + the new one).
         aux_hidden_states: n_sel tensors (T, H), the tapped layers' outputs for every row of the step.
@@ -263,15 +319,16 @@ class HSpecProposer:
         num_draft = spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None else None
         rows = draft_rows(sampled_token_ids, m.query_start_loc_cpu, m.seq_lens.cpu(), num_draft)
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        if rows.requests.numel() == 0:
+        k = self.draft_length.per_request(rows.requests.numel())
+        if rows.requests.numel() == 0 or k == 0:
             return out
         drafter = self.drafter_model
-        ctx = self.block_context(rows, aux_hidden_states, m.block_table_tensor)
-        logits = drafter.block_logits(ctx)  # (N, K, Vp)
+        ctx = self.block_context(rows, aux_hidden_states, m.block_table_tensor, k)
+        logits = drafter.block_logits(ctx)  # (N, k, Vp)
         n = logits.shape[0]
         greedy = SamplingBatch(torch.zeros(n), torch.ones(n), torch.zeros(n, dtype=torch.long))
-        local, _, _ = drafter.sample_block(logits, ctx.block_tokens[:, 0], greedy, [])  # (N, K)
-        drafts = drafter.head.to_target_ids(local).tolist()
+        local, _, confidence = drafter.sample_block(logits, ctx.block_tokens[:, 0], greedy, [])  # (N, k) x2
+        drafts = self.draft_length.trim(drafter.head.to_target_ids(local).tolist(), confidence)
         for request, tokens in zip(rows.requests.tolist(), drafts):
             out[request] = tokens
         return out
