@@ -206,6 +206,26 @@ def test_hspec_drafter_names_its_checkpoint_and_takes_k_from_it(tiny_target, tmp
     assert resolve_hspec(plain, "tiny") is plain
 
 
+def test_hspec_with_a_floor_and_a_budget_keeps_them_through_resolve_and_in_hspecs_engine(tiny_target, tmp_path):
+    """`hspec:P@B[=PATH]` -> the proposer's confidence floor P and draft budget B, as hf_overrides."""
+    from hspec.bench.vllm import hspec_counterpart
+    from hspec.integrations.vllm.engine import resolve_hspec
+    from hspec.integrations.vllm.proposer import HF_BUDGET_KEY, HF_FLOOR_KEY, HF_OVERRIDE_KEY
+
+    path = save_drafter(create_drafter("hspec", tiny_target.config, target_model=tiny_target.model),
+                        tmp_path / "hspec_ckpt", "tiny")
+    _, cut, budget = parse_drafters(f"hspec:0.4={path},hspec@64", 5)
+    assert cut.name == f"hspec:0.4={path}" and cut.hf_overrides == {HF_OVERRIDE_KEY: str(path), HF_FLOOR_KEY: 0.4}
+    assert budget.hf_overrides == {HF_BUDGET_KEY: 64}
+    resolved = resolve_hspec(cut, "tiny", k=3)
+    assert resolved.hf_overrides[HF_FLOOR_KEY] == 0.4 and resolved.speculative_config["num_speculative_tokens"] == 3
+    assert hspec_counterpart(resolved, "tiny") == ("hspec:0.4", path)  # hspec's engine runs the same cut
+    assert resolve_hspec(budget, "SmolLM2-135M-Instruct").hf_overrides[HF_BUDGET_KEY] == 64
+    for bad, match in (("hspec:1.5", r"must be in \[0, 1\)"), ("hspec@x", "unknown drafter 'hspec@x'")):
+        with pytest.raises(ValueError, match=match):
+            parse_drafters(bad, 5)
+
+
 def test_prompts_file_lines_must_hold_a_prompt(tmp_path):
     good = tmp_path / "p.jsonl"
     good.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')

@@ -621,7 +621,9 @@ def _add_bench_vllm(bench_sub) -> None:
                          "checkpoint, exported for vLLM on the fly, or such an export), dflash=random (seed-0 random "
                          "weights: losslessness and KV cost, not tau), peagle=PATH or peagle=random (hspec's P-Eagle "
                          "as vLLM's parallel EAGLE-3), hspec (the shipped H-Spec drafter as a vLLM "
-                         "proposer) or hspec=PATH (an hspec H-Spec checkpoint); default none,ngram,dflash=random")
+                         "proposer) or hspec=PATH (an hspec H-Spec checkpoint); hspec:P keeps each request's drafts "
+                         "of confidence >= P, hspec@B drafts at most B tokens per step over the batch (both combine: "
+                         "hspec:0.4@64=PATH); default none,ngram,dflash=random")
     bv.add_argument("--prompts-file", default=None, metavar="F.jsonl",
                     help='one {"prompt": "..."} per line, chat-templated like `hspec generate` '
                          "(default: --num-prompts evenly spaced Spec-Bench items)")
@@ -660,7 +662,8 @@ def _add_bench_vllm_serve(bench_sub) -> None:
     _add_target(bvs)
     bvs.add_argument("--drafters", default="none,ngram,hspec",
                      help="as `hspec bench vllm --drafters`: none (always run), ngram, suffix, dflash=PATH, "
-                          "dflash=random, peagle=PATH, peagle=random, hspec, hspec=PATH (default none,ngram,hspec)")
+                          "dflash=random, peagle=PATH, peagle=random, hspec, hspec=PATH, hspec:P, hspec@B (at most B "
+                          "drafts per step over the batch) (default none,ngram,hspec)")
     bvs.add_argument("--concurrency", default="8,16,32,64", help="comma-separated levels (default 8,16,32,64)")
     bvs.add_argument("--num-requests", type=int, default=64, help="requests per level (default 64)")
     bvs.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
@@ -676,6 +679,7 @@ def _add_bench_vllm_serve(bench_sub) -> None:
                      help="OpenMP/torch threads per server; servers run one at a time (default 2)")
     bvs.add_argument("--no-hspec-engine", action="store_true", help="skip the `hspec serve` rows")
     bvs.add_argument("--out", default="results/vllm", help="output directory (default results/vllm)")
+    bvs.add_argument("--name", default=None, help="file stem of the results (default serve_<dtype>)")
     _add_data_dir(bvs)
     bvs.set_defaults(handler=_cmd_bench_vllm_serve)
 
@@ -688,7 +692,8 @@ def _cmd_bench_vllm_serve(args: argparse.Namespace) -> int:
         target=args.target, drafters=args.drafters, concurrency=tuple(_ints(args.concurrency)),
         num_requests=args.num_requests, max_tokens=args.max_tokens, dtype=args.dtype, k=args.k,
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
-        prompts_file=args.prompts_file, hspec_engine=not args.no_hspec_engine, out=args.out, data_dir=args.data_dir)
+        prompts_file=args.prompts_file, hspec_engine=not args.no_hspec_engine, out=args.out, name=args.name,
+        data_dir=args.data_dir)
     return run_vllm_serve_bench(settings, args.command_line)
 
 

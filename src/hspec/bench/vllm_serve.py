@@ -77,6 +77,7 @@ class VllmServeSettings:
     prompts_file: str | None = None  # {"prompt": ...} per line; None: N evenly spaced Spec-Bench items
     hspec_engine: bool = True  # also run `hspec serve` with the matching drafters
     out: str = "results/vllm"
+    name: str | None = None  # file stem; None: serve_<dtype>
     data_dir: str | None = None
     server_timeout_s: float = 900.0  # a server not ready by then is an error
 
@@ -365,7 +366,7 @@ def _run(settings: VllmServeSettings, command: str, root: Path) -> int:
                                                   for c in configs if c.speculative_config},
                                 "enforce_eager": True, "vllm": vllm_version(), **env})
     out = Path(settings.out)
-    stem = f"serve_{settings.dtype}"
+    stem = settings.name or f"serve_{settings.dtype}"
     markdown = render_markdown(meta, rows)
     json_path, md_path = write_results(out, stem, {"meta": meta, "rows": rows}, markdown)
     plot = plot_throughput(rows, out / f"{stem}_throughput.png")
