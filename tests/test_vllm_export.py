@@ -252,3 +252,13 @@ def test_plugin_acts_only_on_drafters_that_sample_from_the_anchor():
     assert not samples_from_anchor(SimpleNamespace(dflash_config={"sample_from_anchor": False}))
     assert not samples_from_anchor(SimpleNamespace(dflash_config=None))  # vLLM's own DFlash checkpoints
     assert not samples_from_anchor(SimpleNamespace())
+
+
+def test_bench_vllm_takes_hspecs_dtype_and_its_own_drafters():
+    from hspec.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "vllm", "--drafters", "none,ngram", "--hspec-dtype", "int8",
+                                      "--hspec-methods", "hspec+ngram:0.4", "--hspec-k", "3", "--name", "race"])
+    assert (args.hspec_dtype, args.hspec_methods, args.hspec_k, args.name) == ("int8", "hspec+ngram:0.4", 3, "race")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "vllm", "--hspec-dtype", "float16"])

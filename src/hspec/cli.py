@@ -636,6 +636,14 @@ def _add_bench_vllm(bench_sub) -> None:
                          "trained draft length)")
     bv.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
     bv.add_argument("--no-hspec-engine", action="store_true", help="skip the rows of hspec's own engine")
+    bv.add_argument("--hspec-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
+                    help="dtype of hspec's own engine (default float32, where its tau and outputs are compared "
+                         "exactly with vLLM's float32 run; bfloat16 or int8 to race vLLM)")
+    bv.add_argument("--hspec-methods", default="",
+                    help="comma-separated hspec drafters run only in hspec's engine, e.g. hspec+ngram:0.4 "
+                         "(none already runs)")
+    bv.add_argument("--hspec-k", type=int, default=7, help="K of the --hspec-methods rows (default 7)")
+    bv.add_argument("--name", default=None, help="file stem of the results (default vllm_<dtype>)")
     bv.add_argument("--json", action="store_true", help="print the rows as JSON instead of writing results/vllm/")
     bv.add_argument("--out", default="results/vllm", help="output directory (default results/vllm)")
     _add_data_dir(bv)
@@ -644,11 +652,13 @@ def _add_bench_vllm(bench_sub) -> None:
 
 def _cmd_bench_vllm(args: argparse.Namespace) -> int:
     """Benchmark drafters inside vLLM: greedy equality with vLLM plain decoding, tau, tok/s, KV capacity."""
-    from hspec.bench.vllm import run_vllm_bench
+    from hspec.bench.vllm import HspecSide, run_vllm_bench
 
+    _check_draft_len(args.hspec_k, "--hspec-k")
+    hspec = HspecSide(args.hspec_dtype, tuple(m for m in args.hspec_methods.split(",") if m), args.hspec_k)
     return run_vllm_bench(args.target, args.drafters, args.prompts_file, args.num_prompts,
                           args.max_new_tokens, args.dtype, args.k, args.max_model_len, args.out, args.json,
-                          data_dir=args.data_dir, hspec_engine=not args.no_hspec_engine)
+                          data_dir=args.data_dir, hspec_engine=not args.no_hspec_engine, hspec=hspec, name=args.name)
 
 
 def _add_bench_vllm_serve(bench_sub) -> None:

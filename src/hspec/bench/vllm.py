@@ -21,6 +21,7 @@ import json
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,22 +131,33 @@ def materialize_random(drafter: vllm_engine.VllmDrafter, target: Any, root: Path
     return vllm_engine.VllmDrafter(drafter.name, {**config, "model": str(path)})
 
 
+@dataclass(frozen=True)
+class HspecSide:
+    """hspec's own engine in the bench: its dtype, and drafters it runs without a vLLM counterpart."""
+
+    dtype: str = "float32"  # float32 keeps the engine-against-engine tau comparison exact
+    methods: tuple[str, ...] = ()  # e.g. ("hspec+ngram:0.4",): hspec-only rows, K = `k`
+    k: int = 7
+
+
 def run_vllm_bench(target_name: str, drafters: str, prompts_file: str | None, num_prompts: int,
                    max_new_tokens: int, dtype: str, k: int, max_model_len: int, out_dir: str, as_json: bool,
-                   data_dir: str | None = None, hspec_engine: bool = True) -> int:
-    """`hspec bench vllm` (module docstring); DFlash exports live in a temporary folder removed at the end."""
+                   data_dir: str | None = None, hspec_engine: bool = True, hspec: HspecSide = HspecSide(),
+                   name: str | None = None) -> int:
+    """`hspec bench vllm` (module docstring); DFlash exports live in a temporary folder removed at the end.
+    `hspec`: the dtype and extra drafters of hspec's engine; `name`: the file stem (default vllm_<dtype>)."""
     with tempfile.TemporaryDirectory(prefix="hspec-vllm-export-") as root:
         return _run(target_name, drafters, prompts_file, num_prompts, max_new_tokens, dtype, k, max_model_len,
-                    out_dir, as_json, data_dir, hspec_engine, Path(root))
+                    out_dir, as_json, data_dir, hspec_engine, Path(root), hspec, name)
 
 
 def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts: int, max_new_tokens: int,
          dtype: str, k: int, max_model_len: int, out_dir: str, as_json: bool, data_dir: str | None,
-         hspec_engine: bool, export_root: Path) -> int:
+         hspec_engine: bool, export_root: Path, hspec: HspecSide, name: str | None) -> int:
     from hspec.models.loading import load_target
 
     configs = vllm_engine.parse_drafters(drafters, k)
-    target = load_target(target_name)
+    target = load_target(target_name, dtype=hspec.dtype)
     messages = read_prompts(prompts_file, num_prompts, data_dir)
     prompts = [target.tokenizer.encode_prompt(m) for m in messages]
     env = vllm_engine.cpu_environment()
@@ -173,7 +185,8 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
             for c in configs]
     del llms
 
-    # 2. hspec's own engine on the same ids (float32, its default), for the tau comparison.
+    # 2. hspec's own engine on the same ids (`hspec.dtype`, float32 by default), for the tau comparison,
+    #    then the drafters only hspec's engine runs.
     if hspec_engine:
         for c in configs:
             counterpart = hspec_counterpart(c, target.name)
@@ -182,6 +195,9 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
                 k_c = c.speculative_config["num_speculative_tokens"] if c.speculative_config else 0
                 rows.append(summarize(c.name, "hspec", hspec_engine_runs(target, kind, path, k_c, prompts,
                                                                          max_new_tokens), plain, None))
+        for method in hspec.methods:
+            rows.append(summarize(method, "hspec", hspec_engine_runs(target, method, None, hspec.k, prompts,
+                                                                     max_new_tokens), plain, None))
     if as_json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -189,11 +205,17 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
                 "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype, "K": k,
                 "K_per_drafter": {c.name: c.speculative_config["num_speculative_tokens"] for c in configs
                                   if c.speculative_config},
-                "max_model_len": max_model_len, "batch": 1, "enforce_eager": True, "vllm": vllm_version(), **env}
+                "max_model_len": max_model_len, "batch": 1, "enforce_eager": True, "vllm": vllm_version(),
+                "hspec_dtype": target.model.dtype_name, "hspec_methods": list(hspec.methods), "hspec_k": hspec.k,
+                **env}
     command = (f"hspec bench vllm --drafters {drafters} " + (f"--prompts-file {prompts_file} " if prompts_file else
                f"--num-prompts {num_prompts} ") + f"--max-new-tokens {max_new_tokens} --dtype {dtype} --k {k}")
+    if hspec != HspecSide():
+        command += (f" --hspec-dtype {hspec.dtype} --hspec-k {hspec.k}"
+                    + (f" --hspec-methods {','.join(hspec.methods)}" if hspec.methods else ""))
+    command += f" --name {name}" if name else ""
     meta = provenance(command, settings)
-    stem = f"vllm_{dtype}"
+    stem = name or f"vllm_{dtype}"
     json_path, md_path = write_results(Path(out_dir), stem, {"meta": meta, "rows": rows}, render_markdown(meta, rows))
     print(render_markdown(meta, rows))
     print(f"wrote {json_path} and {md_path}")
