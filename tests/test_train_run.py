@@ -200,3 +200,35 @@ def test_resume_of_a_run_recorded_before_settings_were(tmp_path, train_tiny):
     train_tiny(run)  # val_sequences (measured) and draft_vocab_size (20 either way) are not compared
     with pytest.raises(ValueError, match=r"changed: --steps 2 -> 3\."):
         train_tiny(run, steps=3)
+
+
+def test_a_signal_stops_after_the_step_with_its_state_saved_and_the_rerun_resumes(tmp_path, train_tiny,
+                                                                                 monkeypatch, capsys):
+    import os
+    import signal
+
+    from hspec.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    step_once = Trainer.train_step
+
+    def step_then_sigterm(self, step):
+        log = step_once(self, step)
+        if step == 2:  # a SIGTERM arrives during step 3 of 5 (after the periodic save at step 2)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return log
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        train_tiny(run, steps=5)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    printed = capsys.readouterr()
+    assert "stopped after step 3 with its state saved" in printed.out + printed.err
+    assert sorted(p.name for p in (run / "state").iterdir())[-1] == "step-000000003"
+    assert not (run / "drafter").exists()
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is handed back
+    monkeypatch.setattr(Trainer, "train_step", step_once)
+    train_tiny(run, steps=5)
+    assert "resuming hspec at step 3/5" in capsys.readouterr().out
+    assert (run / "drafter" / "config.json").exists()

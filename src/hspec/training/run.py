@@ -32,6 +32,7 @@ from hspec.training.checkpoint import load_training_state, save_training_state
 from hspec.training.datagen import read_corpus
 from hspec.training.features import OnlineFeatures
 from hspec.training.precision import resolve_precision
+from hspec.training.stop import StopRequest
 from hspec.training.store import FeatureStore, FeatureStores
 from hspec.training.trainer import TrainConfig, Trainer
 from hspec.training.vocab import most_frequent_tokens
@@ -149,23 +150,30 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                                        "world_size": world, **asdict(config), "settings": settings},
                                       default=str) + "\n")
     bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
-    for step in range(start, config.steps):
-        log = trainer.train_step(step)
-        bar.update(1)
-        bar.set_postfix(loss=f"{log.loss:.3f}", lr=f"{log.lr:.1e}")
-        last = step + 1 == config.steps
-        if rank == 0 and (step % log_every == 0 or last):
-            _append(history, {"event": "step", **asdict(log)})
-        if rank == 0 and val_ids and ((step + 1) % val_every == 0 or last):
-            stats = trainer.validate(val_ids)
-            in_order = trainer.validate_in_decode_order(val_ids)
-            _append(history, {"event": "validation", "step": step + 1, **stats.to_dict(),
-                              "decode_order": in_order.to_dict()})
-            bar.write(f"[train] step {step + 1}: validation tau {stats.mean_accepted_length:.2f} "
-                      f"(in decode order {in_order.mean_accepted_length:.2f}), "
-                      f"acceptance {[round(a, 2) for a in stats.acceptance_by_position]}")
-        if rank == 0 and ((step + 1) % val_every == 0 or last):
-            save_training_state(run_dir / "state", drafter, trainer.optimizer, step + 1, {"kind": kind})
+    with StopRequest() as stop:
+        for step in range(start, config.steps):
+            log = trainer.train_step(step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{log.loss:.3f}", lr=f"{log.lr:.1e}")
+            last = step + 1 == config.steps
+            if rank == 0 and (step % log_every == 0 or last):
+                _append(history, {"event": "step", **asdict(log)})
+            if rank == 0 and val_ids and ((step + 1) % val_every == 0 or last):
+                stats = trainer.validate(val_ids)
+                in_order = trainer.validate_in_decode_order(val_ids)
+                _append(history, {"event": "validation", "step": step + 1, **stats.to_dict(),
+                                  "decode_order": in_order.to_dict()})
+                bar.write(f"[train] step {step + 1}: validation tau {stats.mean_accepted_length:.2f} "
+                          f"(in decode order {in_order.mean_accepted_length:.2f}), "
+                          f"acceptance {[round(a, 2) for a in stats.acceptance_by_position]}")
+            if rank == 0 and ((step + 1) % val_every == 0 or last):
+                save_training_state(run_dir / "state", drafter, trainer.optimizer, step + 1, {"kind": kind})
+            if stop.requested and step + 1 < config.steps:
+                if rank == 0 and (step + 1) % val_every:  # not just saved by the periodic save
+                    save_training_state(run_dir / "state", drafter, trainer.optimizer, step + 1, {"kind": kind})
+                bar.write(f"[train] signal {stop.signal_number}: stopped after step {step + 1} with its state "
+                          f"saved in {run_dir / 'state'}; rerun the same command to resume")
+                raise SystemExit(128 + stop.signal_number)  # type: ignore[operator]
     bar.close()
     out = run_dir / "drafter"
     if rank == 0:
