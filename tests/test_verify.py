@@ -106,3 +106,25 @@ def test_full_num_drafts_changes_nothing():
     a = verify(p, q, drafts, u_accept, u_sample)
     b = verify(p, q, drafts, u_accept, u_sample, num_drafts=torch.full((3,), 4))
     assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.next_tokens, b.next_tokens)
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 7])
+def test_greedy_verification_from_logits_equals_verify_on_one_hots(k):
+    """`verify_greedy` must give `verify`'s verdict on the one-hot distributions greedy rows get, ties included."""
+    from hspec.decoding.verify import verify_greedy
+    from hspec.sampling import SamplingBatch, SamplingParams
+
+    torch.manual_seed(k)
+    b, v = 64, 11
+    logits = torch.randint(0, 4, (b, k + 1, v)).to(torch.bfloat16)  # few values: many tied maxima
+    best = logits.float().argmax(-1)
+    keep = torch.rand(b, k) < 0.7  # drafts that follow the target's argmax most of the time
+    drafts = torch.where(keep, best[:, :k], torch.randint(0, v, (b, k)))
+    probs = SamplingBatch.from_params([SamplingParams()] * b).probs(logits)
+    draft_probs = torch.zeros(b, k, v).scatter_(-1, drafts[..., None], 1.0)
+    for num_drafts in (None, torch.randint(1, k + 1, (b,)) if k else None):
+        expected = verify(probs, draft_probs, drafts, torch.rand(b, k), torch.rand(b), num_drafts)
+        got = verify_greedy(logits, drafts, num_drafts)
+        assert torch.equal(got.num_accepted, expected.num_accepted)
+        assert torch.equal(got.next_tokens, expected.next_tokens)
+    assert 0 < int(expected.num_accepted.sum()) < b * max(k, 1) or k == 0

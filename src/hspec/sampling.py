@@ -61,6 +61,11 @@ class SamplingBatch:
         index = torch.as_tensor(rows, dtype=torch.long, device=self.temperature.device)
         return SamplingBatch(self.temperature[index], self.top_p[index], self.top_k[index])
 
+    @property
+    def all_greedy(self) -> bool:
+        """Every row decodes greedily (temperature 0)."""
+        return bool((self.temperature == 0).all())
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, T, V) logits -> (B, T, V) fp32 probabilities under each row's transform."""
         return probs_from_logits(logits, self.temperature, self.top_p, self.top_k)

@@ -28,7 +28,7 @@ import torch
 
 from hspec.cache.paged_pool import PagedKVPool
 from hspec.decoding.tree_step import tree_step
-from hspec.decoding.verify import verify
+from hspec.decoding.verify import verify, verify_greedy
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.models.llama import TargetModel
 from hspec.sampling import SamplingBatch, draw_uniforms, sample_with_uniform
@@ -132,9 +132,12 @@ class DecodeStages:
         # 2. verify: the target scores [x0, d_1..d_L] at positions p..p+L in one forward.
         block = torch.cat([anchors[:, None], drafts_t], dim=1)  # (B, L+1)
         out = self.target(block, pool, seq_ids, self.drafter.target_layers)
-        target_probs = sampling.probs(out.logits)  # (B, L+1, V)
         uniforms = draw_uniforms(generators, self.K + 1, self.device)  # (B, K+1): the same draws whatever L is
-        result = verify(target_probs, draft_probs, drafts_t, uniforms[:, :L], uniforms[:, self.K], num_drafts)
+        if sampling.all_greedy:  # the same verdict as `verify` on one-hot distributions, without building them
+            result = verify_greedy(out.logits, drafts_t, num_drafts)
+        else:
+            target_probs = sampling.probs(out.logits)  # (B, L+1, V)
+            result = verify(target_probs, draft_probs, drafts_t, uniforms[:, :L], uniforms[:, self.K], num_drafts)
         accepted = result.num_accepted.tolist()  # the step's one host sync
         next_tokens = result.next_tokens.tolist()
         drafts = drafts_t.tolist()

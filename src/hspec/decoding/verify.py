@@ -32,6 +32,34 @@ class VerifyResult:
     next_tokens: torch.Tensor
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> (...) the greedy token: the argmax of the fp32 copy, exactly the one-hot's
+    position in `sampling.probs_from_logits`, so both paths break ties alike."""
+    return logits.float().argmax(-1)
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                  num_drafts: torch.Tensor | None = None) -> VerifyResult:
+    """`verify` for a batch of greedy rows, from the target's logits, without distributions.
+
+    With one-hot p and q (greedy), `verify` accepts d_k exactly when it is the target's argmax, and the
+    recovered or bonus token is the argmax after the accepted prefix; this computes that directly, skipping
+    the (B, K+1, V) one-hots, gathers and residuals (several ms a step on a CPU at V = 49,152).
+
+    target_logits: (B, K+1, V); draft_tokens: (B, K) long; num_drafts: (B,) long in 1..K or None (all K).
+    """
+    b, k1, _ = target_logits.shape
+    k = k1 - 1
+    if draft_tokens.shape != (b, k):
+        raise ValueError(f"shapes disagree: target_logits {tuple(target_logits.shape)}, "
+                         f"draft_tokens {tuple(draft_tokens.shape)}")
+    best = greedy_tokens(target_logits)  # (B, K+1)
+    limit = torch.full((b,), k, dtype=torch.long, device=best.device) if num_drafts is None else num_drafts
+    accepted = (draft_tokens == best[:, :k]) & (torch.arange(k, device=best.device) < limit[:, None])  # (B, K)
+    num_accepted = accepted.long().cumprod(-1).sum(-1)  # (B,)
+    return VerifyResult(num_accepted, best[torch.arange(b, device=best.device), num_accepted])
+
+
 def acceptance_prob(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """min(1, p / q) elementwise; where q is 0 the token is never drafted, and we return 1."""
     return torch.where(q > 0, torch.clamp(p / q.clamp_min(torch.finfo(q.dtype).tiny), max=1.0),
