@@ -71,6 +71,12 @@ class SamplingBatch:
         return probs_from_logits(logits, self.temperature, self.top_p, self.top_k)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> (...) the greedy token: the argmax of the fp32 copy. Every greedy path (the
+    one-hots below, `decoding.verify.verify_greedy`) takes it from here, so they break ties alike."""
+    return logits.float().argmax(-1)
+
+
 def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                       top_k: torch.Tensor) -> torch.Tensor:
     """Apply temperature, then top-k, then top-p, per row; greedy rows become one-hot argmax.
@@ -80,7 +86,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: to
     logits = logits.float()
     greedy = temperature == 0  # (B,)
     if bool(greedy.all()):  # fast path: no softmax needed
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, greedy_tokens(logits)[..., None], 1.0)
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / safe_t[:, None, None]
     need_k = bool((top_k > 0).any())
@@ -89,7 +95,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: to
         scaled = _truncate(scaled, top_p, top_k, need_p)
     probs = torch.softmax(scaled, dim=-1)
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, greedy_tokens(logits)[..., None], 1.0)
         probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs
 

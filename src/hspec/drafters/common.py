@@ -318,7 +318,7 @@ class NeuralDrafter(Drafter, nn.Module):
         at d_k, the drafter's own probability of each draft before the sampling transform.
         """
         b, K, _ = logits.shape
-        all_greedy = bool((sampling.temperature == 0).all())
+        all_greedy = sampling.all_greedy
         # One draw of K uniforms per row from its own generator, so a row's draws do not depend on
         # which other rows share the batch.
         uniforms = None if all_greedy else draw_uniforms(generators, K, logits.device)  # (B, K)

@@ -55,7 +55,7 @@ def sample_slots(slot_logits: Callable[[int, torch.Tensor], torch.Tensor], K: in
     indices (B, K), their distributions (B, K, Vp) fp32, and the confidence (B, K): softmax(l_k) at
     d_k, the drafter's own probability of each draft before the sampling transform.
     """
-    all_greedy = bool((sampling.temperature == 0).all())
+    all_greedy = sampling.all_greedy
     uniforms = None if all_greedy else draw_uniforms(generators, K, anchor_tokens.device)  # (B, K)
     prev = anchor_tokens  # (B,) target ids
     tokens, probs, confidence = [], [], []
