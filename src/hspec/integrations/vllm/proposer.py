@@ -47,6 +47,7 @@ import torch
 
 from hspec.drafters.checkpoint import load_drafter, read_checkpoint
 from hspec.drafters.common import BlockContext, NeuralDrafter, build_block
+from hspec.drafters.early_stop import leading_confident
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.layers import rope_cos_sin
 from hspec.models.loading import read_config
@@ -74,10 +75,13 @@ def hspec_config(k: int | None, drafter_path: str | Path | None = None, draft_bu
     config: dict[str, Any] = {"method": "custom_class", "model": PROPOSER_CLASS}
     if k is not None:
         config["num_speculative_tokens"] = k
-    overrides = {key: value for key, value in ((HF_OVERRIDE_KEY, drafter_path), (HF_BUDGET_KEY, draft_budget),
-                                                (HF_FLOOR_KEY, confidence_floor)) if value is not None}
-    if HF_OVERRIDE_KEY in overrides:
-        overrides[HF_OVERRIDE_KEY] = str(overrides[HF_OVERRIDE_KEY])
+    overrides: dict[str, Any] = {}
+    if drafter_path is not None:
+        overrides[HF_OVERRIDE_KEY] = str(drafter_path)
+    if draft_budget is not None:
+        overrides[HF_BUDGET_KEY] = draft_budget
+    if confidence_floor is not None:
+        overrides[HF_FLOOR_KEY] = confidence_floor
     return config, overrides
 
 
@@ -116,7 +120,7 @@ class DraftLength:
         drafts: N rows of k ids; confidence: (N, k) the drafter's probability of each draft."""
         if self.confidence_floor is None:
             return drafts
-        sure = (confidence >= self.confidence_floor).long().cumprod(-1).sum(-1).clamp(min=1)  # (N,)
+        sure = leading_confident(confidence, self.confidence_floor)  # (N,), the cut of `hspec:P`
         return [row[:n] for row, n in zip(drafts, sure.tolist())]
 
 
