@@ -166,11 +166,9 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                 bar.write(f"[train] step {step + 1}: validation tau {stats.mean_accepted_length:.2f} "
                           f"(in decode order {in_order.mean_accepted_length:.2f}), "
                           f"acceptance {[round(a, 2) for a in stats.acceptance_by_position]}")
-            if rank == 0 and ((step + 1) % val_every == 0 or last):
+            if rank == 0 and ((step + 1) % val_every == 0 or last or stop.requested):
                 save_training_state(run_dir / "state", drafter, trainer.optimizer, step + 1, {"kind": kind})
-            if stop.requested and step + 1 < config.steps:
-                if rank == 0 and (step + 1) % val_every:  # not just saved by the periodic save
-                    save_training_state(run_dir / "state", drafter, trainer.optimizer, step + 1, {"kind": kind})
+            if stop.requested and not last:
                 bar.write(f"[train] signal {stop.signal_number}: stopped after step {step + 1} with its state "
                           f"saved in {run_dir / 'state'}; rerun the same command to resume")
                 raise SystemExit(128 + stop.signal_number)  # type: ignore[operator]
