@@ -155,15 +155,17 @@ def test_hspec_proposer_is_lossless_keeps_kv_and_matches_hspec_tau(smollm2, plai
     assert abs(tau_vllm - tau_hspec) <= 0.05 * tau_hspec
 
 
-def test_hspec_proposer_batched_greedy_equals_vllm_plain(smollm2, plain):
+@pytest.mark.parametrize("name", ["hspec", "hspec:0.4@6"])
+def test_hspec_proposer_batched_greedy_equals_vllm_plain(smollm2, plain, name):
     """Both prompts in one batch (max_num_seqs=4): the proposer drafts for requests of different lengths
     in one call (its own rows, positions and block tables); output still equals vLLM plain at batch 1.
-    A sampled request (temperature 0.8) runs too: vLLM verifies the greedy drafts without draft probabilities."""
+    A sampled request (temperature 0.8) runs too: vLLM verifies the greedy drafts without draft probabilities.
+    `hspec:0.4@6`: the draft length under load (3 drafts each for the two requests, cut at confidence 0.4)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts, expected, _ = plain
-    config = vllm_engine.resolve_hspec(vllm_engine.hspec_drafter("hspec", None), smollm2.name)
+    config = vllm_engine.resolve_hspec(vllm_engine.parse_drafters(name, 5)[1], smollm2.name)
     vllm_engine.apply_environment(vllm_engine.cpu_environment())
     llm = vllm_engine.open_llm(smollm2.path, config, "float32", max_model_len=256, max_num_seqs=4)
     try:
