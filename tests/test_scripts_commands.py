@@ -128,7 +128,8 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
     come after the evaluations they read."""
     log = tmp_path / "calls.txt"
     fake = tmp_path / "hspec"
-    fake.write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {log}\necho >> {log}\n')
+    # One write per call: the two training lanes call it at once, and two-part writes interleaved.
+    fake.write_text(f'#!/usr/bin/env bash\nline=$(printf "%q " "$@")\necho "$line" >> {log}\n')
     fake.chmod(0o755)
     env = {**os.environ, "HSPEC": str(fake), "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"),
            "PARTS": "1 2", "LANES": "2"}
