@@ -1,4 +1,4 @@
-"""`--compile-drafter`: a trained drafter's block forward through torch.compile, lossless, with an eager fallback."""
+"""`--compile-drafter`: a drafter's block forward and greedy loop through torch.compile, lossless, eager fallback."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import compile as compile_module
 from hspec.drafters import create_drafter
-from hspec.drafters.compile import CompiledBlockForward, compile_block_forward
+from hspec.drafters.compile import CompiledForward, compile_drafter
 from hspec.runtime import build_drafter
 from hspec.sampling import SamplingParams
 
@@ -29,31 +29,38 @@ def _greedy(target, drafter, K=3, tokens=20):
 def test_a_failing_compile_warns_once_and_the_drafter_stays_eager(tiny_target, monkeypatch):
     monkeypatch.setattr(compile_module.torch, "compile", _failing_compile)
     drafter = build_drafter("hspec", tiny_target, random_weights=True, compiled=True)
-    wrapper = drafter.block_logits
-    assert isinstance(wrapper, CompiledBlockForward) and wrapper.is_compiled
+    wrappers = [drafter.block_logits, drafter.greedy_block]
+    assert all(isinstance(w, CompiledForward) and w.is_compiled for w in wrappers)
     plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1)
-    with pytest.warns(RuntimeWarning, match="torch.compile failed for drafter 'hspec'.*no C\\+\\+ compiler"):
+    with pytest.warns(RuntimeWarning) as warned:
         assert _greedy(tiny_target, drafter) == plain
-    assert not wrapper.is_compiled  # later calls go straight to the eager forward
+    messages = sorted(str(w.message) for w in warned)
+    assert len(messages) == 2  # once per compiled method, not once per call
+    assert "drafter 'hspec' (block_logits)" in messages[0] and "drafter 'hspec' (greedy_block)" in messages[1]
+    assert all("no C++ compiler" in m for m in messages)
+    assert not any(w.is_compiled for w in wrappers)  # later calls go straight to the eager methods
 
 
 def test_an_error_of_the_forward_itself_still_raises(tiny_target, monkeypatch):
     monkeypatch.setattr(compile_module.torch, "compile", _failing_compile)
     drafter = build_drafter("hspec", tiny_target, random_weights=True)
-    compile_block_forward(drafter)
+    compile_drafter(drafter)
     with pytest.raises(AttributeError):
         drafter.block_logits(None)  # the eager forward's own error, not a compile warning
+    with pytest.raises(AttributeError):
+        drafter.greedy_block(None, None)
 
 
 def test_compiled_reaches_the_trained_kind_behind_wrappers_and_skips_model_free_kinds(tiny_target, monkeypatch):
     monkeypatch.setattr(compile_module.torch, "compile", lambda fn, **_: fn)
     behind = build_drafter("hspec+ngram:0.4", tiny_target, random_weights=True, compiled=True)
-    assert isinstance(behind.model.model.block_logits, CompiledBlockForward)
+    assert isinstance(behind.model.model.block_logits, CompiledForward)
+    assert isinstance(behind.model.model.greedy_block, CompiledForward)
     assert not isinstance(build_drafter("hspec", tiny_target, random_weights=True).block_logits,
-                          CompiledBlockForward)
+                          CompiledForward)
     assert build_drafter("ngram", tiny_target, compiled=True).kind == "ngram"
     drafter = build_drafter("hspec", tiny_target, random_weights=True)
-    assert compile_block_forward(drafter) is compile_block_forward(drafter)  # compiled once
+    assert compile_drafter(drafter) == compile_drafter(drafter)  # compiled once
 
 
 @pytest.mark.slow
@@ -65,4 +72,4 @@ def test_a_compiled_drafter_keeps_greedy_output_equal_to_plain(tiny_target, kind
     drafter = build_drafter(kind, tiny_target, random_weights=True, compiled=True)
     plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1, tokens=32)
     assert _greedy(tiny_target, drafter, tokens=32) == plain
-    assert drafter.block_logits.is_compiled
+    assert drafter.block_logits.is_compiled and drafter.greedy_block.is_compiled

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hspec.models.dtype import DTYPE_CHOICES, cpu_flags, cpu_has_native_bf16, dtype_name, int8_weights, resolve_dtype
+from hspec.models.dtype import (
+    DTYPE_CHOICES,
+    cpu_flags,
+    cpu_has_native_bf16,
+    drafter_int8,
+    dtype_name,
+    int8_weights,
+    resolve_dtype,
+)
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
 SAPPHIRE_RAPIDS = AVX2_ONLY | {"avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
@@ -50,7 +58,7 @@ def test_a_bf16_target_runs_wholly_in_bf16(tiny_dirs):
     target = load_tiny(tiny_dirs["qwen2"], dtype=torch.bfloat16)
     assert {p.dtype for p in target.model.parameters()} == {torch.bfloat16}
     assert target.model.layers[0].self_attn.qkv.qkv_weight.dtype == torch.bfloat16
-    drafter = build_drafter("hspec", target, random_weights=True)
+    drafter = build_drafter("hspec", target, random_weights=True, precision="floating")
     assert {p.dtype for p in drafter.parameters() if p.is_floating_point()} == {torch.bfloat16}
     decoder = SpeculativeDecoder(target.model, drafter, 3, eos_token_ids=())
     pool = decoder.new_pool([[1, 2, 3]], 8)
@@ -72,3 +80,32 @@ def test_load_target_takes_a_dtype_name(monkeypatch, tiny_dirs):
     assert loading.load_target("tiny", dtype="auto").model.embed_tokens.weight.dtype == resolve_dtype("auto")
     with pytest.raises(ValueError, match="float16x"):
         loading.load_target("tiny", dtype="float16x")
+
+
+def test_drafter_precision_auto_is_int8_under_a_bf16_or_int8_target_on_a_cpu_only():
+    assert drafter_int8("auto", "bfloat16") and drafter_int8("auto", "int8")
+    assert not drafter_int8("auto", "float32")  # the exact reference stays floating
+    assert not drafter_int8("auto", "bfloat16", "cuda")
+    assert drafter_int8("int8", "float32") and not drafter_int8("floating", "int8")
+    with pytest.raises(ValueError, match=r"'int4'.*auto, floating, int8"):
+        drafter_int8("int4", "bfloat16")
+
+
+@pytest.mark.parametrize("precision,linear_dtype", [("auto", torch.int8), ("floating", torch.bfloat16)])
+def test_a_drafter_under_a_bf16_target_stores_its_linears_as_asked_and_stays_lossless(tiny_dirs, precision,
+                                                                                         linear_dtype):
+    from conftest import load_tiny
+    from hspec.decoding.generate import SpeculativeDecoder
+    from hspec.drafters import create_drafter
+    from hspec.runtime import build_drafter
+    from hspec.sampling import SamplingParams
+
+    target = load_tiny(tiny_dirs["llama"], dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    drafter = build_drafter("hspec", target, random_weights=True, precision=precision)
+    assert drafter.layers[0].mlp.down_proj.weight.dtype == linear_dtype
+    plain = SpeculativeDecoder(target.model, create_drafter("none", target.config), 1, eos_token_ids=())
+    spec = SpeculativeDecoder(target.model, drafter, 3, eos_token_ids=())
+    prompt = [[1, 5, 9, 14, 5, 9, 3, 7]]
+    assert spec.generate(prompt, SamplingParams(), 24).sequences[0].token_ids == \
+        plain.generate(prompt, SamplingParams(), 24).sequences[0].token_ids

@@ -72,9 +72,11 @@ def test_fast_path_evaluations_parse_with_todays_cli(tmp_path):
     for argv in commands:
         args = parser.parse_args(argv)
         assert (argv[0], args.size, args.max_new_tokens) == ("eval", 24, 128)
-        dtypes.append((args.dtype, int(args.k), args.compile_drafter))
-        assert args.name.endswith("_compiled") == args.compile_drafter
-    assert dtypes == [("bfloat16", 7, False), ("bfloat16", 7, True), ("int8", 7, False), ("int8", 3, False)]
+        dtypes.append((args.dtype, int(args.k), args.compile_drafter, args.drafter_precision))
+        assert ("_compiled" in args.name) == args.compile_drafter
+        assert args.name.endswith("_drafter_floating") == (args.drafter_precision == "floating")
+    assert dtypes == [("bfloat16", 7, False, "auto"), ("bfloat16", 7, True, "auto"), ("bfloat16", 7, True, "floating"),
+                      ("int8", 7, False, "auto"), ("int8", 3, False, "auto")]
 
 
 @pytest.mark.parametrize("script", TRAINING_SCRIPTS)

@@ -37,6 +37,14 @@ def _add_compile_drafter(p: argparse.ArgumentParser) -> None:
                         "(docs/fast-path.md#compiled-drafter)")
 
 
+def _add_drafter_precision(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter-precision", default="auto", choices=("auto", "floating", "int8"),
+                   help="how trained drafters store their linear weights: auto (default) = int8 under a bfloat16 "
+                        "or int8 target on a CPU, where drafting is bound by reading the drafter's weights, else "
+                        "the target's floating dtype; floating; int8 (one scale per row, computing in the "
+                        "target's dtype). Drafts may change, the output never does (docs/fast-path.md#int8-drafter)")
+
+
 def _add_device(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument("--device", default=default,
                    help=f"auto (a CUDA GPU when one is visible, else the CPU), cpu, cuda or cuda:N; under torchrun "
@@ -141,6 +149,7 @@ def _add_generate(sub) -> None:
     _add_dtype(gen)
     _add_drafter(gen, "ngram")
     _add_compile_drafter(gen)
+    _add_drafter_precision(gen)
     _add_sampling(gen)
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--stop", action="append", default=[], help="stop string, non-empty (repeatable)")
@@ -162,7 +171,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if "" in args.stop:  # an empty string is found at once: the text would be cut to nothing
         raise ValueError(f"--stop needs a non-empty string, got {args.stop!r}")
     target = load_target(args.target, dtype=args.dtype)
-    drafter = build_drafter(args.drafter, target, args.drafter_path, compiled=args.compile_drafter)
+    drafter = build_drafter(args.drafter, target, args.drafter_path, compiled=args.compile_drafter,
+                            precision=args.drafter_precision)
     decoder = SpeculativeDecoder(target.model, drafter, args.k, target.tokenizer.eos_token_ids,
                                  target.tokenizer.decode)
     prompt_ids = target.tokenizer.encode_prompt(args.prompt, raw=args.raw)
@@ -354,6 +364,7 @@ def _add_eval(sub) -> None:
                          "each drafter runs once per K, interleaved) (default 7)")
     ev.add_argument("--max-new-tokens", type=int, default=128)
     _add_compile_drafter(ev)
+    _add_drafter_precision(ev)
     _add_sampling(ev)
     ev.add_argument("--out", default="results", help="output directory")
     ev.add_argument("--name", default=None, help="file stem (default eval_<tasks>_k<K>_<greedy|sampled>)")
@@ -378,7 +389,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     stem = args.name or f"eval_{args.tasks.replace(',', '+')}_k{'+'.join(map(str, ks))}_{mode}"
     run_eval(args.target, methods, args.tasks.split(","), args.size, ks if len(ks) > 1 else ks[0], sampling,
              args.max_new_tokens, Path(args.out), stem, args.seed, args.command_line, data_dir=args.data_dir,
-             dtype=args.dtype, compile_drafters=args.compile_drafter)
+             dtype=args.dtype, compile_drafters=args.compile_drafter, drafter_precision=args.drafter_precision)
     print(f"wrote {Path(args.out) / stem}.json and .md")
     return 0
 
@@ -721,6 +732,7 @@ def _add_bench_draft(bench_sub) -> None:
     bdraft.add_argument("--draft-vocab", type=int, default=None,
                         help="pruned draft vocabulary Vp of every trained kind (default: the paper's 32,000)")
     _add_compile_drafter(bdraft)
+    _add_drafter_precision(bdraft)
     bdraft.add_argument("--out", default="results", help="output directory")
     bdraft.set_defaults(handler=_cmd_bench_draft)
 
@@ -731,7 +743,8 @@ def _cmd_bench_draft(args: argparse.Namespace) -> int:
 
     return run_draft_bench(args.target, [k for k in args.drafters.split(",") if k], args.out, args.repeats,
                            _ints(args.batch_sizes), _ints(args.contexts), draft_vocab_size=args.draft_vocab,
-                           dtype=args.dtype, compile_drafters=args.compile_drafter)
+                           dtype=args.dtype, compile_drafters=args.compile_drafter,
+                           drafter_precision=args.drafter_precision)
 
 
 def _add_serve(sub) -> None:

@@ -5,7 +5,8 @@ target under `hspec/assets/<kind>-<target>/`. Model-free kinds (`none`, `ngram`)
 `KIND+ngram` (e.g. `hspec+ngram`) is KIND behind prompt lookup (`hspec.drafters.lookup_first`).
 `SPEC:P` (e.g. `hspec:0.4`, `hspec+ngram:0.4`) verifies only the drafts KIND is at least P sure of,
 and behind lookup only 2m+1 drafts after an m-token match (`hspec.drafters.early_stop`).
-`compiled=True` runs a trained drafter's block forward through torch.compile (`hspec.drafters.compile`).
+`compiled=True` runs a trained drafter's block forward through torch.compile (`hspec.drafters.compile`);
+`precision` stores its linear weights as int8 or floating (`hspec.models.dtype.drafter_int8`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pathlib import Path
 from hspec.drafters import DRAFTERS, Drafter, create_drafter
 from hspec.drafters.checkpoint import load_drafter
 from hspec.drafters.common import NeuralDrafter
-from hspec.drafters.compile import compile_block_forward
+from hspec.drafters.compile import compile_drafter
 from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
+from hspec.models.dtype import drafter_int8
 from hspec.models.loading import Target
 from hspec.models.quantize import quantize_int8
 from hspec.models.weight_layout import store_linear_weights_in_fast_layout
@@ -32,16 +34,17 @@ def shipped_drafter_path(kind: str, target_name: str) -> Path:
 
 
 def build_drafter(kind: str, target: Target, path: str | Path | None = None, random_weights: bool = False,
-                  compiled: bool = False) -> Drafter:
+                  compiled: bool = False, precision: str = "auto") -> Drafter:
     """A drafter of `kind` for `target`: loaded from `path` (or the shipped one), or random for tests/timing.
 
     `KIND+ngram` builds KIND this way and puts prompt lookup in front of it; a `:P` suffix stops
     each row's drafts at the first one of confidence below P (the grammar: `hspec.drafters.spec`).
-    `compiled`: a trained kind's block forward runs through torch.compile (model-free kinds ignore it).
+    `compiled`: a trained kind's block forward runs through torch.compile; `precision` (auto, floating,
+    int8) stores its linear weights (`for_inference`). Model-free kinds ignore both.
     """
     spec = parse_drafter_spec(kind)
     if spec.lookup or spec.confidence_floor is not None:
-        model = build_drafter(spec.base, target, path, random_weights, compiled)
+        model = build_drafter(spec.base, target, path, random_weights, compiled, precision)
         if spec.confidence_floor is not None:
             model = EarlyStopDrafter(model, spec.confidence_floor)
         if spec.lookup:  # behind lookup, `:P` also trims lookup rows to 2m+1 drafts
@@ -54,7 +57,8 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
                              f"({path}); pass a path only with a trained kind, e.g. hspec")
         return create_drafter(kind, target.config)
     if random_weights:
-        return for_inference(create_drafter(kind, target.config, target_model=target.model), target, compiled)
+        drafter = create_drafter(kind, target.config, target_model=target.model)
+        return for_inference(drafter, target, compiled, precision)
     checkpoint = Path(path) if path is not None else shipped_drafter_path(kind, target.name)
     if not (checkpoint / "config.json").exists():
         raise FileNotFoundError(
@@ -64,18 +68,20 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     drafter = load_drafter(checkpoint, target.model)
     if drafter.kind != kind:
         raise ValueError(f"checkpoint {checkpoint} holds a {drafter.kind!r} drafter, not {kind!r}")
-    return for_inference(drafter, target, compiled)
+    return for_inference(drafter, target, compiled, precision)
 
 
-def for_inference(drafter: Drafter, target: Target, compiled: bool = False) -> Drafter:
+def for_inference(drafter: Drafter, target: Target, compiled: bool = False, precision: str = "auto") -> Drafter:
     """Eval mode, linear weights in the layout multi-row CPU forwards prefer (see models/weight_layout),
-    int8 linears when the target runs in int8 (`--dtype int8`: drafts change, never the output), and
-    with `compiled` the block forward through torch.compile."""
+    int8 linears where `precision` asks for them (`drafter_int8`; by default under a bf16 or int8 target
+    on a CPU: drafts may change, never the output), and with `compiled` the tensor-only forwards
+    through torch.compile."""
     store_linear_weights_in_fast_layout(drafter)
-    if target.model.dtype_name == "int8":
+    int8 = drafter_int8(precision, target.model.dtype_name, target.model.embed_tokens.weight.device)
+    if int8 and isinstance(drafter, NeuralDrafter):
         drafter.requires_grad_(False)
         quantize_int8(drafter, compute_dtype=target.model.embed_tokens.weight.dtype)
     drafter = drafter.eval()
     if compiled and isinstance(drafter, NeuralDrafter):
-        compile_block_forward(drafter)
+        compile_drafter(drafter)
     return drafter

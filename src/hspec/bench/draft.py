@@ -32,6 +32,7 @@ from hspec.cache.paged_pool import blocks_for
 from hspec.drafters import DRAFTERS, create_drafter, drafter_config
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.drafters.common import select_target_layers
+from hspec.models.dtype import drafter_int8
 from hspec.models.llama import TargetModel
 from hspec.models.loading import Target, load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
@@ -115,7 +116,8 @@ class _Setting:
 def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str | Path, repeats: int = 5,
                     batch_sizes: Sequence[int] = (1, 16), contexts: Sequence[int] = (256, 2048), K: int = 7,
                     seed: int = 0, draft_vocab_size: int | None = None, dtype: str = "auto",
-                    target: Target | None = None, compile_drafters: bool = False) -> int:
+                    target: Target | None = None, compile_drafters: bool = False, drafter_precision: str = "auto"
+                    ) -> int:
     """Time every kind's draft forward against the target's verify; write draft_cost_<device>.{json,md}.
 
     `draft_vocab_size` sets Vp of every trained kind (default: each kind's own, the paper's 32,000);
@@ -123,6 +125,8 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
     bfloat16 run end in `_bfloat16`). `target`: the target `target_name` names, already loaded (its own
     dtype is then the one timed); None loads it. `compile_drafters`: trained kinds' block forward through
     torch.compile (compiled in the untimed warm-up; the files then end in `_compiled`).
+    `drafter_precision`: how trained kinds store their linear weights (`hspec.runtime.for_inference`;
+    the files of a run with another choice than auto end in `_drafter_<int8|floating>`).
     """
     if target is None:
         target = load_target(target_name, dtype=dtype)
@@ -131,9 +135,11 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
     torch.manual_seed(seed)
     drafters = {k: _create(k, target.config, model, draft_vocab_size) for k in kinds}
     for kind, drafter in drafters.items():
-        if isinstance(drafter, torch.nn.Module):  # as `hspec generate` runs it (int8 linears under --dtype int8)
-            drafters[kind] = for_inference(drafter, target, compile_drafters)
+        if isinstance(drafter, torch.nn.Module):  # as `hspec generate` runs it
+            drafters[kind] = for_inference(drafter, target, compile_drafters, drafter_precision)
     device = "gpu" if model.embed_tokens.weight.is_cuda else "cpu"
+    precision = "int8" if drafter_int8(drafter_precision, model.dtype_name, model.embed_tokens.weight.device) \
+        else "floating"
     rows = []
     with torch.inference_mode():
         for B in batch_sizes:
@@ -143,18 +149,21 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
     settings = {"target": target.name, "dtype": model.dtype_name,
                 "K": K, "batch_sizes": list(batch_sizes), "contexts": list(contexts), "repeats": repeats,
                 "kinds": kinds, "sampling": "greedy", "drafter_weights": "random",
-                "draft_vocab_size": draft_vocab_size or "each kind's default", "compile_drafters": compile_drafters}
+                "draft_vocab_size": draft_vocab_size or "each kind's default", "compile_drafters": compile_drafters,
+                "drafter_precision": precision}
     command = (f"hspec bench draft --target {target_name} --drafters {','.join(kinds)} --repeats {repeats} "
                f"--batch-sizes {','.join(map(str, batch_sizes))} --contexts {','.join(map(str, contexts))}")
     if draft_vocab_size is not None:
         command += f" --draft-vocab {draft_vocab_size}"
     command += f" --dtype {dtype}" + (" --compile-drafter" if compile_drafters else "")
+    command += f" --drafter-precision {drafter_precision}" if drafter_precision != "auto" else ""
     payload = {"provenance": provenance(command, settings), "goal": GOAL,
                "params": {k: _num_params(d) for k, d in drafters.items()}, "results": rows}
     markdown = _markdown(payload)
     name = f"draft_cost_{device}" + (f"_vp{draft_vocab_size}" if draft_vocab_size else "")
     name += "" if settings["dtype"] == "float32" else f"_{settings['dtype']}"
     name += "_compiled" if compile_drafters else ""
+    name += "" if drafter_precision == "auto" else f"_drafter_{drafter_precision}"
     json_path, md_path = write_results(Path(out_dir), name, payload, markdown)
     print(markdown)
     print(f"wrote {json_path} and {md_path}")

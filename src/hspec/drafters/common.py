@@ -314,32 +314,48 @@ class NeuralDrafter(Drafter, nn.Module):
 
         logits (B, K, Vp) backbone logits; anchor_tokens (B,). The target's sampling transform is
         applied to each l_k; greedy rows take the argmax. Returns the drafts as draft-vocabulary
-        indices (B, K), their distributions (B, K, Vp) fp32, and the confidence (B, K): softmax(l_k)
-        at d_k, the drafter's own probability of each draft before the sampling transform.
+        indices (B, K), their distributions (B, K, Vp) fp32, and the confidence (B, K): softmax(l_k) at
+        d_k, the drafter's own probability of each draft before the sampling transform.
         """
+        if sampling.all_greedy:
+            local, confidence = self.greedy_block(logits, anchor_tokens)
+            probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+            return local, probs.scatter_(-1, local[..., None], 1.0), confidence
         b, K, _ = logits.shape
-        all_greedy = sampling.all_greedy
         # One draw of K uniforms per row from its own generator, so a row's draws do not depend on
         # which other rows share the batch.
-        uniforms = None if all_greedy else draw_uniforms(generators, K, logits.device)  # (B, K)
+        uniforms = draw_uniforms(generators, K, logits.device)  # (B, K)
         prev = anchor_tokens  # (B,) target ids
         tokens, probs, confidence = [], [], []
         for k in range(K):
-            l_k = logits[:, k]  # (B, Vp)
-            if self.markov is not None:
-                l_k = l_k + self.markov(prev[:, None])[:, 0]
-            l_k32 = l_k.float()  # (B, Vp); a bf16 argmax runs 5x slower than its exact fp32 copy's on CPU
-            if uniforms is None:
-                d_k = l_k32.argmax(-1)  # (B,)
-                p_k = torch.zeros_like(l_k32).scatter_(-1, d_k[:, None], 1.0)
-            else:
-                p_k = sampling.probs(l_k[:, None])[:, 0]  # (B, Vp)
-                d_k = sample_with_uniform(p_k, uniforms[:, k])
+            l_k = self.slot_logits(logits[:, k], prev)  # (B, Vp)
+            p_k = sampling.probs(l_k[:, None])[:, 0]  # (B, Vp)
+            d_k = sample_with_uniform(p_k, uniforms[:, k])
             tokens.append(d_k)
             probs.append(p_k)
-            confidence.append(torch.softmax(l_k32, -1).gather(-1, d_k[:, None])[:, 0])
+            confidence.append(torch.softmax(l_k.float(), -1).gather(-1, d_k[:, None])[:, 0])
             prev = self.head.to_target_ids(d_k)
         return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidence, 1)
+
+    def greedy_block(self, logits: torch.Tensor, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample_block` for all-greedy rows, tensors only, so torch.compile can fuse the K-slot loop.
+
+        logits (B, K, Vp); anchor_tokens (B,). Returns the drafts as draft-vocabulary indices (B, K) and
+        their confidence (B, K): softmax(l_k) at its argmax, which is 1 / sum(exp(l_k - max l_k)).
+        """
+        prev = anchor_tokens  # (B,) target ids
+        tokens, confidence = [], []
+        for k in range(logits.shape[1]):
+            l_k = self.slot_logits(logits[:, k], prev).float()  # (B, Vp); a bf16 argmax runs 5x slower on CPU
+            top, d_k = l_k.max(-1)  # (B,) each
+            tokens.append(d_k)
+            confidence.append(1.0 / torch.exp(l_k - top[:, None]).sum(-1))
+            prev = self.head.to_target_ids(d_k)
+        return torch.stack(tokens, 1), torch.stack(confidence, 1)
+
+    def slot_logits(self, backbone: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """l_k = U_k + W2(W1[prev_k]): backbone (B, Vp) logits U_k, prev (B,) target ids -> (B, Vp)."""
+        return backbone if self.markov is None else backbone + self.markov(prev[:, None])[:, 0]
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:

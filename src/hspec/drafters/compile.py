@@ -1,14 +1,17 @@
-"""A trained drafter's block forward compiled with torch.compile (docs/fast-path.md#compiled-drafter).
+"""A trained drafter's tensor-only forwards compiled with torch.compile (docs/fast-path.md#compiled-drafter).
 
-Only the drafter is compiled, never the target. Inductor fuses the block forward's ~400 small ops
-(norms, the Mamba-2 scan, RoPE, attention over the target's K/V), which on a 2-core CPU cost more
-than its matrix products. A compiled drafter may round differently from the eager one, so a draft
-can change; the output cannot, because the target verifies every draft with its own forward.
+Only the drafter is compiled, never the target, and only its two tensor-only methods:
+* `block_logits`, the block forward: inductor fuses its ~400 small ops (norms, the Mamba-2 scan,
+  RoPE, attention over the target's K/V), which on a 2-core CPU cost more than its matrix products;
+* `greedy_block`, the K-slot greedy Markov loop: K small vector-matrix products with an argmax and a
+  softmax each, fused into a few kernels.
+A compiled drafter may round differently from the eager one, so a draft can change; the output
+cannot, because the target verifies every draft with its own forward.
 
-`block_logits` is compiled with dynamic shapes (the context length changes every step), once per
-process. Inductor keeps what it built in its on-disk cache, so a later process compiles from there
-(measured here: about 4 min on 2 cores the first time, about 30 s from the cache). If compiling
-fails (no C++ compiler, an unsupported op), the drafter warns once and stays eager.
+Both are compiled with dynamic shapes (the context length changes every step), once per process.
+Inductor keeps what it built in its on-disk cache, so a later process compiles from there (measured
+here: about 4 min on 2 cores the first time, about 30 s from the cache). If compiling fails (no C++
+compiler, an unsupported op), the method warns once and stays eager.
 """
 
 from __future__ import annotations
@@ -18,40 +21,45 @@ from collections.abc import Callable
 
 import torch
 
-from hspec.drafters.common import BlockContext, NeuralDrafter
+from hspec.drafters.common import NeuralDrafter
+
+COMPILED_METHODS = ("block_logits", "greedy_block")
 
 
-class CompiledBlockForward:
-    """Calls `drafter.block_logits` through torch.compile; falls back to the eager forward for good
+class CompiledForward:
+    """Calls one of `drafter`'s methods through torch.compile; falls back to the eager method for good
     the first time the compiled call fails where the eager one succeeds (a compile failure)."""
 
-    def __init__(self, drafter: NeuralDrafter) -> None:
-        self.kind = drafter.kind
-        self.eager: Callable[[BlockContext], torch.Tensor] = drafter.block_logits
-        self.compiled: Callable[[BlockContext], torch.Tensor] | None = torch.compile(self.eager, dynamic=True)
+    def __init__(self, drafter: NeuralDrafter, name: str) -> None:
+        self.kind, self.name = drafter.kind, name
+        self.eager: Callable[..., object] = getattr(drafter, name)
+        self.compiled: Callable[..., object] | None = torch.compile(self.eager, dynamic=True)
 
     @property
     def is_compiled(self) -> bool:
-        """False once compiling failed and the eager forward took over."""
+        """False once compiling failed and the eager method took over."""
         return self.compiled is not None
 
-    def __call__(self, ctx: BlockContext) -> torch.Tensor:
+    def __call__(self, *args: object) -> object:
         if self.compiled is None:
-            return self.eager(ctx)
+            return self.eager(*args)
         try:
-            return self.compiled(ctx)
+            return self.compiled(*args)
         except Exception as compile_error:
-            logits = self.eager(ctx)  # an error of the forward itself raises here, as without compiling
+            result = self.eager(*args)  # an error of the method itself raises here, as without compiling
             self.compiled = None
-            warnings.warn(f"torch.compile failed for drafter {self.kind!r}, which stays eager: "
+            warnings.warn(f"torch.compile failed for drafter {self.kind!r} ({self.name}), which stays eager: "
                           f"{type(compile_error).__name__}: {compile_error}", RuntimeWarning, stacklevel=2)
-            return logits
+            return result
 
 
-def compile_block_forward(drafter: NeuralDrafter) -> CompiledBlockForward:
-    """Route `drafter`'s block forward through torch.compile (in place); returns the wrapper."""
-    if isinstance(drafter.block_logits, CompiledBlockForward):
-        return drafter.block_logits
-    compiled = CompiledBlockForward(drafter)
-    drafter.block_logits = compiled  # type: ignore[method-assign]  # the instance's, not the class's
-    return compiled
+def compile_drafter(drafter: NeuralDrafter) -> dict[str, CompiledForward]:
+    """Route `drafter`'s `COMPILED_METHODS` through torch.compile (in place, once); returns the wrappers."""
+    wrappers = {}
+    for name in COMPILED_METHODS:
+        method = getattr(drafter, name)
+        if not isinstance(method, CompiledForward):
+            method = CompiledForward(drafter, name)
+            setattr(drafter, name, method)  # the instance's attribute, not the class's
+        wrappers[name] = method
+    return wrappers

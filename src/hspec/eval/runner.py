@@ -21,6 +21,7 @@ from hspec.decoding.generate import SpeculativeDecoder
 from hspec.eval.bootstrap import paired_bootstrap_relative_diff
 from hspec.eval.findings import evaluate_claims, itl_ratio, render_findings, tau_ratio
 from hspec.metrics import acceptance_stats, merge_stats
+from hspec.models.dtype import drafter_int8
 from hspec.models.loading import Target, load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.runtime import build_drafter
@@ -48,11 +49,13 @@ class MethodSpec:
 def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequence[str], size: int | None,
              K: int | Sequence[int], sampling: SamplingParams, max_new_tokens: int, out_dir: Path, stem: str,
              seed: int = 0, command: str = "hspec eval", data_dir: str | Path | None = None,
-             dtype: str = "auto", target: Target | None = None, compile_drafters: bool = False) -> dict[str, Any]:
+             dtype: str = "auto", target: Target | None = None, compile_drafters: bool = False,
+             drafter_precision: str = "auto") -> dict[str, Any]:
     """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
 
     Every method first decodes WARM_UP_TOKENS untimed (first-call dispatch, and with `compile_drafters`
-    the drafters' torch.compile), then the items run interleaved.
+    the drafters' torch.compile), then the items run interleaved. `drafter_precision`: how trained
+    drafters store their linear weights (`hspec.runtime.for_inference`).
 
     The tasks are read from `data_dir` (default: $HSPEC_DATA_DIR, else the data shipped in hspec/data).
     `target`: the target `target_name` names, already loaded (then `dtype` is not used); None loads it.
@@ -70,7 +73,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     tasks = [load_task(name, size, data_dir) for name in task_names]  # a missing file fails before loading
     if target is None:
         target = load_target(target_name, dtype=dtype)  # dtype: --dtype (auto, float32, bfloat16)
-    drafters = {m.label: build_drafter(m.kind, target, m.path, compiled=compile_drafters) for m in specs}
+    drafters = {m.label: build_drafter(m.kind, target, m.path, compiled=compile_drafters,
+                                          precision=drafter_precision) for m in specs}
     runs: dict[str, tuple[SpeculativeDecoder, int]] = {}  # label -> (decoder, K)
     for m in specs:
         for k in ([ks[0]] if m.kind == "none" else ks):
@@ -114,6 +118,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": max_new_tokens,
                 "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,
                 "methods": ",".join(m.label for m in specs), "compile_drafters": compile_drafters,
+                "drafter_precision": _resolved_precision(drafter_precision, target),
                 **({} if data_dir is None else {"data_dir": str(data_dir)})}
     summary = summarize(records, list(runs), ks[0])
     payload = {"provenance": provenance(command, settings), "summary": summary, "records": records}
@@ -278,3 +283,9 @@ def _k_sensitivity_table(summary: dict[str, Any]) -> list[str]:
             cells.append("-" if entry is None else f"{entry['mean_accepted_length']:.2f} / {entry['speedup']:.2f}x")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _resolved_precision(precision: str, target: Target) -> str:
+    """What `--drafter-precision` meant for this target: int8 or floating (what the results record)."""
+    return "int8" if drafter_int8(precision, target.model.dtype_name, target.model.embed_tokens.weight.device) \
+        else "floating"

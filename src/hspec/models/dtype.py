@@ -73,6 +73,26 @@ def int8_weights(name: str | torch.dtype) -> bool:
     return name == "int8"
 
 
+DRAFTER_PRECISION_CHOICES = ("auto", "floating", "int8")
+
+
+def drafter_int8(precision: str, target_dtype: str, device: torch.device | str = "cpu") -> bool:
+    """Whether a drafter's linear weights are stored as int8 (`--drafter-precision`).
+
+    A drafter's weights only decide what it drafts, never what the target outputs, so their storage is
+    a speed choice. auto = int8 when the target runs in int8, or in bfloat16 on a CPU: drafting 7 rows
+    is bound by reading ~50 MB of drafter weights, and int8 halves them (measured here: propose 7.3 ->
+    6.4 ms, the same tau on Spec-Bench, docs/fast-path.md#int8-drafter); floating elsewhere (float32,
+    the exact reference, and GPUs). floating keeps the target's floating dtype; int8 forces int8
+    (computing in the target's floating dtype).
+    """
+    if precision not in DRAFTER_PRECISION_CHOICES:
+        raise ValueError(f"unknown drafter precision {precision!r}; allowed: {', '.join(DRAFTER_PRECISION_CHOICES)}")
+    if precision == "auto":
+        return target_dtype == "int8" or (target_dtype == "bfloat16" and torch.device(device).type == "cpu")
+    return precision == "int8"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> 'bfloat16' (the spelling `--dtype` takes and results files record)."""
     return str(dtype).removeprefix("torch.")

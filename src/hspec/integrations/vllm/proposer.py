@@ -8,7 +8,7 @@ only; vLLM's own custom-class call passes token ids alone):
 - the step's attention metadata: per request the query rows, the KV length and the block table, with
   which the drafter's attention reads the target's paged KV cache of the last 3 tapped layers in place.
 
-What it runs: hspec's own H-Spec modules (`HSpecDrafter.block_logits`, then `sample_block`, greedy,
+What it runs: hspec's own H-Spec modules (`HSpecDrafter.block_logits`, then `greedy_block`,
 Markov head included) on a `BlockContext` built from vLLM's tensors; only the context K/V read is
 new here (`paged_context_kv`). The block's own K/V stay the transient tensors of `BlockAttention`.
 It owns no attention layer, so vLLM allocates no drafter KV blocks: its KV capacity equals plain's.
@@ -52,7 +52,6 @@ from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.layers import rope_cos_sin
 from hspec.models.loading import read_config
 from hspec.models.weight_layout import store_linear_weights_in_fast_layout
-from hspec.sampling import SamplingBatch
 
 PROPOSER_CLASS = "hspec.integrations.vllm.proposer.HSpecProposer"
 HF_OVERRIDE_KEY = "hspec_drafter"  # hf_overrides={"hspec_drafter": PATH}
@@ -329,9 +328,7 @@ class HSpecProposer:
         drafter = self.drafter_model
         ctx = self.block_context(rows, aux_hidden_states, m.block_table_tensor, k)
         logits = drafter.block_logits(ctx)  # (N, k, Vp)
-        n = logits.shape[0]
-        greedy = SamplingBatch(torch.zeros(n), torch.ones(n), torch.zeros(n, dtype=torch.long))
-        local, _, confidence = drafter.sample_block(logits, ctx.block_tokens[:, 0], greedy, [])  # (N, k) x2
+        local, confidence = drafter.greedy_block(logits, ctx.block_tokens[:, 0])  # (N, k) x2
         drafts = self.draft_length.trim(drafter.head.to_target_ids(local).tolist(), confidence)
         for request, tokens in zip(rows.requests.tolist(), drafts):
             out[request] = tokens
