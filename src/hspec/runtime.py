@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from hspec.drafters import DRAFTERS, Drafter, create_drafter
 from hspec.drafters.checkpoint import load_drafter
 from hspec.drafters.common import NeuralDrafter
@@ -72,15 +74,21 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
 
 
 def for_inference(drafter: Drafter, target: Target, compiled: bool = False, precision: str = "auto") -> Drafter:
+    """`prepare_for_inference` for a drafter of `target` (its dtype and device)."""
+    return prepare_for_inference(drafter, target.model.dtype_name, target.model.embed_tokens.weight.device,
+                                 compiled, precision)
+
+
+def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.device | str, compiled: bool = False,
+                          precision: str = "auto") -> Drafter:
     """Eval mode, linear weights in the layout multi-row CPU forwards prefer (see models/weight_layout),
-    int8 linears where `precision` asks for them (`drafter_int8`; by default under a bf16 or int8 target
-    on a CPU: drafts may change, never the output), and with `compiled` the tensor-only forwards
-    through torch.compile."""
+    int8 linears where `precision` asks for them (`drafter_int8` for a target running in `target_dtype`
+    on `device`; by default under a bf16 or int8 target on a CPU: drafts may change, never the output),
+    and with `compiled` the tensor-only forwards through torch.compile."""
     store_linear_weights_in_fast_layout(drafter)
-    int8 = drafter_int8(precision, target.model.dtype_name, target.model.embed_tokens.weight.device)
-    if int8 and isinstance(drafter, NeuralDrafter):
+    if drafter_int8(precision, target_dtype, device) and isinstance(drafter, NeuralDrafter):
         drafter.requires_grad_(False)
-        quantize_int8(drafter, compute_dtype=target.model.embed_tokens.weight.dtype)
+        quantize_int8(drafter, compute_dtype=drafter.mask_embedding.dtype)
     drafter = drafter.eval()
     if compiled and isinstance(drafter, NeuralDrafter):
         compile_drafter(drafter)

@@ -49,9 +49,10 @@ from hspec.drafters.checkpoint import load_drafter, read_checkpoint
 from hspec.drafters.common import BlockContext, NeuralDrafter, build_block
 from hspec.drafters.early_stop import leading_confident
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
+from hspec.models.dtype import dtype_name
 from hspec.models.layers import rope_cos_sin
 from hspec.models.loading import read_config
-from hspec.models.weight_layout import store_linear_weights_in_fast_layout
+from hspec.runtime import prepare_for_inference
 
 PROPOSER_CLASS = "hspec.integrations.vllm.proposer.HSpecProposer"
 HF_OVERRIDE_KEY = "hspec_drafter"  # hf_overrides={"hspec_drafter": PATH}
@@ -257,8 +258,9 @@ class HSpecProposer:
         """Rebuild the drafter on vLLM's target (its embedding, LM head; hspec's RoPE), for inference."""
         view = VllmTargetView.of(model, self.vllm_config.model_config.model)
         drafter = load_drafter(self.checkpoint, view)  # type: ignore[arg-type]
-        store_linear_weights_in_fast_layout(drafter)  # the layout hspec's engine runs (hspec.runtime)
-        self.drafter = drafter.eval()
+        # As hspec's engine runs it: int8 linears under a bf16 target on a CPU (drafts only, never the output).
+        self.drafter = prepare_for_inference(drafter, dtype_name(drafter.mask_embedding.dtype),
+                                             drafter.mask_embedding.device)  # type: ignore[assignment]
 
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
         """vLLM's token-only custom-class call: H-Spec cannot draft from it (it needs the plugin's call)."""
