@@ -31,9 +31,9 @@ def _add_dtype(p: argparse.ArgumentParser) -> None:
 
 def _add_compile_drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-drafter", action="store_true",
-                   help="run trained drafters' block forward through torch.compile (inductor): a third less "
-                        "drafting time on a 2-core CPU, after a compile of ~4 min the first time and ~30 s from "
-                        "inductor's cache; drafts may round differently, the output never changes "
+                   help="run trained drafters' block forward and greedy loop through torch.compile (inductor): "
+                        "a third less drafting time on a 2-core CPU, after a compile of ~4 min the first time and "
+                        "~30 s from inductor's cache; drafts may round differently, the output never changes "
                         "(docs/fast-path.md#compiled-drafter)")
 
 
