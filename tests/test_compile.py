@@ -29,16 +29,19 @@ def _greedy(target, drafter, K=3, tokens=20):
 def test_a_failing_compile_warns_once_and_the_drafter_stays_eager(tiny_target, monkeypatch):
     monkeypatch.setattr(compile_module.torch, "compile", _failing_compile)
     drafter = build_drafter("hspec", tiny_target, random_weights=True, compiled=True)
-    wrappers = [drafter.block_logits, drafter.greedy_block]
-    assert all(isinstance(w, CompiledForward) and w.is_compiled for w in wrappers)
+    block, greedy = drafter.block_logits, drafter.draft_greedy
+    assert all(isinstance(w, CompiledForward) and w.is_compiled for w in (block, greedy))
     plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1)
-    with pytest.warns(RuntimeWarning) as warned:
+    with pytest.warns(RuntimeWarning) as warned:  # greedy rows run draft_greedy only
         assert _greedy(tiny_target, drafter) == plain
-    messages = sorted(str(w.message) for w in warned)
-    assert len(messages) == 2  # once per compiled method, not once per call
-    assert "drafter 'hspec' (block_logits)" in messages[0] and "drafter 'hspec' (greedy_block)" in messages[1]
-    assert all("no C++ compiler" in m for m in messages)
-    assert not any(w.is_compiled for w in wrappers)  # later calls go straight to the eager methods
+    assert [str(w.message) for w in warned] == [
+        "torch.compile failed for drafter 'hspec' (draft_greedy), which stays eager: RuntimeError: inductor: no C++ "
+        "compiler"]  # once, not once per step
+    assert not greedy.is_compiled and block.is_compiled  # later greedy calls go straight to the eager method
+    decoder = SpeculativeDecoder(tiny_target.model, drafter, 3, eos_token_ids=())
+    with pytest.warns(RuntimeWarning, match=r"\(block_logits\)"):  # sampled rows run the block forward
+        decoder.generate([PROMPT], SamplingParams(temperature=1.0), 12)
+    assert not block.is_compiled
 
 
 def test_an_error_of_the_forward_itself_still_raises(tiny_target, monkeypatch):
@@ -48,14 +51,14 @@ def test_an_error_of_the_forward_itself_still_raises(tiny_target, monkeypatch):
     with pytest.raises(AttributeError):
         drafter.block_logits(None)  # the eager forward's own error, not a compile warning
     with pytest.raises(AttributeError):
-        drafter.greedy_block(None, None)
+        drafter.draft_greedy(None, None)
 
 
 def test_compiled_reaches_the_trained_kind_behind_wrappers_and_skips_model_free_kinds(tiny_target, monkeypatch):
     monkeypatch.setattr(compile_module.torch, "compile", lambda fn, **_: fn)
     behind = build_drafter("hspec+ngram:0.4", tiny_target, random_weights=True, compiled=True)
     assert isinstance(behind.model.model.block_logits, CompiledForward)
-    assert isinstance(behind.model.model.greedy_block, CompiledForward)
+    assert isinstance(behind.model.model.draft_greedy, CompiledForward)
     assert not isinstance(build_drafter("hspec", tiny_target, random_weights=True).block_logits,
                           CompiledForward)
     assert build_drafter("ngram", tiny_target, compiled=True).kind == "ngram"
@@ -72,4 +75,4 @@ def test_a_compiled_drafter_keeps_greedy_output_equal_to_plain(tiny_target, kind
     drafter = build_drafter(kind, tiny_target, random_weights=True, compiled=True)
     plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1, tokens=32)
     assert _greedy(tiny_target, drafter, tokens=32) == plain
-    assert drafter.block_logits.is_compiled and drafter.greedy_block.is_compiled
+    assert drafter.block_logits.is_compiled and drafter.draft_greedy.is_compiled

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hspec.cache.paged_pool import PagedKVPool
-from hspec.drafters.base import DraftBatch, Drafter, Proposal
+from hspec.drafters.base import DraftBatch, Drafter, Proposal, one_hot_probs
 from hspec.drafters.block_attention import BlockAttention, attend_block
 from hspec.drafters.config import (
     DrafterConfig,
@@ -304,9 +304,20 @@ class NeuralDrafter(Drafter, nn.Module):
         block_tokens, positions = build_block(batch.anchor_tokens, p, K, self.config.mask_token_id)
         context_kv, context_mask = self.context_kv_from_pool(batch.pool, batch.seq_ids, lengths)
         ctx = BlockContext(block_tokens, positions, self.last_hidden_of(batch.seq_ids), context_kv, context_mask)
+        if batch.sampling.all_greedy:
+            local, confidence = self.draft_greedy(ctx, batch.anchor_tokens)  # (B, K) x2
+            drafts = self.head.to_target_ids(local)
+            return Proposal(drafts, one_hot_probs(drafts, self.config.vocab_size), confidence=confidence)
         logits = self.block_logits(ctx)  # (B, K, Vp)
         local, probs, confidence = self.sample_block(logits, batch.anchor_tokens, batch.sampling, batch.generators)
         return Proposal(self.head.to_target_ids(local), self.head.to_full(probs), confidence=confidence)
+
+    def draft_greedy(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block forward, then `greedy_block`: drafts (B, K) as draft-vocabulary indices and their
+        confidence (B, K) for all-greedy rows. Tensors only, so torch.compile makes the whole greedy
+        proposal one compiled call (drafters/compile.py); it calls the class's `block_logits`, never a
+        compiled wrapper of it, so the two compile as one graph."""
+        return self.greedy_block(type(self).block_logits(self, ctx), anchor_tokens)
 
     def sample_block(self, logits: torch.Tensor, anchor_tokens: torch.Tensor, sampling: SamplingBatch,
                      generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -338,7 +349,7 @@ class NeuralDrafter(Drafter, nn.Module):
         return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidence, 1)
 
     def greedy_block(self, logits: torch.Tensor, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`sample_block` for all-greedy rows, tensors only, so torch.compile can fuse the K-slot loop.
+        """`sample_block` for all-greedy rows, tensors only (compiled inside `draft_greedy`).
 
         logits (B, K, Vp); anchor_tokens (B,). Returns the drafts as draft-vocabulary indices (B, K) and
         their confidence (B, K): softmax(l_k) at its argmax, which is 1 / sum(exp(l_k - max l_k)).

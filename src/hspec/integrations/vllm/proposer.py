@@ -8,7 +8,7 @@ only; vLLM's own custom-class call passes token ids alone):
 - the step's attention metadata: per request the query rows, the KV length and the block table, with
   which the drafter's attention reads the target's paged KV cache of the last 3 tapped layers in place.
 
-What it runs: hspec's own H-Spec modules (`HSpecDrafter.block_logits`, then `greedy_block`,
+What it runs: hspec's own H-Spec modules (`HSpecDrafter.draft_greedy`: the block forward, then the greedy loop,
 Markov head included) on a `BlockContext` built from vLLM's tensors; only the context K/V read is
 new here (`paged_context_kv`). The block's own K/V stay the transient tensors of `BlockAttention`.
 It owns no attention layer, so vLLM allocates no drafter KV blocks: its KV capacity equals plain's.
@@ -329,8 +329,7 @@ class HSpecProposer:
             return out
         drafter = self.drafter_model
         ctx = self.block_context(rows, aux_hidden_states, m.block_table_tensor, k)
-        logits = drafter.block_logits(ctx)  # (N, k, Vp)
-        local, confidence = drafter.greedy_block(logits, ctx.block_tokens[:, 0])  # (N, k) x2
+        local, confidence = drafter.draft_greedy(ctx, ctx.block_tokens[:, 0])  # (N, k) x2
         drafts = self.draft_length.trim(drafter.head.to_target_ids(local).tolist(), confidence)
         for request, tokens in zip(rows.requests.tolist(), drafts):
             out[request] = tokens
