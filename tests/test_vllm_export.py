@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -137,8 +138,10 @@ def test_peagle_export_layout_matches_what_vllm_parallel_eagle3_loads(tiny_targe
     added = [{"id": i, "content": f"<s{i}>", "special": True} for i in (0, 1, 2)]
     (target_dir / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
     resolved = resolve_export(parse_drafters(f"peagle={path}", 5)[1], tmp_path / "exports", target_dir)
-    assert resolved.speculative_config == {"method": "eagle3", "model": str(tmp_path / "exports" / path.name),
-                                           "num_speculative_tokens": drafter.config.max_draft_len,
+    model = Path(resolved.speculative_config.pop("model"))
+    assert model.parent == tmp_path / "exports" and model.name.startswith(f"peagle-{path.name}-")
+    assert is_vllm_export(model)
+    assert resolved.speculative_config == {"method": "eagle3", "num_speculative_tokens": drafter.config.max_draft_len,
                                            "parallel_drafting": True}
 
 
@@ -167,8 +170,11 @@ def test_parse_drafters_adds_plain_and_names_what_is_allowed(dflash_checkpoint, 
     assert is_vllm_export(resolved.speculative_config["model"])
     assert resolved.speculative_config["num_speculative_tokens"] == 6  # block size 7 - the anchor slot
     assert resolve_export(configs[0], tmp_path / "exports", target_dir) is configs[0]
-    with pytest.raises(ValueError, match="over its source checkpoint"):  # it would replace what it reads
-        resolve_export(configs[1], path.parent, target_dir)
+    twin = tmp_path / "other" / path.name  # another checkpoint with the same folder name (runs/X/drafter)
+    shutil.copytree(path, twin)
+    other = resolve_export(parse_drafters(f"dflash={twin}", 5)[1], tmp_path / "exports", target_dir)
+    assert other.speculative_config["model"] != resolved.speculative_config["model"]  # one export each
+    assert is_vllm_export(resolved.speculative_config["model"]) and is_vllm_export(other.speculative_config["model"])
     for bad, match in (("medusa", "unknown drafter 'medusa'; allowed"), ("dflash=/nowhere", "no config.json"),
                        ("ngram,ngram", "distinct"), ("hspec=/nowhere", "no config.json")):
         with pytest.raises(ValueError, match=match):

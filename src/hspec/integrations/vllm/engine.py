@@ -16,6 +16,7 @@ binding, and a KV cache of `kv_cache_gib` GiB. `enforce_eager=True` loads in ~35
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -134,7 +135,8 @@ def parse_drafters(text: str, k: int) -> list[VllmDrafter]:
 
 def resolve_export(drafter: VllmDrafter, export_dir: Path, target_dir: Path) -> VllmDrafter:
     """A `dflash` or `peagle` configuration on a loadable export: an hspec checkpoint is exported into
-    `export_dir` first; K comes from the export's config. Other configurations are returned unchanged."""
+    `export_dir` first (its own folder per source); K comes from the export's config. Other configurations
+    are returned unchanged."""
     config = drafter.speculative_config
     if config is None or config["method"] not in EXPORTED_KINDS:
         return drafter
@@ -143,9 +145,10 @@ def resolve_export(drafter: VllmDrafter, export_dir: Path, target_dir: Path) -> 
     kind = EXPORTED_KINDS[config["method"]]
     path = Path(config["model"])
     if not is_vllm_export(path):
-        dst = export_dir / path.name
-        if dst.resolve() == path.resolve():
-            raise ValueError(f"export_dir {export_dir} would put the export over its source checkpoint {path}")
+        # One folder per source checkpoint: two checkpoints both named `drafter` (runs/X/drafter) must not
+        # share an export, and the name can never be the source's own folder.
+        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+        dst = export_dir / f"{kind}-{path.name}-{digest}"
         path = (export_dflash_for_vllm if kind == "dflash" else export_peagle_for_vllm)(path, dst, target_dir)
     return VllmDrafter(drafter.name, dflash_config(path) if kind == "dflash" else peagle_config(path))
 
