@@ -330,8 +330,7 @@ class NeuralDrafter(Drafter, nn.Module):
         """
         if sampling.all_greedy:
             local, confidence = self.greedy_block(logits, anchor_tokens)
-            probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-            return local, probs.scatter_(-1, local[..., None], 1.0), confidence
+            return local, one_hot_probs(local, logits.shape[-1]), confidence
         b, K, _ = logits.shape
         # One draw of K uniforms per row from its own generator, so a row's draws do not depend on
         # which other rows share the batch.
