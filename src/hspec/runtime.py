@@ -73,6 +73,12 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     return for_inference(drafter, target, compiled, precision)
 
 
+def drafter_precision_of(precision: str, target: Target) -> str:
+    """What `--drafter-precision` means for `target`: "int8" or "floating" (what results files record)."""
+    return "int8" if drafter_int8(precision, target.model.dtype_name, target.model.embed_tokens.weight.device) \
+        else "floating"
+
+
 def for_inference(drafter: Drafter, target: Target, compiled: bool = False, precision: str = "auto") -> Drafter:
     """`prepare_for_inference` for a drafter of `target` (its dtype and device)."""
     return prepare_for_inference(drafter, target.model.dtype_name, target.model.embed_tokens.weight.device,

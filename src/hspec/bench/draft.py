@@ -32,11 +32,10 @@ from hspec.cache.paged_pool import blocks_for
 from hspec.drafters import DRAFTERS, create_drafter, drafter_config
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.drafters.common import select_target_layers
-from hspec.models.dtype import drafter_int8
 from hspec.models.llama import TargetModel
 from hspec.models.loading import Target, load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
-from hspec.runtime import for_inference
+from hspec.runtime import drafter_precision_of, for_inference
 from hspec.sampling import SamplingBatch, SamplingParams
 
 GOAL = "hspec T_D(7) / T_T <= 0.25 at B = 1"
@@ -138,8 +137,6 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
         if isinstance(drafter, torch.nn.Module):  # as `hspec generate` runs it
             drafters[kind] = for_inference(drafter, target, compile_drafters, drafter_precision)
     device = "gpu" if model.embed_tokens.weight.is_cuda else "cpu"
-    precision = "int8" if drafter_int8(drafter_precision, model.dtype_name, model.embed_tokens.weight.device) \
-        else "floating"
     rows = []
     with torch.inference_mode():
         for B in batch_sizes:
@@ -150,7 +147,7 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
                 "K": K, "batch_sizes": list(batch_sizes), "contexts": list(contexts), "repeats": repeats,
                 "kinds": kinds, "sampling": "greedy", "drafter_weights": "random",
                 "draft_vocab_size": draft_vocab_size or "each kind's default", "compile_drafters": compile_drafters,
-                "drafter_precision": precision}
+                "drafter_precision": drafter_precision_of(drafter_precision, target)}
     command = (f"hspec bench draft --target {target_name} --drafters {','.join(kinds)} --repeats {repeats} "
                f"--batch-sizes {','.join(map(str, batch_sizes))} --contexts {','.join(map(str, contexts))}")
     if draft_vocab_size is not None:

@@ -21,10 +21,9 @@ from hspec.decoding.generate import SpeculativeDecoder
 from hspec.eval.bootstrap import paired_bootstrap_relative_diff
 from hspec.eval.findings import evaluate_claims, itl_ratio, render_findings, tau_ratio
 from hspec.metrics import acceptance_stats, merge_stats
-from hspec.models.dtype import drafter_int8
 from hspec.models.loading import Target, load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
-from hspec.runtime import build_drafter
+from hspec.runtime import build_drafter, drafter_precision_of
 from hspec.sampling import SamplingParams
 
 WARM_UP_TOKENS = 8  # untimed tokens each method decodes before the timed items
@@ -118,7 +117,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": max_new_tokens,
                 "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,
                 "methods": ",".join(m.label for m in specs), "compile_drafters": compile_drafters,
-                "drafter_precision": _resolved_precision(drafter_precision, target),
+                "drafter_precision": drafter_precision_of(drafter_precision, target),
                 **({} if data_dir is None else {"data_dir": str(data_dir)})}
     summary = summarize(records, list(runs), ks[0])
     payload = {"provenance": provenance(command, settings), "summary": summary, "records": records}
@@ -283,9 +282,3 @@ def _k_sensitivity_table(summary: dict[str, Any]) -> list[str]:
             cells.append("-" if entry is None else f"{entry['mean_accepted_length']:.2f} / {entry['speedup']:.2f}x")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
-
-
-def _resolved_precision(precision: str, target: Target) -> str:
-    """What `--drafter-precision` meant for this target: int8 or floating (what the results record)."""
-    return "int8" if drafter_int8(precision, target.model.dtype_name, target.model.embed_tokens.weight.device) \
-        else "floating"
