@@ -170,6 +170,10 @@ def test_parse_drafters_adds_plain_and_names_what_is_allowed(dflash_checkpoint, 
     assert is_vllm_export(resolved.speculative_config["model"])
     assert resolved.speculative_config["num_speculative_tokens"] == 6  # block size 7 - the anchor slot
     assert resolve_export(configs[0], tmp_path / "exports", target_dir) is configs[0]
+    before = sorted(p.name for p in path.iterdir())
+    beside = resolve_export(configs[1], path.parent, target_dir)  # exporting next to its own source
+    assert Path(beside.speculative_config["model"]).resolve() != path.resolve()  # never over what it reads
+    assert sorted(p.name for p in path.iterdir()) == before and not is_vllm_export(path)
     twin = tmp_path / "other" / path.name  # another checkpoint with the same folder name (runs/X/drafter)
     shutil.copytree(path, twin)
     other = resolve_export(parse_drafters(f"dflash={twin}", 5)[1], tmp_path / "exports", target_dir)
