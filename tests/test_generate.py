@@ -105,6 +105,31 @@ def test_greedy_equals_plain(targets_by_dtype, kind, dtype, B, K):
         assert min(n for s in got.sequences for n in s.num_drafted) < K, "no row ever stopped early"
 
 
+TRAINED_KINDS = [k for k in DRAFTERS.names() if DRAFTERS.get(k).needs_target_model]
+
+
+@pytest.mark.parametrize("kind", TRAINED_KINDS)
+def test_int8_drafter_weights_under_a_bf16_target_keep_greedy_output(targets_by_dtype, kind):
+    """`--drafter-precision auto` stores a trained drafter's linears as int8 under a bf16 target on a CPU
+    (`hspec.runtime.prepare_for_inference`): its drafts change, the output must not, for every kind."""
+    from hspec.models.layers import Linear
+    from hspec.runtime import build_drafter
+
+    tiny_target = targets_by_dtype["bfloat16"]
+    torch.manual_seed(0)
+    drafter = build_drafter(kind, tiny_target, random_weights=True)
+    assert any(isinstance(m, Linear) and m.weight.dtype == torch.int8 for m in drafter.modules())
+    prompts = [tiny_target.tokenizer.encode_prompt(p) for p in PROMPTS]
+    plain = _decoder(tiny_target, create_drafter("none", tiny_target.config), 1)
+    expected = plain.generate(prompts, SamplingParams(), 32)
+    got = _decoder(tiny_target, drafter, 4).generate(prompts, SamplingParams(), 32)
+    for e, s in zip(expected.sequences, got.sequences):
+        if drafter.proposes_tree:  # as in test_greedy_equals_plain: bf16 tree verifies may flip a rounding tie
+            assert_equal_up_to_a_rounding_tie(tiny_target.model, e.prompt_ids, e.token_ids, s.token_ids)
+        else:
+            assert s.token_ids == e.token_ids and s.finish_reason == e.finish_reason
+
+
 def assert_equal_up_to_a_rounding_tie(model, prompt: list[int], plain: list[int], speculative: list[int]) -> None:
     """A drafted tree is verified with its branches interleaved in the KV slots, so in bf16 a verified
     row sums its keys in another grouping than the 1-token decode of the same token (a chain verify
