@@ -49,6 +49,24 @@ def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_hea
         assert torch.equal(verify[:, r : r + 1], decode), f"row {r} differs"
 
 
+@pytest.mark.parametrize("context,t", [(0, 300), (37, 129), (200, 520)])
+def test_a_long_prefill_gives_every_row_the_bits_it_gets_in_one_block(context, t):
+    """A call of more than `_QUERY_BLOCK` tokens runs block by block against only the keys each block
+    sees (ragged batch: the second sequence has 50 fewer keys); every row must keep its bits."""
+    from hspec.models.layers import _QUERY_BLOCK, _attend_rows
+
+    assert t > _QUERY_BLOCK
+    torch.manual_seed(t)
+    q = torch.randn(2, t, 9, 64).to(torch.bfloat16)
+    k = torch.randn(2, context + t, 3, 64).to(torch.bfloat16)
+    v = torch.randn(2, context + t, 3, 64).to(torch.bfloat16)
+    key_pos = torch.arange(context + t)
+    lengths = torch.tensor([context, max(context - 50, 0)])
+    mask = key_pos[None, None, :] <= lengths[:, None, None] + torch.arange(t)[None, :, None]  # (B, T, S)
+    mask = mask[:, None]
+    assert torch.equal(attend(q, k, v, mask), _attend_rows(q, k, v, mask))
+
+
 def test_row_invariant_attention_matches_sdpa_to_bf16_rounding():
     torch.manual_seed(1)
     q = torch.randn(2, 5, 9, 64)

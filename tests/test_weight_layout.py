@@ -93,6 +93,28 @@ def test_decode_bench_verify_costs_keep_the_model(tiny_target):
     assert all(_is_column_major(m.weight) for m in linears)
 
 
+def test_decode_bench_times_each_runners_prefill_per_length(tiny_target):
+    from hspec.bench.decode import _hspec_runner, prefill_costs, render_markdown, summary
+
+    runner = _hspec_runner(tiny_target.model, 4)
+    calls: list[int] = []
+
+    def counted(ids: list[int]) -> float:
+        calls.append(len(ids))
+        return runner.prefill(ids)
+    ms = prefill_costs({"float32": type(runner)(runner.decode, counted)}, list(range(3, 40)), (8, 30), rounds=2)
+    assert calls == [8, 30] * 3  # a warm-up round, then two timed rounds, lengths interleaved
+    assert [len(v) for v in ms["float32"].values()] == [2, 2] and min(ms["float32"][30]) > 0
+    from hspec.provenance import provenance
+
+    payload = {"provenance": provenance("hspec bench decode", {"auto_dtype": "float32"}),
+               "plain_decode_ms_per_token": {"float32": summary([1.0])}, "plain_decode_ratio_to_float32": {},
+               "verify_over_decode": {}, "argmax_flips_8_token_vs_1_token": {}, "goals": "g",
+               "prefill_ms": {"float32": {str(n): summary(v) for n, v in ms["float32"].items()}}}
+    markdown = render_markdown(payload)
+    assert "| P = 8 | P = 30 |" in markdown and "| hspec float32 |" in markdown
+
+
 def test_fused_projections_keep_names_values_and_outputs(tiny_dirs):
     """fuse_projections: one stacked q/k/v and gate/up matrix per layer, the named weights views into it,
     state_dict unchanged, logits equal to the unfused model's (fp32 rounding of a different GEMM)."""

@@ -524,16 +524,21 @@ def _add_bench(sub) -> None:
 def _add_bench_decode(bench_sub) -> None:
     bdec = bench_sub.add_parser("decode", help="plain decode per dtype vs transformers; verify cost vs K",
                                 description="Interleaved plain-decode ms/token of this runtime in each --dtypes "
-                                            "entry, of its float32 runtime before stacked projections, and of "
-                                            "transformers' eager generate; the cost of a (K+1)-token verify over a "
-                                            "1-token decode per dtype. Writes <out>/decode_cpu.{json,md}.")
+                                            "entry, of its float32 runtime before stacked projections, of "
+                                            "transformers' eager generate and of llama.cpp when installed; the cost "
+                                            "of a (K+1)-token verify over a 1-token decode per dtype; the prefill "
+                                            "time of --prefill-tokens prompts in every runtime. Writes "
+                                            "<out>/decode_cpu.{json,md}.")
     _add_target(bdec)
     bdec.add_argument("--dtypes", default="float32,bfloat16,int8",
                       help="comma-separated dtypes to time (auto, float32, bfloat16, int8; default "
                            "float32,bfloat16,int8)")
     bdec.add_argument("--no-transformers", action="store_true", help="leave out the transformers column")
     bdec.add_argument("--max-prompt-tokens", type=int, default=128,
-                      help="keep each prompt's first N tokens (the prefill is not timed; default 128)")
+                      help="keep each decoded prompt's first N tokens (its prefill is not timed; default 128)")
+    bdec.add_argument("--prefill-tokens", default="128,512",
+                      help="prompt lengths whose prefill is timed in every runtime (the Spec-Bench prompts run "
+                           "together and cut to length; default 128,512)")
     bdec.add_argument("--num-prompts", type=int, default=2, help="Spec-Bench prompts (default 2)")
     bdec.add_argument("--max-new-tokens", type=int, default=32,
                       help="tokens per prompt and runtime, >= 2; the first comes from the untimed prefill (default 32)")
@@ -553,7 +558,7 @@ def _cmd_bench_decode(args: argparse.Namespace) -> int:
     return run_decode_bench(args.target, args.num_prompts, args.max_new_tokens, args.repeats, args.out,
                             data_dir=args.data_dir, dtypes=[d for d in args.dtypes.split(",") if d],
                             transformers=not args.no_transformers, max_prompt_tokens=args.max_prompt_tokens,
-                            threads=args.threads)
+                            threads=args.threads, prefill_tokens=_ints(args.prefill_tokens))
 
 
 def _add_bench_serve(bench_sub) -> None:
@@ -654,6 +659,8 @@ def _add_bench_vllm(bench_sub) -> None:
                     help="comma-separated hspec drafters run only in hspec's engine, e.g. hspec+ngram:0.4 "
                          "(none already runs)")
     bv.add_argument("--hspec-k", type=int, default=7, help="K of the --hspec-methods rows (default 7)")
+    bv.add_argument("--threads", type=int, default=2,
+                    help="CPU threads of every vLLM engine and of hspec's engine alike (default 2)")
     bv.add_argument("--name", default=None, help="file stem of the results (default vllm_<dtype>)")
     bv.add_argument("--json", action="store_true", help="print the rows as JSON instead of writing results/vllm/")
     bv.add_argument("--out", default="results/vllm", help="output directory (default results/vllm)")
@@ -669,7 +676,8 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
     hspec = HspecSide(args.hspec_dtype, tuple(m for m in args.hspec_methods.split(",") if m), args.hspec_k)
     return run_vllm_bench(args.target, args.drafters, args.prompts_file, args.num_prompts,
                           args.max_new_tokens, args.dtype, args.k, args.max_model_len, args.out, args.json,
-                          data_dir=args.data_dir, hspec_engine=not args.no_hspec_engine, hspec=hspec, name=args.name)
+                          data_dir=args.data_dir, hspec_engine=not args.no_hspec_engine, hspec=hspec, name=args.name,
+                          threads=args.threads)
 
 
 def _add_bench_vllm_serve(bench_sub) -> None:

@@ -17,6 +17,9 @@
 3. Per dtype: how often an 8-token forward picks a different argmax than 1-token decoding at the same
    position (teacher-forced on the plain greedy output): where that happens, greedy speculative output
    can part from plain output of the same dtype at a near-tie (docs/fast-path.md).
+4. Prefill: the time of one forward over a prompt of P tokens (`--prefill-tokens`, the Spec-Bench
+   prompts' tokens run together and cut to P) in every runtime of 1., interleaved. What a user waits
+   before the first token, and what a served prompt costs on top of its decode.
 
 vLLM runs as a server in its own environment, so its column lives in `hspec bench vllm`.
 """
@@ -27,6 +30,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +47,7 @@ from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.sampling import SamplingParams
 
 VERIFY_KS = (3, 7, 15)
+PREFILL_TOKENS = (128, 512)
 UNFUSED = "float32-unfused"
 TRANSFORMERS = "transformers-float32"
 LLAMA_CPP = "llama.cpp"
@@ -50,13 +55,17 @@ LLAMA_CPP = "llama.cpp"
 
 def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, repeats: int, out_dir: str,
                      data_dir: str | None = None, dtypes: Sequence[str] = ("float32", "bfloat16", "int8"),
-                     transformers: bool = True, max_prompt_tokens: int = 128, threads: int = 1) -> int:
+                     transformers: bool = True, max_prompt_tokens: int = 128, threads: int = 1,
+                     prefill_tokens: Sequence[int] = PREFILL_TOKENS) -> int:
     """Write <out_dir>/decode_cpu.{json,md} (decode_gpu on a CUDA target). `dtypes` are `--dtype` names
     (auto resolves to this machine's choice); float32 always runs, as the reference column. `threads`
-    sets torch's CPU threads for the run (0 keeps torch's default)."""
+    sets torch's CPU threads for the run (0 keeps torch's default); `prefill_tokens`: the prompt lengths
+    of part 4."""
     if max_new_tokens < 2:
         raise ValueError(f"--max-new-tokens must be >= 2 (the first token comes from the prefill), "
                          f"got {max_new_tokens}")
+    if any(n < 1 for n in prefill_tokens):
+        raise ValueError(f"--prefill-tokens must be positive, got {list(prefill_tokens)}")
     if threads:
         torch.set_num_threads(threads)
     resolved = ["int8" if int8_weights(d) else dtype_name(resolve_dtype(d)) for d in dtypes]
@@ -69,8 +78,8 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
                                base.tokenizer)
     items = load_task("spec_bench", size=num_prompts, data_dir=data_dir).items  # data_dir: --data-dir
     prompts = [base.tokenizer.encode_prompt(item.turns[0])[:max_prompt_tokens] for item in items]
-    runners: dict[str, Callable[[list[int]], float]] = {
-        name: _hspec_runner(t.model, max_new_tokens) for name, t in targets.items()}
+    long_prompt = prefill_prompt(base, max(prefill_tokens, default=0), data_dir)
+    runners: dict[str, Runner] = {name: _hspec_runner(t.model, max_new_tokens) for name, t in targets.items()}
     runners[UNFUSED] = _hspec_runner(unfused_copy(base.model), max_new_tokens)
     if transformers:
         runners[TRANSFORMERS] = _transformers_runner(base, max_new_tokens)
@@ -80,33 +89,36 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
 
     ms: dict[str, list[float]] = {name: [] for name in runners}
     with torch.inference_mode():
-        for run in runners.values():  # warm-up
-            run(prompts[0][:16])
+        for runner in runners.values():  # warm-up
+            runner.decode(prompts[0][:16])
         for r in range(repeats):
             for i, ids in enumerate(prompts):
-                for name, run in runners.items():
-                    ms[name].append(1000 * run(ids) / (max_new_tokens - 1))
+                for name, runner in runners.items():
+                    ms[name].append(1000 * runner.decode(ids) / (max_new_tokens - 1))
                 print(f"[decode] round {r + 1}/{repeats} prompt {i + 1}/{len(prompts)}: "
                       + ", ".join(f"{name} {v[-1]:.1f}" for name, v in ms.items()) + " ms/token", flush=True)
         verify = {name: verify_costs(t.model, prompts[0], repeats * 5) for name, t in targets.items()}
         flips = {name: argmax_flips(t.model, prompts, max_new_tokens) for name, t in targets.items()}
+        prefill = prefill_costs(runners, long_prompt, prefill_tokens, repeats + 1)
 
     device = "gpu" if base.model.embed_tokens.weight.is_cuda else "cpu"
     command = (f"hspec bench decode --num-prompts {num_prompts} --max-new-tokens {max_new_tokens} "
                f"--repeats {repeats} --max-prompt-tokens {max_prompt_tokens} --threads {threads} "
-               f"--dtypes {','.join(dtypes)}" + ("" if transformers else " --no-transformers")
+               f"--dtypes {','.join(dtypes)} --prefill-tokens {','.join(map(str, prefill_tokens))}"
+               + ("" if transformers else " --no-transformers")
                + ("" if data_dir is None else f" --data-dir {data_dir}"))
     payload = {
         "provenance": provenance(command, {
             "target": base.name, "dtypes": names, "auto_dtype": dtype_name(resolve_dtype("auto")),
             "prompts": "spec_bench subset", "num_prompts": num_prompts, "max_prompt_tokens": max_prompt_tokens,
             "prompt_lengths": [len(p) for p in prompts], "max_new_tokens": max_new_tokens,
-            "repeats": repeats, "threads": torch.get_num_threads()}),
+            "repeats": repeats, "threads": torch.get_num_threads(), "prefill_tokens": list(prefill_tokens)}),
         "plain_decode_ms_per_token": {name: summary(v) for name, v in ms.items()},
         "plain_decode_ratio_to_float32": {name: summary([a / b for a, b in zip(v, ms["float32"])])
                                           for name, v in ms.items() if name != "float32"},
         "verify_over_decode": {name: {str(k): summary(v) for k, v in per_k.items()} for name, per_k in verify.items()},
         "argmax_flips_8_token_vs_1_token": flips,
+        "prefill_ms": {name: {str(n): summary(v) for n, v in per_n.items()} for name, per_n in prefill.items()},
         "goals": "plain decode >= 2x the tokens/s of the runtime before the fast path; an 8-token verify "
                  "(K = 7) <= 1.3x a 1-token decode",
     }
@@ -138,6 +150,16 @@ def render_markdown(payload: dict) -> str:
            "| dtype | positions | argmax differs | rate |", "|---|---|---|---|"]
     for name, f in payload["argmax_flips_8_token_vs_1_token"].items():
         md.append(f"| {name} | {f['positions']} | {f['differ']} | {f['differ'] / max(f['positions'], 1):.4f} |")
+    prefill = payload.get("prefill_ms", {})
+    lengths = list(next(iter(prefill.values()), {}))
+    if lengths:
+        md += ["\n## Prefill: ms for one prompt of P tokens (median of the interleaved rounds)\n",
+               "| runtime | " + " | ".join(f"P = {n}" for n in lengths) + " | tokens/s at the longest |",
+               "|---|" + "---|" * (len(lengths) + 1)]
+        for name, per_n in prefill.items():
+            longest = per_n[lengths[-1]]["median"]
+            md.append(f"| {_label(name)} | " + " | ".join(f"{per_n[n]['median']:.1f}" for n in lengths)
+                      + f" | {1000 * int(lengths[-1]) / longest:.0f} |")
     md.append(f"\nGoals: {payload['goals']}.")
     return "\n".join(md) + "\n"
 
@@ -165,22 +187,38 @@ def unfused_copy(model: TargetModel) -> TargetModel:
     return copied
 
 
-def _hspec_runner(model: TargetModel, max_new_tokens: int) -> Callable[[list[int]], float]:
-    """Greedy plain decoding of `max_new_tokens` after `ids`; returns the seconds after the prefill."""
+@dataclass(frozen=True)
+class Runner:
+    """One runtime of the side-by-side table. decode(ids): seconds of greedy decoding after the prefill
+    of `ids`; prefill(ids): seconds of the one forward over `ids` that yields the first token."""
+
+    decode: Callable[[list[int]], float]
+    prefill: Callable[[list[int]], float]
+
+
+def _hspec_runner(model: TargetModel, max_new_tokens: int) -> Runner:
+    """Greedy plain decoding of `max_new_tokens` (the `--drafter none` path), and its prefill."""
     plain = SpeculativeDecoder(model, create_drafter("none", model.config), 1, eos_token_ids=())
 
-    def run(ids: list[int]) -> float:
+    def decode(ids: list[int]) -> float:
         return plain.generate([ids], SamplingParams(), max_new_tokens).decode_s
-    return run
+
+    def prefill(ids: list[int]) -> float:
+        pool = model.new_pool(num_blocks=blocks_for(len(ids), 16))
+        pool.add_sequence(0)
+        start = time.perf_counter()
+        model(torch.tensor([ids]), pool, [0], last_logits_only=True)
+        return time.perf_counter() - start
+    return Runner(decode, prefill)
 
 
-def _transformers_runner(target: Target, max_new_tokens: int) -> Callable[[list[int]], float]:
-    """The same for transformers' model and KV cache; returns the seconds after the prefill."""
+def _transformers_runner(target: Target, max_new_tokens: int) -> Runner:
+    """The same for transformers' model and KV cache."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
 
-    def run(ids: list[int]) -> float:
+    def decode(ids: list[int]) -> float:
         out = hf(torch.tensor([ids]), use_cache=True)
         token = out.logits[:, -1:].argmax(-1)  # (1, 1)
         start = time.perf_counter()
@@ -188,11 +226,15 @@ def _transformers_runner(target: Target, max_new_tokens: int) -> Callable[[list[
             out = hf(token, past_key_values=out.past_key_values, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
         return time.perf_counter() - start
-    return run
+
+    def prefill(ids: list[int]) -> float:
+        start = time.perf_counter()
+        hf(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - start
+    return Runner(decode, prefill)
 
 
-def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int
-                      ) -> Callable[[list[int]], float] | None:
+def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int) -> Runner | None:
     """Greedy decoding in llama.cpp on the embedded target's GGUF; None when llama-cpp-python is not
     installed or the target is not the embedded default (only it comes with a GGUF here)."""
     try:
@@ -204,7 +246,7 @@ def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int
     llm = Llama(str(default_gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                 logits_all=False, verbose=False)
 
-    def run(ids: list[int]) -> float:
+    def decode(ids: list[int]) -> float:
         tokens = llm.generate(ids, temp=0.0, top_k=1, reset=True)
         next(tokens)  # the prefill's token
         start = time.perf_counter()
@@ -213,7 +255,39 @@ def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int
         elapsed = time.perf_counter() - start
         tokens.close()
         return elapsed
-    return run
+
+    def prefill(ids: list[int]) -> float:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(ids)
+        return time.perf_counter() - start
+    return Runner(decode, prefill)
+
+
+def prefill_prompt(target: Target, num_tokens: int, data_dir: str | None) -> list[int]:
+    """`num_tokens` prompt tokens: the Spec-Bench prompts' tokens run together, cut to length."""
+    ids: list[int] = []
+    for item in load_task("spec_bench", data_dir=data_dir).items:
+        if len(ids) >= num_tokens:
+            break
+        ids += target.tokenizer.encode_prompt(item.turns[0])
+    if len(ids) < num_tokens:
+        raise ValueError(f"--prefill-tokens {num_tokens} is more than the {len(ids)} tokens of every Spec-Bench prompt")
+    return ids[:num_tokens]
+
+
+def prefill_costs(runners: dict[str, Runner], prompt: list[int], lengths: Sequence[int], rounds: int
+                  ) -> dict[str, dict[int, list[float]]]:
+    """Milliseconds of each runner's prefill of `prompt[:n]` per n of `lengths`, interleaved runner by
+    runner in each of `rounds` rounds after one untimed warm-up round."""
+    ms: dict[str, dict[int, list[float]]] = {name: {n: [] for n in lengths} for name in runners}
+    for r in range(rounds + 1):
+        for n in lengths:
+            for name, runner in runners.items():
+                elapsed = runner.prefill(prompt[:n])
+                if r > 0:
+                    ms[name][n].append(1000 * elapsed)
+    return ms
 
 
 def verify_costs(model: TargetModel, prompt: list[int], rounds: int) -> dict[int, list[float]]:

@@ -143,25 +143,31 @@ class HspecSide:
 def run_vllm_bench(target_name: str, drafters: str, prompts_file: str | None, num_prompts: int,
                    max_new_tokens: int, dtype: str, k: int, max_model_len: int, out_dir: str, as_json: bool,
                    data_dir: str | None = None, hspec_engine: bool = True, hspec: HspecSide = HspecSide(),
-                   name: str | None = None) -> int:
+                   name: str | None = None, threads: int = 2) -> int:
     """`hspec bench vllm` (module docstring); DFlash exports live in a temporary folder removed at the end.
-    `hspec`: the dtype and extra drafters of hspec's engine; `name`: the file stem (default vllm_<dtype>)."""
+    `hspec`: the dtype and extra drafters of hspec's engine; `name`: the file stem (default vllm_<dtype>);
+    `threads`: the CPU threads of every vLLM engine and of hspec's engine alike."""
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
     with tempfile.TemporaryDirectory(prefix="hspec-vllm-export-") as root:
         return _run(target_name, drafters, prompts_file, num_prompts, max_new_tokens, dtype, k, max_model_len,
-                    out_dir, as_json, data_dir, hspec_engine, Path(root), hspec, name)
+                    out_dir, as_json, data_dir, hspec_engine, Path(root), hspec, name, threads)
 
 
 def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts: int, max_new_tokens: int,
          dtype: str, k: int, max_model_len: int, out_dir: str, as_json: bool, data_dir: str | None,
-         hspec_engine: bool, export_root: Path, hspec: HspecSide, name: str | None) -> int:
+         hspec_engine: bool, export_root: Path, hspec: HspecSide, name: str | None, threads: int) -> int:
+    import torch
+
     from hspec.models.loading import load_target
 
     configs = vllm_engine.parse_drafters(drafters, k)
     target = load_target(target_name, dtype=hspec.dtype)
     messages = read_prompts(prompts_file, num_prompts, data_dir)
     prompts = [target.tokenizer.encode_prompt(m) for m in messages]
-    env = vllm_engine.cpu_environment()
+    env = vllm_engine.cpu_environment(threads)
     vllm_engine.apply_environment(env)
+    torch.set_num_threads(threads)  # hspec's engine runs in this process, with as many threads as vLLM's
 
     configs = [materialize_random(c, target, export_root) for c in configs]
     configs = [vllm_engine.resolve_export(c, export_root / "vllm", target.path) for c in configs]
@@ -207,9 +213,10 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
                                   if c.speculative_config},
                 "max_model_len": max_model_len, "batch": 1, "enforce_eager": True, "vllm": vllm_version(),
                 "hspec_dtype": target.model.dtype_name, "hspec_methods": list(hspec.methods), "hspec_k": hspec.k,
-                **env}
+                "hspec_threads": torch.get_num_threads(), **env}
     command = (f"hspec bench vllm --drafters {drafters} " + (f"--prompts-file {prompts_file} " if prompts_file else
-               f"--num-prompts {num_prompts} ") + f"--max-new-tokens {max_new_tokens} --dtype {dtype} --k {k}")
+               f"--num-prompts {num_prompts} ") + f"--max-new-tokens {max_new_tokens} --dtype {dtype} --k {k}"
+               f" --threads {threads}")
     if hspec != HspecSide():
         command += (f" --hspec-dtype {hspec.dtype} --hspec-k {hspec.k}"
                     + (f" --hspec-methods {','.join(hspec.methods)}" if hspec.methods else ""))

@@ -23,6 +23,10 @@ from torch import nn
 # by chunk in fp32, so the keys that other rows of a verify add at the end never change how the earlier
 # keys are summed.
 _VALUE_CHUNK = 256
+# Query tokens per block of a long call (a prefill): each block is computed only against the keys some
+# row of it can see, so a causal prefill of T tokens does about half the T x T work and its scores stay
+# cache-sized. A block is a row-invariant call of its own, so every row keeps its bits.
+_QUERY_BLOCK = 128
 
 
 def row_invariant(x: torch.Tensor) -> bool:
@@ -197,7 +201,25 @@ def _attend_row_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     them) scaled and softmaxed in fp32; the weighted sum of values is accumulated in fp32 over chunks
     of `_VALUE_CHUNK` keys. Keys a row may not see get weight exactly 0, so a verify row, whose call
     holds up to K more keys, sums the same numbers in the same order as the 1-token decode did.
+
+    A call of more than `_QUERY_BLOCK` tokens under a mask runs block by block, each block against the
+    keys up to the last one any of its rows sees: the keys it drops all have weight 0 for every row.
     """
+    t = q.shape[1]
+    if mask is None or t <= _QUERY_BLOCK:
+        return _attend_rows(q, k, v, mask)
+    blocks = []
+    for start in range(0, t, _QUERY_BLOCK):
+        block_mask = mask[:, :, start : start + _QUERY_BLOCK]  # (B, 1, Tb, S)
+        seen = block_mask.flatten(0, 2).any(0).nonzero()  # (visible keys, 1)
+        keys = int(seen[-1]) + 1 if seen.numel() else 1
+        blocks.append(_attend_rows(q[:, start : start + _QUERY_BLOCK], k[:, :keys], v[:, :keys],
+                                   block_mask[..., :keys]))
+    return torch.cat(blocks, dim=1)
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`_attend_row_invariant` in one call: every row against all S keys (shapes as in `attend`)."""
     b, t, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
