@@ -1,12 +1,12 @@
 """`hspec bench vllm`: the target served by vLLM (CPU build) with each drafter, against vLLM plain.
 
-For every prompt (chat-templated by hspec's tokenizer, so every engine sees the same token ids):
-1. each vLLM configuration (`--drafters`, plain always included) generates greedily, interleaved prompt
-   by prompt so machine noise hits all alike; every configuration's engine is opened first;
+For every prompt (chat-templated by hspec's tokenizer, so every engine sees the same token ids), in
+turn, so machine noise hits every row alike (every engine is opened and warmed up first):
+1. each vLLM configuration (`--drafters`, plain always included) generates greedily;
 2. hspec's own engine runs the matching drafter on the same ids (ngram -> hspec's ngram with the same
    K; dflash=PATH, peagle=PATH -> the hspec checkpoint the export came from, when it is still there; hspec[=PATH] -> the
    same H-Spec checkpoint, which vLLM runs through hspec's proposer), so tau can be compared engine
-   against engine.
+   against engine, then the `--hspec-methods` rows. Every engine has `--threads` CPU threads.
 
 Per configuration it reports how many prompts' greedy outputs equal vLLM plain's (`outputs_equal_plain`;
 exact in float32, a divergence rate in bfloat16), tau (mean accepted length: tokens per verify step,
@@ -17,10 +17,11 @@ Needs vLLM (`bash scripts/install_vllm.sh`); see docs/vllm.md. Legend: K drafts 
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,9 +68,9 @@ def summarize(name: str, engine: str, runs: Sequence[vllm_engine.GreedyRun], pla
     }
 
 
-def hspec_engine_runs(target: Any, kind: str, path: Path | None, k: int, prompts: Sequence[list[int]],
-                      max_new_tokens: int) -> list[vllm_engine.GreedyRun]:
-    """The same prompts through hspec's own engine with drafter `kind` (K drafts per step), greedy.
+def hspec_runner(target: Any, kind: str, path: Path | None, k: int, max_new_tokens: int
+                 ) -> Callable[[list[int]], vllm_engine.GreedyRun]:
+    """hspec's own engine with drafter `kind` (K drafts per step): prompt ids -> its greedy run.
 
     EOS ids are the target's, as in vLLM, so both stop at the same token. tau counts only the steps
     that carried drafts, as vLLM's spec-decode counters do.
@@ -80,17 +81,23 @@ def hspec_engine_runs(target: Any, kind: str, path: Path | None, k: int, prompts
 
     drafter = build_drafter(kind, target, path)
     decoder = SpeculativeDecoder(target.model, drafter, max(k, 1), target.config.eos_token_ids)
-    runs = []
-    for ids in prompts:
+
+    def run(ids: list[int]) -> vllm_engine.GreedyRun:
         start = time.perf_counter()
         out = decoder.generate([ids], SamplingParams(), max_new_tokens)
         seconds = time.perf_counter() - start
         seq = out.sequences[0]
         # Steps that carried drafts, as vLLM counts them (its n-gram proposes nothing without a match).
         drafted = [(a, d) for a, d in zip(seq.num_accepted, seq.num_drafted) if d > 0] if kind != "none" else []
-        drafts, accepted = len(drafted), sum(a for a, _ in drafted)
-        runs.append(vllm_engine.GreedyRun(list(seq.token_ids), seconds, drafts, accepted))
-    return runs
+        return vllm_engine.GreedyRun(list(seq.token_ids), seconds, len(drafted), sum(a for a, _ in drafted))
+    return run
+
+
+def hspec_engine_runs(target: Any, kind: str, path: Path | None, k: int, prompts: Sequence[list[int]],
+                      max_new_tokens: int) -> list[vllm_engine.GreedyRun]:
+    """The prompts one after another through `hspec_runner`."""
+    run = hspec_runner(target, kind, path, k, max_new_tokens)
+    return [run(ids) for ids in prompts]
 
 
 def hspec_counterpart(drafter: vllm_engine.VllmDrafter, target_name: str) -> tuple[str, Path | None] | None:
@@ -178,32 +185,37 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
         raise ValueError(f"prompts {too_long} plus --max-new-tokens {max_new_tokens} exceed --max-model-len "
                          f"{max_model_len}; raise it or shorten them")
 
-    # 1. vLLM: every engine opened, then the prompts interleaved across them.
+    # Every engine opened and warmed up (the first generate pays one-off costs), then the prompts in turn,
+    # each through every engine: vLLM's configurations, then hspec's own engine (`hspec.dtype`) with the
+    # matching drafters, for the tau comparison, and the drafters only hspec's engine runs.
+    engines: dict[tuple[str, str], Callable[[list[int]], vllm_engine.GreedyRun]] = {}
     llms = {c.name: vllm_engine.open_llm(target.path, c, dtype, max_model_len) for c in configs}
-    for llm in llms.values():  # warm-up: the first generate of an engine pays one-off costs
-        vllm_engine.generate_greedy(llm, prompts[0], 4)
-    runs: dict[str, list[vllm_engine.GreedyRun]] = {c.name: [] for c in configs}
-    for ids in prompts:
-        for c in configs:
-            runs[c.name].append(vllm_engine.generate_greedy(llms[c.name], ids, max_new_tokens))
-    plain = [r.token_ids for r in runs[next(c.name for c in configs if c.speculative_config is None)]]
-    rows = [summarize(c.name, "vllm", runs[c.name], plain, vllm_engine.kv_capacity_tokens(llms[c.name]))
-            for c in configs]
-    del llms
-
-    # 2. hspec's own engine on the same ids (`hspec.dtype`, float32 by default), for the tau comparison,
-    #    then the drafters only hspec's engine runs.
+    for name, llm in llms.items():
+        engines[name, "vllm"] = functools.partial(vllm_engine.generate_greedy, llm, max_new_tokens=max_new_tokens)
     if hspec_engine:
         for c in configs:
             counterpart = hspec_counterpart(c, target.name)
             if counterpart is not None:
-                kind, path = counterpart
                 k_c = c.speculative_config["num_speculative_tokens"] if c.speculative_config else 0
-                rows.append(summarize(c.name, "hspec", hspec_engine_runs(target, kind, path, k_c, prompts,
-                                                                         max_new_tokens), plain, None))
+                engines[c.name, "hspec"] = hspec_runner(target, *counterpart, k_c, max_new_tokens)
         for method in hspec.methods:
-            rows.append(summarize(method, "hspec", hspec_engine_runs(target, method, None, hspec.k, prompts,
-                                                                     max_new_tokens), plain, None))
+            engines[method, "hspec"] = hspec_runner(target, method, None, hspec.k, max_new_tokens)
+    for llm in llms.values():
+        vllm_engine.generate_greedy(llm, prompts[0], 4)
+    for key, run in engines.items():
+        if key[1] == "hspec":
+            run(prompts[0][:16])
+    runs: dict[tuple[str, str], list[vllm_engine.GreedyRun]] = {key: [] for key in engines}
+    for i, ids in enumerate(prompts):
+        for key, run in engines.items():
+            runs[key].append(run(ids))
+        print(f"[bench vllm] prompt {i + 1}/{len(prompts)}: " + ", ".join(
+            f"{name} ({engine}) {r[-1].seconds:.2f} s" for (name, engine), r in runs.items()), flush=True)
+    plain = [r.token_ids for r in runs[next(c.name for c in configs if c.speculative_config is None), "vllm"]]
+    capacity = {name: vllm_engine.kv_capacity_tokens(llm) for name, llm in llms.items()}
+    rows = [summarize(name, engine, r, plain, capacity[name] if engine == "vllm" else None)
+            for (name, engine), r in runs.items()]
+    del llms
     if as_json:
         print(json.dumps(rows, indent=2))
         return 0
