@@ -190,8 +190,9 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
     # matching drafters, for the tau comparison, and the drafters only hspec's engine runs.
     engines: dict[tuple[str, str], Callable[[list[int]], vllm_engine.GreedyRun]] = {}
     llms = {c.name: vllm_engine.open_llm(target.path, c, dtype, max_model_len) for c in configs}
-    for name, llm in llms.items():
-        engines[name, "vllm"] = functools.partial(vllm_engine.generate_greedy, llm, max_new_tokens=max_new_tokens)
+    for config_name, llm in llms.items():
+        engines[config_name, "vllm"] = functools.partial(vllm_engine.generate_greedy, llm,
+                                                         max_new_tokens=max_new_tokens)
     if hspec_engine:
         for c in configs:
             counterpart = hspec_counterpart(c, target.name)
@@ -210,11 +211,11 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
         for key, run in engines.items():
             runs[key].append(run(ids))
         print(f"[bench vllm] prompt {i + 1}/{len(prompts)}: " + ", ".join(
-            f"{name} ({engine}) {r[-1].seconds:.2f} s" for (name, engine), r in runs.items()), flush=True)
+            f"{row} ({engine}) {r[-1].seconds:.2f} s" for (row, engine), r in runs.items()), flush=True)
     plain = [r.token_ids for r in runs[next(c.name for c in configs if c.speculative_config is None), "vllm"]]
-    capacity = {name: vllm_engine.kv_capacity_tokens(llm) for name, llm in llms.items()}
-    rows = [summarize(name, engine, r, plain, capacity[name] if engine == "vllm" else None)
-            for (name, engine), r in runs.items()]
+    capacity = {config_name: vllm_engine.kv_capacity_tokens(llm) for config_name, llm in llms.items()}
+    rows = [summarize(row, engine, r, plain, capacity[row] if engine == "vllm" else None)
+            for (row, engine), r in runs.items()]
     del llms
     if as_json:
         print(json.dumps(rows, indent=2))
