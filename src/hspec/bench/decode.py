@@ -10,7 +10,11 @@
      cache (`DynamicCache`), the loop `generate` runs without the logits processors;
    - llama.cpp on the embedded target's own GGUF (Q4_1 for SmolLM2) through `llama-cpp-python`, when
      it is installed (`pip install 'hspec[bench]'`; it compiles llama.cpp for this CPU), greedy, with
-     the same thread count.
+     the same thread count;
+   - vLLM's CPU build when it is installed (`scripts/install_vllm.sh`, docs/vllm.md), bf16 (its fastest
+     dtype here), eager, batch 1, no prefix caching, the same thread count. Its engine offers no clock
+     between the prefill and the first decode step, so its decode time is a generate of N tokens minus
+     a generate of 1 token on the same prompt, and its prefill time is the generate of 1 token.
    Reported in ms/token and as ratios to hspec float32 within each prompt.
 2. Per dtype: the time of a (K+1)-token target forward (a verify) over a 1-token decode at the same
    context, K = 3, 7, 15, interleaved. Speculation pays only when this ratio stays small.
@@ -21,7 +25,7 @@
    prompts' tokens run together and cut to P) in every runtime of 1., interleaved. What a user waits
    before the first token, and what a served prompt costs on top of its decode.
 
-vLLM runs as a server in its own environment, so its column lives in `hspec bench vllm`.
+Speculative decoding inside vLLM, against hspec's engine on the same prompts, is `hspec bench vllm`.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ PREFILL_TOKENS = (128, 512)
 UNFUSED = "float32-unfused"
 TRANSFORMERS = "transformers-float32"
 LLAMA_CPP = "llama.cpp"
+VLLM = "vllm-bfloat16"
 
 
 def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, repeats: int, out_dir: str,
@@ -86,6 +91,9 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
     llama_cpp = _llama_cpp_runner(target_name, max_new_tokens, torch.get_num_threads())
     if llama_cpp is not None:
         runners[LLAMA_CPP] = llama_cpp
+    vllm = _vllm_runner(base, max_new_tokens, max(prefill_tokens, default=0), torch.get_num_threads())
+    if vllm is not None:
+        runners[VLLM] = vllm
 
     ms: dict[str, list[float]] = {name: [] for name in runners}
     with torch.inference_mode():
@@ -141,6 +149,9 @@ def render_markdown(payload: dict) -> str:
         ratio = f"{ratios[name]['median']:.2f}" if name in ratios else "1.00"
         md.append(f"| {_label(name)} | {s['min']:.1f} | {s['median']:.1f} | {s['max']:.1f} | {ratio} | "
                   f"{1000 / s['median']:.1f} |")
+    if VLLM in payload["plain_decode_ms_per_token"]:
+        md.append("\nvLLM's time after the prefill is a generate of N tokens minus a generate of 1 token on the same "
+                  "prompt (its engine has no clock in between); its prefill time is the generate of 1 token.")
     md += ["\n## Verify of K+1 tokens over a 1-token decode (same context, interleaved)\n",
            "| dtype | K | tokens | min | median | max |", "|---|---|---|---|---|---|"]
     for name, per_k in payload["verify_over_decode"].items():
@@ -171,6 +182,8 @@ def _label(name: str) -> str:
         return "transformers generate, float32"
     if name == LLAMA_CPP:
         return "llama.cpp (llama-cpp-python), the GGUF's own Q4_1"
+    if name == VLLM:
+        return "vLLM (CPU build), bfloat16"
     if name == "int8":
         return "hspec int8 (int8 weight-only linears, bf16 activations)"
     return f"hspec {name}"
@@ -261,6 +274,29 @@ def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int) -> Ru
         start = time.perf_counter()
         llm.eval(ids)
         return time.perf_counter() - start
+    return Runner(decode, prefill)
+
+
+def _vllm_runner(target: Target, max_new_tokens: int, longest_prompt: int, threads: int) -> Runner | None:
+    """vLLM's CPU build on the target's HF folder (module doc), or None when vLLM is not installed."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return None
+    from hspec.integrations.vllm import engine as vllm_engine
+
+    vllm_engine.apply_environment(vllm_engine.cpu_environment(threads))
+    llm = vllm_engine.open_llm(target.path, vllm_engine.VllmDrafter("none", None), "bfloat16",
+                               max_model_len=max(1024, longest_prompt + max_new_tokens + 16))
+
+    def prefill(ids: list[int]) -> float:
+        return vllm_engine.generate_greedy(llm, ids, 1).seconds
+
+    def decode(ids: list[int]) -> float:
+        run = vllm_engine.generate_greedy(llm, ids, max_new_tokens)
+        if len(run.token_ids) != max_new_tokens:
+            raise RuntimeError(f"vLLM stopped after {len(run.token_ids)} of {max_new_tokens} tokens")
+        return run.seconds - prefill(ids)
     return Runner(decode, prefill)
 
 

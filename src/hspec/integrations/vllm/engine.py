@@ -204,7 +204,8 @@ def cpu_environment(threads: int = 1, kv_cache_gib: int = 1) -> dict[str, str]:
 def open_llm(model_dir: str | Path, drafter: VllmDrafter, dtype: str = "float32", max_model_len: int = 1024,
              seed: int = 0, max_num_seqs: int = 1) -> Any:
     """A `vllm.LLM` for the target's HF folder with `drafter`'s speculative config, eager, batch up to
-    `max_num_seqs` (1: the bench's batch-1 measurements)."""
+    `max_num_seqs` (1: the bench's batch-1 measurements), without prefix caching (a prompt sent twice,
+    as a warm-up and again, would otherwise skip its second prefill, which hspec's engine never does)."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     from vllm import LLM
@@ -213,8 +214,8 @@ def open_llm(model_dir: str | Path, drafter: VllmDrafter, dtype: str = "float32"
     per_request = {"per_request_spec_decode_metrics": "summary"} if drafter.speculative_config else {}
     overrides = {"hf_overrides": drafter.hf_overrides} if drafter.hf_overrides else {}
     return LLM(str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-               seed=seed, speculative_config=drafter.speculative_config, disable_log_stats=False, **per_request,
-               **overrides)
+               seed=seed, speculative_config=drafter.speculative_config, disable_log_stats=False,
+               enable_prefix_caching=False, **per_request, **overrides)
 
 
 def generate_greedy(llm: Any, prompt_ids: Sequence[int], max_new_tokens: int) -> GreedyRun:
