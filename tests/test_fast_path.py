@@ -31,6 +31,54 @@ def test_linear_computes_a_row_the_same_alone_or_among_others(out_features, in_f
         assert torch.equal(linear(x[:, :rows], weight, scale=scale), together[:, :rows])
 
 
+@pytest.mark.skipif(not __import__("hspec.models.prepack").models.prepack.prepack_available(),
+                    reason="this torch has no oneDNN packed linear")
+@pytest.mark.parametrize("out_features,in_features", [(3072, 576), (960, 576), (576, 1536), (40, 48)])
+def test_a_packed_weight_gives_f_linears_bits_alone_or_among_others(out_features, in_features):
+    from hspec.models.prepack import pack_weight
+
+    torch.manual_seed(3)
+    weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
+    packed = pack_weight(weight)
+    assert packed is not None and pack_weight(weight.float()) is None  # bf16 only
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    x = torch.randn(1, 17, in_features).to(torch.bfloat16)
+    together = linear(x, weight, bias, packed=packed)
+    assert torch.equal(together, linear(x, weight, bias))
+    alone = torch.cat([linear(x[:, i : i + 1], weight, bias, packed=packed) for i in range(17)], dim=1)
+    assert torch.equal(together, alone)
+
+
+def test_a_bf16_target_is_prepacked_and_keeps_the_logits_of_plain_weights(tiny_dirs):
+    from conftest import load_tiny
+    from hspec.models.layers import Linear, QKVProjection, SwiGLU
+    from hspec.models.prepack import prepack_available
+
+    if not prepack_available():
+        pytest.skip("this torch has no oneDNN packed linear")
+    target = load_tiny(tiny_dirs["llama"], dtype=torch.bfloat16)
+    model = target.model
+    layer = model.layers[0]
+    assert layer.self_attn.qkv.qkv_packed is not None and layer.mlp.gate_up_packed is not None
+    assert layer.mlp.down_proj.weight_packed is not None and model.lm_head.weight_packed is not None
+    assert layer.self_attn.qkv.q_proj.weight_packed is None  # a part of the stacked matrix: never used
+    assert "lm_head.weight_packed" not in model.state_dict()
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    pool = model.new_pool(4)
+    pool.add_sequence(0)
+    packed_logits = model(ids, pool, [0]).logits
+    for module in model.modules():  # the same model on F.linear
+        if isinstance(module, QKVProjection):
+            module.qkv_packed = None
+        elif isinstance(module, SwiGLU):
+            module.gate_up_packed = None
+        elif isinstance(module, Linear):
+            module.weight_packed = None
+    pool.truncate(0, 0)
+    assert torch.equal(model(ids, pool, [0]).logits, packed_logits)
+    assert load_tiny(tiny_dirs["llama"]).model.lm_head.weight_packed is None  # float32: nothing packed
+
+
 @pytest.mark.parametrize("context", [37, 255, 256, 511, 700])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
 def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_heads):

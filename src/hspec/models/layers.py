@@ -35,20 +35,23 @@ def row_invariant(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, for floating or int8 weights, with a single row on a row-invariant tensor computed
     as one of two rows.
 
     x (..., K) -> (..., N). weight (N, K), floating, or int8 with `scale` (N,) in x's dtype
     (`models.quantize`). The second row is the same row again: a two-row product costs what a one-row
     product costs (it is bound by reading the weight) and goes through the kernel larger calls use.
+    packed: `weight` prepacked for oneDNN (`models.prepack`), which gives F.linear's bits faster.
     """
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     padded = rows == 1 and row_invariant(x)
     if padded:
         flat = flat.expand(2, -1)
-    if scale is None:
+    if packed is not None:
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    elif scale is None:
         out = F.linear(flat, weight, bias)
     else:
         out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)
@@ -60,17 +63,20 @@ class Linear(nn.Linear):
     """`nn.Linear` whose forward is `linear` (same parameters and checkpoint keys).
 
     weight_scale: (out,) once `models.quantize.quantize_int8` stored the weight as int8, else None.
+    weight_packed: the weight prepacked for oneDNN once `models.prepack.prepack_bf16` ran, else None.
     """
 
     weight_scale: torch.Tensor | None
+    weight_packed: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.register_buffer("weight_scale", None, persistent=False)
+        self.register_buffer("weight_packed", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        return linear(x, self.weight, self.bias, self.weight_scale, self.weight_packed)
 
 
 class RMSNorm(nn.Module):
@@ -110,6 +116,7 @@ class SwiGLU(nn.Module):
 
     gate_up_weight: torch.Tensor | None
     gate_up_scale: torch.Tensor | None
+    gate_up_packed: torch.Tensor | None
 
     def __init__(self, hidden: int, inner: int) -> None:
         super().__init__()
@@ -118,10 +125,12 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # (2I, H) once fused
         self.register_buffer("gate_up_scale", None, persistent=False)  # (2I,) once quantized to int8
+        self.register_buffer("gate_up_packed", None, persistent=False)  # prepacked for oneDNN (models.prepack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = linear(x, self.gate_up_weight, scale=self.gate_up_scale).chunk(2, dim=-1)  # (..., I) each
+            gate, up = linear(x, self.gate_up_weight, scale=self.gate_up_scale,
+                              packed=self.gate_up_packed).chunk(2, dim=-1)  # (..., I) each
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -139,6 +148,7 @@ class QKVProjection(nn.Module):
     qkv_weight: torch.Tensor | None
     qkv_bias: torch.Tensor | None
     qkv_scale: torch.Tensor | None
+    qkv_packed: torch.Tensor | None
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool, qk_norm: bool, eps: float) -> None:
@@ -153,6 +163,7 @@ class QKVProjection(nn.Module):
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
         self.register_buffer("qkv_scale", None, persistent=False)  # ((Hq + 2 Hkv) D,) once quantized to int8
+        self.register_buffer("qkv_packed", None, persistent=False)  # prepacked for oneDNN (models.prepack)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -160,7 +171,7 @@ class QKVProjection(nn.Module):
         b, t, _ = x.shape
         if self.qkv_weight is not None:
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale, self.qkv_packed)
             if self.q_norm is None:  # q and k are adjacent heads of one tensor: rotate them in one pass
                 qk = apply_rope(qkv[..., : q_width + kv_width].view(b, t, -1, self.head_dim), cos, sin)
                 q, k = qk.split((self.num_heads, self.num_kv_heads), dim=2)

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import int8_weights, resolve_dtype
 from hspec.models.llama import TargetModel
+from hspec.models.prepack import prepack_bf16
 from hspec.models.quantize import quantize_int8
 from hspec.models.tokenizer import ChatTokenizer
 from hspec.models.weight_layout import fuse_projections, store_linear_weights_in_fast_layout
@@ -177,6 +178,8 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     fuse_projections(model)  # q/k/v and gate/up as one GEMM each (the named weights become views)
     if int8_weights(dtype):
         quantize_int8(model, compute_dtype)
+    else:
+        prepack_bf16(model)  # bf16 on a CPU: oneDNN's packed copies, F.linear's bits faster (else a no-op)
     return model
 
 
