@@ -51,8 +51,7 @@ def test_a_packed_weight_gives_f_linears_bits_alone_or_among_others(out_features
 
 def test_a_bf16_target_is_prepacked_and_keeps_the_logits_of_plain_weights(tiny_dirs):
     from conftest import load_tiny
-    from hspec.models.layers import Linear, QKVProjection, SwiGLU
-    from hspec.models.prepack import prepack_available
+    from hspec.models.prepack import drop_packed, prepack_available
 
     if not prepack_available():
         pytest.skip("this torch has no oneDNN packed linear")
@@ -67,13 +66,8 @@ def test_a_bf16_target_is_prepacked_and_keeps_the_logits_of_plain_weights(tiny_d
     pool = model.new_pool(4)
     pool.add_sequence(0)
     packed_logits = model(ids, pool, [0]).logits
-    for module in model.modules():  # the same model on F.linear
-        if isinstance(module, QKVProjection):
-            module.qkv_packed = None
-        elif isinstance(module, SwiGLU):
-            module.gate_up_packed = None
-        elif isinstance(module, Linear):
-            module.weight_packed = None
+    drop_packed(model)  # the same model on F.linear
+    assert layer.self_attn.qkv.qkv_packed is None and model.lm_head.weight_packed is None
     pool.truncate(0, 0)
     assert torch.equal(model(ids, pool, [0]).logits, packed_logits)
     assert load_tiny(tiny_dirs["llama"]).model.lm_head.weight_packed is None  # float32: nothing packed

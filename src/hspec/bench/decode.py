@@ -6,6 +6,8 @@
    - hspec in each dtype of `--dtypes` (the `--drafter none` path of `hspec generate`);
    - hspec float32 with q/k/v and gate/up as separate matmuls (the runtime before
      `models.weight_layout.fuse_projections`), so the gain of stacking is measured in the same run;
+   - hspec bfloat16 on F.linear's plain weights (the runtime before `models.prepack`), when bfloat16 is
+     among the dtypes, for the gain of oneDNN's prepacked weights;
    - transformers on the same weights (float32): its model called token by token with its own KV
      cache (`DynamicCache`), the loop `generate` runs without the logits processors;
    - llama.cpp on the embedded target's own GGUF (Q4_1 for SmolLM2) through `llama-cpp-python`, when
@@ -47,12 +49,14 @@ from hspec.models.dtype import dtype_name, int8_weights, resolve_dtype
 from hspec.models.layers import QKVProjection, SwiGLU
 from hspec.models.llama import TargetModel
 from hspec.models.loading import Target, build_model, default_gguf_path, load_target, read_state_dict
+from hspec.models.prepack import drop_packed
 from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.sampling import SamplingParams
 
 VERIFY_KS = (3, 7, 15)
 PREFILL_TOKENS = (128, 512)
 UNFUSED = "float32-unfused"
+UNPACKED = "bfloat16-unpacked"
 TRANSFORMERS = "transformers-float32"
 LLAMA_CPP = "llama.cpp"
 VLLM = "vllm-bfloat16"
@@ -86,6 +90,10 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
     long_prompt = prefill_prompt(base, max(prefill_tokens, default=0), data_dir)
     runners: dict[str, Runner] = {name: _hspec_runner(t.model, max_new_tokens) for name, t in targets.items()}
     runners[UNFUSED] = _hspec_runner(unfused_copy(base.model), max_new_tokens)
+    if "bfloat16" in targets:
+        unpacked = build_model(base.config, state, "bfloat16", "cpu")
+        drop_packed(unpacked)
+        runners[UNPACKED] = _hspec_runner(unpacked, max_new_tokens)
     if transformers:
         runners[TRANSFORMERS] = _transformers_runner(base, max_new_tokens)
     llama_cpp = _llama_cpp_runner(target_name, max_new_tokens, torch.get_num_threads())
@@ -178,6 +186,8 @@ def render_markdown(payload: dict) -> str:
 def _label(name: str) -> str:
     if name == UNFUSED:
         return "hspec float32, q/k/v and gate/up as separate matmuls (before the fast path)"
+    if name == UNPACKED:
+        return "hspec bfloat16, F.linear on plain weights (before prepacking)"
     if name == TRANSFORMERS:
         return "transformers generate, float32"
     if name == LLAMA_CPP:

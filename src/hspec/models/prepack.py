@@ -70,3 +70,15 @@ def prepack_bf16(model: nn.Module) -> int:
                 module.weight_packed = pack_weight(module.weight)
                 count += module.weight_packed is not None
     return count
+
+
+def drop_packed(model: nn.Module) -> None:
+    """Undo `prepack_bf16`: every product under `model` goes back to F.linear on the plain weights (the
+    same bits; `hspec bench decode` times both)."""
+    for module in model.modules():
+        if isinstance(module, QKVProjection):
+            module.qkv_packed = None
+        elif isinstance(module, SwiGLU):
+            module.gate_up_packed = None
+        elif isinstance(module, Linear):
+            module.weight_packed = None
