@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hspec.models.layers import linear
+from hspec.models.prepack import pack_weight
 from hspec.models.weight_layout import in_fast_layout
 
 
@@ -21,7 +23,9 @@ class PrunedVocabHead(nn.Module):
     B.2). The restricted rows are cached as one (Vp, H) copy, neither trained nor saved, refreshed
     whenever the ids or the attached weight change (gathering Vp rows per call would cost more than the
     product), in the memory layout the CPU's GEMM runs fastest for its dtype (`in_fast_layout`: fp32
-    column-major, bf16 row-major, 1.4x faster than column-major for a 7-row bf16 block here).
+    column-major, bf16 row-major, 1.4x faster than column-major for a 7-row bf16 block here). Drafting
+    in bf16 on a CPU multiplies with a oneDNN-prepacked copy of those rows (`models.prepack`: the same
+    bits, faster), made on the first such call.
     """
 
     def __init__(self, vocab_size: int, draft_vocab_size: int) -> None:
@@ -30,6 +34,7 @@ class PrunedVocabHead(nn.Module):
         self.register_buffer("draft_vocab_ids", torch.arange(draft_vocab_size))  # (Vp,) long
         self._weight: torch.Tensor | None = None  # (V, H) the target's head, detached, not registered
         self._rows: torch.Tensor | None = None  # (Vp, H) cached restricted rows
+        self._packed: torch.Tensor | None = None  # `_rows` prepacked for oneDNN, made on first bf16 use
         self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
 
     def attach(self, lm_head_weight: torch.Tensor) -> None:
@@ -54,12 +59,17 @@ class PrunedVocabHead(nn.Module):
     def _refresh(self) -> None:
         if self._weight is not None:
             self._rows = in_fast_layout(self._weight[self.draft_vocab_ids.to(self._weight.device)])
+        self._packed = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, K, H) -> logits (N, K, Vp)."""
         if self._rows is None:
             raise RuntimeError("the pruned vocabulary head has no LM head attached; call attach() first")
-        return F.linear(hidden, self._rows.to(hidden.dtype))  # (N, K, H) x (Vp, H)^T
+        if hidden.requires_grad or hidden.dtype != self._rows.dtype:  # training: F.linear, which has a backward
+            return F.linear(hidden, self._rows.to(hidden.dtype))  # (N, K, H) x (Vp, H)^T
+        if self._packed is None and not torch.compiler.is_compiling():
+            self._packed = pack_weight(self._rows)
+        return linear(hidden, self._rows, packed=self._packed)
 
     def to_full(self, probs: torch.Tensor) -> torch.Tensor:
         """(..., Vp) probabilities -> (..., V), zero outside the draft vocabulary."""

@@ -42,14 +42,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x (..., K) -> (..., N). weight (N, K), floating, or int8 with `scale` (N,) in x's dtype
     (`models.quantize`). The second row is the same row again: a two-row product costs what a one-row
     product costs (it is bound by reading the weight) and goes through the kernel larger calls use.
-    packed: `weight` prepacked for oneDNN (`models.prepack`), which gives F.linear's bits faster.
+    packed: `weight` prepacked for oneDNN (`models.prepack`), which gives F.linear's bits faster; ignored
+    inside a torch.compile graph, which cannot take oneDNN's opaque tensors (inductor picks its own kernel).
     """
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     padded = rows == 1 and row_invariant(x)
     if padded:
         flat = flat.expand(2, -1)
-    if packed is not None:
+    if packed is not None and not torch.compiler.is_compiling():
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     elif scale is None:
         out = F.linear(flat, weight, bias)
