@@ -38,7 +38,7 @@ from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.runtime import drafter_precision_of, for_inference
 from hspec.sampling import SamplingBatch, SamplingParams
 
-GOAL = "hspec T_D(7) / T_T <= 0.25 at B = 1"
+GOAL = "hspec T_D(7) / T_T <= 0.15 at B = 1 (issue 17)"
 
 
 class _Setting:
