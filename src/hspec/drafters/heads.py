@@ -65,7 +65,7 @@ class PrunedVocabHead(nn.Module):
         """hidden (N, K, H) -> logits (N, K, Vp)."""
         if self._rows is None:
             raise RuntimeError("the pruned vocabulary head has no LM head attached; call attach() first")
-        if hidden.requires_grad or hidden.dtype != self._rows.dtype:  # training: F.linear, which has a backward
+        if hidden.requires_grad or hidden.dtype != self._rows.dtype:  # training (a backward) or autocast
             return F.linear(hidden, self._rows.to(hidden.dtype))  # (N, K, H) x (Vp, H)^T
         if self._packed is None and not torch.compiler.is_compiling():
             self._packed = pack_weight(self._rows)

@@ -6,8 +6,8 @@ layout its AVX512-BF16 kernel reads on every call. `prepack_bf16` does that once
 (`torch.ops.mkldnn._linear_pointwise`). Same kernel, same accumulation: the outputs are F.linear's to
 the bit (checked for every weight when it is packed, else that weight stays on F.linear), so a packed
 row is still computed the same alone or among others (tests/test_fast_path.py), and every committed
-bf16 output stays what it was. Measured here (docs/fast-path.md): SmolLM2's layer shapes 1.4-1.7x
-faster per product, a whole bf16 decode 0.70x the time, an 8-token verify 0.78x.
+bf16 output stays what it was. Measured here (docs/fast-path.md): SmolLM2's layer shapes 1.2-1.9x
+faster per product, a whole bf16 decode and an 8-token verify about 0.7-0.78x the time.
 
 Cost: the packed copy sits beside the plain weight (which state_dict, the drafters and the embedding
 still read), so the bf16 target's linear weights take twice the memory (SmolLM2-135M: +0.27 GB).
@@ -47,29 +47,24 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def prepack_bf16(model: nn.Module) -> int:
+def prepack_bf16(model: nn.Module) -> None:
     """Give every bf16 product under `model` a prepacked weight: the stacked q/k/v and gate/up matrices
     (`fuse_projections`) and every other `Linear` (the named parts of a stacked matrix are not used and
-    stay unpacked). Frozen inference modules on a CPU; returns how many weights were packed."""
+    stay unpacked). Frozen inference modules on a CPU; elsewhere every weight stays on F.linear."""
     fused_parts: set[int] = set()
-    count = 0
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, QKVProjection) and module.qkv_weight is not None and module.qkv_scale is None:
                 fused_parts.update(id(m) for m in (module.q_proj, module.k_proj, module.v_proj))
                 module.qkv_packed = pack_weight(module.qkv_weight)
-                count += module.qkv_packed is not None
             elif isinstance(module, SwiGLU) and module.gate_up_weight is not None and module.gate_up_scale is None:
                 fused_parts.update(id(m) for m in (module.gate_proj, module.up_proj))
                 module.gate_up_packed = pack_weight(module.gate_up_weight)
-                count += module.gate_up_packed is not None
         for module in model.modules():
             if isinstance(module, Linear) and id(module) not in fused_parts and module.weight_scale is None:
                 if module.weight.requires_grad:
                     raise ValueError("prepack_bf16 is for frozen inference modules; call requires_grad_(False) first")
                 module.weight_packed = pack_weight(module.weight)
-                count += module.weight_packed is not None
-    return count
 
 
 def drop_packed(model: nn.Module) -> None:
