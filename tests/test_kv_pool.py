@@ -112,3 +112,18 @@ def test_batched_ragged_equals_one_by_one(tiny_target):
             model(p, solo, [0])
             singles.append(model(step[i:i + 1], solo, [0]).logits)
     assert torch.allclose(batched, torch.cat(singles, 0), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_pool_returns_what_was_written_and_a_bf16_pool_hands_out_k_transposed_in_place(dtype):
+    pool = PagedKVPool(2, num_kv_heads=3, head_dim=8, num_blocks=4, block_size=4, dtype=dtype)
+    pool.add_sequence(0)
+    k, v = torch.randn(2, 1, 6, 3, 8).to(dtype)
+    pool.write(1, pool.extend([0], 6), k, v)
+    keys, values = pool.gather(1, pool.slot_table([0]))  # (1, 6, 3, 8) each
+    assert torch.equal(keys, k) and torch.equal(values, v)
+    per_head_kt = keys.permute(0, 2, 3, 1)  # (B, Hkv, D, S), what the score product reads
+    if dtype == torch.bfloat16:  # reduced precision on the CPU: K^T is row-major, no copy needed
+        assert per_head_kt.stride(-1) == 1
+    else:
+        assert pool.k.is_contiguous()

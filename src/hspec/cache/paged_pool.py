@@ -90,8 +90,18 @@ class PagedKVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         num_layers = num_target_layers + num_drafter_layers
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L_all, slots, Hkv, D)
+        num_slots = num_blocks * block_size
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        if dtype != torch.float32 and torch.device(device).type == "cpu":
+            # Reduced precision on the CPU (the row-invariant attention of models/layers.py): K lives in
+            # memory as (L_all, Hkv, D, slots), seen as (L_all, slots, Hkv, D), so one head's K^T over
+            # consecutive slots is a row-major (D, S) matrix that the bf16 score product reads in place
+            # instead of copying it out of a strided view (same bits; docs/fast-path.md). float32's
+            # fused attention prefers K slot-major.
+            k_storage = torch.zeros((num_layers, num_kv_heads, head_dim, num_slots), dtype=dtype, device=device)
+            self.k = k_storage.permute(0, 3, 1, 2)  # (L_all, slots, Hkv, D)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L_all, slots, Hkv, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Ascending pop order keeps a lone sequence's blocks consecutive, which lets B == 1 attention
         # read a slice instead of gathering; freed blocks are pushed back and reused first.
