@@ -73,7 +73,7 @@ def test_a_bf16_target_is_prepacked_and_keeps_the_logits_of_plain_weights(tiny_d
     assert load_tiny(tiny_dirs["llama"]).model.lm_head.weight_packed is None  # float32: nothing packed
 
 
-@pytest.mark.parametrize("context", [37, 255, 256, 511, 700])
+@pytest.mark.parametrize("context", [37, 255, 700, 1023, 1024, 1500, 2100])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
 def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_heads):
     """Row r of a T-token verify sees the context and r + 1 new keys of T; its 1-token decode saw exactly

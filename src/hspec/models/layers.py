@@ -21,8 +21,10 @@ from torch import nn
 
 # Keys per product in the row-invariant attention: a query's weighted sum of values is accumulated chunk
 # by chunk in fp32, so the keys that other rows of a verify add at the end never change how the earlier
-# keys are summed.
-_VALUE_CHUNK = 256
+# keys are summed. 1,024 rather than 256: each product costs ~40 us however small, and oneDNN's bf16
+# product gave a verify row its decode's bits with chunks up to 8,192 keys (contexts to 3,100; 256 -> 1,024
+# made a decode at context 800 0.78-0.90x as long; docs/fast-path.md).
+_VALUE_CHUNK = 1024
 # Query tokens per block of a long call (a prefill): each block is computed only against the keys some
 # row of it can see, so a causal prefill of T tokens does about half the T x T work and its scores stay
 # cache-sized. A block is a row-invariant call of its own, so every row keeps its bits.
