@@ -176,3 +176,24 @@ def test_a_kind_is_compared_with_its_other_checkpoints():
     worse_default = summarize([{**r, "method": {"a": "a@new", "a@old": "a"}.get(r["method"], r["method"])}
                                for r in rows], ["none", "a", "b", "a@new"], K=3)
     assert "a@new vs a" in worse_default["ci"] and "a vs a@new" not in worse_default["ci"]  # once, best first
+
+
+def test_run_eval_takes_every_trained_kind_greedy_and_sampled(tmp_path, tiny_target, monkeypatch):
+    """The long comparison evaluates every kind after hours of training: each one must get through
+    run_eval's greedy run (outputs checked equal to plain inside) and its temperature-1 run."""
+    from hspec.drafters import DRAFTERS
+    from hspec.eval import runner
+    from hspec.runtime import build_drafter
+    from hspec.sampling import SamplingParams
+
+    target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
+    monkeypatch.setattr(runner, "build_drafter",
+                        lambda kind, target, path=None, **kw: build_drafter(kind, target, path, random_weights=True,
+                                                                            **kw))
+    kinds = [k for k in DRAFTERS.names() if DRAFTERS.get(k).needs_target_model]
+    assert {"hspec", "dflash2", "dels", "dfly", "specblock"} <= set(kinds)
+    methods = [runner.MethodSpec(k) for k in kinds]
+    for name, sampling in (("greedy", SamplingParams()), ("t1", SamplingParams(temperature=1.0))):
+        payload = runner.run_eval("tiny", methods, ["mt_bench"], 1, 3, sampling, 8, tmp_path, name, target=target)
+        done = {r["method"] for r in payload["records"]}
+        assert done == {"none", *kinds}, name
