@@ -131,3 +131,20 @@ def test_create_drafter_needs_the_target_model_for_trained_kinds(tiny_target):
         create_drafter("hspec", tiny_target.config)
     # Model-free kinds accept (and ignore) it.
     assert create_drafter("ngram", tiny_target.config, target_model=tiny_target.model).kind == "ngram"
+
+
+def test_pruned_vocab_head_tries_packing_once_per_refresh(monkeypatch):
+    """Drafting calls the head every step: a weight that cannot be packed must not be re-tried each call."""
+    from hspec.drafters import heads
+
+    calls = []
+    monkeypatch.setattr(heads, "pack_weight", lambda rows: calls.append(rows.shape) or None)
+    head = PrunedVocabHead(12, 5)
+    head.attach(torch.randn(12, 4).bfloat16())
+    hidden = torch.randn(1, 3, 4).bfloat16()
+    first = head(hidden)
+    assert torch.equal(head(hidden), first) and len(calls) == 1
+    head.set_vocab(torch.tensor([7, 0, 11, 3, 5]))  # new rows: packing is tried again, once
+    head(hidden)
+    head(hidden)
+    assert len(calls) == 2

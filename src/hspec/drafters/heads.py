@@ -35,6 +35,7 @@ class PrunedVocabHead(nn.Module):
         self._weight: torch.Tensor | None = None  # (V, H) the target's head, detached, not registered
         self._rows: torch.Tensor | None = None  # (Vp, H) cached restricted rows
         self._packed: torch.Tensor | None = None  # `_rows` prepacked for oneDNN, made on first bf16 use
+        self._pack_tried = False  # packing is tried once per refresh; None after a try means F.linear
         self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
 
     def attach(self, lm_head_weight: torch.Tensor) -> None:
@@ -59,7 +60,7 @@ class PrunedVocabHead(nn.Module):
     def _refresh(self) -> None:
         if self._weight is not None:
             self._rows = in_fast_layout(self._weight[self.draft_vocab_ids.to(self._weight.device)])
-        self._packed = None
+        self._packed, self._pack_tried = None, False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, K, H) -> logits (N, K, Vp)."""
@@ -67,8 +68,8 @@ class PrunedVocabHead(nn.Module):
             raise RuntimeError("the pruned vocabulary head has no LM head attached; call attach() first")
         if hidden.requires_grad or hidden.dtype != self._rows.dtype:  # training (a backward) or autocast
             return F.linear(hidden, self._rows.to(hidden.dtype))  # (N, K, H) x (Vp, H)^T
-        if self._packed is None and not torch.compiler.is_compiling():
-            self._packed = pack_weight(self._rows)
+        if not self._pack_tried and not torch.compiler.is_compiling():
+            self._packed, self._pack_tried = pack_weight(self._rows), True
         return linear(hidden, self._rows, packed=self._packed)
 
     def to_full(self, probs: torch.Tensor) -> torch.Tensor:
