@@ -110,6 +110,28 @@ def test_markov_head_starts_neutral_and_reads_the_full_vocabulary():
     assert out.shape == (1, 3, 10) and torch.equal(out[0, 0], out[0, 2])
 
 
+def test_markov_head_drafts_with_int8_w2_once_stored_and_trains_with_w2():
+    torch.manual_seed(0)
+    head = MarkovHead(vocab_size=100, rank=32, draft_vocab_size=48).to(torch.bfloat16).requires_grad_(False)
+    torch.nn.init.normal_(head.W2)
+    prev = torch.tensor([[3, 99, 3]])
+    exact = head(prev)  # (1, 3, 48) through W2
+    head.store_int8(torch.bfloat16)
+    assert head._w2_int8.dtype == torch.int8 and head._w2_int8.shape == (48, 32)
+    drafted = head(prev)
+    assert not torch.equal(drafted, exact), "the int8 copy was not used"
+    assert torch.allclose(drafted.float(), exact.float(), rtol=0.05, atol=0.05 * exact.abs().max().item())
+    assert torch.equal(drafted[0, 0], drafted[0, 2])  # a row is computed alike wherever it sits
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # training reads W2 (fp32 master weights)
+        trained = MarkovHead(vocab_size=100, rank=32, draft_vocab_size=48)
+        trained.store_int8(torch.bfloat16)
+        trained.W2.data.normal_()
+        assert trained(prev).requires_grad
+    odd = MarkovHead(vocab_size=100, rank=8, draft_vocab_size=48).to(torch.bfloat16)
+    odd.store_int8(torch.bfloat16)  # the int8 kernel takes no rank-8 input: W2 stays in use
+    assert odd._w2_int8 is None
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_attend_block_equals_sdpa_over_concatenated_keys(causal):
     torch.manual_seed(0)

@@ -95,6 +95,8 @@ def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.dev
     if drafter_int8(precision, target_dtype, device) and isinstance(drafter, NeuralDrafter):
         drafter.requires_grad_(False)
         quantize_int8(drafter, compute_dtype=drafter.mask_embedding.dtype)
+        if drafter.markov is not None:
+            drafter.markov.store_int8(drafter.mask_embedding.dtype)
     drafter = drafter.eval()
     if compiled and isinstance(drafter, NeuralDrafter):
         compile_drafter(drafter)

@@ -49,14 +49,15 @@ def quantize_int8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16)
     """
     _swap_plain_linears(model)
     for module in model.modules():
-        if isinstance(module, QKVProjection) and module.qkv_weight is not None and _kernel_fits(module.qkv_weight):
+        if isinstance(module, QKVProjection) and module.qkv_weight is not None and int8_kernel_fits(module.qkv_weight):
             module.qkv_weight, module.qkv_scale = _requantize_views(
                 module.qkv_weight, (module.q_proj, module.k_proj, module.v_proj), compute_dtype)
-        elif isinstance(module, SwiGLU) and module.gate_up_weight is not None and _kernel_fits(module.gate_up_weight):
+        elif (isinstance(module, SwiGLU) and module.gate_up_weight is not None
+              and int8_kernel_fits(module.gate_up_weight)):
             module.gate_up_weight, module.gate_up_scale = _requantize_views(
                 module.gate_up_weight, (module.gate_proj, module.up_proj), compute_dtype)
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype != torch.int8 and _kernel_fits(module.weight):
+        if isinstance(module, Linear) and module.weight.dtype != torch.int8 and int8_kernel_fits(module.weight):
             _check_frozen(module.weight)
             q, scale = quantize_rows(module.weight, compute_dtype)
             module.weight = nn.Parameter(q, requires_grad=False)
@@ -73,7 +74,7 @@ def _swap_plain_linears(model: nn.Module) -> None:
                 setattr(parent, name, swapped)
 
 
-def _kernel_fits(weight: torch.Tensor) -> bool:
+def int8_kernel_fits(weight: torch.Tensor) -> bool:
     """Whether the int8 kernel takes this (N, K) weight's input width K (see the module doc)."""
     return weight.shape[1] % _K_MULTIPLE == 0
 
