@@ -197,3 +197,60 @@ def test_run_eval_takes_every_trained_kind_greedy_and_sampled(tmp_path, tiny_tar
         payload = runner.run_eval("tiny", methods, ["mt_bench"], 1, 3, sampling, 8, tmp_path, name, target=target)
         done = {r["method"] for r in payload["records"]}
         assert done == {"none", *kinds}, name
+
+
+def test_a_killed_eval_resumes_with_its_first_unfinished_item(tmp_path, tiny_target, monkeypatch):
+    """Finished items survive a crash in `<stem>.partial.jsonl`; the rerun decodes only the others, reports
+    what an uninterrupted run reports, deletes the log, and refuses a log made with other settings."""
+    from hspec.decoding.generate import SpeculativeDecoder
+    from hspec.eval.runner import MethodSpec, run_eval
+    from hspec.sampling import SamplingParams
+
+    target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
+    calls = []
+    generate = SpeculativeDecoder.generate
+
+    def crash_on_the_second_item(self, prompts, *args, **kwargs):  # 2 methods x 2 turns per item, + warm-up
+        calls.append(prompts[0])
+        if len(calls) == 2 + 4 + 1:
+            raise KeyboardInterrupt
+        return generate(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", crash_on_the_second_item)
+    args = ("tiny", [MethodSpec("ngram")], ["mt_bench"], 3, 3, SamplingParams(), 12, tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(*args, "resumed", target=target)
+    log = tmp_path / "resumed.partial.jsonl"
+    assert len(log.read_text().splitlines()) == 2  # the settings, then the one finished item
+    with pytest.raises(ValueError, match="settings that differ: max_new_tokens"):
+        run_eval(*args[:6], 16, tmp_path, "resumed", target=target)
+    monkeypatch.setattr(SpeculativeDecoder, "generate", generate)
+    calls.clear()
+    monkeypatch.setattr(SpeculativeDecoder, "generate",
+                        lambda self, prompts, *a, **kw: calls.append(prompts[0]) or generate(self, prompts, *a, **kw))
+    resumed = run_eval(*args, "resumed", target=target)
+    assert len(calls) == 2 + 2 * 4  # the warm-ups and items 1 and 2 only
+    assert not log.exists() and "commits" not in resumed["provenance"]
+    whole = run_eval(*args, "whole", target=target)
+    strip = [{k: v for k, v in r.items() if k != "decode_s"} for r in resumed["records"]]
+    assert strip == [{k: v for k, v in r.items() if k != "decode_s"} for r in whole["records"]]
+    tau = [p["summary"]["tasks"]["all"]["ngram"]["mean_accepted_length"] for p in (resumed, whole)]
+    assert tau[0] == tau[1] > 1
+
+
+def test_an_item_log_drops_a_line_cut_short_and_names_every_commit_that_wrote_to_it(tmp_path):
+    from hspec.eval.partial import ItemLog
+
+    path = tmp_path / "e.partial.jsonl"
+    first = ItemLog(path, {"K": [3, 5]}, "aaa")
+    first.add("t", "t/0", [{"task": "t", "item": "t/0", "method": "none"}])
+    with path.open("a") as f:
+        f.write('{"task": "t", "item": "t/1", "comm')  # killed while writing item 1
+    second = ItemLog(path, {"K": [3, 5]}, "bbb")
+    assert second.done == {("t", "t/0")} and second.commits == ["aaa"]
+    second.add("t", "t/1", [{"task": "t", "item": "t/1", "method": "none"}])
+    third = ItemLog(path, {"K": [3, 5]}, "bbb")
+    assert third.done == {("t", "t/0"), ("t", "t/1")} and third.commits == ["aaa", "bbb"]
+    assert [r["item"] for r in third.records] == ["t/0", "t/1"]
+    third.finish()
+    assert not path.exists()

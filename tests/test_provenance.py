@@ -23,6 +23,9 @@ def test_markdown_has_a_line_for_a_dirty_tree():
     assert "tree_dirty" not in provenance_markdown({**older, "commit": "abc1234"})
     unknown = {**meta, "commit": "unknown", "tree_dirty": None}
     assert "tree_dirty" not in provenance_markdown(unknown)
+    assert "commits" not in provenance_markdown(meta)
+    resumed = provenance_markdown({**meta, "commits": ["abc1234", "def5678"]})
+    assert "- commits: abc1234, def5678 (a resumed run" in resumed
 
 
 def test_only_files_outside_results_make_the_tree_dirty(tmp_path):

@@ -352,7 +352,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _add_eval(sub) -> None:
     ev = sub.add_parser("eval", help="drafters vs plain decoding on the task suites (tau, speedup, CIs)",
                         description="Runs plain decoding and each drafter item by item (interleaved) on fixed "
-                                    "subsets of the task suites; writes JSON + markdown under --out.")
+                                    "subsets of the task suites; writes JSON + markdown under --out. Finished "
+                                    "items are kept in OUT/NAME.partial.jsonl until the report is written, so "
+                                    "the same command run again after a kill resumes where it stopped.")
     _add_target(ev)
     _add_dtype(ev)
     ev.add_argument("--drafters", default="ngram,hspec",

@@ -47,7 +47,9 @@ def provenance_markdown(meta: dict[str, Any]) -> str:
     dirty = meta["tree_dirty"] if "tree_dirty" in meta else (str(meta["commit"]).endswith("-dirty") or None)
     tree = ("- tree_dirty: true (tracked files differed from this commit when this ran; the commit alone may "
             "not reproduce it)\n" if dirty else "- tree_dirty: false\n" if dirty is not None else "")
-    return (f"- command: `{meta['command']}`\n- date: {meta['date']}\n- commit: {meta['commit']}\n{tree}"
+    resumed = (f"- commits: {', '.join(meta['commits'])} (a resumed run: its items were made at these commits)\n"
+               if meta.get("commits") else "")
+    return (f"- command: `{meta['command']}`\n- date: {meta['date']}\n- commit: {meta['commit']}\n{resumed}{tree}"
             f"- machine: {device}, {m['platform']}, torch {m['torch']}\n- settings: {settings}\n")
 
 

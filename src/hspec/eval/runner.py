@@ -5,6 +5,9 @@ prompt — plain decoding first — so machine noise hits all of them alike. Gre
 plain decoding's token for token (checked on every item). Per method and task we report MAL tau,
 the decode-phase speedup (plain ITL / method ITL), per-position conditional acceptance, and paired
 bootstrap 95% CIs of each drafter's relative difference to the best other drafter.
+
+Finished items are kept in `<out>/<stem>.partial.jsonl` as they finish (`hspec.eval.partial`): the same
+command run again after a kill resumes with the first unfinished item.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.eval.bootstrap import paired_bootstrap_relative_diff
 from hspec.eval.findings import evaluate_claims, itl_ratio, render_findings, tau_ratio
+from hspec.eval.partial import ItemLog
 from hspec.metrics import acceptance_stats, merge_stats
 from hspec.models.loading import Target, load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
@@ -82,11 +86,23 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     warm_up = target.tokenizer.encode_chat([{"role": "user", "content": tasks[0].items[0].turns[0]}])
     for dec, _ in runs.values():
         dec.generate([warm_up], sampling, WARM_UP_TOKENS, seeds=[seed])
-    records: list[dict[str, Any]] = []
+    settings = {"target": target.name, "dtype": target.model.dtype_name,
+                "K": ks[0] if len(ks) == 1 else ks, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": max_new_tokens,
+                "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,
+                "methods": ",".join(m.label for m in specs), "compile_drafters": compile_drafters,
+                "drafter_precision": drafter_precision_of(drafter_precision, target),
+                **({} if data_dir is None else {"data_dir": str(data_dir)})}
+    meta = provenance(command, settings)
+    log = ItemLog(out_dir / f"{stem}.partial.jsonl", settings, meta["commit"])  # finished items, kept on disk
     total_turns = sum(len(item.turns) for task in tasks for item in task.items)
-    bar = tqdm(total=total_turns, desc="eval", unit="turn")
+    done_turns = sum(len(item.turns) for task in tasks for item in task.items if (task.name, item.id) in log.done)
+    bar = tqdm(total=total_turns, initial=done_turns, desc="eval", unit="turn")
     for task in tasks:
         for item in task.items:
+            if (task.name, item.id) in log.done:
+                continue
+            item_records: list[dict[str, Any]] = []
             messages: list[dict[str, str]] = []
             for turn_index, turn in enumerate(item.turns):
                 messages.append({"role": "user", "content": turn})
@@ -102,7 +118,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                     seq = out.sequences[0]
                     if sampling.greedy and seq.token_ids != reference:
                         raise RuntimeError(f"{label} changed the greedy output on {item.id}: lossless bug")
-                    records.append({"task": task.name, "category": item.category, "item": item.id,
+                    item_records.append({"task": task.name, "category": item.category, "item": item.id,
                                     "turn": turn_index, "method": label, "K": runs[label][1],
                                     "tokens": len(seq.token_ids), "decode_s": out.decode_s,
                                     "num_accepted": seq.num_accepted,
@@ -111,17 +127,14 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                                     **({"lookup_steps": lookup_steps[label]} if label in lookup_steps else {})})
                 messages.append({"role": "assistant", "content": target.tokenizer.decode(reference)})
                 bar.update(1)
+            log.add(task.name, item.id, item_records)
     bar.close()
-    settings = {"target": target.name, "dtype": target.model.dtype_name,
-                "K": ks[0] if len(ks) == 1 else ks, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": max_new_tokens,
-                "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,
-                "methods": ",".join(m.label for m in specs), "compile_drafters": compile_drafters,
-                "drafter_precision": drafter_precision_of(drafter_precision, target),
-                **({} if data_dir is None else {"data_dir": str(data_dir)})}
-    summary = summarize(records, list(runs), ks[0])
-    payload = {"provenance": provenance(command, settings), "summary": summary, "records": records}
+    if log.commits != [meta["commit"]]:  # items made at other commits (a resumed run): say which
+        meta["commits"] = log.commits
+    summary = summarize(log.records, list(runs), ks[0])
+    payload = {"provenance": meta, "summary": summary, "records": log.records}
     write_report(payload, out_dir, stem)
+    log.finish()
     return payload
 
 
