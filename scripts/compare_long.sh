@@ -20,8 +20,9 @@ TASK_SIZE=${TASK_SIZE:-16}
 DTYPE=${DTYPE:-bfloat16}
 PARTS=${PARTS:-"1 2 3 4 5 6 7 8 9 10 11 12 13 14 15"}
 # Order matters only for what finishes first: H-Spec and the baselines vLLM can serve (DFlash, P-Eagle),
-# then the other baselines, the ablations and the round-2 kinds. DeLS-Spec trains last, over DFlash.
-KINDS=${KINDS:-"hspec dflash peagle dspark dflash-kvreuse hspec-lasttoken-only hspec-kvreuse-only mamba-only attention-only hspec-nomarkov dflash2 dfly specblock dels"}
+# then the other baselines, the ablations and the round-2 kinds (a kind trains in lane INDEX % LANES, so
+# with 2 lanes DFlash-2 and SpecBlock run side by side). DeLS-Spec trains last, over DFlash.
+KINDS=${KINDS:-"hspec dflash peagle dspark dflash-kvreuse hspec-lasttoken-only hspec-kvreuse-only mamba-only attention-only hspec-nomarkov dflash2 dfly dels specblock"}
 OUT=${OUT:-results/comparison_long}
 RUNS=${RUNS:-runs/compare_long}
 mkdir -p "$OUT" "$RUNS" runs/features
