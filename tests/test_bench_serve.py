@@ -54,3 +54,16 @@ def test_command_line_parses():
         ServeBenchSettings(drafters=("none",), drafter_paths=(("hspec", "/x"),))
     with pytest.raises(ValueError, match="unknown drafter kind"):
         ServeBenchSettings(drafters=("nope",))
+
+
+def test_every_server_runs_the_dtype_asked_for(tmp_path, monkeypatch):
+    from hspec.bench import serve
+
+    launched = []
+    monkeypatch.setattr(serve.subprocess, "Popen", lambda args, **kw: launched.append(args))
+    args = build_parser().parse_args(["bench", "serve", "--dtype", "int8", "--drafters", "none"])
+    assert args.dtype == "int8"
+    serve.ServerProcess("none", ServeBenchSettings(dtype="bfloat16", drafters=("none",)), tmp_path / "log")
+    assert launched[0][launched[0].index("--dtype") + 1] == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, int8, got 'fp16'"):
+        ServeBenchSettings(dtype="fp16")

@@ -572,6 +572,7 @@ def _add_bench_serve(bench_sub) -> None:
                     "<out>/serving/serve_bench.{json,md}, throughput_vs_concurrency.png, "
                     "kv_vs_concurrency.png and the KV capacity in tokens per drafter kind at the budget.")
     _add_target(bserve)
+    _add_dtype(bserve)
     bserve.add_argument("--drafters", default="none,ngram",
                         help="comma-separated kinds to serve (default none,ngram; none = plain decoding)")
     bserve.add_argument("--concurrency", default="8,16,32,64,128", help="comma-separated client counts")
@@ -600,7 +601,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     _check_draft_len(args.k)
     settings = ServeBenchSettings(
-        target=args.target, drafters=tuple(k for k in args.drafters.split(",") if k),
+        target=args.target, dtype=args.dtype, drafters=tuple(k for k in args.drafters.split(",") if k),
         concurrency=_concurrency(args.concurrency), K=args.k, max_tokens=args.max_tokens,
         level_seconds=args.level_seconds, tasks=tuple(t for t in args.tasks.split(",") if t),
         num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens, kv_budget_mib=args.kv_budget_mib,

@@ -37,6 +37,7 @@ import httpx
 from hspec.cache.paged_pool import PagedKVPool
 from hspec.data.tasks import load_suite
 from hspec.drafters import DRAFTERS, create_drafter
+from hspec.models.dtype import DTYPE_CHOICES
 from hspec.models.loading import load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
 
@@ -46,6 +47,7 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class ServeBenchSettings:
     target: str = "smollm2"
+    dtype: str = "auto"  # the target's dtype in every server (`hspec serve --dtype`; DTYPE_CHOICES)
     drafters: tuple[str, ...] = ("none", "ngram")  # kinds to serve; "none" = plain decoding
     concurrency: tuple[int, ...] = (8, 16, 32, 64, 128)  # closed-loop clients per level
     K: int = 7  # tokens drafted per step
@@ -66,6 +68,8 @@ class ServeBenchSettings:
     def __post_init__(self) -> None:
         if not self.drafters:
             raise ValueError("give at least one drafter kind (none = plain decoding)")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         for kind in self.drafters:
             DRAFTERS.get(kind)  # raises ValueError listing the registered kinds
         if not self.concurrency or min(self.concurrency) < 1:
@@ -82,12 +86,12 @@ class ServeBenchSettings:
 
 
 def run_serve_bench(settings: ServeBenchSettings, command: str) -> int:
-    target = load_target(settings.target)
+    target = load_target(settings.target, dtype=settings.dtype)  # as each server loads it: same KV bytes
     capacity = kv_capacity_table(target, settings.kv_budget_mib * MIB, settings.block_size)
     prompts, skipped = _prompts(target.tokenizer, settings)
     print(f"[bench serve] {len(prompts)} prompts ({skipped} longer than {settings.max_prompt_tokens} tokens "
           f"skipped); kinds {', '.join(settings.drafters)}; concurrency {settings.concurrency}", flush=True)
-    model_name = target.name
+    model_name, runtime_dtype = target.name, target.model.dtype_name
     del target  # the servers load their own copies
 
     logs = Path(tempfile.mkdtemp(prefix="hspec-bench-serve-"))
@@ -111,7 +115,8 @@ def run_serve_bench(settings: ServeBenchSettings, command: str) -> int:
 
     payload = {
         "provenance": provenance(command, {**asdict(settings), "prompts": len(prompts),
-                                           "prompts_skipped": skipped, "model": model_name}),
+                                           "prompts_skipped": skipped, "model": model_name,
+                                           "runtime_dtype": runtime_dtype}),
         "levels": levels,
         "servers": {kind: s.info for kind, s in servers.items()},
         "drafter_weights": {kind: _weights(kind, settings) for kind in settings.drafters},
@@ -168,7 +173,7 @@ class ServerProcess:
         self.log_path = log_path
         self._log = log_path.open("w")
         args = [sys.executable, "-m", "hspec.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                "--target", settings.target, "--drafter", kind, "--k", str(settings.K),
+                "--target", settings.target, "--dtype", settings.dtype, "--drafter", kind, "--k", str(settings.K),
                 "--kv-budget-mib", str(settings.kv_budget_mib), "--block-size", str(settings.block_size),
                 "--max-running", str(settings.max_running), "--threads", str(settings.server_threads),
                 "--log-level", "warning"]
