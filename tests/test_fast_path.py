@@ -121,6 +121,21 @@ def test_row_invariant_attention_matches_sdpa_to_bf16_rounding():
     assert (got - reference).abs().max() < 0.05
 
 
+@pytest.mark.parametrize("dim", [64, 576, 2048])
+def test_rms_norm_on_bf16_without_autograd_keeps_the_fp32_paths_bits_alone_or_among_others(dim):
+    from hspec.models.layers import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(dim, 1e-5).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight)
+    x = (torch.randn(2, 9, dim) * torch.logspace(-2, 3, 9)[None, :, None]).bfloat16()
+    with torch.no_grad():
+        fast = norm(x)
+        rows_alone = torch.cat([norm(x[:, t : t + 1]) for t in range(9)], 1)
+    reference = norm(x)  # autograd on: the explicit fp32 path
+    assert reference.requires_grad and torch.equal(fast, reference.detach()) and torch.equal(rows_alone, fast)
+
+
 def test_quantize_rows_bounds_the_error_by_half_a_step():
     torch.manual_seed(2)
     weight = torch.randn(30, 50)

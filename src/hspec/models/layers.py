@@ -83,7 +83,12 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32 (as the reference models do), scaled by a weight."""
+    """Root-mean-square norm computed in fp32 (as the reference models do), scaled by a weight.
+
+    Without autograd a bf16 input goes to `F.rms_norm` as it is: the CPU kernel accumulates in fp32 and
+    rounds once, the same bits as casting to fp32 first (checked in the tests), without the two casts
+    (~3 us of ~14 per call, 61 calls per SmolLM2 forward). Training keeps the explicit fp32 path.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -91,6 +96,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled():
+            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x / sqrt(mean(x^2) + eps)
         return self.weight * normed.to(x.dtype)
 
