@@ -165,3 +165,53 @@ def test_requests_that_can_never_run_are_refused(tiny_target):
     engine.add(Request("ok", (1, 5, 6), 8))
     with pytest.raises(ValueError, match="already live"):
         engine.add(Request("ok", (1, 5, 6), 8))
+
+
+@pytest.fixture(scope="module")
+def int8_target(tiny_dirs):
+    from conftest import load_tiny
+
+    return load_tiny(tiny_dirs["llama"], dtype="int8")
+
+
+def test_an_int8_recompute_writes_the_kv_bits_the_sequence_had(int8_target):
+    """An int8 prompt prefill multiplies dequantized weights (other bits than the int8 kernel); a recompute
+    after preemption must prefill only the prompt that way and run the generated tokens as decoding did."""
+    model = int8_target.model
+    stages = DecodeStages(model, create_drafter("none", int8_target.config), 0, ())
+    prompt = int8_target.tokenizer.encode_prompt(TEXTS[5])
+    pool = model.new_pool(40, 8)
+    logits = stages.prefill(pool, 0, prompt)
+    generated = [int(logits.argmax())]
+    for _ in range(6):
+        generated.append(int(model(torch.tensor([generated[-1:]]), pool, [0]).logits[0, -1].argmax()))
+
+    def kv():  # copies: the pool hands out views of slots a recompute writes again
+        table = pool.slot_table([0])
+        return [[t.clone() for t in pool.gather(layer, table)] for layer in range(model.config.num_layers)]
+
+    before = kv()
+    stages.release(pool, 0)
+    history = prompt + generated
+    stages.prefill(pool, 0, history[:-1], prompt_length=len(prompt))
+    after = kv()
+    for (k0, v0), (k1, v1) in zip(before, after, strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    stages.release(pool, 0)
+    stages.prefill(pool, 0, history[:-1])  # all of it as a prompt: the generated positions' bits differ
+    whole = kv()
+    assert not all(torch.equal(k0, k1) for (k0, _), (k1, _) in zip(before, whole, strict=True))
+    with pytest.raises(ValueError, match="prompt_length must be in 1..6"):
+        stages.prefill(pool, 1, history[:6], prompt_length=7)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "hspec"])
+def test_an_int8_engine_under_preemption_equals_the_single_request_loop(int8_target, kind):
+    drafter = _drafter(int8_target, kind)
+    requests = _mixed_requests(int8_target)[:5]
+    expected = {r.request_id: _alone(int8_target, drafter, r) for r in requests}
+    engine = _engine(int8_target, drafter, 10)
+    outputs, reasons = _run(engine, requests, join_every=2)
+    assert engine.num_preemptions > 0
+    for r in requests:
+        assert (outputs[r.request_id], reasons[r.request_id]) == expected[r.request_id], r.request_id

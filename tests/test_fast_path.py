@@ -210,3 +210,19 @@ def test_int8_is_refused_off_the_cpu():
 
     with pytest.raises(ValueError, match="int8"):
         load_target("smollm2", dtype="int8", device="meta")
+
+
+def test_a_dequantized_int8_product_is_the_bf16_product_of_the_rounded_weight():
+    from hspec.models.layers import linear
+    from hspec.models.quantize import quantize_rows
+
+    torch.manual_seed(0)
+    w = torch.randn(96, 64) * 0.05
+    q, scale = quantize_rows(w, torch.bfloat16)
+    x = torch.randn(3, 40, 64).bfloat16()
+    wide = linear(x, q, scale=scale, dequantize=True)
+    assert torch.equal(wide, torch.nn.functional.linear(x, q.bfloat16() * scale[:, None]))
+    kernel = linear(x, q, scale=scale)
+    assert not torch.equal(wide, kernel) and torch.allclose(wide.float(), kernel.float(), atol=0.05, rtol=0.02)
+    floating = torch.randn(96, 64).bfloat16()
+    assert torch.equal(linear(x, floating, dequantize=True), linear(x, floating))  # floating weights: no-op

@@ -230,7 +230,7 @@ def _hspec_runner(model: TargetModel, max_new_tokens: int) -> Runner:
         pool = model.new_pool(num_blocks=blocks_for(len(ids), 16))
         pool.add_sequence(0)
         start = time.perf_counter()
-        model(torch.tensor([ids]), pool, [0], last_logits_only=True)
+        model(torch.tensor([ids]), pool, [0], last_logits_only=True, prefill=True)  # as generate prefills
         return time.perf_counter() - start
     return Runner(decode, prefill)
 
@@ -356,7 +356,7 @@ def argmax_flips(model: TargetModel, prompts: list[list[int]], num_tokens: int, 
     for prompt in prompts:
         pool = model.new_pool(num_blocks=blocks_for(len(prompt) + num_tokens + block, 16))
         pool.add_sequence(0)
-        logits = model(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits  # (1, 1, V)
+        logits = model(torch.tensor([prompt]), pool, [0], last_logits_only=True, prefill=True).logits  # (1, 1, V)
         tokens = [int(logits[0, -1].argmax())]
         for _ in range(num_tokens - 1):
             tokens.append(int(model(torch.tensor([tokens[-1:]]), pool, [0]).logits[0, -1].argmax()))
@@ -374,7 +374,7 @@ def prefilled_pool(model: TargetModel, prompt: list[int]):
     """A pool holding sequence 0 with `prompt` cached and room for 32 more positions."""
     pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 32, 16))
     pool.add_sequence(0)
-    model(torch.tensor([prompt]), pool, [0])
+    model(torch.tensor([prompt]), pool, [0], prefill=True)
     return pool
 
 

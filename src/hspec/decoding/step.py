@@ -87,17 +87,30 @@ class DecodeStages:
 
     # ---- stages -------------------------------------------------------------------------------
 
-    def prefill(self, pool: PagedKVPool, seq_id: int, tokens: Sequence[int]) -> torch.Tensor:
+    def prefill(self, pool: PagedKVPool, seq_id: int, tokens: Sequence[int],
+                prompt_length: int | None = None) -> torch.Tensor:
         """Add `seq_id` to the pool holding `tokens` and commit them to the drafter.
 
         Used for a prompt (then the caller draws x0 with `first_token`) and for a recompute after
         preemption, where `tokens` is the history without its last token, which is already x0.
         Returns the last position's logits, (1, V).
+
+        `prompt_length` (default: all of `tokens`): how many leading tokens are the prompt. They run as
+        a prompt's prefill (`TargetModel.forward(prefill=True)`) and the rest as decoding did, so a
+        recompute writes the K/V bits the sequence had before it was preempted.
         """
+        n = len(tokens) if prompt_length is None else prompt_length
+        if not 0 < n <= len(tokens):
+            raise ValueError(f"prompt_length must be in 1..{len(tokens)} (the tokens to prefill), got {n}")
         pool.add_sequence(seq_id)
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # (1, T)
-        out = self.target(ids, pool, [seq_id], self.drafter.target_layers, last_logits_only=True)
-        self.drafter.commit(pool, [seq_id], out.hidden, torch.tensor([len(tokens)], device=self.device))
+        layers = self.drafter.target_layers
+        out = self.target(ids[:, :n], pool, [seq_id], layers, last_logits_only=True, prefill=True)
+        hidden = out.hidden  # (1, n, n_sel, H) or None
+        if n < len(tokens):
+            out = self.target(ids[:, n:], pool, [seq_id], layers, last_logits_only=True)
+            hidden = None if hidden is None else torch.cat([hidden, out.hidden], dim=1)  # (1, T, n_sel, H)
+        self.drafter.commit(pool, [seq_id], hidden, torch.tensor([len(tokens)], device=self.device))
         return out.logits[:, -1]
 
     def first_token(self, logits: torch.Tensor, sampling: SamplingBatch, generator: torch.Generator) -> int:

@@ -37,7 +37,8 @@ def row_invariant(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+           dequantize: bool = False) -> torch.Tensor:
     """`F.linear`, for floating or int8 weights, with a single row on a row-invariant tensor computed
     as one of two rows.
 
@@ -46,7 +47,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     product costs (it is bound by reading the weight) and goes through the kernel larger calls use.
     packed: `weight` prepacked for oneDNN (`models.prepack`), which gives F.linear's bits faster; ignored
     inside a torch.compile graph, which cannot take oneDNN's opaque tensors (inductor picks its own kernel).
+    dequantize: an int8 weight is multiplied as `weight * scale` in x's dtype, made for this call. The int8
+    kernel works on 4 rows at a time, so a prompt's prefill of hundreds of rows costs it ~1.7x the bf16
+    product; the dequantized product costs ~0.6x the kernel's at 512 rows but gives other bits, so only
+    a prompt's prefill asks for it (`TargetModel.forward(prefill=True)`), never a decode or a verify.
     """
+    if dequantize and scale is not None:
+        return F.linear(x, weight.to(x.dtype) * scale[:, None], bias)
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     padded = rows == 1 and row_invariant(x)
@@ -78,8 +85,8 @@ class Linear(nn.Linear):
         self.register_buffer("weight_scale", None, persistent=False)
         self.register_buffer("weight_packed", None, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale, self.weight_packed)
+    def forward(self, x: torch.Tensor, dequantize: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.weight_scale, self.weight_packed, dequantize)
 
 
 class RMSNorm(nn.Module):
@@ -137,12 +144,13 @@ class SwiGLU(nn.Module):
         self.register_buffer("gate_up_scale", None, persistent=False)  # (2I,) once quantized to int8
         self.register_buffer("gate_up_packed", None, persistent=False)  # prepacked for oneDNN (models.prepack)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, dequantize: bool = False) -> torch.Tensor:
+        """dequantize: as in `linear` (a prompt's prefill on an int8 target)."""
         if self.gate_up_weight is not None:
-            gate, up = linear(x, self.gate_up_weight, scale=self.gate_up_scale,
-                              packed=self.gate_up_packed).chunk(2, dim=-1)  # (..., I) each
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = linear(x, self.gate_up_weight, scale=self.gate_up_scale, packed=self.gate_up_packed,
+                              dequantize=dequantize).chunk(2, dim=-1)  # (..., I) each
+            return self.down_proj(F.silu(gate) * up, dequantize)
+        return self.down_proj(F.silu(self.gate_proj(x, dequantize)) * self.up_proj(x, dequantize), dequantize)
 
 
 class QKVProjection(nn.Module):
@@ -175,20 +183,20 @@ class QKVProjection(nn.Module):
         self.register_buffer("qkv_scale", None, persistent=False)  # ((Hq + 2 Hkv) D,) once quantized to int8
         self.register_buffer("qkv_packed", None, persistent=False)  # prepacked for oneDNN (models.prepack)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dequantize: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, H) -> q (B, T, Hq, D), k and v (B, T, Hkv, D); q and k rotated."""
+        """x (B, T, H) -> q (B, T, Hq, D), k and v (B, T, Hkv, D); q and k rotated. dequantize: as in `linear`."""
         b, t, _ = x.shape
         if self.qkv_weight is not None:
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale, self.qkv_packed)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale, self.qkv_packed, dequantize)
             if self.q_norm is None:  # q and k are adjacent heads of one tensor: rotate them in one pass
                 qk = apply_rope(qkv[..., : q_width + kv_width].view(b, t, -1, self.head_dim), cos, sin)
                 q, k = qk.split((self.num_heads, self.num_kv_heads), dim=2)
                 return q, k, qkv[..., q_width + kv_width :].view(b, t, self.num_kv_heads, self.head_dim)
             q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = self.q_proj(x, dequantize), self.k_proj(x, dequantize), self.v_proj(x, dequantize)
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)

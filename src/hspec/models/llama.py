@@ -44,11 +44,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
                 layer_index: int, write_slots: torch.Tensor, table: SlotTable,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        q, k, v = self.qkv(x, cos, sin)  # (B, T, Hq, D), (B, T, Hkv, D) x2
+                mask: torch.Tensor | None, dequantize: bool = False) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin, dequantize)  # (B, T, Hq, D), (B, T, Hkv, D) x2
         pool.write(layer_index, write_slots, k, v)  # new tokens first, so they see themselves
         keys, values = pool.gather(layer_index, table)  # (B, S, Hkv, D)
-        return self.o_proj(attend(q, keys, values, mask))
+        return self.o_proj(attend(q, keys, values, mask), dequantize)
 
 
 class DecoderLayer(nn.Module):
@@ -61,9 +61,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
                 layer_index: int, write_slots: torch.Tensor, table: SlotTable,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, layer_index, write_slots, table, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                mask: torch.Tensor | None, dequantize: bool = False) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, layer_index, write_slots, table, mask,
+                               dequantize)
+        return x + self.mlp(self.post_attention_layernorm(x), dequantize)
 
 
 class TargetModel(nn.Module):
@@ -109,7 +110,7 @@ class TargetModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, pool: PagedKVPool, seq_ids: Sequence[int],
                 hidden_layers: Sequence[int] = (), last_logits_only: bool = False,
-                tree_mask: torch.Tensor | None = None) -> TargetOutput:
+                tree_mask: torch.Tensor | None = None, prefill: bool = False) -> TargetOutput:
         """Run `input_ids` (B, T) as the next T tokens of each sequence in `pool`.
 
         The new tokens' K/V are appended to the pool (the caller rolls back what it rejects with
@@ -120,6 +121,13 @@ class TargetModel(nn.Module):
         rooted at token 0 (decoding/tree_verify.py): new token i sees the prefix and the new tokens j
         with tree_mask[b, i, j] (itself and its ancestors), at position start + depth(i), depth(i) =
         the ancestors it sees. Their K/V still fill the next T slots in order.
+
+        prefill: the T tokens are a prompt's, never a verify or a decode. An int8 target then multiplies
+        with its weights dequantized for the call (`models.layers.linear`): 0.6x the int8 kernel's time
+        for a 512-token prompt here, logits within int8 rounding of the kernel's but not its bits. Plain
+        and speculative decoding share the prompt's prefill, so their outputs stay equal; every later
+        token goes through the kernel, whose rows keep their bits however many share a call. A floating
+        target ignores it.
         """
         b, t = input_ids.shape
         if len(seq_ids) != b:
@@ -148,7 +156,7 @@ class TargetModel(nn.Module):
         wanted = set(hidden_layers)
         collected = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, pool, i, write_slots, table, mask)
+            x = layer(x, cos, sin, pool, i, write_slots, table, mask, prefill)
             if i + 1 in wanted:
                 collected[i + 1] = x
         if last_logits_only:
