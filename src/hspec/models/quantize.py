@@ -9,7 +9,9 @@ activations. Activations, the KV pool, norms, attention and every drafter stay b
 The weights change (each row is rounded to 255 levels), so int8 is a different runtime from bf16: its
 greedy output is compared with int8 plain decoding, never with bf16's. The int8 product computes each
 row the same way however many rows share the call (checked by the losslessness tests), so a verify
-and a 1-token decode agree bit for bit.
+and a 1-token decode agree bit for bit. A prompt's prefill is the one exception: it multiplies the
+weights dequantized for the call, which is faster for hundreds of rows (`models.layers.linear`,
+docs/fast-path.md#prefill).
 
 Legend: N output features, K input features.
 
