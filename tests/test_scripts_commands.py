@@ -155,3 +155,13 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
     order = [c[0] for c in calls]
     assert order.count("eval") == 4 and order[-1] == "claims"
     assert order.index("train-report") > max(i for i, w in enumerate(order) if w == "train")
+
+
+@pytest.mark.slow
+def test_describe_drafters_reproduces_the_committed_tables(tmp_path):
+    """Every registered kind has its row in results/drafters_describe.{md,json}: rerun
+    `bash scripts/describe_drafters.sh` after adding a kind."""
+    env = {**os.environ, "OUT": str(tmp_path), "HSPEC": f"{sys.executable} -m hspec.cli"}
+    subprocess.run(["bash", str(SCRIPTS / "describe_drafters.sh")], env=env, check=True, capture_output=True)
+    for name in ("drafters_describe.md", "drafters_describe.json"):
+        assert (tmp_path / name).read_text() == (ROOT / "results" / name).read_text(), name
