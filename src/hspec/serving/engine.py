@@ -96,11 +96,6 @@ class _Sequence:
     carried: object | None = None  # the drafter's `carried_state` while preempted, restored after the recompute
 
     @property
-    def prompt_length(self) -> int:
-        """How many leading tokens of `history` are the prompt."""
-        return len(self.history) - len(self.output.token_ids)
-
-    @property
     def prefill_tokens(self) -> list[int]:
         """What a prefill must write: the prompt, or after a preemption the history without x0."""
         return self.history if not self.output.token_ids else self.history[:-1]
@@ -240,7 +235,7 @@ class Engine:
             del self._waiting[request_id]
             tokens = seq.prefill_tokens
             try:
-                logits = self.stages.prefill(self.pool, seq.key, tokens, seq.prompt_length)
+                logits = self.stages.prefill(self.pool, seq.key, tokens, len(seq.request.prompt_ids))
                 self.stages.drafter.restore_carried_state(seq.key, seq.carried)
                 seq.carried = None
                 num_prefill += len(tokens)
