@@ -119,12 +119,13 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                     if sampling.greedy and seq.token_ids != reference:
                         raise RuntimeError(f"{label} changed the greedy output on {item.id}: lossless bug")
                     item_records.append({"task": task.name, "category": item.category, "item": item.id,
-                                    "turn": turn_index, "method": label, "K": runs[label][1],
-                                    "tokens": len(seq.token_ids), "decode_s": out.decode_s,
-                                    "num_accepted": seq.num_accepted,
-                                    **({"num_drafted": seq.num_drafted}
-                                       if any(n < runs[label][1] for n in seq.num_drafted) else {}),
-                                    **({"lookup_steps": lookup_steps[label]} if label in lookup_steps else {})})
+                                         "turn": turn_index, "method": label, "K": runs[label][1],
+                                         "tokens": len(seq.token_ids), "decode_s": out.decode_s,
+                                         "num_accepted": seq.num_accepted,
+                                         **({"num_drafted": seq.num_drafted}
+                                            if any(n < runs[label][1] for n in seq.num_drafted) else {}),
+                                         **({"lookup_steps": lookup_steps[label]}
+                                            if label in lookup_steps else {})})
                 messages.append({"role": "assistant", "content": target.tokenizer.decode(reference)})
                 bar.update(1)
             log.add(task.name, item.id, item_records)
