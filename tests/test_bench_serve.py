@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from hspec.bench.serve import ServeBenchSettings, _markdown, _plots, kv_capacity_table, run_level
+from hspec.bench.serve import ServeBenchSettings, _markdown, _plots, kv_capacity_table, run_level, server_configs
 from hspec.cli import build_parser
 from hspec.drafters import DRAFTERS
 from serving_helpers import MODEL, start_server
@@ -63,7 +63,28 @@ def test_every_server_runs_the_dtype_asked_for(tmp_path, monkeypatch):
     monkeypatch.setattr(serve.subprocess, "Popen", lambda args, **kw: launched.append(args))
     args = build_parser().parse_args(["bench", "serve", "--dtype", "int8", "--drafters", "none"])
     assert args.dtype == "int8"
-    serve.ServerProcess("none", ServeBenchSettings(dtype="bfloat16", drafters=("none",)), tmp_path / "log")
+    settings = ServeBenchSettings(dtype="bfloat16", drafters=("none",))
+    serve.ServerProcess("none", "none", None, settings, tmp_path / "log")
     assert launched[0][launched[0].index("--dtype") + 1] == "bfloat16"
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, int8, got 'fp16'"):
         ServeBenchSettings(dtype="fp16")
+
+
+def test_each_drafting_kind_is_served_once_per_speculation_limit(tmp_path, monkeypatch):
+    from hspec.bench import serve
+    from hspec.cli import _spec_limits
+
+    args = build_parser().parse_args(["bench", "serve", "--drafters", "none,hspec", "--spec-max-batch", "none,2"])
+    settings = ServeBenchSettings(drafters=tuple(args.drafters.split(",")), speculate_max_batch=_spec_limits(
+        args.spec_max_batch))
+    assert server_configs(settings) == [("none", "none", None), ("hspec", "hspec", None), ("hspec b<=2", "hspec", 2)]
+    launched = []
+    monkeypatch.setattr(serve.subprocess, "Popen", lambda args, **kw: launched.append(args))
+    for label, kind, limit in server_configs(settings):
+        serve.ServerProcess(label, kind, limit, settings, tmp_path / f"{kind}{limit}.log")
+    assert ["--spec-max-batch" in a for a in launched] == [False, False, True]
+    assert launched[2][launched[2].index("--spec-max-batch") + 1] == "2"
+    with pytest.raises(ValueError, match=r"--spec-max-batch must be comma-separated integers >= 0 or `none`"):
+        _spec_limits("two")
+    with pytest.raises(ValueError, match=r"speculate_max_batch must be distinct integers >= 0 or None.*-1"):
+        ServeBenchSettings(speculate_max_batch=(None, -1))

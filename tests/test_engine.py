@@ -13,10 +13,11 @@ import torch
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.step import DecodeStages
 from hspec.drafters import DRAFTERS, create_drafter
+from hspec.drafters.base import DraftBatch
 from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
-from hspec.sampling import SamplingParams
+from hspec.sampling import SamplingBatch, SamplingParams, draw_uniforms, sample_with_uniform
 from hspec.serving.engine import Engine, Request
 
 TEXTS = ["hello world, hello world", "abcabcabcabc", "the quick brown fox", "zz", "one two one two one two",
@@ -215,3 +216,101 @@ def test_an_int8_engine_under_preemption_equals_the_single_request_loop(int8_tar
     assert engine.num_preemptions > 0
     for r in requests:
         assert (outputs[r.request_id], reasons[r.request_id]) == expected[r.request_id], r.request_id
+
+
+# ---- speculate_max_batch: plain steps for large batches ------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [*(k for k in DRAFTERS.names() if k != "none"), "hspec+ngram:0.1"])
+def test_above_speculate_max_batch_the_engine_steps_plain_and_greedy_output_is_unchanged(tiny_target, kind):
+    """Requests join one every other step, so the batch crosses the limit both ways; a small pool adds
+    preemption. Greedy output equals the request's output alone, and only the small batches speculated."""
+    drafter = _drafter(tiny_target, kind)
+    requests = [Request(r.request_id, r.prompt_ids, r.max_tokens, SamplingParams(), r.seed)
+                for r in _mixed_requests(tiny_target)[:5]]
+    expected = {r.request_id: _alone(tiny_target, drafter, r) for r in requests}
+    stages = DecodeStages(tiny_target.model, drafter, K, tiny_target.tokenizer.eos_token_ids)
+    engine = Engine(stages, tiny_target.model.new_pool(14, 8, drafter.num_drafter_layers), 64, speculate_max_batch=2)
+    pending, outputs, batches = list(requests), {}, {"speculative": set(), "plain": set()}
+    for step in range(2000):
+        if pending and step % 2 == 0:
+            engine.add(pending.pop(0))
+        if not (pending or engine.has_work):
+            break
+        report = engine.step()
+        if report.num_decoded:
+            batches["speculative" if report.num_accepted else "plain"].add(report.num_decoded)
+        for update in report.updates:
+            assert update.finish_reason != "error", update.error
+            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+    assert {r.request_id: outputs[r.request_id] for r in requests} == {k: v[0] for k, v in expected.items()}
+    assert batches["speculative"] and max(batches["speculative"]) <= 2, batches
+    assert batches["plain"] and min(batches["plain"]) > 2, batches
+    assert engine.num_preemptions > 0 and engine.pool.utilization() == 0.0
+
+
+@pytest.mark.parametrize("kind", ["hspec", "dflash", "dfly", "ngram"])
+def test_a_plain_step_leaves_the_drafter_where_a_prefill_of_the_same_history_would(tiny_target, kind):
+    """After plain steps the next proposal is the one a drafter freshly prefilled with that history makes:
+    step_plain commits x0's hidden states (and a drafter's own K/V) as a speculative step does."""
+    drafter = _drafter(tiny_target, kind)
+    if isinstance(drafter, torch.nn.Module):  # perturbed: zero-initialised inputs would hide a stale state
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in drafter.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    model = tiny_target.model
+    stages = DecodeStages(model, drafter, K, ())
+    greedy = SamplingParams()
+    prompt = tiny_target.tokenizer.encode_prompt(TEXTS[2])
+    pool = model.new_pool(40, 8, drafter.num_drafter_layers)
+    history = prompt + [stages.first_token(stages.prefill(pool, 0, prompt), _batch(greedy), torch.Generator())]
+    for _ in range(4):
+        result = stages.step_plain(pool, [0], [history], _batch(greedy), [torch.Generator()])
+        assert result.num_accepted == [0] and result.num_drafted == [0] and len(result.new_tokens[0]) == 1
+        history += result.new_tokens[0]
+    assert pool.length(0) == len(history) - 1  # x0 of the next step is not cached yet
+    stages.prefill(pool, 1, history[:-1], prompt_length=len(prompt))
+
+    def proposal(seq_id):
+        anchors = torch.tensor([history[-1]])
+        return drafter.propose(DraftBatch([seq_id], anchors, [history], pool, _batch(greedy), [torch.Generator()]), K)
+
+    after_steps, after_prefill = proposal(0), proposal(1)
+    assert torch.equal(after_steps.draft_tokens, after_prefill.draft_tokens)
+    torch.testing.assert_close(after_steps.draft_probs, after_prefill.draft_probs)
+
+
+def test_a_plain_step_samples_from_the_target_with_one_uniform_of_the_row(tiny_target):
+    """A sampled row's token is the inverse-CDF draw of the target's (temperature, top-p, top-k) distribution
+    at one uniform of the row's own generator, whatever the other rows are."""
+    model = tiny_target.model
+    drafter = _drafter(tiny_target, "hspec")
+    stages = DecodeStages(model, drafter, K, ())
+    prompts = [tiny_target.tokenizer.encode_prompt(t) for t in TEXTS[:3]]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=20), SamplingParams(), SamplingParams(1.3)]
+    sampling = SamplingBatch.from_params(params, "cpu")
+    pool = model.new_pool(60, 8, drafter.num_drafter_layers)
+    logits = torch.cat([stages.prefill(pool, i, p) for i, p in enumerate(prompts)])  # (3, V)
+    generators = [torch.Generator().manual_seed(7 + i) for i in range(3)]
+    uniforms = draw_uniforms([torch.Generator().manual_seed(7 + i) for i in range(3)], 1, "cpu")[:, 0]
+    histories = [p + [int(token)] for p, token in zip(prompts, logits.argmax(-1))]
+    reference_pool = model.new_pool(60, 8, drafter.num_drafter_layers)
+    for i, p in enumerate(prompts):
+        stages.prefill(reference_pool, i, p)
+    target = model(torch.tensor([[h[-1]] for h in histories]), reference_pool, [0, 1, 2]).logits  # (3, 1, V)
+    expected = sample_with_uniform(sampling.probs(target)[:, -1], uniforms)
+    result = stages.step_plain(pool, [0, 1, 2], histories, sampling, generators)
+    assert [t[0] for t in result.new_tokens] == expected.tolist()
+    assert result.new_tokens[1] == [int(target[1, -1].argmax())]
+
+
+def test_speculate_max_batch_must_not_be_negative(tiny_target):
+    drafter = _drafter(tiny_target, "ngram")
+    stages = DecodeStages(tiny_target.model, drafter, K, ())
+    with pytest.raises(ValueError, match=r"speculate_max_batch must be >= 0 \(0: never speculate\).*got -1"):
+        Engine(stages, tiny_target.model.new_pool(10, 8), 8, speculate_max_batch=-1)
+
+
+def _batch(params):
+    return SamplingBatch.from_params([params], "cpu")

@@ -39,6 +39,7 @@ def _cli_error(capsys, *args: str) -> str:
     (("--port", "-1"), "--port must be in 0..65535"),
     (("--max-request-bytes", "0"), "--max-request-bytes must be >= 1"),
     (("--threads", "-2"), "--threads must be >= 0"),
+    (("--spec-max-batch", "-1"), "--spec-max-batch must be >= 0 (0: never speculate), got -1"),
 ])
 def test_bad_settings_get_one_line_errors_before_loading(capsys, args, expected):
     assert expected in _cli_error(capsys, *args)
@@ -84,6 +85,14 @@ def test_port_0_announces_the_port_bound_and_the_settings_reach_the_app(chat_tar
         assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
         big = httpx.post(f"{srv.url}/v1/completions", json={"model": "llama", "prompt": "x" * 300})
         assert big.status_code == 413
+
+
+def test_spec_max_batch_reaches_the_engine_and_the_announcement(chat_target):
+    settings = ServeSettings(target="tiny", drafter="ngram", kv_blocks=64, port=0, speculate_max_batch=3)
+    app, sock, announcement = open_server(settings, chat_target)
+    sock.close()
+    assert app.state.engine.speculate_max_batch == 3
+    assert "(K=7, speculating while at most 3 sequences run)" in announcement
 
 
 def test_a_pool_too_small_is_refused_at_start_and_the_port_freed(chat_target):

@@ -590,6 +590,11 @@ def _add_bench_serve(bench_sub) -> None:
     bserve.add_argument("--random-drafter-weights", action="store_true",
                         help="serve trained kinds untrained where no checkpoint exists (timing / KV only)")
     _add_pool_options(bserve, default_budget_mib=256.0)
+    bserve.add_argument("--spec-max-batch", default="none", metavar="LIST",
+                        help="comma-separated `hspec serve --spec-max-batch` values, `none` = always speculate; "
+                             "each drafting kind is served once per value, beside the others (default none)")
+    bserve.add_argument("--name", default="serve_bench",
+                        help="stem of the result files (default serve_bench; other names prefix the plots too)")
     bserve.add_argument("--out", default="results", help="output directory; files go to <out>/serving/")
     _add_data_dir(bserve)
     bserve.set_defaults(handler=_cmd_bench_serve)
@@ -605,10 +610,20 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         concurrency=_concurrency(args.concurrency), K=args.k, max_tokens=args.max_tokens,
         level_seconds=args.level_seconds, tasks=tuple(t for t in args.tasks.split(",") if t),
         num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens, kv_budget_mib=args.kv_budget_mib,
-        block_size=args.block_size, max_running=args.max_running, server_threads=args.server_threads, out=args.out,
+        block_size=args.block_size, max_running=args.max_running,
+        speculate_max_batch=_spec_limits(args.spec_max_batch), server_threads=args.server_threads, out=args.out,
+        name=args.name,
         random_drafter_weights=args.random_drafter_weights,
         drafter_paths=tuple(_kind_path(x) for x in args.drafter_path), data_dir=args.data_dir)
     return run_serve_bench(settings, args.command_line)
+
+
+def _spec_limits(text: str) -> tuple[int | None, ...]:
+    """'none,2' -> (None, 2); raises ValueError naming --spec-max-batch."""
+    try:
+        return tuple(None if x.strip() == "none" else int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--spec-max-batch must be comma-separated integers >= 0 or `none`, got {text!r}") from None
 
 
 def _concurrency(text: str) -> tuple[int, ...]:
@@ -775,6 +790,11 @@ def _add_serve(sub) -> None:
     _add_dtype(serve)
     _add_drafter(serve, "ngram")
     _add_pool_options(serve, default_budget_mib=512.0)
+    serve.add_argument("--spec-max-batch", type=int, default=None, metavar="N",
+                       help="speculate only while at most N sequences run, plain decoding steps above (default: "
+                            "always speculate; 0: never). Where a batch already fills the compute, as on a small "
+                            "CPU, verifying K+1 tokens per sequence costs nearly K+1 plain steps "
+                            "(docs/fast-path.md#speculation-and-batch-size)")
     serve.add_argument("--kv-blocks", type=int, default=None,
                        help="pool size in blocks, >= 1 (overrides --kv-budget-mib); a pool that cannot hold one "
                             "request is refused, one that cannot give a request --default-max-tokens is warned of")
@@ -808,7 +828,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(  # checks every value, naming its flag, before anything loads
         target=args.target, drafter=args.drafter, K=args.k, drafter_path=args.drafter_path,
         kv_budget_mib=args.kv_budget_mib, kv_blocks=args.kv_blocks, block_size=args.block_size,
-        max_running=args.max_running, model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
+        max_running=args.max_running, speculate_max_batch=args.spec_max_batch, model_name=args.served_model_name,
+        default_max_tokens=args.default_max_tokens,
         max_request_bytes=args.max_request_bytes, host=args.host, port=args.port, log_level=args.log_level,
         threads=args.threads, random_drafter_weights=args.random_drafter_weights, dtype=args.dtype)
     try:

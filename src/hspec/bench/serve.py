@@ -1,7 +1,8 @@
 """`hspec bench serve`: closed-loop serving throughput and KV utilisation vs concurrency (paper Fig. 6).
 
 1. Start one `hspec serve` subprocess per drafter kind on loopback (127.0.0.1, a free port), each
-   with the same KV memory budget, so a kind that keeps drafter-side KV gets fewer tokens.
+   with the same KV memory budget, so a kind that keeps drafter-side KV gets fewer tokens; with
+   several `speculate_max_batch` values, one per drafting kind and value (labelled `KIND b<=N`).
 2. For each concurrency level C, and for each kind in turn (the order alternates per level, so slow
    drift of the machine hits every kind alike): C clients each send a chat request, wait for it,
    and send the next (closed loop), over the same prompt sequence for every kind, until the level's
@@ -59,6 +60,8 @@ class ServeBenchSettings:
     kv_budget_mib: float = 256.0  # KV memory budget of every server (target + drafter layers)
     block_size: int = 16
     max_running: int = 128  # largest batch the engine runs
+    speculate_max_batch: tuple[int | None, ...] = (None,)  # each drafting kind once per limit (None: always)
+    name: str = "serve_bench"  # stem of the result files
     server_threads: int = 0  # torch threads per server (0 = torch's default)
     out: str = "results"  # results go to <out>/serving/
     drafter_paths: tuple[tuple[str, str], ...] = ()  # (kind, trained checkpoint dir) pairs
@@ -80,6 +83,11 @@ class ServeBenchSettings:
         unknown = sorted({kind for kind, _ in self.drafter_paths} - set(self.drafters))
         if unknown:
             raise ValueError(f"--drafter-path given for kinds not in --drafters: {unknown}")
+        limits = self.speculate_max_batch
+        if not limits or any(n is not None and n < 0 for n in limits) or len(set(limits)) < len(limits):
+            raise ValueError(f"speculate_max_batch must be distinct integers >= 0 or None (always), got {limits}")
+        if not self.name or "/" in self.name:
+            raise ValueError(f"name must be a file stem without '/', got {self.name!r}")
         if self.level_seconds <= 0 or self.kv_budget_mib <= 0:
             raise ValueError(f"level_seconds and kv_budget_mib must be > 0, got {self.level_seconds}, "
                              f"{self.kv_budget_mib}")
@@ -95,18 +103,20 @@ def run_serve_bench(settings: ServeBenchSettings, command: str) -> int:
     del target  # the servers load their own copies
 
     logs = Path(tempfile.mkdtemp(prefix="hspec-bench-serve-"))
-    servers = {kind: ServerProcess(kind, settings, logs / f"{kind}.log") for kind in settings.drafters}
-    levels: dict[str, list[dict[str, Any]]] = {kind: [] for kind in settings.drafters}
+    configs = server_configs(settings)
+    servers = {label: ServerProcess(label, kind, limit, settings, logs / f"server{i}.log")
+               for i, (label, kind, limit) in enumerate(configs)}
+    levels: dict[str, list[dict[str, Any]]] = {label: [] for label in servers}
     try:
         for server in servers.values():
             server.wait_ready()
         _check_lossless(servers, model_name, prompts[0], settings.max_tokens)
         for i, c in enumerate(settings.concurrency):
-            order = list(settings.drafters) if i % 2 == 0 else list(reversed(settings.drafters))
-            for kind in order:
-                result = asyncio.run(run_level(servers[kind].url, model_name, prompts, c, settings))
-                levels[kind].append(result)
-                print(f"[bench serve] {kind:>8} C={c:<4} {result['throughput_tok_s']:8.1f} tok/s  "
+            order = list(servers) if i % 2 == 0 else list(reversed(servers))
+            for label in order:
+                result = asyncio.run(run_level(servers[label].url, model_name, prompts, c, settings))
+                levels[label].append(result)
+                print(f"[bench serve] {label:>8} C={c:<4} {result['throughput_tok_s']:8.1f} tok/s  "
                       f"KV {100 * result['mean_kv_utilization']:5.1f}%  MAL {result['mean_accepted_length']:.2f}  "
                       f"{result['num_requests']} requests, {result['preemptions']} preemptions", flush=True)
     finally:
@@ -118,17 +128,27 @@ def run_serve_bench(settings: ServeBenchSettings, command: str) -> int:
                                            "prompts_skipped": skipped, "model": model_name,
                                            "runtime_dtype": runtime_dtype}),
         "levels": levels,
-        "servers": {kind: s.info for kind, s in servers.items()},
+        "servers": {label: s.info for label, s in servers.items()},
         "drafter_weights": {kind: _weights(kind, settings) for kind in settings.drafters},
         "kv_capacity": capacity,
     }
     out = Path(settings.out) / "serving"
     markdown = _markdown(payload, settings)
-    json_path, md_path = write_results(out, "serve_bench", payload, markdown)
-    plots = _plots(levels, out)
+    json_path, md_path = write_results(out, settings.name, payload, markdown)
+    plots = _plots(levels, out, "" if settings.name == "serve_bench" else f"{settings.name}_")
     print(markdown)
     print(f"wrote {json_path}, {md_path}, " + ", ".join(str(p) for p in plots))
     return 0
+
+
+def server_configs(settings: ServeBenchSettings) -> list[tuple[str, str, int | None]]:
+    """(label, kind, speculate_max_batch) of every server: plain decoding once, each drafting kind once per
+    limit, labelled KIND when it always speculates and `KIND b<=N` otherwise."""
+    configs = []
+    for kind in settings.drafters:
+        limits = settings.speculate_max_batch if DRAFTERS.get(kind).drafts else (None,)
+        configs += [(kind if n is None else f"{kind} b<={n}", kind, n) for n in limits]
+    return configs
 
 
 def kv_capacity_table(target, budget_bytes: float, block_size: int) -> list[dict[str, Any]]:
@@ -166,8 +186,9 @@ def _weights(kind: str, settings: ServeBenchSettings) -> str:
 class ServerProcess:
     """An `hspec serve` subprocess on 127.0.0.1 and a free port."""
 
-    def __init__(self, kind: str, settings: ServeBenchSettings, log_path: Path) -> None:
-        self.kind = kind
+    def __init__(self, label: str, kind: str, speculate_max_batch: int | None, settings: ServeBenchSettings,
+                 log_path: Path) -> None:
+        self.label = label
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -177,6 +198,8 @@ class ServerProcess:
                 "--kv-budget-mib", str(settings.kv_budget_mib), "--block-size", str(settings.block_size),
                 "--max-running", str(settings.max_running), "--threads", str(settings.server_threads),
                 "--log-level", "warning"]
+        if speculate_max_batch is not None:
+            args += ["--spec-max-batch", str(speculate_max_batch)]
         path = dict(settings.drafter_paths).get(kind)
         if path:
             args += ["--drafter-path", path]
@@ -189,7 +212,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server for {self.kind} exited with {self.process.returncode}:\n{self._tail()}")
+                raise RuntimeError(f"server for {self.label} exited with {self.process.returncode}:\n{self._tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     self.info = httpx.get(f"{self.url}/v1/models", timeout=5).json()["data"][0]
@@ -197,7 +220,7 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"server for {self.kind} not ready after {timeout_s:.0f} s:\n{self._tail()}")
+        raise RuntimeError(f"server for {self.label} not ready after {timeout_s:.0f} s:\n{self._tail()}")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -323,7 +346,7 @@ def _markdown(payload: dict[str, Any], settings: ServeBenchSettings) -> str:
           f"{settings.kv_budget_mib:g} MiB per server; kinds interleaved per level. Output tok/s and mean KV "
           "utilisation are over the window in which all C clients were busy (server counters); completed tok/s "
           "counts finished requests over the whole level, drain included. MAL and mean batch are over the level.\n",
-          "| drafter | C | output tok/s | vs plain | mean KV util. | MAL | mean batch | completed tok/s | requests | "
+          "| server | C | output tok/s | vs plain | mean KV util. | MAL | mean batch | completed tok/s | requests | "
           "mean latency (s) | preemptions | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plain = {r["concurrency"]: r["throughput_tok_s"] for r in levels.get("none", [])}
     for kind, rows in levels.items():
@@ -345,7 +368,7 @@ def _markdown(payload: dict[str, Any], settings: ServeBenchSettings) -> str:
     return "\n".join(md) + "\n"
 
 
-def _plots(levels: dict[str, list[dict[str, Any]]], out: Path) -> list[Path]:
+def _plots(levels: dict[str, list[dict[str, Any]]], out: Path, prefix: str = "") -> list[Path]:
     """Throughput and mean KV utilisation vs concurrency, one line per kind (paper Fig. 6)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -365,7 +388,7 @@ def _plots(levels: dict[str, list[dict[str, Any]]], out: Path) -> list[Path]:
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         ax.legend()
-        path = out / f"{stem}.png"
+        path = out / f"{prefix}{stem}.png"
         FigureCanvasAgg(fig).print_png(str(path))
         paths.append(path)
     return paths

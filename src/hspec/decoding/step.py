@@ -8,6 +8,8 @@ so a caller chooses which sequences take part in each step:
 - `first_token`: draw the first anchor x0 from the prefill's last logits;
 - `step`:     for a batch of running sequences, 1. draft, 2. verify, 3. commit/rollback, with ragged
               acceptance per row (`step_tree` when the drafter drafts token trees, `proposes_tree`);
+- `step_plain`: a plain decoding step for a batch that skips speculation (the serving engine's
+              `speculate_max_batch`); the drafter's state still follows the sequence;
 - `emit`:     4. append a row's new tokens, ending it at EOS, the token limit or a stop string.
 
 Every random draw comes from the row's own `torch.Generator` and a step always draws the same number
@@ -31,7 +33,7 @@ from hspec.decoding.tree_step import tree_step
 from hspec.decoding.verify import verify, verify_greedy
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.models.llama import TargetModel
-from hspec.sampling import SamplingBatch, draw_uniforms, sample_with_uniform
+from hspec.sampling import SamplingBatch, draw_uniforms, greedy_tokens, sample_with_uniform
 
 
 @dataclass
@@ -160,6 +162,28 @@ class DecodeStages:
         self.drafter.commit(pool, seq_ids, out.hidden, result.num_accepted + 1)
         new_tokens = [drafts[row][: accepted[row]] + [next_tokens[row]] for row in range(len(seq_ids))]
         return StepResult(accepted, drafted, new_tokens, t1 - t0, time.perf_counter() - t1)
+
+    def step_plain(self, pool: PagedKVPool, seq_ids: Sequence[int], histories: Sequence[Sequence[int]],
+                   sampling: SamplingBatch, generators: Sequence[torch.Generator]) -> StepResult:
+        """One plain decoding step for a batch that skips speculation: no draft, the target scores the
+        anchor x0 alone (a (B, 1) forward) and each row draws its next token from those logits.
+
+        The drafter still commits x0's hidden states, exactly as after a step that accepted no draft,
+        so the next speculative step drafts from the right state. Each row draws one uniform (greedy
+        rows take the argmax), and num_accepted / num_drafted are 0 for every row.
+        """
+        t0 = time.perf_counter()
+        anchors = torch.tensor([h[-1] for h in histories], dtype=torch.long, device=self.device)  # (B,)
+        out = self.target(anchors[:, None], pool, seq_ids, self.drafter.target_layers)  # logits (B, 1, V)
+        uniforms = draw_uniforms(generators, 1, self.device)[:, 0]  # (B,)
+        if sampling.all_greedy:
+            next_tokens = greedy_tokens(out.logits[:, -1])  # (B,)
+        else:
+            next_tokens = sample_with_uniform(sampling.probs(out.logits)[:, -1], uniforms)  # (B,)
+        committed = torch.ones(len(seq_ids), dtype=torch.long, device=self.device)  # (B,): x0 only
+        self.drafter.commit(pool, seq_ids, out.hidden, committed)
+        zeros = [0] * len(seq_ids)
+        return StepResult(zeros, zeros, [[token] for token in next_tokens.tolist()], 0.0, time.perf_counter() - t0)
 
     def step_tree(self, pool: PagedKVPool, seq_ids: Sequence[int], histories: Sequence[Sequence[int]],
                   sampling: SamplingBatch, generators: Sequence[torch.Generator]) -> StepResult:

@@ -59,8 +59,9 @@ class ServingTokenizer(Protocol):
 
 def build_engine(target: TargetModel, drafter: Drafter, tokenizer: ServingTokenizer, K: int,
                  kv_budget_bytes: int | None = None, num_blocks: int | None = None, block_size: int = 16,
-                 max_running: int = 128) -> Engine:
-    """An engine over a KV pool sized by a memory budget (target + drafter layers) or a block count."""
+                 max_running: int = 128, speculate_max_batch: int | None = None) -> Engine:
+    """An engine over a KV pool sized by a memory budget (target + drafter layers) or a block count;
+    it speculates only while at most `speculate_max_batch` sequences run (None: always)."""
     if (kv_budget_bytes is None) == (num_blocks is None):
         raise ValueError("give exactly one of kv_budget_bytes and num_blocks")
     c = target.config
@@ -71,7 +72,7 @@ def build_engine(target: TargetModel, drafter: Drafter, tokenizer: ServingTokeni
         pool = PagedKVPool.from_memory_budget(int(kv_budget_bytes), c.num_layers, c.num_kv_heads, c.head_dim,
                                               block_size, drafter.num_drafter_layers, weight.dtype, weight.device)
     stages = DecodeStages(target, drafter, K, tokenizer.eos_token_ids, tokenizer.decode)
-    return Engine(stages, pool, max_running)
+    return Engine(stages, pool, max_running, speculate_max_batch)
 
 
 def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, default_max_tokens: int = 256,

@@ -10,6 +10,9 @@ One `Engine.step()`:
 3. admit: prefill each admitted request (a new one also draws and emits its first token x0; a
    recomputed one gets its carried drafter state back);
 4. decode: one batched draft -> verify -> commit step for all running sequences, ragged acceptance;
+   or, while more sequences run than `speculate_max_batch`, one plain decoding step for all of them
+   (`DecodeStages.step_plain`): on hardware where a batch already fills the compute, verifying K+1
+   positions per row costs nearly K+1 times a plain step, so speculation only pays for small batches;
 5. emit: append each row's tokens (EOS, max_tokens, stop strings), finish and free finished rows.
 
 The engine is single-threaded and synchronous; `worker.EngineWorker` runs it in one background thread
@@ -19,7 +22,10 @@ A request that could not run even alone in the whole pool is refused when added 
 Exactness: every random draw comes from the request's own generator, and a recompute restarts at a
 step boundary with the same history and drafter state, so a request's tokens are the ones
 `SpeculativeDecoder.generate` gives it alone (bit-exact up to float reassociation across batch shapes,
-which greedy decoding absorbs unless two logits tie).
+which greedy decoding absorbs unless two logits tie). With `speculate_max_batch` a sampled request's
+tokens also depend on which of its steps were plain (a plain step draws its token with one uniform,
+a speculative one by rejection sampling), so they are not the ones it gets alone; each step still
+samples from the target's distribution, and greedy output is unchanged.
 """
 
 from __future__ import annotations
@@ -104,15 +110,21 @@ class _Sequence:
 class Engine:
     """Continuous batching for one target + drafter over one KV pool."""
 
-    def __init__(self, stages: DecodeStages, pool: PagedKVPool, max_running: int = 256) -> None:
+    def __init__(self, stages: DecodeStages, pool: PagedKVPool, max_running: int = 256,
+                 speculate_max_batch: int | None = None) -> None:
+        """`speculate_max_batch`: speculate only while at most this many sequences run (None: always)."""
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if speculate_max_batch is not None and speculate_max_batch < 0:
+            raise ValueError(f"speculate_max_batch must be >= 0 (0: never speculate) or None (always), "
+                             f"got {speculate_max_batch}")
         if pool.num_drafter_layers < stages.drafter.num_drafter_layers:
             raise ValueError(f"the drafter needs {stages.drafter.num_drafter_layers} pool layers, the pool has "
                              f"{pool.num_drafter_layers}")
         self.stages = stages
         self.pool = pool
         self.max_running = max_running
+        self.speculate_max_batch = speculate_max_batch
         self._waiting: dict[str, _Sequence] = {}  # by request id, in arrival order
         self._running: dict[str, _Sequence] = {}
         self._next_key = 0
@@ -252,7 +264,7 @@ class Engine:
                 self.stages.release(self.pool, seq.key)
                 updates.append(self._finished_update(seq, new_tokens))
 
-        # 4. one batched speculative step for every running sequence.
+        # 4. one batched speculative step for every running sequence (a plain one above speculate_max_batch).
         num_accepted: list[int] = []
         num_drafted: list[int] = []
         num_decoded = len(self._running)
@@ -269,11 +281,15 @@ class Engine:
     # ---- helpers ------------------------------------------------------------------------------
 
     def _decode(self, updates: list[RequestUpdate], new_tokens: dict[str, list[int]]) -> tuple[list[int], list[int]]:
-        """Stages 4-5 for every running sequence; returns the accepted and drafted counts (empty when K = 0)."""
+        """Stages 4-5 for every running sequence; returns the accepted and drafted counts (empty when
+        the step did not speculate)."""
         batch = list(self._running.values())
+        limit = self.speculate_max_batch
+        speculate = self.K > 0 and (limit is None or len(batch) <= limit)
+        step = self.stages.step if speculate or self.K == 0 else self.stages.step_plain
         try:
-            result = self.stages.step(self.pool, [s.key for s in batch], [s.history for s in batch],
-                                      _stack_sampling([s.sampling for s in batch]), [s.generator for s in batch])
+            result = step(self.pool, [s.key for s in batch], [s.history for s in batch],
+                          _stack_sampling([s.sampling for s in batch]), [s.generator for s in batch])
         except Exception as err:  # fail this batch's requests, keep serving the rest
             message = f"decoding step failed: {type(err).__name__}: {err}"
             for seq in batch:
@@ -282,7 +298,7 @@ class Engine:
             return [], []
         # 5. emit, finish and free.
         for row, seq in enumerate(batch):
-            if self.K:
+            if speculate:
                 seq.output.num_accepted.append(result.num_accepted[row])
                 seq.output.num_drafted.append(result.num_drafted[row])
             seq.history.extend(result.new_tokens[row])
@@ -291,7 +307,7 @@ class Engine:
                 del self._running[seq.request.request_id]
                 self.stages.release(self.pool, seq.key)
                 updates.append(self._finished_update(seq, new_tokens))
-        return (list(result.num_accepted), list(result.num_drafted)) if self.K else ([], [])
+        return (list(result.num_accepted), list(result.num_drafted)) if speculate else ([], [])
 
     def _emit(self, seq: _Sequence, tokens: Sequence[int], new_tokens: dict[str, list[int]]) -> None:
         r = seq.request

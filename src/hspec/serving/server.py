@@ -47,6 +47,7 @@ class ServeSettings:
     kv_blocks: int | None = None  # KV pool size in blocks (overrides kv_budget_mib)
     block_size: int = 16
     max_running: int = 128  # largest decoding batch
+    speculate_max_batch: int | None = None  # speculate only while at most this many sequences run (None: always)
     model_name: str | None = None  # the id clients send as `model` (default: the target's name)
     default_max_tokens: int = 256  # chat requests without max_tokens (clamped to the room the prompt leaves)
     max_request_bytes: int = 1 << 20  # larger request bodies get 413 before they are read
@@ -70,6 +71,8 @@ class ServeSettings:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.max_running < 1:
             raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
+        if self.speculate_max_batch is not None and self.speculate_max_batch < 0:
+            raise ValueError(f"--spec-max-batch must be >= 0 (0: never speculate), got {self.speculate_max_batch}")
         if self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_request_bytes < 1:
@@ -148,7 +151,8 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
         blocks = settings.kv_blocks
         budget = None if blocks is not None else int(settings.kv_budget_mib * (1 << 20))
         engine = build_engine(target.model, drafter, target.tokenizer, settings.K, budget, blocks,
-                              settings.block_size, settings.max_running)
+                              settings.block_size, settings.max_running,
+                              settings.speculate_max_batch)
         warning = check_pool(engine, settings.default_max_tokens)
         if warning:
             print(f"[hspec serve] warning: {warning}", file=sys.stderr, flush=True)
@@ -159,7 +163,9 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
         raise
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    announcement = (f"[hspec serve] {name} with drafter {drafter.kind} (K={engine.K}), KV pool "
+    limit = settings.speculate_max_batch
+    speculating = "" if limit is None or not engine.K else f", speculating while at most {limit} sequences run"
+    announcement = (f"[hspec serve] {name} with drafter {drafter.kind} (K={engine.K}{speculating}), KV pool "
                     f"{engine.pool.capacity_tokens} tokens, on http://{shown}:{port}")
     return app, sock, announcement
 
