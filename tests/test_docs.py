@@ -1,6 +1,6 @@
-"""No reference into the design doc dangles: every `docs/design.md#anchor` cited in the code, the tests,
-the scripts or the README names a heading of docs/design.md, and nothing cites a design file that is
-not in the repository."""
+"""No reference into the docs dangles: every `docs/NAME.md#anchor` cited in the code, the tests, the
+scripts, the README or the docs names a heading of docs/NAME.md, and nothing cites a design file that
+is not in the repository."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
-CITED = re.compile(r"docs/design\.md#([a-z0-9-]+)")
+DOCS = ROOT / "docs"
+CITED = re.compile(r"docs/([\w-]+)\.md#([a-z0-9-]+)")
 
 
 def github_anchor(heading: str) -> str:
@@ -25,7 +26,7 @@ def anchors(doc: Path = DESIGN) -> set[str]:
 
 def sources() -> list[Path]:
     files = [*ROOT.joinpath("src").rglob("*.py"), *ROOT.joinpath("tests").rglob("*.py"),
-             *ROOT.joinpath("scripts").rglob("*"), ROOT / "README.md", DESIGN]
+             *ROOT.joinpath("scripts").rglob("*"), ROOT / "README.md", *DOCS.glob("*.md")]
     this = Path(__file__).resolve()  # names the patterns it looks for
     return [f for f in files if f.is_file() and f.suffix in (".py", ".sh", ".md", "") and f.resolve() != this]
 
@@ -37,10 +38,11 @@ def test_github_anchor():
 
 
 def test_every_cited_anchor_exists():
-    known = anchors()
-    dangling = [f"{path.relative_to(ROOT)}: #{anchor}" for path in sources()
-                for anchor in CITED.findall(path.read_text(errors="replace")) if anchor not in known]
-    assert not dangling, f"references to missing headings of docs/design.md: {dangling}"
+    known = {doc.stem: anchors(doc) for doc in DOCS.glob("*.md")}
+    dangling = [f"{path.relative_to(ROOT)}: docs/{name}.md#{anchor}" for path in sources()
+                for name, anchor in CITED.findall(path.read_text(errors="replace"))
+                if anchor not in known.get(name, set())]
+    assert not dangling, f"references to missing headings of the docs: {dangling}"
 
 
 def test_in_page_links_exist():

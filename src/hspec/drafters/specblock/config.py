@@ -1,5 +1,6 @@
 """Configuration of SpecBlock (arXiv 2605.07243). Only the abstract is public (no code, no equations):
-docs/drafters.md#specblock lists which parts below come from it and which choices are ours.
+docs/drafters.md#specblock-specblock-arxiv-260507243 lists which parts below come from it and which
+choices are ours.
 
 From the abstract: block-iterative tree drafting; a layer-wise shift that carries the previous
 position's hidden state into every decoder layer; a new block that inherits hidden state from the
