@@ -373,7 +373,8 @@ def render_claims(payload: Mapping[str, Any]) -> str:
     claims = payload["claims"]
     level = f"{payload['provenance']['settings']['confidence']:.0%}"
     lines = ["# The H-Spec paper's claims and the later drafters' own, tested\n",
-             provenance_markdown(payload["provenance"]), "\nEvaluations read (each with its own provenance in claims.json):\n"]
+             provenance_markdown(payload["provenance"]),
+             "\nEvaluations read (each with its own provenance in claims.json):\n"]
     for stem, meta in payload["inputs"].items():
         s = meta["settings"]
         lines.append(f"- `{stem}.json`: commit {meta['commit']}, {meta['date']}, K={s.get('K')}, "
