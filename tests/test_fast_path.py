@@ -226,3 +226,72 @@ def test_a_dequantized_int8_product_is_the_bf16_product_of_the_rounded_weight():
     assert not torch.equal(wide, kernel) and torch.allclose(wide.float(), kernel.float(), atol=0.05, rtol=0.02)
     floating = torch.randn(96, 64).bfloat16()
     assert torch.equal(linear(x, floating, dequantize=True), linear(x, floating))  # floating weights: no-op
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_tiny_target_tree_rows_equal_the_decode_of_their_path_bit_for_bit(tiny_dirs, dtype):
+    """A verified tree's node keeps the logits the decode of its path gives, with other branches' keys
+    interleaved among its own in the pool: each node attends over its prefix and ancestors in order."""
+    from conftest import load_tiny
+    from hspec.decoding.tree_verify import tree_attention_mask
+
+    model = load_tiny(tiny_dirs["llama"], dtype=dtype).model
+    vocab = model.config.vocab_size
+    prompt = [3 + i % (vocab - 3) for i in range(290)]  # the path crosses a value chunk
+    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 40, 16))
+    pool.add_sequence(0)
+    with torch.inference_mode():
+        tokens = [int(model(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits[0, -1].argmax())]
+        decoded = []
+        for _ in range(5):
+            logits = model(torch.tensor([tokens[-1:]]), pool, [0]).logits[0, -1]
+            decoded.append(logits)
+            tokens.append(int(logits.argmax()))
+        pool.truncate(0, len(prompt))
+        # [x0 ; nodes]: the path x0 -> 1 -> 3 -> 5 -> 7 carries tokens[1:5]; nodes 2, 4, 6 are siblings.
+        parents = torch.tensor([[-1, 0, 0, 1, 1, 3, 3, 5]])
+        path = [0, 1, 3, 5, 7]
+        ids = torch.tensor([[(t * 7 + 5) % vocab for t in range(8)]])
+        ids[0, path] = torch.tensor(tokens[:5])
+        tree = model(ids, pool, [0], tree_mask=tree_attention_mask(parents)).logits[0]
+    for depth, node in enumerate(path):
+        assert torch.equal(tree[node], decoded[depth]), f"node {node} at depth {depth}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_smollm2_tree_rows_equal_the_decode_of_their_path_bit_for_bit(dtype):
+    """The same on the real target, with 16-node trees (SpecBlock's node budget) of three children per
+    level at contexts of 200-260 tokens. Before each node attended over its own keys in path order, a
+    bf16 tree row summed its keys with the siblings' interleaved and parted from its decode's bits
+    (3 of these 60 rows in bf16, some in int8), enough to flip greedy output at a near-tie (`hspec eval`
+    caught one on Spec-Bench)."""
+    from hspec.decoding.tree_verify import tree_attention_mask
+    from hspec.models.loading import load_target
+
+    target = load_target("smollm2", dtype=dtype)
+    model = target.model
+    prompt = target.tokenizer.encode_prompt("Summarize the history of the Roman empire, with dates. " * 16)
+    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 80, 16))
+    pool.add_sequence(0)
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 1, 1, 4, 4, 4, 7, 7, 7, 10, 10, 10]])
+    path = [0, 1, 4, 7, 10]
+    differing = []
+    with torch.inference_mode():
+        tokens = [int(model(torch.tensor([prompt]), pool, [0], last_logits_only=True, prefill=True).logits[0, -1]
+                      .argmax())]
+        for rep in range(12):
+            start = pool.length(0)
+            decoded = []
+            for _ in path:
+                decoded.append(model(torch.tensor([tokens[-1:]]), pool, [0]).logits[0, -1])
+                tokens.append(int(decoded[-1].argmax()))
+            pool.truncate(0, start)
+            ids = torch.tensor([[(i * 7919 + rep) % model.config.vocab_size for i in range(parents.shape[1])]])
+            ids[0, path] = torch.tensor(tokens[-len(path) - 1 : -1])
+            tree = model(ids, pool, [0], tree_mask=tree_attention_mask(parents)).logits[0]
+            differing += [(rep, depth) for depth, node in enumerate(path)
+                          if not torch.equal(tree[node], decoded[depth])]
+            pool.truncate(0, start)
+            model(torch.tensor([tokens[-len(path) - 1 : -1]]), pool, [0])  # the path's own K/V for the next rep
+    assert not differing, f"tree rows with other bits than their decode (rep, depth): {differing}"

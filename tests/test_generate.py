@@ -11,7 +11,6 @@ import itertools
 import pytest
 import torch
 
-from hspec.cache.paged_pool import blocks_for
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
@@ -96,10 +95,7 @@ def test_greedy_equals_plain(targets_by_dtype, kind, dtype, B, K):
     expected = plain.generate(prompts, SamplingParams(), 40)
     got = spec.generate(prompts, SamplingParams(), 40)
     for e, s in zip(expected.sequences, got.sequences):
-        if getattr(drafter, "proposes_tree", False) and dtype != "float32":
-            assert_equal_up_to_a_rounding_tie(tiny_target.model, e.prompt_ids, e.token_ids, s.token_ids)
-        else:
-            assert s.token_ids == e.token_ids and s.finish_reason == e.finish_reason
+        assert s.token_ids == e.token_ids and s.finish_reason == e.finish_reason
         assert all(0 <= n <= d <= K for n, d in zip(s.num_accepted, s.num_drafted, strict=True))
     if kind in EARLY_STOP and K > 1:
         assert min(n for s in got.sequences for n in s.num_drafted) < K, "no row ever stopped early"
@@ -124,33 +120,7 @@ def test_int8_drafter_weights_under_a_bf16_target_keep_greedy_output(targets_by_
     expected = plain.generate(prompts, SamplingParams(), 32)
     got = _decoder(tiny_target, drafter, 4).generate(prompts, SamplingParams(), 32)
     for e, s in zip(expected.sequences, got.sequences):
-        if drafter.proposes_tree:  # as in test_greedy_equals_plain: bf16 tree verifies may flip a rounding tie
-            assert_equal_up_to_a_rounding_tie(tiny_target.model, e.prompt_ids, e.token_ids, s.token_ids)
-        else:
-            assert s.token_ids == e.token_ids and s.finish_reason == e.finish_reason
-
-
-def assert_equal_up_to_a_rounding_tie(model, prompt: list[int], plain: list[int], speculative: list[int]) -> None:
-    """A drafted tree is verified with its branches interleaved in the KV slots, so in bf16 a verified
-    row sums its keys in another grouping than the 1-token decode of the same token (a chain verify
-    does not: docs/fast-path.md). Greedy outputs may then part where the target's top two logits are
-    within bf16 rounding of each other. Anything else is a bug: the outputs must be equal up to their
-    first difference, and there both tokens must be within a few bf16 steps of the best logit
-    (teacher-forced on the plain prefix)."""
-    first = next((i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b), None)
-    if first is None:
-        assert len(plain) == len(speculative) or plain[-1] in model.config.eos_token_ids
-        return
-    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + first + 1, 16))
-    pool.add_sequence(0)
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + plain[:first]]), pool, [0], last_logits_only=True).logits[0, -1].float()
-    best = float(logits.max())
-    tolerance = 2.0**-4 * max(abs(best), 1.0)  # 8 bf16 steps at the logit's magnitude (bf16 keeps 8 bits)
-    for token in (plain[first], speculative[first]):
-        assert best - float(logits[token]) <= tolerance, (
-            f"outputs part at token {first} where the target's logits are no tie: best {best:.4f}, "
-            f"plain's {float(logits[plain[first]]):.4f}, speculative's {float(logits[speculative[first]]):.4f}")
+        assert s.token_ids == e.token_ids and s.finish_reason == e.finish_reason
 
 
 def test_eos_inside_a_block_ends_the_sequence(tiny_target):

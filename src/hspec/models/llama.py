@@ -45,10 +45,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
                 layer_index: int, write_slots: torch.Tensor, table: SlotTable,
                 mask: torch.Tensor | None, dequantize: bool = False) -> torch.Tensor:
+        """`table` has a row per sequence (B), or a row per new token (B T) for a tree, each token then
+        attending as a sequence of its own (`_tree_table`)."""
+        b, t = x.shape[:2]
         q, k, v = self.qkv(x, cos, sin, dequantize)  # (B, T, Hq, D), (B, T, Hkv, D) x2
         pool.write(layer_index, write_slots, k, v)  # new tokens first, so they see themselves
-        keys, values = pool.gather(layer_index, table)  # (B, S, Hkv, D)
-        return self.o_proj(attend(q, keys, values, mask), dequantize)
+        keys, values = pool.gather(layer_index, table)  # (rows, S, Hkv, D)
+        rows = table.slots.shape[0]
+        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, mask)  # (rows, T', Hq D)
+        return self.o_proj(out.reshape(b, t, -1), dequantize)
 
 
 class DecoderLayer(nn.Module):
@@ -120,7 +125,10 @@ class TargetModel(nn.Module):
         tree_mask: (B, T, T) bool, or None for a chain. Given, the T new tokens form a drafted tree
         rooted at token 0 (decoding/tree_verify.py): new token i sees the prefix and the new tokens j
         with tree_mask[b, i, j] (itself and its ancestors), at position start + depth(i), depth(i) =
-        the ancestors it sees. Their K/V still fill the next T slots in order.
+        the ancestors it sees. Their K/V still fill the next T slots in order, but each token attends
+        as a sequence of its own whose keys are its prefix and ancestors in position order
+        (`_tree_table`), so it sums them as the decode of that path does: a tree row keeps the bits
+        of the chain's row in bf16 and int8 (docs/fast-path.md).
 
         prefill: the T tokens are a prompt's, never a verify or a decode. An int8 target then multiplies
         with its weights dequantized for the call (`models.layers.linear`): 0.6x the int8 kernel's time
@@ -150,7 +158,7 @@ class TargetModel(nn.Module):
             if tree_mask.shape != (b, t, t):
                 raise ValueError(f"tree_mask must be {(b, t, t)}, got {tuple(tree_mask.shape)}")
             positions = starts[:, None] + tree_mask.sum(-1) - 1  # (B, T) start + depth
-            mask = _tree_mask(starts, tree_mask, table)
+            table, mask = _tree_table(starts, tree_mask, table)
         x = self.embed_tokens(input_ids)  # (B, T, H)
         cos, sin = self.rope(positions, x.dtype)
         wanted = set(hidden_layers)
@@ -166,18 +174,33 @@ class TargetModel(nn.Module):
         return TargetOutput(logits, hidden)
 
 
-def _tree_mask(starts: torch.Tensor, tree_mask: torch.Tensor, table: SlotTable) -> torch.Tensor:
-    """(B, 1, T, S): the prefix (s < start) is visible to every new token; new token j (s = start + j)
-    to new token i iff tree_mask[b, i, j]."""
+def _tree_table(starts: torch.Tensor, tree_mask: torch.Tensor, table: SlotTable
+                ) -> tuple[SlotTable, torch.Tensor]:
+    """A slot table with one row per new token of a tree, (B T, S'), and its mask (B T, 1, 1, S').
+
+    Row (b, i) lists the slots of positions 0..start-1 of sequence b, then of the new tokens j with
+    tree_mask[b, i, j] in index order (x0, then i's ancestors by depth, then i): the keys the decode
+    of the path to i reads, in its order. Interleaving the tree's other branches among them instead
+    would change the grouping of the softmax and value sums, and a bf16 or int8 row's bits with it.
+    The rows end at start + depth(i) + 1 keys; the masked keys after that weigh exactly 0, as a
+    verify row's extra keys do.
+    """
     b, t, _ = tree_mask.shape
-    s = table.slots.shape[1]
-    key_pos = torch.arange(s, device=starts.device)
-    relative = key_pos[None, :] - starts[:, None]  # (B, S) index among the new tokens
-    inside = (relative >= 0) & (relative < t)
-    among_new = tree_mask.gather(2, relative.clamp(0, t - 1)[:, None, :].expand(b, t, s))  # (B, T, S)
-    visible = (relative < 0)[:, None, :] | (among_new & inside[:, None, :])
-    visible &= key_pos[None, None, :] < table.lengths[:, None, None]
-    return visible[:, None]
+    device = starts.device
+    index = torch.arange(t, device=device)
+    seen = tree_mask.sum(-1)  # (B, T) depth + 1
+    # each row's visible new tokens first, in index order: sort keys index (seen) or t + index (not)
+    order = torch.where(tree_mask, index, t + index).sort(-1).values  # (B, T, T)
+    width = int((starts[:, None] + seen).max())
+    key = torch.arange(width, device=device)  # (S',)
+    relative = key[None, None, :] - starts[:, None, None]  # (B, 1, S') index among the new tokens
+    new = starts[:, None, None] + order.gather(2, relative.clamp(0, t - 1).expand(b, t, width))  # (B, T, S')
+    positions = torch.where(relative < 0, key[None, None, :], new)  # (B, T, S')
+    lengths = (starts[:, None] + seen).reshape(-1)  # (B T,)
+    visible = key[None, :] < lengths[:, None]  # (B T, S')
+    positions = torch.where(visible.view(b, t, width), positions, 0)
+    slots = table.slots.gather(1, positions.view(b, t * width)).view(b * t, width)
+    return SlotTable(slots, lengths, None), visible[:, None, None]
 
 
 def _causal_mask(positions: torch.Tensor, table: SlotTable) -> torch.Tensor | None:
