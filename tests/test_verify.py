@@ -53,6 +53,23 @@ def test_top_k_top_p_transform():
     assert torch.allclose(p[0, 0], torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
 
 
+def test_a_rows_distribution_does_not_depend_on_the_other_rows():
+    """A sampled row's probabilities are bit-equal alone and in any batch (greedy, top-k, top-p and
+    untruncated rows mixed), ties at the top-k boundary included: the engine batches requests with
+    different settings, and a request's output must not change with its neighbours."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 300
+    logits = (torch.randn(6, 3, vocab, generator=gen) * 4).round() / 2  # coarse values: many ties
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 1.0])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.8, 1.0, 1.0])
+    top_k = torch.tensor([0, 5, 0, 20, 7, 0])
+    batch = probs_from_logits(logits, temperature, top_p, top_k)
+    for row in range(6):
+        alone = probs_from_logits(logits[row:row + 1], temperature[row:row + 1], top_p[row:row + 1],
+                                  top_k[row:row + 1])
+        assert torch.equal(batch[row], alone[0]), f"row {row} changed in the batch"
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
 def test_bad_sampling_params_name_the_value(bad):
     name, value = next(iter(bad.items()))

@@ -101,20 +101,33 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: to
 
 
 def _truncate(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, need_p: bool) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p set to -inf. scaled (B, T, V)."""
+    """Set logits outside each row's top-k / top-p set to -inf. scaled (B, T, V).
+
+    Rows are truncated in groups of equal settings (the same k, top-p on or off), each group exactly
+    as it would be alone: how many candidates are sorted, and so how ties among them fall, never
+    depends on the other rows of the batch, and neither does a sampled row's distribution.
+    """
     vocab = scaled.shape[-1]
     k_eff = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # (B,)
-    max_k = int(k_eff.max())
-    # Only the max_k best candidates can survive, so sort just those (cheap when top-k is set).
-    values, indices = torch.topk(scaled, max_k, dim=-1)  # (B, T, max_k) descending
-    rank = torch.arange(max_k, device=scaled.device)
-    keep = rank[None, None, :] < k_eff[:, None, None]  # top-k
-    if need_p:
-        probs = torch.softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
+    uses_p = top_p < 1 if need_p else torch.zeros_like(top_p, dtype=torch.bool)  # (B,)
+    out = scaled.clone()
+    for k, p_on in sorted(set(zip(k_eff.tolist(), uses_p.tolist()))):
+        if k == vocab and not p_on:
+            continue  # nothing to cut
+        rows = ((k_eff == k) & (uses_p == p_on)).nonzero()[:, 0]  # (B_g,)
+        out[rows] = _truncate_rows(scaled[rows], top_p[rows], k, p_on)
+    return out
+
+
+def _truncate_rows(scaled: torch.Tensor, top_p: torch.Tensor, k: int, use_p: bool) -> torch.Tensor:
+    """`_truncate` for rows that share k and whether top-p applies. scaled (B, T, V), top_p (B,)."""
+    # Only the k best candidates can survive, so sort just those (cheap when top-k is set).
+    values, indices = torch.topk(scaled, k, dim=-1)  # (B, T, k) descending
+    if use_p:
+        probs = torch.softmax(values, dim=-1)
         mass_before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-        keep = keep & (mass_before < top_p[:, None, None])  # the best token always survives
-    kept_values = values.masked_fill(~keep, float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter_(-1, indices, kept_values)
+        values = values.masked_fill(mass_before >= top_p[:, None, None], float("-inf"))  # the best survives
+    return torch.full_like(scaled, float("-inf")).scatter_(-1, indices, values)
 
 
 def sample_with_uniform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,16 @@ _CHECK_ROWS = (2, 8, 19)
 
 
 def prepack_available() -> bool:
-    """Whether this torch has oneDNN's packed linear (x86 CPU builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether this torch and this CPU have oneDNN's packed bf16 linear: x86 CPU builds of torch have the
+    op, and oneDNN's bf16 path needs AVX512BW/VL/DQ or AVX-NE-CONVERT (on an AVX2-only CPU the reorder
+    raises, and every weight stays on F.linear)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros((1, 1), dtype=torch.bfloat16), 2)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
