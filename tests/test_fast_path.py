@@ -91,6 +91,22 @@ def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_hea
         assert torch.equal(verify[:, r : r + 1], decode), f"row {r} differs"
 
 
+def test_attend_keeps_a_rows_bits_behind_zero_weight_keys_at_every_length():
+    """A query against L keys, and against the same keys followed by 5 masked ones (a tree row's table
+    ends before its siblings'), must give the same bits for every L. On an AVX2-only CPU the bf16 value
+    product over a key count that is not a multiple of 16 broke this at L = 207, 331 and 343 of these."""
+    gen = torch.Generator().manual_seed(0)
+    differing = []
+    for length in range(1, 400):
+        q = torch.randn(1, 2, 9, 64, generator=gen).to(torch.bfloat16)
+        k = torch.randn(1, length + 5, 3, 64, generator=gen).to(torch.bfloat16)
+        v = torch.randn(1, length + 5, 3, 64, generator=gen).to(torch.bfloat16)
+        mask = (torch.arange(length + 5) < length).expand(1, 1, 2, length + 5)
+        if not torch.equal(attend(q, k[:, :length], v[:, :length], None), attend(q, k, v, mask)):
+            differing.append(length)
+    assert not differing, f"key counts whose row changed behind masked keys: {differing}"
+
+
 @pytest.mark.parametrize("context,t", [(0, 300), (37, 129), (200, 520)])
 def test_a_long_prefill_gives_every_row_the_bits_it_gets_in_one_block(context, t):
     """A call of more than `_QUERY_BLOCK` tokens runs block by block against only the keys each block

@@ -29,6 +29,13 @@ _VALUE_CHUNK = 1024
 # row of it can see, so a causal prefill of T tokens does about half the T x T work and its scores stay
 # cache-sized. A block is a row-invariant call of its own, so every row keeps its bits.
 _QUERY_BLOCK = 128
+# The weighted sum of values reduces over a multiple of this many keys (zero weights pad the rest). On an
+# AVX2-only CPU torch's bf16 product over a key count that is not a multiple of 16 sometimes rounds
+# otherwise than over the same keys followed by zero-weight ones (7 of 8,192 random cases here, 0 once
+# both are padded to a multiple of 16): a tree row, whose table ends earlier than its siblings', then
+# parted from its decode's bits. AVX-512 kernels gave the same bits either way, so padding changes nothing
+# there.
+_KEY_MULTIPLE = 16
 
 
 def row_invariant(x: torch.Tensor) -> bool:
@@ -261,6 +268,10 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.softmax(scores.float() * d**-0.5, dim=-1).to(q.dtype)
     values = v.permute(0, 2, 1, 3)  # (B, Hkv, S, D)
+    pad = -s % _KEY_MULTIPLE
+    if pad:  # zero-weight keys up to a multiple of _KEY_MULTIPLE (see there)
+        weights, values = F.pad(weights, (0, pad)), F.pad(values, (0, 0, 0, pad))
+        s += pad
     out = torch.matmul(weights[..., :_VALUE_CHUNK], values[:, :, :_VALUE_CHUNK]).float()
     for start in range(_VALUE_CHUNK, s, _VALUE_CHUNK):
         end = start + _VALUE_CHUNK
