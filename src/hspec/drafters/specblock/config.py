@@ -8,9 +8,9 @@ previous block; a co-trained rank head that sets the branching per position; a v
 
 Ours: the backbone is DFlash's (5 layers over a drafter-side context KV cache, the target's frozen
 embedding and pruned LM head, no Markov head); the shift is a zero-initialised linear map per layer
-(so an untrained SpecBlock is DFlash); the rank head is a linear classifier over the rank of the
-target's token among the drafter's candidates, and b_k is the smallest branching whose predicted
-coverage reaches `rank_coverage`, cut to fit `node_budget`.
+over the RMS-normalised previous input (so an untrained SpecBlock is DFlash); the rank head is a linear
+classifier over the rank of the target's token among the drafter's candidates, and b_k is the smallest
+branching whose predicted coverage reaches `rank_coverage`, cut to fit `node_budget`.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ class SpecBlockConfig(DFlashConfig):
 
 
 def specblock_trainable_params(config: SpecBlockConfig) -> int:
-    """Trainable parameters of `SpecBlockDrafter(config)`, by formula: DFlash's, one H x H shift per
-    layer, and the rank head (H -> b_max + 1, with bias)."""
+    """Trainable parameters of `SpecBlockDrafter(config)`, by formula: DFlash's, one H x H shift and its
+    input's RMSNorm (H) per layer, and the rank head (H -> b_max + 1, with bias)."""
     from hspec.drafters.dflash.config import dflash_trainable_params
 
     H = config.hidden_size
-    return dflash_trainable_params(config) + config.num_layers * H * H + (H + 1) * (config.max_branch + 1)
+    return dflash_trainable_params(config) + config.num_layers * (H * H + H) + (H + 1) * (config.max_branch + 1)

@@ -2,9 +2,11 @@
 rank head that shapes a token tree (config.py says which parts come from the abstract).
 
 Forward over a block [x0, MASK x (K-1)] at positions p..p+K-1 (`block_states`):
-1. every decoder layer i first adds W_i · x^i_{k-1} to its input x^i_k: the layer's own input at the
-   previous position (the layer-wise shift). For slot 0 the previous position p-1 lies in the
-   previous block: its x^i is the state this sequence inherited (step 3), zero after a prefill;
+1. every decoder layer i first adds W_i · RMSNorm_i(x^i_{k-1}) to its input x^i_k: the layer's own
+   input at the previous position, normalised (the layer-wise shift). Unnormalised, the shift fed the
+   residual stream's growing scale back into it and slot 0 stopped learning (docs/drafters.md). For
+   slot 0 the previous position p-1 lies in the previous block: its x^i is the state this sequence
+   inherited (step 3), zero after a prefill;
 2. the 5 DFlash layers (bidirectional in the block, over the drafter-side context KV), final norm:
    h_k (N, K, H); logits l_k = the target's pruned LM head of h_k; the rank head r_k = W_r h_k.
 3. after verification accepts d drafts, the next block's x0 sits at p+1+d and its previous position
@@ -43,6 +45,7 @@ from hspec.drafters.common import BlockContext
 from hspec.drafters.dflash.model import DFlashDrafter
 from hspec.drafters.sequential import inference_context
 from hspec.drafters.specblock.config import SpecBlockConfig
+from hspec.models.layers import RMSNorm
 from hspec.sampling import draw_uniforms, sample_with_uniform
 
 
@@ -92,6 +95,7 @@ class SpecBlockDrafter(DFlashDrafter):
         c = self.config
         H = c.hidden_size
         self.shift = nn.ModuleList(nn.Linear(H, H, bias=False) for _ in range(c.num_layers))  # W_i
+        self.shift_norm = nn.ModuleList(RMSNorm(H, c.rms_norm_eps) for _ in range(c.num_layers))  # RMSNorm_i
         for linear in self.shift:
             nn.init.zeros_(linear.weight)  # an untrained shift leaves DFlash unchanged
         self.rank_head = nn.Linear(H, c.max_branch + 1)  # W_r: rank classes 0..b_max-1, then "beyond"
@@ -116,10 +120,11 @@ class SpecBlockDrafter(DFlashDrafter):
         x = self.embed_block(ctx.block_tokens)  # (N, K, H)
         cos, sin = self.rope(ctx.positions, x.dtype)  # (N, K, D) each
         states = []
-        for i, (layer, shift, context) in enumerate(zip(self.layers, self.shift, ctx.context_kv)):
+        for i, (layer, shift, norm, context) in enumerate(zip(self.layers, self.shift, self.shift_norm,
+                                                              ctx.context_kv)):
             states.append(x)
             prev = torch.cat([inherited[:, i, None].to(x.dtype), x[:, :-1]], 1)  # (N, K, H) x^i at k-1
-            x, _ = layer(x + shift(prev), cos, sin, context, ctx.context_mask)
+            x, _ = layer(x + shift(norm(prev)), cos, sin, context, ctx.context_mask)
         return self.norm(x), torch.stack(states, 2)
 
     def block_logits(self, ctx: BlockContext) -> torch.Tensor:
