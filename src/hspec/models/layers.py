@@ -33,9 +33,14 @@ _QUERY_BLOCK = 128
 # AVX2-only CPU torch's bf16 product over a key count that is not a multiple of 16 sometimes rounds
 # otherwise than over the same keys followed by zero-weight ones (7 of 8,192 random cases here, 0 once
 # both are padded to a multiple of 16): a tree row, whose table ends earlier than its siblings', then
-# parted from its decode's bits. AVX-512 kernels gave the same bits either way, so padding changes nothing
-# there.
+# parted from its decode's bits. AVX-512 kernels gave the same bits either way, and the padding's copies
+# cost ~26 us a layer (~0.8 ms a decoded token at context 300), so only other CPUs pad (`_pads_keys`).
 _KEY_MULTIPLE = 16
+
+
+def _pads_keys() -> bool:
+    """Whether the value sum pads its keys to `_KEY_MULTIPLE`: where torch's CPU kernels are not AVX-512 ones."""
+    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def row_invariant(x: torch.Tensor) -> bool:
@@ -268,7 +273,7 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.softmax(scores.float() * d**-0.5, dim=-1).to(q.dtype)
     values = v.permute(0, 2, 1, 3)  # (B, Hkv, S, D)
-    pad = -s % _KEY_MULTIPLE
+    pad = -s % _KEY_MULTIPLE if _pads_keys() else 0
     if pad:  # zero-weight keys up to a multiple of _KEY_MULTIPLE (see there)
         weights, values = F.pad(weights, (0, pad)), F.pad(values, (0, 0, 0, pad))
         s += pad
