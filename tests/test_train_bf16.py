@@ -37,10 +37,11 @@ def test_bf16_autocast_rounds_the_forward_but_not_the_loss_or_the_teacher(tiny_t
     loss32, loss16 = fp32.compute_gradients(0)[0], bf16.compute_gradients(0)[0]
     assert loss16 != loss32 and loss16 == pytest.approx(loss32, rel=2e-2)  # autocast is on, and close
     feats, positions = features[1], torch.arange(12, 30)
+    feats, rows = feats.with_teacher(tiny_target.model), tiny_target.model.lm_head_weight()
     with precision_context("bf16-autocast", "cpu"):
-        under_autocast = feats.target_probs(tiny_target.model, positions)
+        under_autocast = feats.teacher(rows, positions).on_vocab
     assert under_autocast.dtype == torch.float32
-    assert torch.equal(under_autocast, feats.target_probs(tiny_target.model, positions))
+    assert torch.equal(under_autocast, feats.teacher(rows, positions).on_vocab)
 
 
 def test_fp32_is_the_recipe_default_and_matches_the_code_before_precisions():

@@ -7,10 +7,13 @@ same corpus, and its features must be the target's own (the cache only rounds th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from conftest import load_tiny
 from hspec.drafters.common import kv_layer_of, select_target_layers
@@ -90,6 +93,33 @@ def test_feature_cache_written_under_the_old_layer_key_still_loads_and_resumes(t
     assert FeatureStore(out).target_layers == tuple(meta["hidden_layers"])
     _cache(tiny_target, corpora[0], out)
     assert json.loads(index.read_text()) == meta
+
+
+def test_the_cache_stores_the_teacher_summary_and_adds_it_to_files_written_without_it(tmp_path, tiny_target,
+                                                                                       corpora):
+    """The stored summary is the one training would compute from the stored final hidden states, and a
+    rebuild over a cache written before the summary existed adds it to every file, changing nothing else."""
+    out = _cache(tiny_target, corpora[0], tmp_path / "f")
+    store = FeatureStore(out)
+    stored = [store.load(i) for i in store.available()]
+    for feats in stored:
+        assert feats.target_lse is not None and feats.target_lse.dtype == torch.float32
+        bare = dataclasses.replace(feats, target_lse=None, target_argmax=None).with_teacher(tiny_target.model)
+        assert torch.equal(bare.target_lse, feats.target_lse) and torch.equal(bare.target_argmax, feats.target_argmax)
+    for i in store.available():  # rewrite every file as the old code wrote it
+        with safe_open(str(store._path(i)), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys() if k not in ("target_lse", "target_argmax")}
+            meta = f.metadata()
+        save_file(tensors, str(store._path(i)), metadata=meta)
+    assert not any(store.has_teacher_summary(i) for i in store.available())
+    assert store.load(0).target_lse is None
+    _cache(tiny_target, corpora[0], out)
+    for i, feats in zip(store.available(), stored):
+        again = store.load(i)
+        assert store.has_teacher_summary(i)
+        for name in ("tokens", "hidden", "final_hidden", "target_lse", "target_argmax"):
+            assert torch.equal(getattr(again, name), getattr(feats, name)), name
+        assert all(torch.equal(a, b) for layer in feats.kv for a, b in zip(again.kv[layer], feats.kv[layer]))
 
 
 def test_online_features_refuse_a_missing_or_empty_corpus(tmp_path, tiny_target):

@@ -10,7 +10,7 @@ import torch
 from hspec.drafters import create_drafter
 from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.metrics import acceptance_stats
-from hspec.training.features import compute_features
+from hspec.training.features import compute_features, teacher_summary
 from hspec.training.losses import LossWeights, drafter_loss, position_weights, total_variation
 from hspec.training.trainer import TrainConfig, Trainer, learning_rate, make_batch, sample_anchors
 from hspec.training.vocab import most_frequent_tokens
@@ -23,7 +23,29 @@ def test_tv_term_is_exact_half_l1():
     q = torch.softmax(torch.randn(3, 4, generator=g), -1)
     q_full = torch.zeros(3, V)
     q_full[:, vocab] = q
-    assert torch.allclose(total_variation(q, p, vocab), 0.5 * (q_full - p).abs().sum(-1), atol=1e-7)
+    assert torch.allclose(total_variation(q, p[:, vocab]), 0.5 * (q_full - p).abs().sum(-1), atol=1e-7)
+
+
+def test_the_teacher_is_the_targets_softmax_restricted_to_the_draft_vocabulary(tiny_target):
+    tokens = torch.randint(0, tiny_target.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    layers = select_target_layers(tiny_target.config.num_layers)
+    feats = compute_features(tiny_target.model, tokens.tolist(), 8, layers, [kv_layer_of(x) for x in layers])
+    with pytest.raises(ValueError, match="with_teacher"):
+        feats.teacher(tiny_target.model.lm_head_weight(), torch.arange(5))
+    feats = feats.with_teacher(tiny_target.model)
+    assert feats.with_teacher(tiny_target.model) is feats
+    vocab = torch.tensor([0, 7, 9, 30, 31, 90])
+    positions = torch.tensor([[3, 4, 5], [4, 5, 6], [20, 21, 39]])
+    teacher = feats.teacher(tiny_target.model.lm_head_weight()[vocab], positions)
+    full = torch.softmax(tiny_target.model.lm_head(feats.final_hidden).float(), -1)  # (S, V)
+    torch.testing.assert_close(teacher.on_vocab, full[positions][..., vocab], rtol=1e-5, atol=1e-7)
+    assert torch.equal(teacher.argmax, full.argmax(-1)[positions])
+    # Its summary does not depend on how many positions one pass takes.
+    lse, argmax = teacher_summary(tiny_target.model, feats.final_hidden)
+    for rows in (1, 7):
+        one_by_one = [teacher_summary(tiny_target.model, h) for h in feats.final_hidden.split(rows)]
+        torch.testing.assert_close(torch.cat([x for x, _ in one_by_one]), lse)
+        assert torch.equal(torch.cat([x for _, x in one_by_one]), argmax)
 
 
 def test_loss_weights_and_mixture():
@@ -32,7 +54,7 @@ def test_loss_weights_and_mixture():
     logits = torch.randn(2, K, V)
     p = torch.softmax(torch.randn(2, K, V), -1)
     labels = torch.randint(0, V, (2, K))
-    parts = drafter_loss(logits, p, labels, vocab, weights=LossWeights(ce=0.1, tv=0.9, gamma=4.0))
+    parts = drafter_loss(logits, p[..., vocab], labels, vocab, weights=LossWeights(ce=0.1, tv=0.9, gamma=4.0))
     w = torch.tensor([1.0, math.exp(-1 / 4), math.exp(-2 / 4)])
     assert torch.allclose(position_weights(3), w)
     q = torch.softmax(logits, -1)

@@ -4,7 +4,11 @@ For a training sequence (prompt + the target's response) the target runs once an
 - the hidden states of the selected layers at every position (S, n_sel, H) — the drafter's context;
 - the K/V of the target layers some drafter reads in place, (S, Hkv, D) each, post-RoPE;
 - the final normed hidden state (S, H), from which the target's distribution at any position is
-  rebuilt exactly with the frozen LM head (storing V-sized distributions would be V/H times larger).
+  rebuilt exactly with the frozen LM head (storing V-sized distributions would be V/H times larger);
+- the teacher's summary at every position: the log-normaliser of the target's logits and their argmax,
+  (S,) each. With them a training step needs the LM head's rows of the draft vocabulary only (Vp of V):
+  p(v) = exp(logit_v - lse) for v in it, and the greedy token for validation. The full-vocabulary head
+  runs once per sequence here instead of once per step and drafter kind (it was a quarter of a CPU step).
 
 `OnlineFeatures` computes them when training asks for a sequence instead of reading a cache: on a GPU
 the target's forward pass costs less than reading the cache back, and nothing is stored.
@@ -15,10 +19,11 @@ Legend: S sequence length, n_sel selected layers, H hidden, Hkv KV heads, D head
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from hspec.cache.paged_pool import blocks_for
 from hspec.models.llama import TargetModel
@@ -34,6 +39,8 @@ class SequenceFeatures:
     target_layers: tuple[int, ...]
     final_hidden: torch.Tensor  # (S, H) after the target's final norm
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # pool layer -> (k, v), each (S, Hkv, D)
+    target_lse: torch.Tensor | None = None  # (S,) fp32 logsumexp of the target's logits; None until `with_teacher`
+    target_argmax: torch.Tensor | None = None  # (S,) long, the target's greedy next token
 
     def to(self, device: torch.device | str) -> SequenceFeatures:
         """These features on `device` (self when they are there already)."""
@@ -43,19 +50,60 @@ class SequenceFeatures:
         return SequenceFeatures(
             tokens=self.tokens.to(device), prompt_length=self.prompt_length, hidden=self.hidden.to(device),
             target_layers=self.target_layers, final_hidden=self.final_hidden.to(device),
-            kv={layer: (k.to(device), v.to(device)) for layer, (k, v) in self.kv.items()})
+            kv={layer: (k.to(device), v.to(device)) for layer, (k, v) in self.kv.items()},
+            target_lse=None if self.target_lse is None else self.target_lse.to(device),
+            target_argmax=None if self.target_argmax is None else self.target_argmax.to(device))
+
+    def with_teacher(self, model: TargetModel) -> SequenceFeatures:
+        """These features with the teacher's summary (self when they hold it; computed otherwise)."""
+        if self.target_lse is not None and self.target_argmax is not None:
+            return self
+        lse, argmax = teacher_summary(model, self.final_hidden)
+        return replace(self, target_lse=lse, target_argmax=argmax)
 
     @torch.no_grad()
-    def target_probs(self, model: TargetModel, positions: torch.Tensor) -> torch.Tensor:
-        """The target's next-token distribution at `positions` (...), shape (..., V), fp32.
+    def teacher(self, head_rows: torch.Tensor, positions: torch.Tensor) -> TeacherDistribution:
+        """The target's next-token distribution at `positions` (...), on the draft vocabulary.
 
-        Overlapping blocks ask for the same position several times: each distinct one is computed once.
-        Computed in the target's own dtype even under a bf16-autocast training step: this is the teacher.
+        head_rows: (Vp, H) the target LM head's rows of the draft vocabulary. Overlapping blocks ask for
+        the same position several times: each distinct one is computed once. Computed in the target's
+        own dtype even under a bf16-autocast training step: this is the teacher.
         """
+        if self.target_lse is None or self.target_argmax is None:
+            raise ValueError("these features lack the teacher's summary; call with_teacher(model) first")
         distinct, where = torch.unique(positions, return_inverse=True)
-        h = self.final_hidden[distinct].to(model.embed_tokens.weight.dtype)
+        h = self.final_hidden[distinct].to(head_rows.dtype)
         with full_precision(h.device):
-            return torch.softmax(model.lm_head(h).float(), dim=-1)[where]
+            logits = F.linear(h, head_rows).float()  # (P, Vp)
+        probs = torch.exp(logits - self.target_lse[distinct, None])
+        return TeacherDistribution(probs[where], self.target_argmax[positions])
+
+
+@dataclass(frozen=True)
+class TeacherDistribution:
+    """The target's distribution at some positions (...), as the loss and validation read it."""
+
+    on_vocab: torch.Tensor  # (..., Vp) fp32 probabilities of the draft-vocabulary tokens (they sum to <= 1)
+    argmax: torch.Tensor  # (...,) long, the target's greedy token (over the full vocabulary)
+
+
+TEACHER_ROWS_PER_PASS = 256  # positions per full-vocabulary LM-head product (256 x V fp32 logits at a time)
+
+
+@torch.no_grad()
+def teacher_summary(model: TargetModel, final_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logsumexp (S,) fp32, argmax (S,) long) of the target's logits from its final hidden states (S, H).
+
+    A function of `final_hidden` and the model only (fixed passes of `TEACHER_ROWS_PER_PASS` rows), so a
+    summary stored with the features equals one computed later from the same stored hidden states.
+    """
+    lse, argmax = [], []
+    with full_precision(final_hidden.device):
+        for h in final_hidden.split(TEACHER_ROWS_PER_PASS):
+            logits = model.lm_head(h.to(model.embed_tokens.weight.dtype)).float()  # (rows, V)
+            lse.append(torch.logsumexp(logits, dim=-1))
+            argmax.append(logits.argmax(-1))
+    return torch.cat(lse), torch.cat(argmax)
 
 
 @torch.no_grad()  # not inference_mode: training saves these tensors for its backward pass
@@ -115,7 +163,7 @@ class OnlineFeatures:
     def load(self, i: int) -> SequenceFeatures:
         r = self.records[i]
         return compute_features(self.model, r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]),
-                                self.target_layers, self.kv_layers)
+                                self.target_layers, self.kv_layers).with_teacher(self.model)
 
     def tokens(self, i: int) -> torch.Tensor:
         """The token ids of sequence i, (S,) long, on the CPU."""

@@ -36,9 +36,8 @@ def position_weights(K: int, gamma: float = 4.0, device: torch.device | str = "c
     return torch.exp(-torch.arange(K, dtype=torch.float32, device=device) / gamma)
 
 
-def total_variation(q_pruned: torch.Tensor, p_full: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """1/2 ||q - p||_1 with q (..., Vp) on vocab_ids (Vp,) and p (..., V); returns (...)."""
-    p_on_vocab = p_full.index_select(-1, vocab_ids)  # (..., Vp)
+def total_variation(q_pruned: torch.Tensor, p_on_vocab: torch.Tensor) -> torch.Tensor:
+    """1/2 ||q - p||_1 with q (..., Vp) and p's probabilities of the same Vp tokens (..., Vp); returns (...)."""
     outside = (1.0 - p_on_vocab.sum(-1)).clamp(min=0.0)  # p's mass q cannot place
     return 0.5 * ((q_pruned - p_on_vocab).abs().sum(-1) + outside)
 
@@ -52,20 +51,23 @@ class LossParts:
     tv: torch.Tensor
 
 
-def drafter_loss(logits: torch.Tensor, target_probs: torch.Tensor, labels: torch.Tensor, vocab_ids: torch.Tensor,
+def drafter_loss(logits: torch.Tensor, target_on_vocab: torch.Tensor, labels: torch.Tensor, vocab_ids: torch.Tensor,
                  valid: torch.Tensor | None = None, weights: LossWeights = LossWeights()) -> LossParts:
     """The weighted 0.1 CE + 0.9 TV loss over blocks.
 
-    logits: (N, K, Vp) draft logits (after the Markov head). target_probs: (N, K, V) the target's
-    distribution at the same positions. labels: (N, K) ground-truth target token ids. vocab_ids: (Vp,)
-    target ids of the pruned vocabulary. valid: (N, K) bool, False for positions past the sequence end.
+    logits: (N, K, Vp) draft logits (after the Markov head). target_on_vocab: (N, K, Vp) the target's
+    probabilities of the pruned vocabulary's tokens at the same positions (its full distribution
+    restricted; the rest of its mass is 1 - their sum). labels: (N, K) ground-truth target token ids.
+    vocab_ids: (Vp,) target ids of the pruned vocabulary. valid: (N, K) bool, False for positions past
+    the sequence end.
     """
     n, K, vp = logits.shape
     valid = torch.ones((n, K), dtype=torch.bool, device=logits.device) if valid is None else valid
     log_q = F.log_softmax(logits.float(), dim=-1)  # (N, K, Vp)
-    tv = total_variation(log_q.exp(), target_probs.float(), vocab_ids)  # (N, K)
+    tv = total_variation(log_q.exp(), target_on_vocab.float())  # (N, K)
     # Map target ids to pruned indices; tokens outside the pruned vocabulary get no CE term.
-    to_local = torch.full((target_probs.shape[-1],), -1, dtype=torch.long, device=logits.device)
+    id_range = int(torch.maximum(vocab_ids.max(), labels.max())) + 1
+    to_local = torch.full((id_range,), -1, dtype=torch.long, device=logits.device)
     to_local[vocab_ids] = torch.arange(vp, device=logits.device)
     local = to_local[labels]  # (N, K)
     has_ce = valid & (local >= 0)
@@ -79,16 +81,17 @@ def drafter_loss(logits: torch.Tensor, target_probs: torch.Tensor, labels: torch
     return LossParts(loss, ce_mean.detach(), tv_mean.detach())
 
 
-def greedy_acceptance(logits: torch.Tensor, target_probs: torch.Tensor, vocab_ids: torch.Tensor,
+def greedy_acceptance(logits: torch.Tensor, target_argmax: torch.Tensor, vocab_ids: torch.Tensor,
                       valid: torch.Tensor | None = None) -> torch.Tensor:
     """Validation: per block, how many leading slots a greedy verifier would accept, (N,).
 
     Slot k is accepted when the draft's argmax equals the target's argmax and all earlier slots were.
     With teacher-forced Markov inputs this is exact for greedy decoding as long as the earlier drafts
     were accepted, which is precisely the condition of the conditional acceptance at slot k.
+    logits: (N, K, Vp) draft logits; target_argmax: (N, K) the target's greedy tokens; vocab_ids: (Vp,).
     """
     draft = vocab_ids[logits.argmax(-1)]  # (N, K) target ids
-    match = draft == target_probs.argmax(-1)  # (N, K)
+    match = draft == target_argmax  # (N, K)
     if valid is not None:
         match &= valid
     return match.long().cumprod(-1).sum(-1)

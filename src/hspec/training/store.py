@@ -2,8 +2,10 @@
 
 `hspec data features` fills it once; every drafter of a comparison then trains from the same files
 (docs/design.md#training). Hidden states are stored in bf16 (their range can be large), the normed final hidden
-and K/V in fp16; loading returns fp32. Files are written atomically, so an interrupted run resumes by
-skipping files that exist.
+and K/V in fp16; loading returns fp32. The teacher's summary (training/features.py) is computed from the
+stored, fp16-rounded final hidden states, so it equals what training would compute from the file.
+Files are written atomically, so an interrupted run resumes by skipping files that exist; files written
+before the summary existed get it added by the next `hspec data features` over the same corpus.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hspec.models.llama import TargetModel
-from hspec.training.features import SequenceFeatures, compute_features
+from hspec.training.features import SequenceFeatures, compute_features, teacher_summary
 
 # index.json keys renamed since caches were first written: old key -> current key (`read_index` maps them).
 _RENAMED_KEYS = {"hidden_layers": "target_layers"}
@@ -58,9 +60,17 @@ class FeatureStore:
             meta = f.metadata()
             get = f.get_tensor
             kv = {layer: (get(f"k.{layer}").float(), get(f"v.{layer}").float()) for layer in self.kv_layers}
+            summary = "target_lse" in f.keys()  # absent from files written before it existed
             return SequenceFeatures(tokens=get("tokens").long(), prompt_length=int(meta["prompt_length"]),
                                     hidden=get("hidden").float(), target_layers=self.target_layers,
-                                    final_hidden=get("final_hidden").float(), kv=kv)
+                                    final_hidden=get("final_hidden").float(), kv=kv,
+                                    target_lse=get("target_lse").float() if summary else None,
+                                    target_argmax=get("target_argmax").long() if summary else None)
+
+    def has_teacher_summary(self, i: int) -> bool:
+        """Whether sequence i's file holds the teacher's summary."""
+        with safe_open(str(self._path(i)), framework="pt") as f:
+            return "target_lse" in f.keys()
 
     def tokens(self, i: int) -> torch.Tensor:
         """Only the token ids of sequence i, (S,) long (cheap: reads one tensor)."""
@@ -87,20 +97,29 @@ class FeatureStore:
         else:
             index.write_text(json.dumps(meta))
         store = FeatureStore(root)
-        todo = [i for i in range(len(records)) if not store._path(i).exists()]
-        for i in tqdm(todo, desc="features", unit="seq"):
+        done = {i for i in range(len(records)) if store._path(i).exists()}
+        for i in tqdm(sorted(i for i in done if not store.has_teacher_summary(i)), desc="teacher summary", unit="seq"):
+            store._write(i, store.load(i), model)
+        for i in tqdm([i for i in range(len(records)) if i not in done], desc="features", unit="seq"):
             r = records[i]
             feats = compute_features(model, list(r["prompt_ids"]) + list(r["response_ids"]), len(r["prompt_ids"]),
-                                     target_layers, kv_layers).to("cpu")
-            tensors = {"tokens": feats.tokens.int(), "hidden": feats.hidden.bfloat16(),
-                       "final_hidden": feats.final_hidden.half()}
-            for layer, (k, v) in feats.kv.items():
-                tensors[f"k.{layer}"], tensors[f"v.{layer}"] = k.half(), v.half()
-            tmp = store._path(i).with_suffix(".tmp")
-            save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp),
-                      metadata={"prompt_length": str(feats.prompt_length)})
-            os.replace(tmp, store._path(i))
+                                     target_layers, kv_layers)
+            store._write(i, feats, model)
         return store
+
+    def _write(self, i: int, feats: SequenceFeatures, model: TargetModel) -> None:
+        """Store sequence i's features (atomically), with the teacher's summary of the stored final hidden."""
+        device = model.embed_tokens.weight.device
+        final_hidden = feats.final_hidden.half()
+        lse, argmax = teacher_summary(model, final_hidden.float().to(device))
+        tensors = {"tokens": feats.tokens.int(), "hidden": feats.hidden.bfloat16(), "final_hidden": final_hidden,
+                   "target_lse": lse, "target_argmax": argmax.int()}
+        for layer, (k, v) in feats.kv.items():
+            tensors[f"k.{layer}"], tensors[f"v.{layer}"] = k.half(), v.half()
+        tmp = self._path(i).with_suffix(".tmp")
+        save_file({k: t.to("cpu").contiguous() for k, t in tensors.items()}, str(tmp),
+                  metadata={"prompt_length": str(feats.prompt_length)})
+        os.replace(tmp, self._path(i))
 
 
 class FeatureStores:

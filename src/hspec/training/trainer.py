@@ -31,7 +31,7 @@ import torch.distributed as dist
 from hspec.drafters.common import BlockContext, NeuralDrafter, build_block
 from hspec.metrics import AcceptanceStats, acceptance_stats, merge_stats
 from hspec.models.llama import TargetModel
-from hspec.training.features import SequenceFeatures
+from hspec.training.features import SequenceFeatures, TeacherDistribution
 from hspec.training.losses import LossWeights, drafter_loss, greedy_acceptance
 from hspec.training.precision import PRECISION_CHOICES, precision_context, resolve_precision
 
@@ -85,7 +85,7 @@ class Batch:
     ctx: BlockContext
     prev_tokens: torch.Tensor  # (N, K) teacher-forced Markov inputs [x_p, x_{p+1}, ..., x_{p+K-1}]
     labels: torch.Tensor  # (N, K) x_{p+1..p+K}
-    target_probs: torch.Tensor  # (N, K, V)
+    teacher: TeacherDistribution  # the target at the label positions: on_vocab (N, K, Vp), argmax (N, K)
     valid: torch.Tensor  # (N, K) bool: label inside the sequence (and kept by COD sampling)
 
 
@@ -115,11 +115,15 @@ def context_kv_for(drafter: NeuralDrafter, feats: SequenceFeatures, rows: int
 
 
 def make_batch(drafter: NeuralDrafter, target: TargetModel, feats: SequenceFeatures, anchors: torch.Tensor,
-               K: int, cod_generator: torch.Generator | None = None) -> Batch:
+               K: int, cod_generator: torch.Generator | None = None, head_rows: torch.Tensor | None = None) -> Batch:
     """Blocks at `anchors` (N,) of one sequence (see module docstring, step 1-2), on the features' device.
 
-    `anchors` may lie on the CPU (they are drawn there, from a seeded CPU generator).
+    `anchors` may lie on the CPU (they are drawn there, from a seeded CPU generator). The teacher reads
+    the features' teacher summary (computed here when `feats` lack it; `Trainer.load` gives features
+    that hold it) and `head_rows` (Vp, H), the target LM head's rows of the drafter's vocabulary
+    (gathered here when None; `Trainer` keeps them, as the gather costs tens of ms on a CPU).
     """
+    feats = feats.with_teacher(target)
     tokens = feats.tokens
     device = tokens.device
     anchors = anchors.to(device)
@@ -146,7 +150,9 @@ def make_batch(drafter: NeuralDrafter, target: TargetModel, feats: SequenceFeatu
         # draw per anchor, so a kept depth implies every shallower depth is kept too).
         keep = torch.tensor([max(0.6**d, 0.2) for d in range(K)])
         valid &= (torch.rand((n, 1), generator=cod_generator) < keep).to(device)
-    return Batch(ctx, prev_tokens, tokens[label_pos], feats.target_probs(target, label_pos - 1), valid)
+    if head_rows is None:
+        head_rows = target.lm_head_weight().detach()[drafter.head.draft_vocab_ids]  # (Vp, H)
+    return Batch(ctx, prev_tokens, tokens[label_pos], feats.teacher(head_rows, label_pos - 1), valid)
 
 
 def all_reduce_gradients(params: Sequence[torch.nn.Parameter]) -> None:
@@ -194,6 +200,12 @@ class Trainer:
         self.K = drafter.config.max_draft_len
         self.device = drafter.head.draft_vocab_ids.device  # where the drafter lives; features are moved there
         self.precision = resolve_precision(config.precision, self.device)  # never 'auto'
+        # The LM head rows of the draft vocabulary, for the teacher (the vocabulary is fixed from here on).
+        self.head_rows = target.lm_head_weight().detach()[drafter.head.draft_vocab_ids]  # (Vp, H)
+
+    def load(self, seq: int) -> SequenceFeatures:
+        """Sequence `seq`'s features on the drafter's device, with the teacher's summary."""
+        return self.load_sequence(seq).to(self.device).with_teacher(self.target)
 
     def sequences_for_step(self, step: int) -> list[tuple[int, int]]:
         """This process's (slot, sequence) pairs at `step`: one seeded draw for all ranks, sharded by rank.
@@ -226,7 +238,7 @@ class Trainer:
             split = corrections.split([u.shape[0] for u in backbone])
             backbone = [u.float() + c.float() for u, c in zip(backbone, split)]
         for batch, logits in zip(batches, backbone):
-            parts = drafter_loss(logits, batch.target_probs, batch.labels, self.drafter.head.draft_vocab_ids,
+            parts = drafter_loss(logits, batch.teacher.on_vocab, batch.labels, self.drafter.head.draft_vocab_ids,
                                  batch.valid, self.config.loss)
             total = total + parts.loss / len(pairs)
             ce_sum += parts.ce / len(pairs)
@@ -244,11 +256,12 @@ class Trainer:
         batches, backbone, own_losses = [], [], []
         for slot, seq in pairs:
             g = step_generator(self.config.seed, step, slot)
-            feats = self.load_sequence(seq).to(self.device)
+            feats = self.load(seq)
             anchors = sample_anchors(feats, self.config.anchors_per_seq, g)
             if anchors.numel() == 0:
                 continue
-            batch = make_batch(self.drafter, self.target, feats, anchors, self.K, g if self.config.cod_keep else None)
+            cod = g if self.config.cod_keep else None
+            batch = make_batch(self.drafter, self.target, feats, anchors, self.K, cod, self.head_rows)
             batches.append(batch)
             if self.drafter.sequential_head:
                 # Slot k depends on the previous token through more than an additive Markov term
@@ -283,16 +296,16 @@ class Trainer:
         self.drafter.eval()
         stats = []
         for seq in val_ids:
-            feats = self.load_sequence(seq).to(self.device)
+            feats = self.load(seq)
             anchors = sample_anchors(feats, anchors_per_seq, step_generator(self.config.seed, -1, seq))
             if anchors.numel() == 0:
                 continue
-            batch = make_batch(self.drafter, self.target, feats, anchors, self.K)
+            batch = make_batch(self.drafter, self.target, feats, anchors, self.K, head_rows=self.head_rows)
             full = batch.valid.all(-1)  # only blocks whose K labels all exist
             if not bool(full.any()):
                 continue
             logits = self.drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens)
-            accepted = greedy_acceptance(logits[full], batch.target_probs[full], self.drafter.head.draft_vocab_ids)
+            accepted = greedy_acceptance(logits[full], batch.teacher.argmax[full], self.drafter.head.draft_vocab_ids)
             stats.append(acceptance_stats(accepted, self.K))
         if not stats:
             raise ValueError("no validation blocks: validation sequences are too short")
@@ -312,16 +325,16 @@ class Trainer:
         self.drafter.eval()
         chain_steps = []
         for seq in val_ids:
-            feats = self.load_sequence(seq).to(self.device)
+            feats = self.load(seq)
             s = feats.tokens.shape[0]
             last_anchor = s - 1 - self.K  # the last anchor whose K labels all exist
             if last_anchor < feats.prompt_length:
                 continue
             accepted: list[int] = []  # at every anchor the chain may visit, in order
             for chunk in torch.arange(feats.prompt_length, last_anchor + 1, device=self.device).split(rows_per_forward):
-                batch = make_batch(self.drafter, self.target, feats, chunk, self.K)
+                batch = make_batch(self.drafter, self.target, feats, chunk, self.K, head_rows=self.head_rows)
                 logits = self.drafter.teacher_forced_logits(batch.ctx, batch.prev_tokens)
-                accepted += greedy_acceptance(logits, batch.target_probs, self.drafter.head.draft_vocab_ids).tolist()
+                accepted += greedy_acceptance(logits, batch.teacher.argmax, self.drafter.head.draft_vocab_ids).tolist()
             p = 0  # index into anchors
             while p < len(accepted):
                 chain_steps.append(accepted[p])
