@@ -232,3 +232,24 @@ def test_a_signal_stops_after_the_step_with_its_state_saved_and_the_rerun_resume
     train_tiny(run, steps=5)
     assert "resuming hspec at step 3/5" in capsys.readouterr().out
     assert (run / "drafter" / "config.json").exists()
+
+
+def test_the_state_is_also_saved_once_the_save_interval_has_passed(tmp_path, tiny_target, feature_dir, monkeypatch):
+    """Between validations the state is saved when `save_minutes` have passed (a machine lost without a
+    signal then costs at most that much), and not otherwise."""
+    saved_steps = []
+    save = train_run.save_training_state
+
+    def recording_save(directory, drafter, optimizer, step, extra=None):
+        saved_steps.append(step)
+        return save(directory, drafter, optimizer, step, extra)
+
+    monkeypatch.setattr(train_run, "save_training_state", recording_save)
+    config = TrainConfig(steps=4, seqs_per_step=2, anchors_per_seq=2)
+    for minutes, expected in ((0.0, [1, 2, 3, 4]), (60.0, [4])):
+        saved_steps.clear()
+        train_run.train("hspec", "tiny", [feature_dir], tmp_path / f"run{minutes}", config, val_every=100,
+                        draft_vocab_size=20, target=tiny_target, save_minutes=minutes)
+        assert saved_steps == expected
+    with pytest.raises(ValueError, match="save_minutes must be >= 0, got -1"):
+        train_run.train("hspec", "tiny", [feature_dir], tmp_path / "bad", config, target=tiny_target, save_minutes=-1)

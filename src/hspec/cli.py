@@ -305,7 +305,11 @@ def _add_train(sub) -> None:
     train.add_argument("--seqs-per-step", type=int, default=4)
     train.add_argument("--anchors-per-seq", type=int, default=16)
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--val-every", type=int, default=100)
+    train.add_argument("--val-every", type=int, default=100,
+                       help="validate (and save the training state) every this many steps (default 100)")
+    train.add_argument("--save-minutes", type=float, default=10.0,
+                       help="also save the training state once this many minutes have passed since the last "
+                            "save, so a machine lost without a signal costs at most that much (default 10)")
     train.add_argument("--draft-vocab", type=int, default=None,
                        help="pruned draft vocabulary size Vp: the most frequent training tokens (default: the "
                             "paper's 32,000, or the whole vocabulary if smaller)")
@@ -344,7 +348,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                          config, val_every=args.val_every, draft_vocab_size=args.draft_vocab,
                          init_from=None if args.init_from is None else Path(args.init_from),
                          corpora=None if args.corpus is None else [Path(p) for p in args.corpus.split(",")],
-                         device=args.device, override=args.override)
+                         device=args.device, override=args.override, save_minutes=args.save_minutes)
     print(f"wrote {saved}")
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -70,7 +71,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
           log_every: int = 10, val_every: int = 100, val_sequences: int = 24,
           draft_vocab_size: int | None = None, init_from: Path | None = None,
           corpora: list[Path] | None = None, device: str = "cpu", override: bool = False,
-          target: Target | None = None) -> Path:
+          target: Target | None = None, save_minutes: float = 10.0) -> Path:
     """Train `kind` on the cached features; resumable; returns the saved drafter directory.
 
     `corpora` (generated JSONL files) replaces `features_dirs`: the target then computes each
@@ -85,7 +86,11 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     the run recorded, so that moving a run to other hardware does not switch it.
     `target` is the target `target_name` names, already loaded on `device`; None loads it (after the
     resume check, so a refused rerun loads nothing).
+    The training state is saved at every validation, on SIGINT/SIGTERM, and once `save_minutes` have
+    passed since the last save, so a machine lost without a signal costs at most that much training.
     """
+    if save_minutes < 0:
+        raise ValueError(f"save_minutes must be >= 0, got {save_minutes}")
     where = resolve_device(device)
     rank, world = _init_distributed(where)
     history = run_dir / "history.jsonl"
@@ -150,6 +155,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                                        "world_size": world, **asdict(config), "settings": settings},
                                       default=str) + "\n")
     bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
+    last_save = time.monotonic()
     with StopRequest() as stop:
         for step in range(start, config.steps):
             log = trainer.train_step(step)
@@ -166,8 +172,10 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                 bar.write(f"[train] step {step + 1}: validation tau {stats.mean_accepted_length:.2f} "
                           f"(in decode order {in_order.mean_accepted_length:.2f}), "
                           f"acceptance {[round(a, 2) for a in stats.acceptance_by_position]}")
-            if rank == 0 and ((step + 1) % val_every == 0 or last or stop.requested):
+            due = time.monotonic() - last_save >= 60 * save_minutes
+            if rank == 0 and ((step + 1) % val_every == 0 or last or stop.requested or due):
                 save_training_state(run_dir / "state", drafter, trainer.optimizer, step + 1, {"kind": kind})
+                last_save = time.monotonic()
             if stop.requested and not last:
                 bar.write(f"[train] signal {stop.signal_number}: stopped after step {step + 1} with its state "
                           f"saved in {run_dir / 'state'}; rerun the same command to resume")
