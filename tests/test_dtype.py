@@ -14,6 +14,7 @@ from hspec.models.dtype import (
     dtype_name,
     int8_weights,
     resolve_dtype,
+    slow_dtype_note,
 )
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
@@ -38,6 +39,16 @@ def test_named_dtypes_and_errors():
         resolve_dtype("int4")
     with pytest.raises(ValueError, match="int64"):
         resolve_dtype(torch.int64)
+
+
+def test_asking_for_bf16_where_it_is_emulated_says_so_and_names_the_faster_choice():
+    note = slow_dtype_note("bfloat16", "cpu", flags=AVX2_ONLY)
+    assert note is not None and "--dtype bfloat16" in note and "float32, which --dtype auto picks" in note
+    assert slow_dtype_note(torch.bfloat16, "cpu", flags=AVX2_ONLY) == note
+    assert slow_dtype_note("bfloat16", "cpu", flags=SAPPHIRE_RAPIDS) is None
+    assert slow_dtype_note("bfloat16", "cuda", flags=AVX2_ONLY) is None
+    for fine in ("auto", "float32", "int8", torch.float32):
+        assert slow_dtype_note(fine, "cpu", flags=AVX2_ONLY) is None
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):

@@ -68,6 +68,22 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str = "cpu",
     return _NAMED[name]
 
 
+def slow_dtype_note(name: str | torch.dtype, device: torch.device | str = "cpu",
+                    flags: frozenset[str] | None = None) -> str | None:
+    """What to tell a user who asked for bfloat16 on a CPU without native bf16 dot products, else None.
+
+    There torch emulates bf16 in software: a bf16 forward measured 8.1x slower than fp32 on an AVX2-only
+    EPYC (docs/fast-path.md#the-earlier-host). int8 is not named: its product, which dequantizes a tile
+    at a time, measured on par with fp32 there.
+    """
+    if name not in (torch.bfloat16, "bfloat16", "bf16") or torch.device(device).type != "cpu":
+        return None
+    if cpu_has_native_bf16(flags):
+        return None
+    return ("--dtype bfloat16 on this CPU (no AVX512-BF16 or AMX-BF16) runs bf16 in software, several times "
+            "slower than float32, which --dtype auto picks here; the output stays lossless either way")
+
+
 def int8_weights(name: str | torch.dtype) -> bool:
     """True when `--dtype` asks for int8 weight-only linears (`models.quantize`)."""
     return name == "int8"

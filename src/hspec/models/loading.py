@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
-from hspec.models.dtype import int8_weights, resolve_dtype
+from hspec.models.dtype import int8_weights, resolve_dtype, slow_dtype_note
 from hspec.models.llama import TargetModel
 from hspec.models.prepack import prepack_bf16
 from hspec.models.quantize import quantize_int8
@@ -148,6 +149,9 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     if int8_weights(dtype) and torch.device(device).type != "cpu":
         raise ValueError(f"--dtype int8 (int8 weight-only linears) runs on the CPU; on {device} use bfloat16")
     compute_dtype = resolve_dtype(dtype, device)
+    note = slow_dtype_note(dtype, device)
+    if note is not None:
+        warnings.warn(note, stacklevel=2)
     state = {hf_to_runtime_key(k): v for k, v in hf_state.items() if "rotary_emb" not in k}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
