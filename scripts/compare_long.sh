@@ -4,11 +4,13 @@
 # evaluated interleaved with plain decoding. Results go to results/comparison_long/.
 #
 # Resumable at every step and across machines: rerun the script after a kill and it continues where it
-# stopped (feature files, training checkpoints, finished evaluations are kept). It takes about a day of
-# 2-core CPU time (features ~1 h, training ~50 min per kind per core, evaluations ~3 h), so it runs in the
-# background over several sessions; on a CUDA GPU run it unchanged (training then takes minutes per kind).
-# The defaults are the settings of the committed results/comparison_long/; LANES only sets how many
-# trainings run side by side (one torch thread each), which does not change any result.
+# stopped (feature files, training checkpoints every 10 minutes, finished evaluation items are kept). On
+# a 2-core AVX-512 host it takes about a day (features ~1 h, training ~50 min per kind per core with bf16
+# autocast, evaluations ~3 h); on a 2-core AVX2 host about two (fp32: features ~4 h, ~2 h per kind per
+# core), so it runs in the background over several sessions; on a CUDA GPU run it unchanged (training
+# then takes minutes per kind). The defaults are the settings of the committed results/comparison_long/;
+# LANES only sets how many processes run side by side (one torch thread each), which changes no result
+# beyond the rounding of a thread count.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HSPEC=${HSPEC:-.venv/bin/hspec}
@@ -28,10 +30,27 @@ RUNS=${RUNS:-runs/compare_long}
 mkdir -p "$OUT" "$RUNS" runs/features
 
 # 1. Target features of every committed corpus part (5 tapped layers' hidden states, their K/V, the final
-#    hidden state), computed once in fp32 and cached; a part already complete is only checked.
+#    hidden state and the teacher's summary), computed once in fp32 and cached; a part already complete
+#    is only checked. Parts run in LANES processes of one thread each (a 2-thread process slows down
+#    several-fold whenever anything else takes a core).
+features_lane() {  # features_lane INDEX: every LANES-th part from INDEX
+  local i=0
+  for part in $PARTS; do
+    if (( i % LANES == $1 )); then
+      OMP_NUM_THREADS=1 $HSPEC data features --corpus "results/train_data/corpus_part$part.jsonl" \
+        --out "runs/features/part$part"
+    fi
+    i=$((i + 1))
+  done
+}
+pids=()
+for ((lane = 0; lane < LANES; lane++)); do
+  features_lane "$lane" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
 features=""
 for part in $PARTS; do
-  $HSPEC data features --corpus "results/train_data/corpus_part$part.jsonl" --out "runs/features/part$part"
   features="$features,runs/features/part$part"
 done
 features=${features#,}
