@@ -9,8 +9,7 @@
 # autocast, evaluations ~3 h); on a 2-core AVX2 host about two (fp32: features ~4 h, ~2 h per kind per
 # core), so it runs in the background over several sessions; on a CUDA GPU run it unchanged (training
 # then takes minutes per kind). The defaults are the settings of the committed results/comparison_long/;
-# LANES only sets how many processes run side by side (one torch thread each), which changes no result
-# beyond the rounding of a thread count.
+# LANES only sets how many processes run side by side (one torch thread each), which changes no result.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HSPEC=${HSPEC:-.venv/bin/hspec}
@@ -33,22 +32,29 @@ mkdir -p "$OUT" "$RUNS" runs/features
 #    hidden state and the teacher's summary), computed once in fp32 and cached; a part already complete
 #    is only checked. Parts run in LANES processes of one thread each (a 2-thread process slows down
 #    several-fold whenever anything else takes a core).
-features_lane() {  # features_lane INDEX: every LANES-th part from INDEX
-  local i=0
-  for part in $PARTS; do
-    if (( i % LANES == $1 )); then
-      OMP_NUM_THREADS=1 $HSPEC data features --corpus "results/train_data/corpus_part$part.jsonl" \
-        --out "runs/features/part$part"
-    fi
+lane_share() {  # lane_share INDEX ITEM...: every LANES-th ITEM from the INDEX-th (0-based), one a line
+  local lane=$1 i=0
+  shift
+  for item in "$@"; do
+    if (( i % LANES == lane )); then echo "$item"; fi
     i=$((i + 1))
   done
 }
-pids=()
-for ((lane = 0; lane < LANES; lane++)); do
-  features_lane "$lane" &
-  pids+=($!)
-done
-for pid in "${pids[@]}"; do wait "$pid"; done
+run_lanes() {  # run_lanes FUNCTION: FUNCTION 0 .. FUNCTION LANES-1 side by side; fails when one of them fails
+  local pids=() lane pid
+  for ((lane = 0; lane < LANES; lane++)); do
+    "$1" "$lane" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+}
+features_lane() {  # features_lane INDEX: this lane's parts
+  for part in $(lane_share "$1" $PARTS); do
+    OMP_NUM_THREADS=1 $HSPEC data features --corpus "results/train_data/corpus_part$part.jsonl" \
+      --out "runs/features/part$part"
+  done
+}
+run_lanes features_lane
 features=""
 for part in $PARTS; do
   features="$features,runs/features/part$part"
@@ -65,21 +71,12 @@ train_kind() {  # train_kind KIND [extra train args...]
     --val-every "$VAL_EVERY" --draft-vocab 8192 "$@" >> "$RUNS/$kind/train.log" 2>&1
   echo "[compare_long] $kind: $(tail -n 1 "$RUNS/$kind/train.log")"
 }
-train_lane() {  # train_lane INDEX: every LANES-th kind from INDEX (dels waits for dflash below)
-  local i=0
-  for kind in $KINDS; do
-    if [ "$kind" != dels ] && (( i % LANES == $1 )); then
-      OMP_NUM_THREADS=1 train_kind "$kind"
-    fi
-    i=$((i + 1))
+train_lane() {  # train_lane INDEX: this lane's kinds (dels waits for dflash below)
+  for kind in $(lane_share "$1" $KINDS); do
+    if [ "$kind" != dels ]; then OMP_NUM_THREADS=1 train_kind "$kind"; fi
   done
 }
-pids=()
-for ((lane = 0; lane < LANES; lane++)); do
-  train_lane "$lane" &
-  pids+=($!)
-done
-for pid in "${pids[@]}"; do wait "$pid"; done
+run_lanes train_lane
 # DeLS-Spec trains its local head over the trained DFlash drafter, which stays frozen (same steps and data).
 if [[ " $KINDS " == *" dels "* ]]; then
   OMP_NUM_THREADS=$LANES train_kind dels --init-from "$RUNS/dflash/drafter"
