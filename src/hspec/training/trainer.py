@@ -114,14 +114,19 @@ def context_kv_for(drafter: NeuralDrafter, feats: SequenceFeatures, rows: int
     return [(k.expand(rows, *k.shape[1:]), v.expand(rows, *v.shape[1:])) for k, v in pairs]
 
 
+def draft_head_rows(drafter: NeuralDrafter, target: TargetModel) -> torch.Tensor:
+    """(Vp, H): the target LM head's rows of the drafter's vocabulary, which the teacher reads."""
+    return target.lm_head_weight().detach()[drafter.head.draft_vocab_ids]
+
+
 def make_batch(drafter: NeuralDrafter, target: TargetModel, feats: SequenceFeatures, anchors: torch.Tensor,
                K: int, cod_generator: torch.Generator | None = None, head_rows: torch.Tensor | None = None) -> Batch:
     """Blocks at `anchors` (N,) of one sequence (see module docstring, step 1-2), on the features' device.
 
     `anchors` may lie on the CPU (they are drawn there, from a seeded CPU generator). The teacher reads
     the features' teacher summary (computed here when `feats` lack it; `Trainer.load` gives features
-    that hold it) and `head_rows` (Vp, H), the target LM head's rows of the drafter's vocabulary
-    (gathered here when None; `Trainer` keeps them, as the gather costs tens of ms on a CPU).
+    that hold it) and `head_rows` (`draft_head_rows`; gathered here when None, while `Trainer` keeps
+    them, as the gather costs tens of ms on a CPU).
     """
     feats = feats.with_teacher(target)
     tokens = feats.tokens
@@ -151,7 +156,7 @@ def make_batch(drafter: NeuralDrafter, target: TargetModel, feats: SequenceFeatu
         keep = torch.tensor([max(0.6**d, 0.2) for d in range(K)])
         valid &= (torch.rand((n, 1), generator=cod_generator) < keep).to(device)
     if head_rows is None:
-        head_rows = target.lm_head_weight().detach()[drafter.head.draft_vocab_ids]  # (Vp, H)
+        head_rows = draft_head_rows(drafter, target)
     return Batch(ctx, prev_tokens, tokens[label_pos], feats.teacher(head_rows, label_pos - 1), valid)
 
 
@@ -200,8 +205,7 @@ class Trainer:
         self.K = drafter.config.max_draft_len
         self.device = drafter.head.draft_vocab_ids.device  # where the drafter lives; features are moved there
         self.precision = resolve_precision(config.precision, self.device)  # never 'auto'
-        # The LM head rows of the draft vocabulary, for the teacher (the vocabulary is fixed from here on).
-        self.head_rows = target.lm_head_weight().detach()[drafter.head.draft_vocab_ids]  # (Vp, H)
+        self.head_rows = draft_head_rows(drafter, target)  # (Vp, H); the vocabulary is fixed from here on
 
     def load(self, seq: int) -> SequenceFeatures:
         """Sequence `seq`'s features on the drafter's device, with the teacher's summary."""
