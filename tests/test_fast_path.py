@@ -23,11 +23,11 @@ def test_linear_computes_a_row_the_same_alone_or_among_others(out_features, in_f
     scale = None
     if int8:
         weight, scale = quantize_rows(weight, torch.bfloat16)
-    x = torch.randn(1, 17, in_features).to(torch.bfloat16)
-    together = linear(x, weight, scale=scale)  # (1, 17, out)
-    alone = torch.cat([linear(x[:, i : i + 1], weight, scale=scale) for i in range(17)], dim=1)
+    x = torch.randn(1, 70, in_features).to(torch.bfloat16)  # more rows than one product takes (_ROW_BLOCK)
+    together = linear(x, weight, scale=scale)  # (1, 70, out)
+    alone = torch.cat([linear(x[:, i : i + 1], weight, scale=scale) for i in range(70)], dim=1)
     assert torch.equal(together, alone)
-    for rows in (2, 5, 8):
+    for rows in (2, 5, 8, 32, 33, 65):
         assert torch.equal(linear(x[:, :rows], weight, scale=scale), together[:, :rows])
 
 
@@ -42,10 +42,10 @@ def test_a_packed_weight_gives_f_linears_bits_alone_or_among_others(out_features
     packed = pack_weight(weight)
     assert packed is not None and pack_weight(weight.float()) is None  # bf16 only
     bias = torch.randn(out_features).to(torch.bfloat16)
-    x = torch.randn(1, 17, in_features).to(torch.bfloat16)
+    x = torch.randn(1, 70, in_features).to(torch.bfloat16)
     together = linear(x, weight, bias, packed=packed)
     assert torch.equal(together, linear(x, weight, bias))
-    alone = torch.cat([linear(x[:, i : i + 1], weight, bias, packed=packed) for i in range(17)], dim=1)
+    alone = torch.cat([linear(x[:, i : i + 1], weight, bias, packed=packed) for i in range(70)], dim=1)
     assert torch.equal(together, alone)
 
 
@@ -75,11 +75,14 @@ def test_a_bf16_target_is_prepacked_and_keeps_the_logits_of_plain_weights(tiny_d
 
 @pytest.mark.parametrize("context", [37, 255, 700, 1023, 1024, 1500, 2100])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
-def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_heads):
+@pytest.mark.parametrize("t", [8, 16])
+def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_heads, t):
     """Row r of a T-token verify sees the context and r + 1 new keys of T; its 1-token decode saw exactly
-    those keys and no more. The outputs must be equal bit for bit, across value-chunk boundaries."""
+    those keys and no more. The outputs must be equal bit for bit, across value-chunk boundaries, and
+    with more query rows per KV head (16 x 3) than one product takes (on an AMX CPU a 48-row product
+    parted from the decode's bits at contexts from ~470 keys)."""
     torch.manual_seed(context)
-    t, d = 8, 64
+    d = 64
     q = torch.randn(1, t, heads, d).to(torch.bfloat16)
     k = torch.randn(1, context + t, kv_heads, d).to(torch.bfloat16)
     v = torch.randn(1, context + t, kv_heads, d).to(torch.bfloat16)
@@ -94,7 +97,8 @@ def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_hea
 def test_attend_keeps_a_rows_bits_behind_zero_weight_keys_at_every_length():
     """A query against L keys, and against the same keys followed by 5 masked ones (a tree row's table
     ends before its siblings'), must give the same bits for every L. On an AVX2-only CPU the bf16 value
-    product over a key count that is not a multiple of 16 broke this at L = 207, 331 and 343 of these."""
+    product over a key count that is not a multiple of 16 broke this at L = 207, 331 and 343 of these, on an
+    AMX CPU at L = 140, 150, 196, 205 and 355 (`_pads_keys` pads there)."""
     gen = torch.Generator().manual_seed(0)
     differing = []
     for length in range(1, 400):
@@ -236,12 +240,12 @@ def test_a_dequantized_int8_product_is_the_bf16_product_of_the_rounded_weight():
     w = torch.randn(96, 64) * 0.05
     q, scale = quantize_rows(w, torch.bfloat16)
     x = torch.randn(3, 40, 64).bfloat16()
-    wide = linear(x, q, scale=scale, dequantize=True)
+    wide = linear(x, q, scale=scale, prefill=True)
     assert torch.equal(wide, torch.nn.functional.linear(x, q.bfloat16() * scale[:, None]))
     kernel = linear(x, q, scale=scale)
     assert not torch.equal(wide, kernel) and torch.allclose(wide.float(), kernel.float(), atol=0.05, rtol=0.02)
     floating = torch.randn(96, 64).bfloat16()
-    assert torch.equal(linear(x, floating, dequantize=True), linear(x, floating))  # floating weights: no-op
+    assert torch.equal(linear(x, floating, prefill=True), torch.nn.functional.linear(x, floating))  # one call
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])

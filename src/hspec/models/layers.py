@@ -7,17 +7,23 @@ whether the target computes it alone (a 1-token decode) or as one row of a (K+1)
 float32 the kernels' rounding differences stay far below a logit gap. In bfloat16 on the CPU they do
 not: every op rounds to 8 bits of mantissa, and 4 of 62 greedy choices flipped between the two paths
 (docs/fast-path.md). So, for reduced-precision CPU tensors, every op here computes a row the same way
-however many rows share the call: `linear` never hands oneDNN a single row (its one-row kernel
-accumulates in another order than its many-row kernel), and `attend` uses products whose reduction
-length does not depend on how many keys the other rows see (fixed-size key chunks). Float32 and GPU
+however many rows share the call: every product gets between 2 and `_ROW_BLOCK` rows (oneDNN's
+one-row kernel, and on AMX CPUs its kernel for more than 32 rows, accumulate in another order than the
+one in between), and `attend` uses products whose reduction length does not depend on how many keys
+the other rows see (fixed-size key chunks). A prompt's prefill, which plain and speculative decoding
+share, need not keep a decode's bits and runs its linear products in one call. Float32 and GPU
 tensors take the fused kernels (`F.linear`, `F.scaled_dot_product_attention`).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hspec.models.dtype import cpu_flags
 
 # Keys per product in the row-invariant attention: a query's weighted sum of values is accumulated chunk
 # by chunk in fp32, so the keys that other rows of a verify add at the end never change how the earlier
@@ -32,15 +38,28 @@ _QUERY_BLOCK = 128
 # The weighted sum of values reduces over a multiple of this many keys (zero weights pad the rest). On an
 # AVX2-only CPU torch's bf16 product over a key count that is not a multiple of 16 sometimes rounds
 # otherwise than over the same keys followed by zero-weight ones (7 of 8,192 random cases here, 0 once
-# both are padded to a multiple of 16): a tree row, whose table ends earlier than its siblings', then
-# parted from its decode's bits. AVX-512 kernels gave the same bits either way, and the padding's copies
-# cost ~26 us a layer (~0.8 ms a decoded token at context 300), so only other CPUs pad (`_pads_keys`).
-_KEY_MULTIPLE = 16
+# both are padded to a multiple of 16): a tree row, whose table ends earlier than its siblings', and a
+# verify row, whose call holds up to K masked keys more than its decode's, then parted from the decode's
+# bits. On an AMX CPU (Sapphire Rapids, where oneDNN's bf16 product runs on AMX tiles, 32 bf16 values
+# deep) 5 of 399 key counts did, and greedy n-gram speculation changed a Spec-Bench output; padded to 16,
+# 3 verify rows of 3,192 still did; padded to 32, none (docs/fast-path.md). 32 is a multiple of 16, so
+# it serves the AVX2 CPUs too.
+# AVX-512 CPUs without AMX gave the same bits either way, and the padding's copies cost ~26 us a layer
+# (~0.8 ms a decoded token at context 300), so only those skip it (`_pads_keys`).
+_KEY_MULTIPLE = 32
+# Most rows one product of a decode or a verify takes. oneDNN's bf16 product gave each row the same bits
+# in calls of 2 to 32 rows; on an AMX CPU a call of 33 or more rows runs another kernel, and 6-57 of 64
+# rows of SmolLM2's products came out otherwise (and 132 of 2,928 verify rows of a 16-token attention).
+# So a larger call (a batch of sequences, a long verify, a recompute after preemption) runs in blocks.
+_ROW_BLOCK = 32
 
 
+@functools.cache
 def _pads_keys() -> bool:
-    """Whether the value sum pads its keys to `_KEY_MULTIPLE`: where torch's CPU kernels are not AVX-512 ones."""
-    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    """Whether the value sum pads its keys to `_KEY_MULTIPLE`: everywhere but on AVX-512 CPUs without AMX,
+    the one kind of CPU measured to keep a row's bits unpadded (a property of the hardware, read once)."""
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return not avx512 or any(flag.startswith("amx") for flag in cpu_flags())
 
 
 def row_invariant(x: torch.Tensor) -> bool:
@@ -50,25 +69,36 @@ def row_invariant(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
-           dequantize: bool = False) -> torch.Tensor:
-    """`F.linear`, for floating or int8 weights, with a single row on a row-invariant tensor computed
-    as one of two rows.
+           prefill: bool = False) -> torch.Tensor:
+    """`F.linear`, for floating or int8 weights; on a row-invariant tensor every product gets 2 to
+    `_ROW_BLOCK` rows (a single row is computed as one of two, a larger call in blocks).
 
     x (..., K) -> (..., N). weight (N, K), floating, or int8 with `scale` (N,) in x's dtype
     (`models.quantize`). The second row is the same row again: a two-row product costs what a one-row
     product costs (it is bound by reading the weight) and goes through the kernel larger calls use.
     packed: `weight` prepacked for oneDNN (`models.prepack`), which gives F.linear's bits faster; ignored
     inside a torch.compile graph, which cannot take oneDNN's opaque tensors (inductor picks its own kernel).
-    dequantize: an int8 weight is multiplied as `weight * scale` in x's dtype, made for this call. The int8
-    kernel works on 4 rows at a time, so a prompt's prefill of hundreds of rows costs it ~1.7x the bf16
-    product; the dequantized product costs ~0.6x the kernel's at 512 rows but gives other bits, so only
-    a prompt's prefill asks for it (`TargetModel.forward(prefill=True)`), never a decode or a verify.
+    prefill: the rows are a prompt's (`TargetModel.forward(prefill=True)`), never a decode or a verify,
+    so they need not keep a decode's bits: the product runs in one call, and an int8 weight is multiplied
+    as `weight * scale` in x's dtype, made for this call. The int8 kernel works on 4 rows at a time, so a
+    prefill of hundreds of rows costs it ~1.7x the bf16 product; the dequantized product costs ~0.6x the
+    kernel's at 512 rows but gives other bits.
     """
-    if dequantize and scale is not None:
+    if prefill and scale is not None:
         return F.linear(x, weight.to(x.dtype) * scale[:, None], bias)
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
-    padded = rows == 1 and row_invariant(x)
+    block = _ROW_BLOCK if row_invariant(x) and not prefill else max(rows, 1)
+    parts = [_product(flat[start : start + block], weight, bias, scale, packed) for start in range(0, rows, block)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
+             packed: torch.Tensor | None) -> torch.Tensor:
+    """One product of `linear`: flat (M, K) -> (M, N), a single row on a row-invariant tensor computed as
+    the first of two."""
+    padded = flat.shape[0] == 1 and row_invariant(flat)
     if padded:
         flat = flat.expand(2, -1)
     if packed is not None and not torch.compiler.is_compiling():
@@ -78,7 +108,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)
         out = out if bias is None else out + bias
-    return (out[:1] if padded else out).reshape(*x.shape[:-1], weight.shape[0])
+    return out[:1] if padded else out
 
 
 class Linear(nn.Linear):
@@ -97,8 +127,8 @@ class Linear(nn.Linear):
         self.register_buffer("weight_scale", None, persistent=False)
         self.register_buffer("weight_packed", None, persistent=False)
 
-    def forward(self, x: torch.Tensor, dequantize: bool = False) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale, self.weight_packed, dequantize)
+    def forward(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.weight_scale, self.weight_packed, prefill)
 
 
 class RMSNorm(nn.Module):
@@ -156,13 +186,13 @@ class SwiGLU(nn.Module):
         self.register_buffer("gate_up_scale", None, persistent=False)  # (2I,) once quantized to int8
         self.register_buffer("gate_up_packed", None, persistent=False)  # prepacked for oneDNN (models.prepack)
 
-    def forward(self, x: torch.Tensor, dequantize: bool = False) -> torch.Tensor:
-        """dequantize: as in `linear` (a prompt's prefill on an int8 target)."""
+    def forward(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        """prefill: as in `linear` (the rows are a prompt's)."""
         if self.gate_up_weight is not None:
             gate, up = linear(x, self.gate_up_weight, scale=self.gate_up_scale, packed=self.gate_up_packed,
-                              dequantize=dequantize).chunk(2, dim=-1)  # (..., I) each
-            return self.down_proj(F.silu(gate) * up, dequantize)
-        return self.down_proj(F.silu(self.gate_proj(x, dequantize)) * self.up_proj(x, dequantize), dequantize)
+                              prefill=prefill).chunk(2, dim=-1)  # (..., I) each
+            return self.down_proj(F.silu(gate) * up, prefill)
+        return self.down_proj(F.silu(self.gate_proj(x, prefill)) * self.up_proj(x, prefill), prefill)
 
 
 class QKVProjection(nn.Module):
@@ -195,20 +225,20 @@ class QKVProjection(nn.Module):
         self.register_buffer("qkv_scale", None, persistent=False)  # ((Hq + 2 Hkv) D,) once quantized to int8
         self.register_buffer("qkv_packed", None, persistent=False)  # prepacked for oneDNN (models.prepack)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dequantize: bool = False
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prefill: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, H) -> q (B, T, Hq, D), k and v (B, T, Hkv, D); q and k rotated. dequantize: as in `linear`."""
+        """x (B, T, H) -> q (B, T, Hq, D), k and v (B, T, Hkv, D); q and k rotated. prefill: as in `linear`."""
         b, t, _ = x.shape
         if self.qkv_weight is not None:
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale, self.qkv_packed, dequantize)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale, self.qkv_packed, prefill)
             if self.q_norm is None:  # q and k are adjacent heads of one tensor: rotate them in one pass
                 qk = apply_rope(qkv[..., : q_width + kv_width].view(b, t, -1, self.head_dim), cos, sin)
                 q, k = qk.split((self.num_heads, self.num_kv_heads), dim=2)
                 return q, k, qkv[..., q_width + kv_width :].view(b, t, self.num_kv_heads, self.head_dim)
             q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
         else:
-            q, k, v = self.q_proj(x, dequantize), self.k_proj(x, dequantize), self.v_proj(x, dequantize)
+            q, k, v = self.q_proj(x, prefill), self.k_proj(x, prefill), self.v_proj(x, prefill)
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
@@ -217,14 +247,16 @@ class QKVProjection(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           prefill: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with GQA.
 
     q (B, T, Hq, D); k, v (B, S, Hkv, D); mask (B, 1, T, S) bool, True = may attend, or None for
     full attention. Returns (B, T, Hq * D). Row-invariant tensors take `_attend_row_invariant`.
+    prefill: as in `linear` (the rows are a prompt's): a query block's rows share one product.
     """
     if row_invariant(q):
-        return _attend_row_invariant(q, k, v, mask)
+        return _attend_row_invariant(q, k, v, mask, prefill)
     b, t, hq, d = q.shape
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
@@ -234,10 +266,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def _attend_row_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          mask: torch.Tensor | None) -> torch.Tensor:
+                          mask: torch.Tensor | None, prefill: bool = False) -> torch.Tensor:
     """`attend` computed so that a query row's output does not depend on the other rows of the call.
 
-    The G = Hq / Hkv query heads that share a KV head become G * T rows of one product per KV head.
+    The G = Hq / Hkv query heads that share a KV head become G * T rows, multiplied per KV head in
+    products of at most `_ROW_BLOCK` rows (a prompt's prefill: all in one).
     Scores are a bf16 product over D (as the eager attention of reference implementations computes
     them) scaled and softmaxed in fp32; the weighted sum of values is accumulated in fp32 over chunks
     of `_VALUE_CHUNK` keys. Keys a row may not see get weight exactly 0, so a verify row, whose call
@@ -247,39 +280,58 @@ def _attend_row_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     keys up to the last one any of its rows sees: the keys it drops all have weight 0 for every row.
     """
     t = q.shape[1]
+    row_block = q.shape[1] * q.shape[2] if prefill else _ROW_BLOCK
     if mask is None or t <= _QUERY_BLOCK:
-        return _attend_rows(q, k, v, mask)
+        return _attend_rows(q, k, v, mask, row_block)
     blocks = []
     for start in range(0, t, _QUERY_BLOCK):
         block_mask = mask[:, :, start : start + _QUERY_BLOCK]  # (B, 1, Tb, S)
         seen = block_mask.flatten(0, 2).any(0).nonzero()  # (visible keys, 1)
         keys = int(seen[-1]) + 1 if seen.numel() else 1
         blocks.append(_attend_rows(q[:, start : start + _QUERY_BLOCK], k[:, :keys], v[:, :keys],
-                                   block_mask[..., :keys]))
+                                   block_mask[..., :keys], row_block))
     return torch.cat(blocks, dim=1)
 
 
-def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """`_attend_row_invariant` in one call: every row against all S keys (shapes as in `attend`)."""
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 row_block: int = _ROW_BLOCK) -> torch.Tensor:
+    """`_attend_row_invariant` in one call: every row against all S keys (shapes as in `attend`), the
+    T G query rows of a KV head in products of at most `row_block` rows."""
     b, t, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     rows = q.view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)  # (B, Hkv, T G, D)
-    if t * g == 1:  # one row: compute it as one of two (see `linear`)
-        rows = rows.expand(b, hkv, 2, d)
-    scores = torch.matmul(rows, k.permute(0, 2, 3, 1))  # (B, Hkv, rows, S)
+    visible = None
     if mask is not None:
         visible = mask[:, :, :, None, :].expand(b, 1, t, g, s).reshape(b, 1, t * g, s)
-        scores = scores.masked_fill(~visible, float("-inf"))
-    weights = torch.softmax(scores.float() * d**-0.5, dim=-1).to(q.dtype)
+    keys = k.permute(0, 2, 3, 1)  # (B, Hkv, D, S)
     values = v.permute(0, 2, 1, 3)  # (B, Hkv, S, D)
     pad = -s % _KEY_MULTIPLE if _pads_keys() else 0
     if pad:  # zero-weight keys up to a multiple of _KEY_MULTIPLE (see there)
-        weights, values = F.pad(weights, (0, pad)), F.pad(values, (0, 0, 0, pad))
-        s += pad
+        values = F.pad(values, (0, 0, 0, pad))
+    blocks = [_attend_block(rows[:, :, start : start + row_block], keys, values,
+                            None if visible is None else visible[:, :, start : start + row_block])
+              for start in range(0, t * g, row_block)]
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # (B, Hkv, T G, D)
+    return out.view(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, hq * d)
+
+
+def _attend_block(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """Up to `_ROW_BLOCK` query rows (B, Hkv, R, D) against keys (B, Hkv, D, S) and values (B, Hkv, S', D),
+    S' >= S padded with zero-weight keys; visible (B, 1, R, S) or None. Returns (B, Hkv, R, D)."""
+    r, s, d = rows.shape[2], keys.shape[3], rows.shape[3]
+    if r == 1:  # one row: compute it as one of two (see `linear`)
+        rows = rows.expand(-1, -1, 2, -1)
+    scores = torch.matmul(rows, keys)  # (B, Hkv, rows, S)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    weights = torch.softmax(scores.float() * d**-0.5, dim=-1).to(rows.dtype)
+    padded_keys = values.shape[2]
+    if padded_keys > s:
+        weights = F.pad(weights, (0, padded_keys - s))
     out = torch.matmul(weights[..., :_VALUE_CHUNK], values[:, :, :_VALUE_CHUNK]).float()
-    for start in range(_VALUE_CHUNK, s, _VALUE_CHUNK):
+    for start in range(_VALUE_CHUNK, padded_keys, _VALUE_CHUNK):
         end = start + _VALUE_CHUNK
         out = out + torch.matmul(weights[..., start:end], values[:, :, start:end]).float()
-    out = out[:, :, : t * g].to(q.dtype)  # (B, Hkv, T G, D)
-    return out.view(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, hq * d)
+    return out[:, :, :r].to(rows.dtype)

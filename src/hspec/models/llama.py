@@ -44,16 +44,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
                 layer_index: int, write_slots: torch.Tensor, table: SlotTable,
-                mask: torch.Tensor | None, dequantize: bool = False) -> torch.Tensor:
+                mask: torch.Tensor | None, prefill: bool = False) -> torch.Tensor:
         """`table` has a row per sequence (B), or a row per new token (B T) for a tree, each token then
         attending as a sequence of its own (`_tree_table`)."""
         b, t = x.shape[:2]
-        q, k, v = self.qkv(x, cos, sin, dequantize)  # (B, T, Hq, D), (B, T, Hkv, D) x2
+        q, k, v = self.qkv(x, cos, sin, prefill)  # (B, T, Hq, D), (B, T, Hkv, D) x2
         pool.write(layer_index, write_slots, k, v)  # new tokens first, so they see themselves
         keys, values = pool.gather(layer_index, table)  # (rows, S, Hkv, D)
         rows = table.slots.shape[0]
-        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, mask)  # (rows, T', Hq D)
-        return self.o_proj(out.reshape(b, t, -1), dequantize)
+        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, mask, prefill)  # (rows, T', Hq D)
+        return self.o_proj(out.reshape(b, t, -1), prefill)
 
 
 class DecoderLayer(nn.Module):
@@ -66,10 +66,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
                 layer_index: int, write_slots: torch.Tensor, table: SlotTable,
-                mask: torch.Tensor | None, dequantize: bool = False) -> torch.Tensor:
+                mask: torch.Tensor | None, prefill: bool = False) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, layer_index, write_slots, table, mask,
-                               dequantize)
-        return x + self.mlp(self.post_attention_layernorm(x), dequantize)
+                               prefill)
+        return x + self.mlp(self.post_attention_layernorm(x), prefill)
 
 
 class TargetModel(nn.Module):
