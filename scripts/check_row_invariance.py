@@ -23,8 +23,12 @@ from tqdm import tqdm
 
 from hspec.cache.paged_pool import blocks_for
 from hspec.data.tasks import load_task
+from hspec.models.dtype import cpu_flags
 from hspec.models.loading import load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
+
+# /proc/cpuinfo flags that decide which matrix kernels oneDNN picks (recorded with the result).
+_MATRIX_FLAGS = ("amx", "avx512_bf16", "avx512_vnni", "avx_vnni")
 
 
 def check(model, prompt: list[int], tokens: int, widths: list[int]) -> dict[int, dict[str, int]]:
@@ -79,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
                         totals[width][key] += value
             results[dtype] = totals
     command = "python scripts/check_row_invariance.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    matrix_flags = sorted(flag for flag in cpu_flags() if flag.startswith(_MATRIX_FLAGS))
     meta = provenance(command.strip(), {"target": "SmolLM2-135M-Instruct", "dtypes": args.dtypes,
                                         "items": [i.id for i in items], "tokens": args.tokens, "widths": widths,
                                         "threads": args.threads,
-                                        "cpu_capability": torch.backends.cpu.get_cpu_capability()})
+                                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                                        "cpu_matrix_flags": matrix_flags})
     lines = ["# Verify rows against their 1-token decode, bit for bit", "", provenance_markdown(meta), "",
              "| dtype | T | rows | logits differ | argmax differs |", "|---|---|---|---|---|"]
     for dtype, totals in results.items():
