@@ -111,6 +111,18 @@ def test_attend_keeps_a_rows_bits_behind_zero_weight_keys_at_every_length():
     assert not differing, f"key counts whose row changed behind masked keys: {differing}"
 
 
+@pytest.mark.parametrize("capability,flags,pads", [
+    ("AVX2", {"avx2"}, True),  # torch's own bf16 product: 7 of 8,192 cases parted unpadded
+    ("AVX512", {"avx512f", "avx512_bf16"}, False),  # the AMD EPYC host: every row kept its bits unpadded
+    ("AVX512", {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, True),  # oneDNN on AMX tiles: 5 of 399 parted
+    ("DEFAULT", set(), True),  # a CPU nothing was measured on
+])
+def test_the_value_sum_pads_its_keys_on_every_cpu_but_avx512_without_amx(capability, flags, pads):
+    from hspec.models.layers import pads_keys
+
+    assert pads_keys(capability, frozenset(flags)) is pads
+
+
 @pytest.mark.parametrize("context,t", [(0, 300), (37, 129), (200, 520)])
 def test_a_long_prefill_gives_every_row_the_bits_it_gets_in_one_block(context, t):
     """A call of more than `_QUERY_BLOCK` tokens runs block by block against only the keys each block

@@ -54,12 +54,17 @@ _KEY_MULTIPLE = 32
 _ROW_BLOCK = 32
 
 
+def pads_keys(capability: str, flags: frozenset[str]) -> bool:
+    """Whether the value sum pads its keys to `_KEY_MULTIPLE` on a CPU whose torch kernels are `capability`
+    (`torch.backends.cpu.get_cpu_capability()`) and whose /proc/cpuinfo says `flags`: everywhere but on
+    AVX-512 CPUs without AMX, the one kind of CPU measured to keep a row's bits unpadded."""
+    return not capability.startswith("AVX512") or any(flag.startswith("amx") for flag in flags)
+
+
 @functools.cache
 def _pads_keys() -> bool:
-    """Whether the value sum pads its keys to `_KEY_MULTIPLE`: everywhere but on AVX-512 CPUs without AMX,
-    the one kind of CPU measured to keep a row's bits unpadded (a property of the hardware, read once)."""
-    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    return not avx512 or any(flag.startswith("amx") for flag in cpu_flags())
+    """`pads_keys` for this machine (a property of the hardware, read once)."""
+    return pads_keys(torch.backends.cpu.get_cpu_capability(), cpu_flags())
 
 
 def row_invariant(x: torch.Tensor) -> bool:
