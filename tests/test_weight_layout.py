@@ -159,8 +159,13 @@ def test_fusing_trainable_weights_is_refused():
         fuse_projections(SwiGLU(8, 16))
 
 
-def test_decode_bench_counts_argmax_flips(tiny_target):
+def test_decode_bench_counts_argmax_flips(tiny_target, tiny_dirs):
+    from conftest import load_tiny
     from hspec.bench.decode import argmax_flips
 
-    flips = argmax_flips(tiny_target.model, [list(range(3, 20)), list(range(5, 9))], num_tokens=20)
+    prompts = [list(range(3, 20)), list(range(5, 9))]
+    flips = argmax_flips(tiny_target.model, prompts, num_tokens=20)
     assert flips["positions"] == 2 * 19 and 0 <= flips["differ"] <= 3  # fp32: near-ties only, if any
+    assert flips["differ"] <= flips["logits_differ"] <= flips["positions"]
+    bf16 = argmax_flips(load_tiny(tiny_dirs["llama"], dtype="bfloat16").model, prompts, num_tokens=20)
+    assert bf16 == {"positions": 38, "differ": 0, "logits_differ": 0}  # the row-invariant kernels

@@ -166,9 +166,10 @@ def render_markdown(payload: dict) -> str:
         for k, s in per_k.items():
             md.append(f"| {name} | {k} | {int(k) + 1} | {s['min']:.2f} | {s['median']:.2f} | {s['max']:.2f} |")
     md += ["\n## Greedy choice of an 8-token forward vs 1-token decoding at the same positions\n",
-           "| dtype | positions | argmax differs | rate |", "|---|---|---|---|"]
+           "| dtype | positions | argmax differs | rate | logits differ in any bit |", "|---|---|---|---|---|"]
     for name, f in payload["argmax_flips_8_token_vs_1_token"].items():
-        md.append(f"| {name} | {f['positions']} | {f['differ']} | {f['differ'] / max(f['positions'], 1):.4f} |")
+        md.append(f"| {name} | {f['positions']} | {f['differ']} | {f['differ'] / max(f['positions'], 1):.4f} | "
+                  f"{f.get('logits_differ', '–')} |")
     prefill = payload.get("prefill_ms", {})
     lengths = list(next(iter(prefill.values()), {}))
     if lengths:
@@ -351,23 +352,27 @@ def verify_costs(model: TargetModel, prompt: list[int], rounds: int) -> dict[int
 
 def argmax_flips(model: TargetModel, prompts: list[list[int]], num_tokens: int, block: int = 8) -> dict[str, int]:
     """Decode `num_tokens` greedily one token at a time after each prompt, then run the same tokens again
-    in `block`-token forwards (as a verify would) and count positions whose argmax differs."""
-    positions = differ = 0
+    in `block`-token forwards (as a verify would) and count positions whose argmax differs (`differ`) and
+    whose logits differ from the decode's in any bit (`logits_differ`: a row-invariant runtime has none;
+    a differing row is a tie waiting to flip, `scripts/check_row_invariance.py` counts them per width)."""
+    positions = differ = logits_differ = 0
     for prompt in prompts:
         pool = model.new_pool(num_blocks=blocks_for(len(prompt) + num_tokens + block, 16))
         pool.add_sequence(0)
         logits = model(torch.tensor([prompt]), pool, [0], last_logits_only=True, prefill=True).logits  # (1, 1, V)
-        tokens = [int(logits[0, -1].argmax())]
+        tokens, decoded = [int(logits[0, -1].argmax())], []
         for _ in range(num_tokens - 1):
-            tokens.append(int(model(torch.tensor([tokens[-1:]]), pool, [0]).logits[0, -1].argmax()))
+            decoded.append(model(torch.tensor([tokens[-1:]]), pool, [0]).logits[0, -1])  # (V,)
+            tokens.append(int(decoded[-1].argmax()))
         pool.truncate(0, len(prompt))
         for start in range(0, num_tokens - 1, block):
             chunk = tokens[start : start + block]
-            chosen = model(torch.tensor([chunk]), pool, [0]).logits[0].argmax(-1).tolist()
-            expected = tokens[start + 1 : start + 1 + len(chunk)]
-            positions += len(expected)
-            differ += sum(a != b for a, b in zip(chosen, expected))
-    return {"positions": positions, "differ": differ}
+            rows = model(torch.tensor([chunk]), pool, [0]).logits[0]  # (len(chunk), V)
+            for row, expected in zip(rows, decoded[start : start + len(chunk)]):
+                positions += 1
+                differ += int(row.argmax()) != int(expected.argmax())
+                logits_differ += not torch.equal(row, expected)
+    return {"positions": positions, "differ": differ, "logits_differ": logits_differ}
 
 
 def prefilled_pool(model: TargetModel, prompt: list[int]):
