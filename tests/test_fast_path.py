@@ -31,6 +31,17 @@ def test_linear_computes_a_row_the_same_alone_or_among_others(out_features, in_f
         assert torch.equal(linear(x[:, :rows], weight, scale=scale), together[:, :rows])
 
 
+def test_a_product_autograd_records_runs_in_one_call():
+    """Training (a drafter's step under bf16 autocast) needs no row invariance: its products are F.linear's
+    in one call, however many rows (blocks of 32 would cost a training step time for nothing)."""
+    torch.manual_seed(1)
+    weight = (torch.randn(576, 1536) * 0.05).to(torch.bfloat16).requires_grad_()  # SmolLM2's down_proj
+    x = torch.randn(100, 1536).to(torch.bfloat16)
+    assert torch.equal(linear(x, weight), torch.nn.functional.linear(x, weight))
+    with torch.no_grad():  # inference: blocks of at most 32 rows, each row with the bits it has alone
+        assert torch.equal(linear(x, weight), torch.cat([linear(x[i : i + 1], weight) for i in range(100)]))
+
+
 @pytest.mark.skipif(not __import__("hspec.models.prepack").models.prepack.prepack_available(),
                     reason="this torch has no oneDNN packed linear")
 @pytest.mark.parametrize("out_features,in_features", [(3072, 576), (960, 576), (576, 1536), (40, 48)])

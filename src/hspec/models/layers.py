@@ -87,13 +87,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     so they need not keep a decode's bits: the product runs in one call, and an int8 weight is multiplied
     as `weight * scale` in x's dtype, made for this call. The int8 kernel works on 4 rows at a time, so a
     prefill of hundreds of rows costs it ~1.7x the bf16 product; the dequantized product costs ~0.6x the
-    kernel's at 512 rows but gives other bits.
+    kernel's at 512 rows but gives other bits. A product autograd records (a drafter's training step under
+    bf16 autocast) needs no row invariance either and also runs in one call.
     """
     if prefill and scale is not None:
         return F.linear(x, weight.to(x.dtype) * scale[:, None], bias)
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
-    block = _ROW_BLOCK if row_invariant(x) and not prefill else max(rows, 1)
+    trained = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # a drafter's training step
+    block = _ROW_BLOCK if row_invariant(x) and not (prefill or trained) else max(rows, 1)
     parts = [_product(flat[start : start + block], weight, bias, scale, packed) for start in range(0, rows, block)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(*x.shape[:-1], weight.shape[0])
