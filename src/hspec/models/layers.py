@@ -43,13 +43,12 @@ _QUERY_BLOCK = 128
 # bits. On an AMX CPU (Sapphire Rapids, where oneDNN's bf16 product runs on AMX tiles, 32 bf16 values
 # deep) 5 of 399 key counts did, and greedy n-gram speculation changed a Spec-Bench output; padded to 16,
 # 3 verify rows of 3,192 still did; padded to 32, none (docs/fast-path.md). 32 is a multiple of 16, so
-# it serves the AVX2 CPUs too.
-# AVX-512 CPUs without AMX gave the same bits either way, and the padding's copies cost ~26 us a layer
+# it serves the AVX2 CPUs too. AVX-512 CPUs without AMX gave the same bits either way, and the padding's copies cost ~26 us a layer
 # (~0.8 ms a decoded token at context 300), so only those skip it (`_pads_keys`).
 _KEY_MULTIPLE = 32
 # Most rows one product of a decode or a verify takes. oneDNN's bf16 product gave each row the same bits
-# in calls of 2 to 32 rows; on an AMX CPU a call of 33 or more rows runs another kernel, and 6-57 of 64
-# rows of SmolLM2's products came out otherwise (and 132 of 2,928 verify rows of a 16-token attention).
+# in calls of 2 to 32 rows; on an AMX CPU a call of 33 or more rows runs another kernel, and 1-57 of 64
+# rows of SmolLM2's products came out otherwise (and 132 of 5,872 verify rows of a 16-token attention).
 # So a larger call (a batch of sequences, a long verify, a recompute after preemption) runs in blocks.
 _ROW_BLOCK = 32
 
