@@ -43,8 +43,8 @@ _QUERY_BLOCK = 128
 # bits. On an AMX CPU (Sapphire Rapids, where oneDNN's bf16 product runs on AMX tiles, 32 bf16 values
 # deep) 5 of 399 key counts did, and greedy n-gram speculation changed a Spec-Bench output; padded to 16,
 # 3 verify rows of 3,192 still did; padded to 32, none (docs/fast-path.md). 32 is a multiple of 16, so
-# it serves the AVX2 CPUs too. AVX-512 CPUs without AMX gave the same bits either way, and the padding's copies cost ~26 us a layer
-# (~0.8 ms a decoded token at context 300), so only those skip it (`_pads_keys`).
+# it serves the AVX2 CPUs too. AVX-512 CPUs without AMX gave the same bits either way, and the padding's
+# copies cost ~26 us a layer (~0.8 ms a decoded token at context 300), so only those skip it (`_pads_keys`).
 _KEY_MULTIPLE = 32
 # Most rows one product of a decode or a verify takes. oneDNN's bf16 product gave each row the same bits
 # in calls of 2 to 32 rows; on an AMX CPU a call of 33 or more rows runs another kernel, and 1-57 of 64
