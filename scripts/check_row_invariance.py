@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.bench.decode import row_differences
 from hspec.data.tasks import load_task
 from hspec.models.dtype import cpu_flags
 from hspec.models.loading import load_target
@@ -29,32 +29,6 @@ from hspec.provenance import provenance, provenance_markdown, write_results
 
 # /proc/cpuinfo flags that decide which matrix kernels oneDNN picks (recorded with the result).
 _MATRIX_FLAGS = ("amx", "avx512_bf16", "avx512_vnni", "avx_vnni")
-
-
-def check(model, prompt: list[int], tokens: int, widths: list[int]) -> dict[int, dict[str, int]]:
-    """Decode `tokens` greedily after `prompt`, then run T of them at a time from every start position;
-    per T: rows compared, rows whose logits differ from the decode's in any bit, and whose argmax does."""
-    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + tokens + max(widths), 16))
-    pool.add_sequence(0)
-    logits = model(torch.tensor([prompt]), pool, [0], last_logits_only=True, prefill=True).logits  # (1, 1, V)
-    ids, decoded = [int(logits[0, -1].argmax())], []
-    for _ in range(tokens - 1):
-        row = model(torch.tensor([ids[-1:]]), pool, [0]).logits[0, -1]  # (V,)
-        decoded.append(row.clone())
-        ids.append(int(row.argmax()))
-    counts = {}
-    for width in widths:
-        rows = differ = flips = 0
-        for start in range(tokens - width):
-            pool.truncate(0, len(prompt) + start)
-            block = model(torch.tensor([ids[start : start + width]]), pool, [0]).logits[0]  # (T, V)
-            for j in range(width):
-                rows += 1
-                if not torch.equal(block[j], decoded[start + j]):
-                    differ += 1
-                    flips += int(block[j].argmax()) != int(decoded[start + j].argmax())
-        counts[width] = {"rows": rows, "differ": differ, "argmax_differ": flips}
-    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             totals = {w: {"rows": 0, "differ": 0, "argmax_differ": 0} for w in widths}
             for item in tqdm(items, desc=dtype, unit="item"):
                 prompt = target.tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}])
-                for width, c in check(target.model, prompt, args.tokens, widths).items():
-                    for key, value in c.items():
-                        totals[width][key] += value
+                per_width = row_differences(target.model, prompt, args.tokens, widths, every_start=True)
+                for width, c in per_width.items():  # this file's names for the bench's counts
+                    totals[width]["rows"] += c["positions"]
+                    totals[width]["differ"] += c["logits_differ"]
+                    totals[width]["argmax_differ"] += c["differ"]
             results[dtype] = totals
     command = "python scripts/check_row_invariance.py " + " ".join(sys.argv[1:] if argv is None else argv)
     matrix_flags = sorted(flag for flag in cpu_flags() if flag.startswith(_MATRIX_FLAGS))

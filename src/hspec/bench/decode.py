@@ -351,28 +351,39 @@ def verify_costs(model: TargetModel, prompt: list[int], rounds: int) -> dict[int
 
 
 def argmax_flips(model: TargetModel, prompts: list[list[int]], num_tokens: int, block: int = 8) -> dict[str, int]:
-    """Decode `num_tokens` greedily one token at a time after each prompt, then run the same tokens again
-    in `block`-token forwards (as a verify would) and count positions whose argmax differs (`differ`) and
-    whose logits differ from the decode's in any bit (`logits_differ`: a row-invariant runtime has none;
-    a differing row is a tie waiting to flip, `scripts/check_row_invariance.py` counts them per width)."""
-    positions = differ = logits_differ = 0
+    """`row_differences` of `block`-token forwards in consecutive blocks, summed over `prompts`."""
+    total = {"positions": 0, "differ": 0, "logits_differ": 0}
     for prompt in prompts:
-        pool = model.new_pool(num_blocks=blocks_for(len(prompt) + num_tokens + block, 16))
-        pool.add_sequence(0)
-        logits = model(torch.tensor([prompt]), pool, [0], last_logits_only=True, prefill=True).logits  # (1, 1, V)
-        tokens, decoded = [int(logits[0, -1].argmax())], []
-        for _ in range(num_tokens - 1):
-            decoded.append(model(torch.tensor([tokens[-1:]]), pool, [0]).logits[0, -1])  # (V,)
-            tokens.append(int(decoded[-1].argmax()))
-        pool.truncate(0, len(prompt))
-        for start in range(0, num_tokens - 1, block):
-            chunk = tokens[start : start + block]
-            rows = model(torch.tensor([chunk]), pool, [0]).logits[0]  # (len(chunk), V)
-            for row, expected in zip(rows, decoded[start : start + len(chunk)]):
-                positions += 1
-                differ += int(row.argmax()) != int(expected.argmax())
-                logits_differ += not torch.equal(row, expected)
-    return {"positions": positions, "differ": differ, "logits_differ": logits_differ}
+        for key, value in row_differences(model, prompt, num_tokens, (block,))[block].items():
+            total[key] += value
+    return total
+
+
+def row_differences(model: TargetModel, prompt: list[int], num_tokens: int, widths: Sequence[int],
+                    every_start: bool = False) -> dict[int, dict[str, int]]:
+    """Decode `num_tokens` greedily one token at a time after `prompt`, then run the same tokens again in
+    T-token forwards (as a verify would) for each T in `widths`: in consecutive blocks, or from every start
+    position whose block the decode covers (`every_start`). Per T: positions compared, those whose argmax
+    differs (`differ`) and whose logits differ from the decode's in any bit (`logits_differ`: a row-invariant
+    runtime has none; a differing row is a tie waiting to flip)."""
+    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + num_tokens + max(widths), 16))
+    pool.add_sequence(0)
+    logits = model(torch.tensor([prompt]), pool, [0], last_logits_only=True, prefill=True).logits  # (1, 1, V)
+    tokens, decoded = [int(logits[0, -1].argmax())], []
+    for _ in range(num_tokens - 1):
+        decoded.append(model(torch.tensor([tokens[-1:]]), pool, [0]).logits[0, -1])  # (V,)
+        tokens.append(int(decoded[-1].argmax()))
+    counts = {}
+    for width in widths:
+        c = counts[width] = {"positions": 0, "differ": 0, "logits_differ": 0}
+        for start in range(num_tokens - width) if every_start else range(0, num_tokens - 1, width):
+            pool.truncate(0, len(prompt) + start)
+            rows = model(torch.tensor([tokens[start : start + width]]), pool, [0]).logits[0]  # (T, V)
+            for row, expected in zip(rows, decoded[start : start + width]):
+                c["positions"] += 1
+                c["differ"] += int(row.argmax()) != int(expected.argmax())
+                c["logits_differ"] += not torch.equal(row, expected)
+    return counts
 
 
 def prefilled_pool(model: TargetModel, prompt: list[int]):
