@@ -1,13 +1,13 @@
 """Does this CPU give every verify row the bits of its 1-token decode? (docs/fast-path.md)
 
-Greedy speculative decoding in bf16 or int8 is lossless only if the target computes a token's logits to
+Greedy speculative decoding in bf16, int8 or int4 is lossless only if the target computes a token's logits to
 the same bits alone (a decode) and as one row of a (K+1)-token verify. That is a property of the kernels
 torch and oneDNN pick on a given CPU (an AMX Xeon picks others than an AMD EPYC), so run this on a new
 kind of machine before trusting `--dtype auto`: it decodes Spec-Bench answers one token at a time, then
 recomputes the same tokens in T-token forwards starting at every position, and counts the rows whose
 logits differ in any bit, and among them those whose argmax differs (a greedy output would change).
 
-    .venv/bin/python scripts/check_row_invariance.py [--dtypes bfloat16,int8] [--items 2] [--tokens 96]
+    .venv/bin/python scripts/check_row_invariance.py [--dtypes bfloat16,int8,int4] [--items 2] [--tokens 96]
 
 Writes results/row_invariance/row_invariance.{json,md}, named after no host: rerun it on each machine.
 """
@@ -33,7 +33,8 @@ _MATRIX_FLAGS = ("amx", "avx512_bf16", "avx512_vnni", "avx_vnni")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", default="bfloat16,int8", help="comma-separated: bfloat16, int8 (default both)")
+    parser.add_argument("--dtypes", default="bfloat16,int8,int4",
+                        help="comma-separated: bfloat16, int8, int4 (default all three)")
     parser.add_argument("--items", type=int, default=2, help="Spec-Bench items, evenly spaced (default 2)")
     parser.add_argument("--tokens", type=int, default=96, help="greedy tokens decoded per item (default 96)")
     parser.add_argument("--widths", default="2,4,8,16", help="verify widths T (default 2,4,8,16)")

@@ -12,7 +12,7 @@ from hspec.models.dtype import (
     cpu_has_native_bf16,
     drafter_int8,
     dtype_name,
-    int8_weights,
+    quantized_weights,
     resolve_dtype,
     slow_dtype_note,
 )
@@ -33,10 +33,13 @@ def test_named_dtypes_and_errors():
     assert resolve_dtype("float32") == resolve_dtype("fp32") == torch.float32
     assert resolve_dtype("bfloat16", flags=AVX2_ONLY) == torch.bfloat16  # asked for: honoured, even if slower
     assert resolve_dtype(torch.bfloat16) == torch.bfloat16
-    assert dtype_name(torch.bfloat16) == "bfloat16" and set(DTYPE_CHOICES) == {"auto", "float32", "bfloat16", "int8"}
-    assert resolve_dtype("int8") == torch.bfloat16 and int8_weights("int8") and not int8_weights("bfloat16")
-    with pytest.raises(ValueError, match=r"'int4'.*auto, float32, bfloat16, int8"):
-        resolve_dtype("int4")
+    assert dtype_name(torch.bfloat16) == "bfloat16"
+    assert set(DTYPE_CHOICES) == {"auto", "float32", "bfloat16", "int8", "int4"}
+    for quantized in ("int8", "int4"):  # weight-only: the activations are bf16
+        assert resolve_dtype(quantized) == torch.bfloat16 and quantized_weights(quantized)
+    assert not quantized_weights("bfloat16") and not quantized_weights(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'int2'.*auto, float32, bfloat16, int8, int4"):
+        resolve_dtype("int2")
     with pytest.raises(ValueError, match="int64"):
         resolve_dtype(torch.int64)
 
@@ -47,7 +50,7 @@ def test_asking_for_bf16_where_it_is_emulated_says_so_and_names_the_faster_choic
     assert slow_dtype_note(torch.bfloat16, "cpu", flags=AVX2_ONLY) == note
     assert slow_dtype_note("bfloat16", "cpu", flags=SAPPHIRE_RAPIDS) is None
     assert slow_dtype_note("bfloat16", "cuda", flags=AVX2_ONLY) is None
-    for fine in ("auto", "float32", "int8", torch.float32):
+    for fine in ("auto", "float32", "int8", "int4", torch.float32):
         assert slow_dtype_note(fine, "cpu", flags=AVX2_ONLY) is None
 
 
@@ -93,8 +96,8 @@ def test_load_target_takes_a_dtype_name(monkeypatch, tiny_dirs):
         loading.load_target("tiny", dtype="float16x")
 
 
-def test_drafter_precision_auto_is_int8_under_a_bf16_or_int8_target_on_a_cpu_only():
-    assert drafter_int8("auto", "bfloat16") and drafter_int8("auto", "int8")
+def test_drafter_precision_auto_is_int8_under_a_bf16_int8_or_int4_target_on_a_cpu_only():
+    assert drafter_int8("auto", "bfloat16") and drafter_int8("auto", "int8") and drafter_int8("auto", "int4")
     assert not drafter_int8("auto", "float32")  # the exact reference stays floating
     assert not drafter_int8("auto", "bfloat16", "cuda")
     assert drafter_int8("int8", "float32") and not drafter_int8("floating", "int8")

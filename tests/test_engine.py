@@ -168,19 +168,20 @@ def test_requests_that_can_never_run_are_refused(tiny_target):
         engine.add(Request("ok", (1, 5, 6), 8))
 
 
-@pytest.fixture(scope="module")
-def int8_target(tiny_dirs):
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized_target(tiny_dirs, request):
     from conftest import load_tiny
 
-    return load_tiny(tiny_dirs["llama"], dtype="int8")
+    return load_tiny(tiny_dirs["llama"], dtype=request.param)
 
 
-def test_an_int8_recompute_writes_the_kv_bits_the_sequence_had(int8_target):
-    """An int8 prompt prefill multiplies dequantized weights (other bits than the int8 kernel); a recompute
-    after preemption must prefill only the prompt that way and run the generated tokens as decoding did."""
-    model = int8_target.model
-    stages = DecodeStages(model, create_drafter("none", int8_target.config), 0, ())
-    prompt = int8_target.tokenizer.encode_prompt(TEXTS[5])
+def test_a_quantized_recompute_writes_the_kv_bits_the_sequence_had(quantized_target):
+    """An int8 or int4 prompt prefill multiplies dequantized weights (other bits than the kernel); a
+    recompute after preemption must prefill only the prompt that way and run the generated tokens as
+    decoding did."""
+    model = quantized_target.model
+    stages = DecodeStages(model, create_drafter("none", quantized_target.config), 0, ())
+    prompt = quantized_target.tokenizer.encode_prompt(TEXTS[5])
     pool = model.new_pool(40, 8)
     logits = stages.prefill(pool, 0, prompt)
     generated = [int(logits.argmax())]
@@ -207,11 +208,11 @@ def test_an_int8_recompute_writes_the_kv_bits_the_sequence_had(int8_target):
 
 
 @pytest.mark.parametrize("kind", ["ngram", "hspec"])
-def test_an_int8_engine_under_preemption_equals_the_single_request_loop(int8_target, kind):
-    drafter = _drafter(int8_target, kind)
-    requests = _mixed_requests(int8_target)[:5]
-    expected = {r.request_id: _alone(int8_target, drafter, r) for r in requests}
-    engine = _engine(int8_target, drafter, 10)
+def test_a_quantized_engine_under_preemption_equals_the_single_request_loop(quantized_target, kind):
+    drafter = _drafter(quantized_target, kind)
+    requests = _mixed_requests(quantized_target)[:5]
+    expected = {r.request_id: _alone(quantized_target, drafter, r) for r in requests}
+    engine = _engine(quantized_target, drafter, 10)
     outputs, reasons = _run(engine, requests, join_every=2)
     assert engine.num_preemptions > 0
     for r in requests:

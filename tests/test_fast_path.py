@@ -1,4 +1,5 @@
-"""The fast path's kernels: row invariance of `linear` and `attend` in bf16 and int8, and int8 storage.
+"""The fast path's kernels: row invariance of `linear` and `attend` in bf16, int8 and int4, and the
+int8 and int4 storage.
 
 Greedy speculative decoding is lossless only if a row comes out the same bits whether it is computed
 alone (a 1-token decode) or inside a (K+1)-token verify; these tests check that on random tensors and
@@ -12,23 +13,33 @@ import torch
 
 from hspec.cache.paged_pool import blocks_for
 from hspec.models.layers import attend, linear, row_invariant
-from hspec.models.quantize import quantize_int8, quantize_rows
+from hspec.models.quantize import int4_kernel_fits, quantize_groups, quantize_int4, quantize_int8, quantize_rows
 
 
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (40, 48)])
-@pytest.mark.parametrize("int8", [False, True])
-def test_linear_computes_a_row_the_same_alone_or_among_others(out_features, in_features, int8):
+def _stored(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`weight` as `linear` takes it in `storage` (floating, int8, int4): weight, scale, packed."""
+    if storage == "int8":
+        return (*quantize_rows(weight, torch.bfloat16), None)
+    if storage == "int4":
+        levels, scale = quantize_groups(weight, torch.bfloat16)
+        return levels, scale, torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)
+    return weight, None, None
+
+
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (3072, 576), (40, 48)])
+@pytest.mark.parametrize("storage", ["floating", "int8", "int4"])
+def test_linear_computes_a_row_the_same_alone_or_among_others(out_features, in_features, storage):
     torch.manual_seed(0)
     weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
-    scale = None
-    if int8:
-        weight, scale = quantize_rows(weight, torch.bfloat16)
+    if storage == "int4" and not int4_kernel_fits(weight):
+        pytest.skip("the int4 kernel takes no 48-wide input")
+    weight, scale, packed = _stored(weight, storage)
     x = torch.randn(1, 70, in_features).to(torch.bfloat16)  # more rows than one product takes (_ROW_BLOCK)
-    together = linear(x, weight, scale=scale)  # (1, 70, out)
-    alone = torch.cat([linear(x[:, i : i + 1], weight, scale=scale) for i in range(70)], dim=1)
+    together = linear(x, weight, scale=scale, packed=packed)  # (1, 70, out)
+    alone = torch.cat([linear(x[:, i : i + 1], weight, scale=scale, packed=packed) for i in range(70)], dim=1)
     assert torch.equal(together, alone)
     for rows in (2, 5, 8, 32, 33, 65):
-        assert torch.equal(linear(x[:, :rows], weight, scale=scale), together[:, :rows])
+        assert torch.equal(linear(x[:, :rows], weight, scale=scale, packed=packed), together[:, :rows])
 
 
 def test_a_product_autograd_records_runs_in_one_call():
@@ -190,6 +201,67 @@ def test_quantize_rows_bounds_the_error_by_half_a_step():
     assert int(q[3].abs().max()) == 0
 
 
+def test_quantize_groups_bounds_the_error_by_half_a_step_and_keeps_a_q4_1_checkpoints_levels():
+    torch.manual_seed(5)
+    weight = torch.randn(32, 128) * 0.05
+    weight[3, :32] = 0.25  # a constant group must not divide by zero
+    levels, scale = quantize_groups(weight, torch.float32)
+    assert levels.dtype == torch.uint8 and scale.shape == (4, 32, 2) and int(levels.max()) <= 15
+    step = scale[..., 0].T.repeat_interleave(32, dim=1)  # (N, K) each weight's step
+    from hspec.models.layers import dequantize
+
+    assert bool(((dequantize(levels, scale, torch.float32) - weight).abs() <= step / 2 + 1e-6).all())
+    assert torch.equal(dequantize(levels[3:4, :32], scale[:1, 3:4], torch.float32), weight[3:4, :32])
+    # A Q4_1 block: w = d q + m with q spanning 0..15 and d, m as the checkpoint stores them (fp16).
+    q = torch.randint(0, 16, (32, 128))
+    q[:, ::32], q[:, 1::32] = 0, 15
+    d = (torch.rand(32, 4) * 0.01 + 0.001).half().float()
+    m = (-torch.rand(32, 4) * 0.05).half().float()
+    checkpoint = d.repeat_interleave(32, dim=1) * q + m.repeat_interleave(32, dim=1)
+    for scale_dtype in (torch.float32, torch.bfloat16):  # bf16 rounds the steps, not the levels
+        assert torch.equal(quantize_groups(checkpoint, scale_dtype)[0], q.to(torch.uint8))
+
+
+def test_dequantize_gives_the_int4_kernels_weights_and_a_prefill_multiplies_them():
+    from hspec.models.layers import dequantize
+
+    torch.manual_seed(6)
+    weight, scale, packed = _stored(torch.randn(96, 64) * 0.05, "int4")
+    eye = torch.eye(64, dtype=torch.bfloat16)
+    assert torch.equal(linear(eye, weight, scale=scale, packed=packed).T, dequantize(weight, scale, torch.bfloat16))
+    x = torch.randn(3, 40, 64).bfloat16()
+    wide = linear(x, weight, scale=scale, packed=packed, prefill=True)
+    assert torch.equal(wide, torch.nn.functional.linear(x, dequantize(weight, scale, torch.bfloat16)))
+    kernel = linear(x, weight, scale=scale, packed=packed)
+    assert torch.allclose(wide.float(), kernel.float(), atol=0.05, rtol=0.02)
+    with pytest.raises(ValueError, match="packed"):
+        linear(x, weight, scale=scale)
+
+
+def test_quantize_int4_stores_what_its_kernel_takes_and_leaves_the_rest_to_int8(tiny_dirs):
+    from torch import nn
+
+    from conftest import load_tiny
+    from hspec.models.layers import Linear
+
+    odd = nn.Sequential(Linear(64, 40, bias=False), Linear(48, 64, bias=False), Linear(64, 48, bias=True))
+    odd.to(torch.bfloat16).requires_grad_(False)
+    assert quantize_int4(odd) == 1  # 40 outputs and 48 inputs do not fit
+    quantize_int8(odd)
+    assert [m.weight.dtype for m in odd] == [torch.int8, torch.int8, torch.uint8]
+    assert odd[2](torch.randn(3, 64).bfloat16()).shape == (3, 48)
+
+    model = load_tiny(tiny_dirs["llama"], dtype="int4").model
+    assert model.dtype_name == "int4" and model.lm_head.weight.dtype == torch.int8  # the head stays int8
+    reference = load_tiny(tiny_dirs["llama"], dtype="bfloat16").model
+    assert set(model.state_dict()) == set(reference.state_dict())
+    qkv, mlp = model.layers[0].self_attn.qkv, model.layers[0].mlp
+    assert qkv.qkv_weight.dtype == torch.uint8 and qkv.qkv_packed is not None and mlp.gate_up_packed is not None
+    assert qkv.k_proj.weight.untyped_storage().data_ptr() == qkv.qkv_weight.untyped_storage().data_ptr()
+    assert torch.equal(qkv.k_proj.weight_scale, qkv.qkv_scale[:, qkv.q_proj.weight.shape[0]:][:, :32])
+    assert mlp.down_proj.weight.dtype == torch.uint8
+
+
 def test_quantize_int8_leaves_floating_the_widths_the_kernel_cannot_take():
     from torch import nn
 
@@ -225,7 +297,7 @@ def test_quantize_int8_keeps_names_shares_stacked_rows_and_unties_the_head(tiny_
         quantize_int8(trainable)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
 def test_tiny_target_verify_logits_equal_decode_logits_bit_for_bit(tiny_dirs, dtype):
     from conftest import load_tiny
 
@@ -248,11 +320,12 @@ def test_tiny_target_verify_logits_equal_decode_logits_bit_for_bit(tiny_dirs, dt
             assert all(torch.equal(a, b) for a, b in zip(decoded, verified, strict=True))
 
 
-def test_int8_is_refused_off_the_cpu():
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_weight_only_dtypes_are_refused_off_the_cpu(dtype):
     from hspec.models.loading import load_target
 
-    with pytest.raises(ValueError, match="int8"):
-        load_target("smollm2", dtype="int8", device="meta")
+    with pytest.raises(ValueError, match=f"--dtype {dtype}"):
+        load_target("smollm2", dtype=dtype, device="meta")
 
 
 def test_a_dequantized_int8_product_is_the_bf16_product_of_the_rounded_weight():
@@ -271,7 +344,7 @@ def test_a_dequantized_int8_product_is_the_bf16_product_of_the_rounded_weight():
     assert torch.equal(linear(x, floating, prefill=True), torch.nn.functional.linear(x, floating))  # one call
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
 def test_tiny_target_tree_rows_equal_the_decode_of_their_path_bit_for_bit(tiny_dirs, dtype):
     """A verified tree's node keeps the logits the decode of its path gives, with other branches' keys
     interleaved among its own in the pool: each node attends over its prefix and ancestors in order."""
@@ -302,7 +375,7 @@ def test_tiny_target_tree_rows_equal_the_decode_of_their_path_bit_for_bit(tiny_d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
 def test_smollm2_tree_rows_equal_the_decode_of_their_path_bit_for_bit(dtype):
     """The same on the real target, with 16-node trees (SpecBlock's node budget) of three children per
     level at contexts of 200-260 tokens. Before each node attended over its own keys in path order, a

@@ -75,13 +75,13 @@ def targets_by_dtype(tiny_dirs):
     on it all run in that dtype, and greedy speculative output must equal plain output of the same dtype."""
     from conftest import load_tiny
 
-    return {name: load_tiny(tiny_dirs["llama"], dtype=name) for name in ("float32", "bfloat16", "int8")}
+    return {name: load_tiny(tiny_dirs["llama"], dtype=name) for name in ("float32", "bfloat16", "int8", "int4")}
 
 
-# Every (B, K) in float32; two each in bfloat16 and int8 (bf16 activations), whose matrix products are
-# emulated (and slow) on CPUs without native bf16, so that the default suite stays short there.
+# Every (B, K) in float32; two each in bfloat16, int8 and int4 (bf16 activations), whose matrix products
+# are emulated (and slow) on CPUs without native bf16, so that the default suite stays short there.
 GREEDY_GRID = [("float32", B, K) for B, K in itertools.product([1, 3], [1, 3, 4, 5, 7])] + [
-    ("bfloat16", 1, 7), ("bfloat16", 3, 4), ("int8", 1, 5), ("int8", 3, 7)]
+    ("bfloat16", 1, 7), ("bfloat16", 3, 4), ("int8", 1, 5), ("int8", 3, 7), ("int4", 1, 7), ("int4", 3, 3)]
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
@@ -227,6 +227,27 @@ def test_sampled_output_has_target_distribution(tiny_dirs, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+def test_sampled_output_has_target_distribution_in_each_reduced_precision(tiny_dirs, dtype):
+    """The chi-square test above for H-Spec on the tiny target in bf16, int8 and int4: rejection sampling
+    reads the verify's probabilities in the runtime's dtype, and the samples must follow that runtime's
+    own distribution (enumerated in the same dtype)."""
+    from conftest import assert_samples_follow, build_tiny_checkpoint, load_tiny
+
+    directory = tiny_dirs["llama"].parent / "tiny_vocab8"
+    if not directory.exists():
+        build_tiny_checkpoint(directory, "llama", seed=5, vocab_size=8)
+    target = load_tiny(directory, dtype=dtype)
+    params = SamplingParams(temperature=1.3, top_k=6)
+    prompt = [1, 4, 5, 6, 3]
+    exact = _exact_joint(target, prompt, params, 3)
+    N = 4000
+    decoder = SpeculativeDecoder(target.model, _make("hspec", target), 2, eos_token_ids=())
+    out = decoder.generate([prompt] * N, params, 3, seeds=range(1000, 1000 + N))
+    assert_samples_follow([tuple(s.token_ids) for s in out.sequences], exact)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("B,K", list(itertools.product([1, 3], [1, 4, 7])))
 def test_greedy_equals_plain_on_smollm2(smollm2, B, K):
     prompts = [smollm2.tokenizer.encode_prompt(p) for p in
@@ -255,9 +276,9 @@ def test_shipped_hspec_drafter_is_lossless_on_smollm2(smollm2, kind, B, K):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,B,K,dtype", [("ngram", 3, 7, "bfloat16"), ("hspec+ngram:0.4", 1, 7, "bfloat16"),
-                                            ("hspec", 2, 7, "int8")])
+                                            ("hspec", 2, 7, "int8"), ("hspec+ngram", 2, 7, "int4")])
 def test_reduced_precision_greedy_equals_plain_on_smollm2(kind, B, K, dtype):
-    """The real target in bfloat16 (what --dtype auto picks on AVX512-BF16/AMX CPUs) and in int8: greedy
+    """The real target in bfloat16 (what --dtype auto picks on AVX512-BF16/AMX CPUs), int8 and int4: greedy
     speculative output equals plain greedy output of the same dtype, token for token (the row-invariant
     kernels of models/layers.py)."""
     from hspec.models.loading import load_target

@@ -21,12 +21,14 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 
 def _add_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8"),
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8", "int4"),
                    help="weights, KV pool and drafters: auto (default) = bfloat16 on a GPU or a CPU with native "
                         "bf16 dot products (AVX512-BF16 or AMX), float32 on other CPUs, where bf16 runs slower; "
                         "int8 = the target's linear weights stored as int8 (one scale per row) with bf16 "
-                        "activations, the fastest on a CPU but a slightly different model, so never picked "
-                        "by auto (docs/fast-path.md)")
+                        "activations; int4 = its decoder layers' weights in 4-bit groups of 32 (the default "
+                        "GGUF's own Q4_1 levels) and an int8 LM head, the fastest plain decoding on a CPU. "
+                        "int8 and int4 are slightly different models, so auto never picks them "
+                        "(docs/fast-path.md)")
 
 
 def _add_compile_drafter(p: argparse.ArgumentParser) -> None:
@@ -39,8 +41,8 @@ def _add_compile_drafter(p: argparse.ArgumentParser) -> None:
 
 def _add_drafter_precision(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-precision", default="auto", choices=("auto", "floating", "int8"),
-                   help="how trained drafters store their linear weights: auto (default) = int8 under a bfloat16 "
-                        "or int8 target on a CPU, where drafting is bound by reading the drafter's weights, else "
+                   help="how trained drafters store their linear weights: auto (default) = int8 under a bfloat16, "
+                        "int8 or int4 target on a CPU, where drafting is bound by reading the drafter's weights, else "
                         "the target's floating dtype; floating; int8 (one scale per row, computing in the "
                         "target's dtype). Drafts may change, the output never does (docs/fast-path.md#int8-drafter)")
 
@@ -536,9 +538,9 @@ def _add_bench_decode(bench_sub) -> None:
                                             "time of --prefill-tokens prompts in every runtime. Writes "
                                             "<out>/decode_cpu.{json,md}.")
     _add_target(bdec)
-    bdec.add_argument("--dtypes", default="float32,bfloat16,int8",
-                      help="comma-separated dtypes to time (auto, float32, bfloat16, int8; default "
-                           "float32,bfloat16,int8)")
+    bdec.add_argument("--dtypes", default="float32,bfloat16,int8,int4",
+                      help="comma-separated dtypes to time (auto, float32, bfloat16, int8, int4; default "
+                           "float32,bfloat16,int8,int4)")
     bdec.add_argument("--no-transformers", action="store_true", help="leave out the transformers column")
     bdec.add_argument("--max-prompt-tokens", type=int, default=128,
                       help="keep each decoded prompt's first N tokens (its prefill is not timed; default 128)")
@@ -674,9 +676,9 @@ def _add_bench_vllm(bench_sub) -> None:
                          "trained draft length)")
     bv.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
     bv.add_argument("--no-hspec-engine", action="store_true", help="skip the rows of hspec's own engine")
-    bv.add_argument("--hspec-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
+    bv.add_argument("--hspec-dtype", choices=("float32", "bfloat16", "int8", "int4"), default="float32",
                     help="dtype of hspec's own engine (default float32, where its tau and outputs are compared "
-                         "exactly with vLLM's float32 run; bfloat16 or int8 to race vLLM)")
+                         "exactly with vLLM's float32 run; bfloat16, int8 or int4 to race vLLM)")
     bv.add_argument("--hspec-methods", default="",
                     help="comma-separated hspec drafters run only in hspec's engine, e.g. hspec+ngram:0.4 "
                          "(none already runs)")

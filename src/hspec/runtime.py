@@ -89,7 +89,7 @@ def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.dev
                           precision: str = "auto") -> Drafter:
     """Eval mode, linear weights in the layout multi-row CPU forwards prefer (see models/weight_layout),
     int8 linears where `precision` asks for them (`drafter_int8` for a target running in `target_dtype`
-    on `device`; by default under a bf16 or int8 target on a CPU: drafts may change, never the output),
+    on `device`; by default under a bf16, int8 or int4 target on a CPU: drafts may change, never the output),
     and with `compiled` the tensor-only forwards through torch.compile."""
     store_linear_weights_in_fast_layout(drafter)
     if drafter_int8(precision, target_dtype, device) and isinstance(drafter, NeuralDrafter):

@@ -45,7 +45,7 @@ from hspec.cache.paged_pool import blocks_for
 from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import create_drafter
-from hspec.models.dtype import dtype_name, int8_weights, resolve_dtype
+from hspec.models.dtype import dtype_name, quantized_weights, resolve_dtype
 from hspec.models.layers import QKVProjection, SwiGLU
 from hspec.models.llama import TargetModel
 from hspec.models.loading import Target, build_model, default_gguf_path, load_target, read_state_dict
@@ -63,7 +63,7 @@ VLLM = "vllm-bfloat16"
 
 
 def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, repeats: int, out_dir: str,
-                     data_dir: str | None = None, dtypes: Sequence[str] = ("float32", "bfloat16", "int8"),
+                     data_dir: str | None = None, dtypes: Sequence[str] = ("float32", "bfloat16", "int8", "int4"),
                      transformers: bool = True, max_prompt_tokens: int = 128, threads: int = 1,
                      prefill_tokens: Sequence[int] = PREFILL_TOKENS) -> int:
     """Write <out_dir>/decode_cpu.{json,md} (decode_gpu on a CUDA target). `dtypes` are `--dtype` names
@@ -77,7 +77,7 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
         raise ValueError(f"--prefill-tokens must be positive, got {list(prefill_tokens)}")
     if threads:
         torch.set_num_threads(threads)
-    resolved = ["int8" if int8_weights(d) else dtype_name(resolve_dtype(d)) for d in dtypes]
+    resolved = [d if quantized_weights(d) else dtype_name(resolve_dtype(d)) for d in dtypes]
     names = list(dict.fromkeys(["float32", *resolved]))
     base = load_target(target_name, dtype=torch.float32)
     targets = {"float32": base}
@@ -197,6 +197,8 @@ def _label(name: str) -> str:
         return "vLLM (CPU build), bfloat16"
     if name == "int8":
         return "hspec int8 (int8 weight-only linears, bf16 activations)"
+    if name == "int4":
+        return "hspec int4 (int4 weight-only decoder layers in groups of 32, int8 LM head, bf16 activations)"
     return f"hspec {name}"
 
 

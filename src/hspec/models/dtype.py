@@ -8,9 +8,10 @@
 - any other CPU (AVX2 only, ARM without bf16 support here): float32, because there torch converts bf16
   to fp32 in software and a bf16 forward measures slower than the fp32 one.
 
-`--dtype int8` is never picked by auto: it stores the target's linear weights as int8 (one scale per
-output row, `models.quantize`) and computes in bfloat16, which reads half the bytes per token and
-decodes fastest on a CPU, but changes the model's numbers, so a user asks for it.
+`--dtype int8` and `--dtype int4` are never picked by auto: they store the target's linear weights as
+int8 (one scale per output row) or its decoder layers' as int4 (groups of 32, the LM head int8;
+`models.quantize`) and compute in bfloat16. They read a half or about a quarter of bf16's bytes per token
+and decode fastest on a CPU, but change the model's numbers, so a user asks for them.
 
 Greedy speculative decoding stays lossless in every dtype: the target verifies in the dtype it decodes in,
 and the decoding loop compares the two within one runtime and dtype (see docs/fast-path.md for where
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")
+# `--dtype` names that store the target's linear weights quantized and compute in bfloat16.
+QUANTIZED_DTYPES = ("int8", "int4")
 _NAMED = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 # /proc/cpuinfo flags of instructions that compute bf16 dot products natively.
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -57,7 +60,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str = "cpu",
         if name not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {name} is not a floating dtype the runtime runs in; use float32 or bfloat16")
         return name
-    if name == "int8":  # int8 weights, bf16 activations (`int8_weights`)
+    if quantized_weights(name):  # int8 or int4 weights, bf16 activations
         return torch.bfloat16
     if name == "auto":
         if torch.device(device).type == "cuda":
@@ -74,7 +77,7 @@ def slow_dtype_note(name: str | torch.dtype, device: torch.device | str = "cpu",
 
     There torch emulates bf16 in software: a bf16 forward measured 8.1x slower than fp32 on an AVX2-only
     EPYC (docs/fast-path.md#the-earlier-host). int8 is not named: its product, which dequantizes a tile
-    at a time, measured on par with fp32 there.
+    at a time, measured on par with fp32 there (int4 was not measured on such a CPU).
     """
     if name not in (torch.bfloat16, "bfloat16", "bf16") or torch.device(device).type != "cpu":
         return None
@@ -84,9 +87,9 @@ def slow_dtype_note(name: str | torch.dtype, device: torch.device | str = "cpu",
             "slower than float32, which --dtype auto picks here; the output stays lossless either way")
 
 
-def int8_weights(name: str | torch.dtype) -> bool:
-    """True when `--dtype` asks for int8 weight-only linears (`models.quantize`)."""
-    return name == "int8"
+def quantized_weights(name: str | torch.dtype) -> bool:
+    """True when `--dtype` asks for int8 or int4 weight-only linears (`models.quantize`)."""
+    return name in QUANTIZED_DTYPES
 
 
 DRAFTER_PRECISION_CHOICES = ("auto", "floating", "int8")
@@ -96,7 +99,7 @@ def drafter_int8(precision: str, target_dtype: str, device: torch.device | str =
     """Whether a drafter's linear weights are stored as int8 (`--drafter-precision`).
 
     A drafter's weights only decide what it drafts, never what the target outputs, so their storage is
-    a speed choice. auto = int8 when the target runs in int8, or in bfloat16 on a CPU: drafting 7 rows
+    a speed choice. auto = int8 when the target runs in int8 or int4, or in bfloat16 on a CPU: drafting 7 rows
     is bound by reading ~50 MB of drafter weights, and int8 halves them (measured here: propose 7.3 ->
     6.4 ms, the same tau on Spec-Bench, docs/fast-path.md#int8-drafter); floating elsewhere (float32,
     the exact reference, and GPUs). floating keeps the target's floating dtype; int8 forces int8
@@ -105,7 +108,7 @@ def drafter_int8(precision: str, target_dtype: str, device: torch.device | str =
     if precision not in DRAFTER_PRECISION_CHOICES:
         raise ValueError(f"unknown drafter precision {precision!r}; allowed: {', '.join(DRAFTER_PRECISION_CHOICES)}")
     if precision == "auto":
-        return target_dtype == "int8" or (target_dtype == "bfloat16" and torch.device(device).type == "cpu")
+        return quantized_weights(target_dtype) or (target_dtype == "bfloat16" and torch.device(device).type == "cpu")
     return precision == "int8"
 
 

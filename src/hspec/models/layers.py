@@ -7,10 +7,11 @@ whether the target computes it alone (a 1-token decode) or as one row of a (K+1)
 float32 the kernels' rounding differences stay far below a logit gap. In bfloat16 on the CPU they do
 not: every op rounds to 8 bits of mantissa, and 4 of 62 greedy choices flipped between the two paths
 (docs/fast-path.md). So, for reduced-precision CPU tensors, every op here computes a row the same way
-however many rows share the call: every product gets between 2 and `_ROW_BLOCK` rows (oneDNN's
-one-row kernel, and on AMX CPUs its kernel for more than 32 rows, accumulate in another order than the
-one in between), and `attend` uses products whose reduction length does not depend on how many keys
-the other rows see (fixed-size key chunks). A prompt's prefill, which plain and speculative decoding
+however many rows share the call: every product gets at most `_ROW_BLOCK` rows and a floating one at
+least 2 (oneDNN's one-row kernel, and on AMX CPUs its kernel for more than 32 rows, accumulate in another
+order than the one in between; the int8 and int4 kernels give a row its bits alone too), and `attend`
+uses products whose reduction length does not depend on how many keys the other rows see (fixed-size
+key chunks). A prompt's prefill, which plain and speculative decoding
 share, need not keep a decode's bits and runs its linear products in one call. Float32 and GPU
 tensors take the fused kernels (`F.linear`, `F.scaled_dot_product_attention`).
 """
@@ -74,23 +75,29 @@ def row_invariant(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
            prefill: bool = False) -> torch.Tensor:
-    """`F.linear`, for floating or int8 weights; on a row-invariant tensor every product gets 2 to
-    `_ROW_BLOCK` rows (a single row is computed as one of two, a larger call in blocks).
+    """`F.linear`, for floating, int8 or int4 weights; on a row-invariant tensor every product gets at most
+    `_ROW_BLOCK` rows (a larger call runs in blocks) and a floating one at least 2 (see `_product`).
 
-    x (..., K) -> (..., N). weight (N, K), floating, or int8 with `scale` (N,) in x's dtype
-    (`models.quantize`). The second row is the same row again: a two-row product costs what a one-row
-    product costs (it is bound by reading the weight) and goes through the kernel larger calls use.
-    packed: `weight` prepacked for oneDNN (`models.prepack`), which gives F.linear's bits faster; ignored
-    inside a torch.compile graph, which cannot take oneDNN's opaque tensors (inductor picks its own kernel).
+    x (..., K) -> (..., N). weight (N, K) in one of three storages (`models.quantize`):
+    - floating, `scale` None; `packed` the weight prepacked for oneDNN (`models.prepack`), which gives
+      F.linear's bits faster, or None; ignored inside a torch.compile graph, which cannot take oneDNN's
+      opaque tensors (inductor picks its own kernel);
+    - int8, `scale` (N,) in x's dtype: weight ~= int8 * scale[:, None];
+    - int4: uint8 levels 0..15, `scale` (K/G, N, 2) the step and zero of every group of G inputs of a
+      row in x's dtype (weight ~= (level - 8) * step + zero), `packed` the levels in the int4 kernel's
+      layout (`aten._convert_weight_to_int4pack_for_cpu`).
+    The second row of a padded single row is the same row again: a two-row bf16 product costs what a
+    one-row product costs (it is bound by reading the weight) and goes through the kernel larger calls use.
     prefill: the rows are a prompt's (`TargetModel.forward(prefill=True)`), never a decode or a verify,
-    so they need not keep a decode's bits: the product runs in one call, and an int8 weight is multiplied
-    as `weight * scale` in x's dtype, made for this call. The int8 kernel works on 4 rows at a time, so a
-    prefill of hundreds of rows costs it ~1.7x the bf16 product; the dequantized product costs ~0.6x the
-    kernel's at 512 rows but gives other bits. A product autograd records (a drafter's training step under
-    bf16 autocast) needs no row invariance either and also runs in one call.
+    so they need not keep a decode's bits: the product runs in one call, and an int8 or int4 weight is
+    dequantized in x's dtype for this call. The int8 and int4 kernels work on a few rows at a time: for
+    512 rows of SmolLM2's gate/up matrix they took 22 and 20 ms against 1.5 ms for the bf16 product and
+    4.1 (int8) and 7.1 ms (int4) for dequantizing and multiplying (1 thread, beside a training run); the
+    dequantized product gives other bits. A product autograd records (a drafter's training step under bf16
+    autocast) needs no row invariance either and also runs in one call.
     """
     if prefill and scale is not None:
-        return F.linear(x, weight.to(x.dtype) * scale[:, None], bias)
+        return F.linear(x, dequantize(weight, scale, x.dtype), bias)
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     trained = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # a drafter's training step
@@ -100,14 +107,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An int8 (N, K) weight with scales (N,), or int4 levels (N, K) with steps and zeros (K/G, N, 2)
+    (see `linear`), as a floating (N, K) matrix in `dtype`."""
+    if weight.dtype == torch.int8:
+        return weight.to(dtype) * scale[:, None]
+    n, k = weight.shape
+    groups = scale.shape[0]
+    step, zero = scale.permute(1, 0, 2).float().contiguous().unbind(-1)  # (N, K/G) each
+    levels = weight.view(n, groups, k // groups).float()
+    # level * step + (zero - 8 step) in one fp32 pass (1.3x faster than three), rounded once as the kernel does.
+    return torch.addcmul((zero - 8 * step)[..., None], levels, step[..., None]).reshape(n, k).to(dtype)
+
+
 def _product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
              packed: torch.Tensor | None) -> torch.Tensor:
-    """One product of `linear`: flat (M, K) -> (M, N), a single row on a row-invariant tensor computed as
-    the first of two."""
-    padded = flat.shape[0] == 1 and row_invariant(flat)
+    """One product of `linear`: flat (M, K) -> (M, N). A single row of a row-invariant tensor times a
+    floating weight is computed as the first of two (oneDNN's one-row kernel rounds otherwise); the int8
+    and int4 kernels give one row alone the bits it gets among others, so it goes as it is (padding cost
+    them ~15-30% of a decode's products: 30 layers' int4 products 5.6 ms for one row, 7.4 for two)."""
+    padded = flat.shape[0] == 1 and row_invariant(flat) and scale is None
     if padded:
         flat = flat.expand(2, -1)
-    if packed is not None and not torch.compiler.is_compiling():
+    if weight.dtype == torch.uint8:
+        if packed is None:
+            raise ValueError("an int4 weight needs its levels packed for the kernel (models.quantize.quantize_int4)")
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), packed, weight.shape[1] // scale.shape[0],
+                                                          scale)
+        out = out if bias is None else out + bias
+    elif packed is not None and not torch.compiler.is_compiling():
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     elif scale is None:
         out = F.linear(flat, weight, bias)
@@ -120,8 +148,10 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 class Linear(nn.Linear):
     """`nn.Linear` whose forward is `linear` (same parameters and checkpoint keys).
 
-    weight_scale: (out,) once `models.quantize.quantize_int8` stored the weight as int8, else None.
-    weight_packed: the weight prepacked for oneDNN once `models.prepack.prepack_bf16` ran, else None.
+    weight_scale: (out,) once `models.quantize.quantize_int8` stored the weight as int8, (in/G, out, 2)
+    once `quantize_int4` stored it as int4 levels (see `linear`), else None.
+    weight_packed: the weight prepacked for oneDNN once `models.prepack.prepack_bf16` ran, or its int4
+    levels packed for the int4 kernel, else None.
     """
 
     weight_scale: torch.Tensor | None
@@ -189,8 +219,8 @@ class SwiGLU(nn.Module):
         self.up_proj = Linear(hidden, inner, bias=False)
         self.down_proj = Linear(inner, hidden, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # (2I, H) once fused
-        self.register_buffer("gate_up_scale", None, persistent=False)  # (2I,) once quantized to int8
-        self.register_buffer("gate_up_packed", None, persistent=False)  # prepacked for oneDNN (models.prepack)
+        self.register_buffer("gate_up_scale", None, persistent=False)  # once quantized (see `linear`)
+        self.register_buffer("gate_up_packed", None, persistent=False)  # packed for its kernel (see `linear`)
 
     def forward(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
         """prefill: as in `linear` (the rows are a prompt's)."""
@@ -228,8 +258,8 @@ class QKVProjection(nn.Module):
         # ((Hq + 2 Hkv) D, H) weight and bias once `fuse_projections` ran (inference only).
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
-        self.register_buffer("qkv_scale", None, persistent=False)  # ((Hq + 2 Hkv) D,) once quantized to int8
-        self.register_buffer("qkv_packed", None, persistent=False)  # prepacked for oneDNN (models.prepack)
+        self.register_buffer("qkv_scale", None, persistent=False)  # once quantized (see `linear`)
+        self.register_buffer("qkv_packed", None, persistent=False)  # packed for its kernel (see `linear`)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prefill: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

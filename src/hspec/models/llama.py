@@ -95,8 +95,11 @@ class TargetModel(nn.Module):
 
     @property
     def dtype_name(self) -> str:
-        """The `--dtype` this model runs in: 'int8' once `models.quantize` stored its linears as int8,
-        else its weights' floating dtype ('float32', 'bfloat16')."""
+        """The `--dtype` this model runs in: 'int4' or 'int8' once `models.quantize` stored its linears
+        that way (an int4 model keeps an int8 LM head), else its weights' floating dtype ('float32',
+        'bfloat16')."""
+        if any(m.weight.dtype == torch.uint8 for m in self.layers.modules() if isinstance(m, Linear)):
+            return "int4"
         if self.lm_head.weight.dtype == torch.int8:
             return "int8"
         return dtype_name(self.embed_tokens.weight.dtype)

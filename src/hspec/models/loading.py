@@ -23,10 +23,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
-from hspec.models.dtype import int8_weights, resolve_dtype, slow_dtype_note
+from hspec.models.dtype import quantized_weights, resolve_dtype, slow_dtype_note
 from hspec.models.llama import TargetModel
 from hspec.models.prepack import prepack_bf16
-from hspec.models.quantize import quantize_int8
+from hspec.models.quantize import quantize_int4, quantize_int8
 from hspec.models.tokenizer import ChatTokenizer
 from hspec.models.weight_layout import fuse_projections, store_linear_weights_in_fast_layout
 
@@ -144,10 +144,11 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
                 device: torch.device | str) -> TargetModel:
     """Build on the meta device, then adopt the checkpoint's tensors (no double allocation).
 
-    `dtype`: a torch dtype or a `--dtype` name; "int8" stores the linears as int8 (`models.quantize`).
+    `dtype`: a torch dtype or a `--dtype` name; "int8" stores the linears as int8, "int4" the decoder
+    layers' as int4 and the LM head as int8 (`models.quantize`).
     """
-    if int8_weights(dtype) and torch.device(device).type != "cpu":
-        raise ValueError(f"--dtype int8 (int8 weight-only linears) runs on the CPU; on {device} use bfloat16")
+    if quantized_weights(dtype) and torch.device(device).type != "cpu":
+        raise ValueError(f"--dtype {dtype} (weight-only {dtype} linears) runs on the CPU; on {device} use bfloat16")
     compute_dtype = resolve_dtype(dtype, device)
     note = slow_dtype_note(dtype, device)
     if note is not None:
@@ -180,8 +181,11 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     # The target is never trained here: frozen, no gradient reaches (or is computed for) its weights.
     model.eval().requires_grad_(False)
     fuse_projections(model)  # q/k/v and gate/up as one GEMM each (the named weights become views)
-    if int8_weights(dtype):
-        quantize_int8(model, compute_dtype)
+    if dtype == "int4" and not quantize_int4(model.layers, compute_dtype):
+        warnings.warn(f"--dtype int4: no linear of this {config.architecture} fits the int4 kernel (inputs a "
+                      "multiple of 32, outputs of 16); it runs as int8", stacklevel=2)
+    if quantized_weights(dtype):
+        quantize_int8(model, compute_dtype)  # int4 leaves the LM head, and what its kernel cannot take
     else:
         prepack_bf16(model)  # bf16 on a CPU: oneDNN's packed copies, F.linear's bits faster (else a no-op)
     return model

@@ -1,25 +1,36 @@
-"""int8 weight-only storage of the target's linear weights (`--dtype int8`).
+"""Weight-only storage of the target's linear weights in int8 (`--dtype int8`) or int4 (`--dtype int4`).
 
 Plain decoding of a small model on a CPU is bound by reading the weights: every token streams all of
-them once (SmolLM2-135M in bf16: 212 MB of layer weights and a 56 MB LM head). Storing each linear
-weight as int8 with one bf16 scale per output row halves those bytes; the product runs in
-`aten._weight_int8pack_mm`, which dequantizes a tile at a time and multiplies it with the bf16
-activations. Activations, the KV pool, norms, attention and every drafter stay bf16.
+them once (SmolLM2-135M in bf16: 212 MB of layer weights and a 56 MB LM head). Fewer bytes per weight
+are fewer bytes to read; activations, the KV pool, norms, attention and every drafter stay bf16.
 
-The weights change (each row is rounded to 255 levels), so int8 is a different runtime from bf16: its
-greedy output is compared with int8 plain decoding, never with bf16's. The int8 product computes each
-row the same way however many rows share the call (checked by the losslessness tests), so a verify
-and a 1-token decode agree bit for bit. A prompt's prefill is the one exception: it multiplies the
-weights dequantized for the call, which is faster for hundreds of rows (`models.layers.linear`,
-docs/fast-path.md#prefill).
+- int8: one bf16 scale per output row (`quantize_rows`); the product runs in `aten._weight_int8pack_mm`,
+  which dequantizes a tile at a time and multiplies it with the bf16 activations.
+- int4: groups of `INT4_GROUP` inputs of a row, each with its own step and minimum (`quantize_groups`,
+  the asymmetric scheme of llama.cpp's Q4_1); the product runs in `aten._weight_int4pack_mm_for_cpu`.
+  Only the decoder layers' linears (`quantize_int4`): the LM head stays int8, because the logits of a
+  vocabulary's 49k rows are where 4 bits would cost the most (llama.cpp's own SmolLM2 GGUF keeps its
+  token embedding, which is the tied LM head, in Q8_0). The default target's GGUF stores those layer
+  weights in Q4_1 blocks of 32: requantized, they give back the GGUF's own 4-bit levels, so int4 runs the
+  checkpoint's numbers with its steps and minima rounded to bf16 (docs/fast-path.md#int4).
 
-Legend: N output features, K input features.
+The weights change (each row or group is rounded to 255 or 16 levels), so int8 and int4 are runtimes of
+their own: a greedy output is compared with plain decoding of the same dtype, never with bf16's. Both
+kernels compute each row the same way however many rows share the call (checked by the losslessness
+tests and `scripts/check_row_invariance.py`), so a verify and a 1-token decode agree bit for bit. A
+prompt's prefill is the one exception: it multiplies the weights dequantized for the call, which is
+faster for hundreds of rows (`models.layers.linear`, docs/fast-path.md#prefill).
 
-The kernel needs K to be a multiple of `_K_MULTIPLE` (torch 2.13 on x86 returns wrong numbers or
-crashes for K = 24); a weight with another K stays floating.
+Legend: N output features, K input features, G = INT4_GROUP.
+
+The int8 kernel needs K to be a multiple of `_K_MULTIPLE` (torch 2.13 on x86 returns wrong numbers or
+crashes for K = 24); the int4 kernel needs K a multiple of G and N a multiple of `_INT4_N_MULTIPLE`. A
+weight the int4 kernel cannot take is stored as int8, one neither takes stays floating.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -27,6 +38,11 @@ from torch import nn
 from hspec.models.layers import Linear, QKVProjection, SwiGLU
 
 _K_MULTIPLE = 16
+# Inputs per int4 group: Q4_1's block, and the smallest group the kernel takes (32, 64, 128 or 256).
+INT4_GROUP = 32
+_INT4_N_MULTIPLE = 16
+
+Quantizer = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 
 
 def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,30 +56,89 @@ def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch
     return q, scale.to(scale_dtype)
 
 
+def quantize_groups(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) floating weight -> (N, K) uint8 levels 0..15 and (K/G, N, 2) steps and zeros in `scale_dtype`,
+    weight ~= (level - 8) * step + zero (the int4 kernel's form, `models.layers.dequantize`).
+
+    Per group of G inputs: step = (max - min) / 15 and zero = min + 8 step, so the levels span the group's
+    range (Q4_1's choice); both are rounded to `scale_dtype` first and each level is the nearest under the
+    rounded pair, which keeps a Q4_1 checkpoint's own levels.
+    """
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = w.amin(-1), w.amax(-1)  # (N, K/G)
+    step = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
+    zero = (low + 8 * step.float()).to(scale_dtype)
+    levels = torch.round((w - zero.float()[..., None]) / step.float()[..., None]) + 8
+    scale = torch.stack((step, zero), dim=-1).transpose(0, 1).contiguous()  # (K/G, N, 2)
+    return levels.clamp(0, 15).to(torch.uint8).view(n, k), scale
+
+
+def int8_kernel_fits(weight: torch.Tensor) -> bool:
+    """Whether the int8 kernel takes this (N, K) weight's input width K (see the module doc)."""
+    return weight.shape[1] % _K_MULTIPLE == 0
+
+
+def int4_kernel_fits(weight: torch.Tensor) -> bool:
+    """Whether the int4 kernel takes this (N, K) weight (see the module doc)."""
+    return weight.shape[1] % INT4_GROUP == 0 and weight.shape[0] % _INT4_N_MULTIPLE == 0
+
+
 def quantize_int8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> None:
-    """Store every linear weight under `model`, and the stacked q/k/v and gate/up matrices, as int8.
+    """Store every floating linear weight under `model`, and the stacked q/k/v and gate/up matrices, as int8.
 
     Plain `nn.Linear` children are first swapped for `models.layers.Linear` (same parameters), whose
-    forward knows int8. Call after `fuse_projections`: a stacked matrix is quantized once and the named
-    weights that were views of it become views of the int8 matrix and its scales (memory is not
-    doubled; `state_dict()` keeps its names). A weight shared with an embedding (a tied LM head) is
-    copied: the embedding keeps its floating rows for lookups. Frozen modules only.
+    forward knows int8. Call after `fuse_projections` (and after `quantize_int4`, whose weights it leaves
+    alone): a stacked matrix is quantized once and the named weights that were views of it become views
+    of the int8 matrix and its scales (memory is not doubled; `state_dict()` keeps its names). A weight
+    shared with an embedding (a tied LM head) is copied: the embedding keeps its floating rows for lookups.
+    Frozen modules only.
     """
+    _quantize(model, quantize_rows, int8_kernel_fits, compute_dtype)
+
+
+def quantize_int4(layers: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Store the linear weights under `layers` (a target's decoder layers) that the int4 kernel takes as
+    int4 groups (`quantize_groups`), stacked matrices and views as in `quantize_int8`, each with a copy of
+    its levels packed for the kernel. Returns how many weights became int4; `quantize_int8` stores the
+    others (and the LM head) afterwards."""
+    return _quantize(layers, quantize_groups, int4_kernel_fits, compute_dtype)
+
+
+def _quantize(model: nn.Module, quantizer: Quantizer, fits: Callable[[torch.Tensor], bool],
+              compute_dtype: torch.dtype) -> int:
+    """`quantize_int8` or `quantize_int4`: every floating weight under `model` that `fits` the kernel.
+    Returns how many weights (stacked ones counted once) were stored."""
     _swap_plain_linears(model)
+    stored = 0
     for module in model.modules():
-        if isinstance(module, QKVProjection) and module.qkv_weight is not None and int8_kernel_fits(module.qkv_weight):
-            module.qkv_weight, module.qkv_scale = _requantize_views(
-                module.qkv_weight, (module.q_proj, module.k_proj, module.v_proj), compute_dtype)
-        elif (isinstance(module, SwiGLU) and module.gate_up_weight is not None
-              and int8_kernel_fits(module.gate_up_weight)):
-            module.gate_up_weight, module.gate_up_scale = _requantize_views(
-                module.gate_up_weight, (module.gate_proj, module.up_proj), compute_dtype)
+        if isinstance(module, QKVProjection) and _floating(module.qkv_weight) and fits(module.qkv_weight):
+            module.qkv_weight, module.qkv_scale, module.qkv_packed = _requantize_views(
+                module.qkv_weight, (module.q_proj, module.k_proj, module.v_proj), quantizer, compute_dtype)
+            stored += 1
+        elif isinstance(module, SwiGLU) and _floating(module.gate_up_weight) and fits(module.gate_up_weight):
+            module.gate_up_weight, module.gate_up_scale, module.gate_up_packed = _requantize_views(
+                module.gate_up_weight, (module.gate_proj, module.up_proj), quantizer, compute_dtype)
+            stored += 1
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype != torch.int8 and int8_kernel_fits(module.weight):
+        if isinstance(module, Linear) and _floating(module.weight) and fits(module.weight):
             _check_frozen(module.weight)
-            q, scale = quantize_rows(module.weight, compute_dtype)
+            q, module.weight_scale = quantizer(module.weight, compute_dtype)
             module.weight = nn.Parameter(q, requires_grad=False)
-            module.weight_scale = scale
+            module.weight_packed = _kernel_copy(q)
+            stored += 1
+    return stored
+
+
+def _floating(weight: torch.Tensor | None) -> bool:
+    return weight is not None and weight.is_floating_point()
+
+
+def _kernel_copy(q: torch.Tensor) -> torch.Tensor | None:
+    """int4 levels (N, K) packed for the int4 kernel; None for int8, whose kernel reads the matrix itself."""
+    if q.dtype != torch.uint8:
+        return None
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)  # (N, K/2) uint8
 
 
 def _swap_plain_linears(model: nn.Module) -> None:
@@ -76,26 +151,23 @@ def _swap_plain_linears(model: nn.Module) -> None:
                 setattr(parent, name, swapped)
 
 
-def int8_kernel_fits(weight: torch.Tensor) -> bool:
-    """Whether the int8 kernel takes this (N, K) weight's input width K (see the module doc)."""
-    return weight.shape[1] % _K_MULTIPLE == 0
-
-
-def _requantize_views(stacked: torch.Tensor, parts: tuple[Linear, ...], compute_dtype: torch.dtype
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a stacked (sum of N, K) matrix and point each part's weight/scale at its rows."""
+def _requantize_views(stacked: torch.Tensor, parts: tuple[Linear, ...], quantizer: Quantizer,
+                      compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize a stacked (sum of N, K) matrix and point each part's weight/scale at its rows; returns the
+    stacked levels, scales and kernel copy (the parts, never multiplied once stacked, get none)."""
     for part in parts:
         _check_frozen(part.weight)
-    q, scale = quantize_rows(stacked, compute_dtype)
+    q, scale = quantizer(stacked, compute_dtype)
+    row_axis = 0 if q.dtype == torch.int8 else 1  # int8 scales are (N,), int4's (K/G, N, 2)
     offset = 0
     for part in parts:
         rows = part.weight.shape[0]
         part.weight = nn.Parameter(q[offset : offset + rows], requires_grad=False)
-        part.weight_scale = scale[offset : offset + rows]
+        part.weight_scale = scale.narrow(row_axis, offset, rows)
         offset += rows
-    return q, scale
+    return q, scale, _kernel_copy(q)
 
 
 def _check_frozen(weight: torch.Tensor) -> None:
     if weight.requires_grad:
-        raise ValueError("quantize_int8 is for frozen inference modules; call requires_grad_(False) first")
+        raise ValueError("weight-only quantization is for frozen inference modules; call requires_grad_(False) first")
