@@ -12,7 +12,7 @@ are fewer bytes to read; activations, the KV pool, norms, attention and every dr
   vocabulary's 49k rows are where 4 bits would cost the most (llama.cpp's own SmolLM2 GGUF keeps its
   token embedding, which is the tied LM head, in Q8_0). The default target's GGUF stores those layer
   weights in Q4_1 blocks of 32: requantized, they give back the GGUF's own 4-bit levels, so int4 runs the
-  checkpoint's numbers with its steps and minima rounded to bf16 (docs/fast-path.md#int4).
+  checkpoint's numbers with its steps and zeros rounded to bf16 (docs/fast-path.md#int4-weight-only).
 
 The weights change (each row or group is rounded to 255 or 16 levels), so int8 and int4 are runtimes of
 their own: a greedy output is compared with plain decoding of the same dtype, never with bf16's. Both
