@@ -13,7 +13,14 @@ import torch
 
 from hspec.cache.paged_pool import blocks_for
 from hspec.models.layers import attend, linear, row_invariant
-from hspec.models.quantize import int4_kernel_fits, quantize_groups, quantize_int4, quantize_int8, quantize_rows
+from hspec.models.quantize import (
+    dequantize_groups,
+    int4_kernel_fits,
+    quantize_groups,
+    quantize_int4,
+    quantize_int8,
+    quantize_rows,
+)
 
 
 def _stored(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -22,7 +29,8 @@ def _stored(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Ten
         return (*quantize_rows(weight, torch.bfloat16), None)
     if storage == "int4":
         levels, scale = quantize_groups(weight, torch.bfloat16)
-        return levels, scale, torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)
+        return dequantize_groups(levels, scale, torch.bfloat16), scale, packed
     return weight, None, None
 
 
@@ -208,10 +216,8 @@ def test_quantize_groups_bounds_the_error_by_half_a_step_and_keeps_a_q4_1_checkp
     levels, scale = quantize_groups(weight, torch.float32)
     assert levels.dtype == torch.uint8 and scale.shape == (4, 32, 2) and int(levels.max()) <= 15
     step = scale[..., 0].T.repeat_interleave(32, dim=1)  # (N, K) each weight's step
-    from hspec.models.layers import dequantize
-
-    assert bool(((dequantize(levels, scale, torch.float32) - weight).abs() <= step / 2 + 1e-6).all())
-    assert torch.equal(dequantize(levels[3:4, :32], scale[:1, 3:4], torch.float32), weight[3:4, :32])
+    assert bool(((dequantize_groups(levels, scale, torch.float32) - weight).abs() <= step / 2 + 1e-6).all())
+    assert torch.equal(dequantize_groups(levels[3:4, :32], scale[:1, 3:4], torch.float32), weight[3:4, :32])
     # A Q4_1 block: w = d q + m with q spanning 0..15 and d, m as the checkpoint stores them (fp16).
     q = torch.randint(0, 16, (32, 128))
     q[:, ::32], q[:, 1::32] = 0, 15
@@ -222,20 +228,18 @@ def test_quantize_groups_bounds_the_error_by_half_a_step_and_keeps_a_q4_1_checkp
         assert torch.equal(quantize_groups(checkpoint, scale_dtype)[0], q.to(torch.uint8))
 
 
-def test_dequantize_gives_the_int4_kernels_weights_and_a_prefill_multiplies_them():
-    from hspec.models.layers import dequantize
-
+def test_an_int4_weight_is_the_kernels_weights_and_a_prefill_multiplies_it():
     torch.manual_seed(6)
     weight, scale, packed = _stored(torch.randn(96, 64) * 0.05, "int4")
     eye = torch.eye(64, dtype=torch.bfloat16)
-    assert torch.equal(linear(eye, weight, scale=scale, packed=packed).T, dequantize(weight, scale, torch.bfloat16))
+    assert torch.equal(linear(eye, weight, scale=scale, packed=packed).T, weight)  # the kernel's weights, bit for bit
     x = torch.randn(3, 40, 64).bfloat16()
     wide = linear(x, weight, scale=scale, packed=packed, prefill=True)
-    assert torch.equal(wide, torch.nn.functional.linear(x, dequantize(weight, scale, torch.bfloat16)))
+    assert torch.equal(wide, torch.nn.functional.linear(x, weight))
     kernel = linear(x, weight, scale=scale, packed=packed)
     assert torch.allclose(wide.float(), kernel.float(), atol=0.05, rtol=0.02)
-    with pytest.raises(ValueError, match="packed"):
-        linear(x, weight, scale=scale)
+    with pytest.raises(ValueError, match="steps and zeros"):
+        linear(x, weight, packed=packed)
 
 
 def test_quantize_int4_stores_what_its_kernel_takes_and_leaves_the_rest_to_int8(tiny_dirs):
@@ -248,7 +252,8 @@ def test_quantize_int4_stores_what_its_kernel_takes_and_leaves_the_rest_to_int8(
     odd.to(torch.bfloat16).requires_grad_(False)
     assert quantize_int4(odd) == 1  # 40 outputs and 48 inputs do not fit
     quantize_int8(odd)
-    assert [m.weight.dtype for m in odd] == [torch.int8, torch.int8, torch.uint8]
+    assert [m.weight.dtype for m in odd] == [torch.int8, torch.int8, torch.bfloat16]
+    assert odd[2].weight_packed.dtype == torch.uint8 and odd[2].weight_scale.shape == (2, 48, 2)
     assert odd[2](torch.randn(3, 64).bfloat16()).shape == (3, 48)
 
     model = load_tiny(tiny_dirs["llama"], dtype="int4").model
@@ -256,10 +261,11 @@ def test_quantize_int4_stores_what_its_kernel_takes_and_leaves_the_rest_to_int8(
     reference = load_tiny(tiny_dirs["llama"], dtype="bfloat16").model
     assert set(model.state_dict()) == set(reference.state_dict())
     qkv, mlp = model.layers[0].self_attn.qkv, model.layers[0].mlp
-    assert qkv.qkv_weight.dtype == torch.uint8 and qkv.qkv_packed is not None and mlp.gate_up_packed is not None
+    assert qkv.qkv_packed.dtype == torch.uint8 and mlp.gate_up_packed.dtype == torch.uint8
+    assert qkv.qkv_weight.dtype == torch.bfloat16  # the levels' values, what a prefill multiplies
     assert qkv.k_proj.weight.untyped_storage().data_ptr() == qkv.qkv_weight.untyped_storage().data_ptr()
     assert torch.equal(qkv.k_proj.weight_scale, qkv.qkv_scale[:, qkv.q_proj.weight.shape[0]:][:, :32])
-    assert mlp.down_proj.weight.dtype == torch.uint8
+    assert mlp.down_proj.weight_packed.dtype == torch.uint8
 
 
 def test_quantize_int8_leaves_floating_the_widths_the_kernel_cannot_take():

@@ -78,26 +78,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear`, for floating, int8 or int4 weights; on a row-invariant tensor every product gets at most
     `_ROW_BLOCK` rows (a larger call runs in blocks) and a floating one at least 2 (see `_product`).
 
-    x (..., K) -> (..., N). weight (N, K) in one of three storages (`models.quantize`):
-    - floating, `scale` None; `packed` the weight prepacked for oneDNN (`models.prepack`), which gives
-      F.linear's bits faster, or None; ignored inside a torch.compile graph, which cannot take oneDNN's
-      opaque tensors (inductor picks its own kernel);
-    - int8, `scale` (N,) in x's dtype: weight ~= int8 * scale[:, None];
-    - int4: uint8 levels 0..15, `scale` (K/G, N, 2) the step and zero of every group of G inputs of a
-      row in x's dtype (weight ~= (level - 8) * step + zero), `packed` the levels in the int4 kernel's
-      layout (`aten._convert_weight_to_int4pack_for_cpu`).
+    x (..., K) -> (..., N). The weight comes in one of three storages (`models.quantize`):
+    - floating (N, K), `scale` None; `packed` the weight prepacked for oneDNN (`models.prepack`), which
+      gives F.linear's bits faster, or None; ignored inside a torch.compile graph, which cannot take
+      oneDNN's opaque tensors (inductor picks its own kernel);
+    - int8 (N, K), `scale` (N,) in x's dtype: weight ~= int8 * scale[:, None];
+    - int4: `packed` the 4-bit levels in the int4 kernel's layout (uint8, `int4_packed`), `scale`
+      (K/G, N, 2) the step and zero of every group of G inputs of a row in x's dtype (a weight is
+      (level - 8) * step + zero), and `weight` (N, K) those weights in x's dtype, exactly as the kernel
+      computes them (`models.quantize.dequantize_groups`).
     The second row of a padded single row is the same row again: a two-row bf16 product costs what a
     one-row product costs (it is bound by reading the weight) and goes through the kernel larger calls use.
     prefill: the rows are a prompt's (`TargetModel.forward(prefill=True)`), never a decode or a verify,
-    so they need not keep a decode's bits: the product runs in one call, and an int8 or int4 weight is
-    dequantized in x's dtype for this call. The int8 and int4 kernels work on a few rows at a time: for
-    512 rows of SmolLM2's gate/up matrix they took 22 and 20 ms against 1.5 ms for the bf16 product and
-    4.1 (int8) and 7.1 ms (int4) for dequantizing and multiplying (1 thread, beside a training run); the
-    dequantized product gives other bits. A product autograd records (a drafter's training step under bf16
-    autocast) needs no row invariance either and also runs in one call.
+    so they need not keep a decode's bits: the product runs in one call, as a floating product (an int8
+    weight dequantized for the call, an int4 one's floating copy). The int8 and int4 kernels work on a few
+    rows at a time: for 512 rows of SmolLM2's gate/up matrix they took 22 and 20 ms against 1.5 ms for
+    the bf16 product and 4.1 ms for dequantizing int8 and multiplying (1 thread, beside a training run);
+    the floating product gives other bits. A product autograd records (a drafter's training step under
+    bf16 autocast) needs no row invariance either and also runs in one call.
     """
     if prefill and scale is not None:
-        return F.linear(x, dequantize(weight, scale, x.dtype), bias)
+        return F.linear(x, weight if int4_packed(packed) else weight.to(x.dtype) * scale[:, None], bias)
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     trained = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # a drafter's training step
@@ -107,17 +108,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An int8 (N, K) weight with scales (N,), or int4 levels (N, K) with steps and zeros (K/G, N, 2)
-    (see `linear`), as a floating (N, K) matrix in `dtype`."""
-    if weight.dtype == torch.int8:
-        return weight.to(dtype) * scale[:, None]
-    n, k = weight.shape
-    groups = scale.shape[0]
-    step, zero = scale.permute(1, 0, 2).float().contiguous().unbind(-1)  # (N, K/G) each
-    levels = weight.view(n, groups, k // groups).float()
-    # level * step + (zero - 8 step) in one fp32 pass (1.3x faster than three), rounded once as the kernel does.
-    return torch.addcmul((zero - 8 * step)[..., None], levels, step[..., None]).reshape(n, k).to(dtype)
+def int4_packed(packed: torch.Tensor | None) -> bool:
+    """Whether `packed` holds int4 levels for the int4 kernel (uint8), rather than a oneDNN bf16 copy."""
+    return packed is not None and packed.dtype == torch.uint8
 
 
 def _product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
@@ -126,16 +119,16 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     floating weight is computed as the first of two (oneDNN's one-row kernel rounds otherwise); the int8
     and int4 kernels give one row alone the bits it gets among others, so it goes as it is (padding cost
     them ~15-30% of a decode's products: 30 layers' int4 products 5.6 ms for one row, 7.4 for two)."""
+    if int4_packed(packed):
+        if scale is None:
+            raise ValueError("int4 levels need their steps and zeros (models.quantize.quantize_int4)")
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), packed, weight.shape[1] // scale.shape[0],
+                                                          scale)
+        return out if bias is None else out + bias
     padded = flat.shape[0] == 1 and row_invariant(flat) and scale is None
     if padded:
         flat = flat.expand(2, -1)
-    if weight.dtype == torch.uint8:
-        if packed is None:
-            raise ValueError("an int4 weight needs its levels packed for the kernel (models.quantize.quantize_int4)")
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), packed, weight.shape[1] // scale.shape[0],
-                                                          scale)
-        out = out if bias is None else out + bias
-    elif packed is not None and not torch.compiler.is_compiling():
+    if packed is not None and not torch.compiler.is_compiling():
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     elif scale is None:
         out = F.linear(flat, weight, bias)
@@ -151,7 +144,7 @@ class Linear(nn.Linear):
     weight_scale: (out,) once `models.quantize.quantize_int8` stored the weight as int8, (in/G, out, 2)
     once `quantize_int4` stored it as int4 levels (see `linear`), else None.
     weight_packed: the weight prepacked for oneDNN once `models.prepack.prepack_bf16` ran, or its int4
-    levels packed for the int4 kernel, else None.
+    levels packed for the int4 kernel (`weight` then their floating values), else None.
     """
 
     weight_scale: torch.Tensor | None

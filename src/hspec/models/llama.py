@@ -21,7 +21,7 @@ from torch import nn
 from hspec.cache.paged_pool import PagedKVPool, SlotTable
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import dtype_name
-from hspec.models.layers import Linear, QKVProjection, RMSNorm, SwiGLU, attend, rope_cos_sin
+from hspec.models.layers import Linear, QKVProjection, RMSNorm, SwiGLU, attend, int4_packed, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class TargetModel(nn.Module):
         """The `--dtype` this model runs in: 'int4' or 'int8' once `models.quantize` stored its linears
         that way (an int4 model keeps an int8 LM head), else its weights' floating dtype ('float32',
         'bfloat16')."""
-        if any(m.weight.dtype == torch.uint8 for m in self.layers.modules() if isinstance(m, Linear)):
+        if any(int4_packed(buffer) for buffer in self.layers.buffers()):
             return "int4"
         if self.lm_head.weight.dtype == torch.int8:
             return "int8"
@@ -131,14 +131,14 @@ class TargetModel(nn.Module):
         the ancestors it sees. Their K/V still fill the next T slots in order, but each token attends
         as a sequence of its own whose keys are its prefix and ancestors in position order
         (`_tree_table`), so it sums them as the decode of that path does: a tree row keeps the bits
-        of the chain's row in bf16 and int8 (docs/fast-path.md).
+        of the chain's row in bf16, int8 and int4 (docs/fast-path.md).
 
         prefill: the T tokens are a prompt's, never a verify or a decode. An int8 target then multiplies
-        with its weights dequantized for the call (`models.layers.linear`): 0.6x the int8 kernel's time
-        for a 512-token prompt here, logits within int8 rounding of the kernel's but not its bits. Plain
-        and speculative decoding share the prompt's prefill, so their outputs stay equal; every later
-        token goes through the kernel, whose rows keep their bits however many share a call. A floating
-        target ignores it.
+        with its weights dequantized for the call, an int4 one with its levels' floating values
+        (`models.layers.linear`): for int8 0.6x the kernel's time for a 512-token prompt here, logits
+        within int8 rounding of the kernel's but not its bits. Plain and speculative decoding share the
+        prompt's prefill, so their outputs stay equal; every later token goes through the kernel, whose
+        rows keep their bits however many share a call. A floating target ignores it.
         """
         b, t = input_ids.shape
         if len(seq_ids) != b:

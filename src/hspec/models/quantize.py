@@ -7,7 +7,9 @@ are fewer bytes to read; activations, the KV pool, norms, attention and every dr
 - int8: one bf16 scale per output row (`quantize_rows`); the product runs in `aten._weight_int8pack_mm`,
   which dequantizes a tile at a time and multiplies it with the bf16 activations.
 - int4: groups of `INT4_GROUP` inputs of a row, each with its own step and minimum (`quantize_groups`,
-  the asymmetric scheme of llama.cpp's Q4_1); the product runs in `aten._weight_int4pack_mm_for_cpu`.
+  the asymmetric scheme of llama.cpp's Q4_1); the product runs in `aten._weight_int4pack_mm_for_cpu` on
+  the levels packed for it, and the weight itself becomes their floating values (`dequantize_groups`),
+  which a prompt's prefill multiplies at bf16's speed (dequantizing for each prefill cost ~75 ms).
   Only the decoder layers' linears (`quantize_int4`): the LM head stays int8, because the logits of a
   vocabulary's 49k rows are where 4 bits would cost the most (llama.cpp's own SmolLM2 GGUF keeps its
   token embedding, which is the tied LM head, in Q8_0). The default target's GGUF stores those layer
@@ -18,8 +20,12 @@ The weights change (each row or group is rounded to 255 or 16 levels), so int8 a
 their own: a greedy output is compared with plain decoding of the same dtype, never with bf16's. Both
 kernels compute each row the same way however many rows share the call (checked by the losslessness
 tests and `scripts/check_row_invariance.py`), so a verify and a 1-token decode agree bit for bit. A
-prompt's prefill is the one exception: it multiplies the weights dequantized for the call, which is
+prompt's prefill is the one exception: it multiplies floating weights in one product, which is
 faster for hundreds of rows (`models.layers.linear`, docs/fast-path.md#prefill).
+
+Memory: an int8 target holds its linear weights once, in int8; an int4 one holds the packed levels (a
+quarter of bf16's bytes, what a decode reads) beside their bf16 values (what a prefill reads; SmolLM2:
+53 + 212 MB, a bf16 target with its oneDNN copies 424 MB).
 
 Legend: N output features, K input features, G = INT4_GROUP.
 
@@ -42,7 +48,9 @@ _K_MULTIPLE = 16
 INT4_GROUP = 32
 _INT4_N_MULTIPLE = 16
 
-Quantizer = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+# A weight (N, K) and its compute dtype -> what `linear` takes: the stored weight, its scales, and the copy
+# its kernel reads (None where the kernel reads the stored weight).
+Quantizer = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
 def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +82,28 @@ def quantize_groups(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[tor
     return levels.clamp(0, 15).to(torch.uint8).view(n, k), scale
 
 
+def dequantize_groups(levels: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int4 levels (N, K) with steps and zeros (K/G, N, 2) -> the (N, K) weights in `dtype`, bit for bit
+    what the int4 kernel multiplies: level * step + (zero - 8 step) in fp32, rounded once."""
+    n, k = levels.shape
+    groups = scale.shape[0]
+    step, zero = scale.permute(1, 0, 2).float().contiguous().unbind(-1)  # (N, K/G) each
+    grouped = levels.view(n, groups, k // groups).float()
+    return torch.addcmul((zero - 8 * step)[..., None], grouped, step[..., None]).reshape(n, k).to(dtype)
+
+
+def _int8(weight: torch.Tensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """`Quantizer` of `quantize_int8`: int8 rows, their scales; the kernel reads the int8 matrix itself."""
+    return (*quantize_rows(weight, compute_dtype), None)
+
+
+def _int4(weight: torch.Tensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`Quantizer` of `quantize_int4`: the levels' floating values, their steps and zeros, the packed levels."""
+    levels, scale = quantize_groups(weight, compute_dtype)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)  # (N, K/2) uint8
+    return dequantize_groups(levels, scale, compute_dtype), scale, packed
+
+
 def int8_kernel_fits(weight: torch.Tensor) -> bool:
     """Whether the int8 kernel takes this (N, K) weight's input width K (see the module doc)."""
     return weight.shape[1] % _K_MULTIPLE == 0
@@ -94,51 +124,41 @@ def quantize_int8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16)
     shared with an embedding (a tied LM head) is copied: the embedding keeps its floating rows for lookups.
     Frozen modules only.
     """
-    _quantize(model, quantize_rows, int8_kernel_fits, compute_dtype)
+    _quantize(model, _int8, int8_kernel_fits, compute_dtype)
 
 
 def quantize_int4(layers: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> int:
     """Store the linear weights under `layers` (a target's decoder layers) that the int4 kernel takes as
-    int4 groups (`quantize_groups`), stacked matrices and views as in `quantize_int8`, each with a copy of
-    its levels packed for the kernel. Returns how many weights became int4; `quantize_int8` stores the
-    others (and the LM head) afterwards."""
-    return _quantize(layers, quantize_groups, int4_kernel_fits, compute_dtype)
+    int4 groups (`quantize_groups`): the levels packed for the kernel, their steps and zeros, and the
+    weight replaced by the levels' floating values; stacked matrices and views as in `quantize_int8`.
+    Returns how many weights became int4; `quantize_int8` stores the others (and the LM head) afterwards."""
+    return _quantize(layers, _int4, int4_kernel_fits, compute_dtype)
 
 
 def _quantize(model: nn.Module, quantizer: Quantizer, fits: Callable[[torch.Tensor], bool],
               compute_dtype: torch.dtype) -> int:
-    """`quantize_int8` or `quantize_int4`: every floating weight under `model` that `fits` the kernel.
-    Returns how many weights (stacked ones counted once) were stored."""
+    """`quantize_int8` or `quantize_int4`: every weight under `model` not quantized yet (no scales) that
+    `fits` the kernel. Returns how many weights (stacked ones counted once) were stored."""
     _swap_plain_linears(model)
     stored = 0
     for module in model.modules():
-        if isinstance(module, QKVProjection) and _floating(module.qkv_weight) and fits(module.qkv_weight):
+        if (isinstance(module, QKVProjection) and module.qkv_weight is not None and module.qkv_scale is None
+                and fits(module.qkv_weight)):
             module.qkv_weight, module.qkv_scale, module.qkv_packed = _requantize_views(
                 module.qkv_weight, (module.q_proj, module.k_proj, module.v_proj), quantizer, compute_dtype)
             stored += 1
-        elif isinstance(module, SwiGLU) and _floating(module.gate_up_weight) and fits(module.gate_up_weight):
+        elif (isinstance(module, SwiGLU) and module.gate_up_weight is not None and module.gate_up_scale is None
+              and fits(module.gate_up_weight)):
             module.gate_up_weight, module.gate_up_scale, module.gate_up_packed = _requantize_views(
                 module.gate_up_weight, (module.gate_proj, module.up_proj), quantizer, compute_dtype)
             stored += 1
     for module in model.modules():
-        if isinstance(module, Linear) and _floating(module.weight) and fits(module.weight):
+        if isinstance(module, Linear) and module.weight_scale is None and fits(module.weight):
             _check_frozen(module.weight)
-            q, module.weight_scale = quantizer(module.weight, compute_dtype)
+            q, module.weight_scale, module.weight_packed = quantizer(module.weight, compute_dtype)
             module.weight = nn.Parameter(q, requires_grad=False)
-            module.weight_packed = _kernel_copy(q)
             stored += 1
     return stored
-
-
-def _floating(weight: torch.Tensor | None) -> bool:
-    return weight is not None and weight.is_floating_point()
-
-
-def _kernel_copy(q: torch.Tensor) -> torch.Tensor | None:
-    """int4 levels (N, K) packed for the int4 kernel; None for int8, whose kernel reads the matrix itself."""
-    if q.dtype != torch.uint8:
-        return None
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)  # (N, K/2) uint8
 
 
 def _swap_plain_linears(model: nn.Module) -> None:
@@ -154,18 +174,18 @@ def _swap_plain_linears(model: nn.Module) -> None:
 def _requantize_views(stacked: torch.Tensor, parts: tuple[Linear, ...], quantizer: Quantizer,
                       compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize a stacked (sum of N, K) matrix and point each part's weight/scale at its rows; returns the
-    stacked levels, scales and kernel copy (the parts, never multiplied once stacked, get none)."""
+    stacked weight, scales and kernel copy (the parts, never multiplied once stacked, get none)."""
     for part in parts:
         _check_frozen(part.weight)
-    q, scale = quantizer(stacked, compute_dtype)
-    row_axis = 0 if q.dtype == torch.int8 else 1  # int8 scales are (N,), int4's (K/G, N, 2)
+    q, scale, packed = quantizer(stacked, compute_dtype)
+    row_axis = 0 if scale.dim() == 1 else 1  # int8 scales are (N,), int4's (K/G, N, 2)
     offset = 0
     for part in parts:
         rows = part.weight.shape[0]
         part.weight = nn.Parameter(q[offset : offset + rows], requires_grad=False)
         part.weight_scale = scale.narrow(row_axis, offset, rows)
         offset += rows
-    return q, scale, _kernel_copy(q)
+    return q, scale, packed
 
 
 def _check_frozen(weight: torch.Tensor) -> None:
