@@ -252,8 +252,9 @@ class PagedKVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V, each (B, T, Hkv, D), at `slots` (B, T) of one layer."""
         flat = slots.reshape(-1)
-        self.k[layer].index_copy_(0, flat, k.reshape(-1, self.num_kv_heads, self.head_dim).to(self.k.dtype))
-        self.v[layer].index_copy_(0, flat, v.reshape(-1, self.num_kv_heads, self.head_dim).to(self.v.dtype))
+        for cache, new in ((self.k[layer], k), (self.v[layer], v)):
+            new = new.reshape(-1, self.num_kv_heads, self.head_dim)
+            cache.index_copy_(0, flat, new if new.dtype == cache.dtype else new.to(cache.dtype))
 
     def gather(self, layer: int, table: SlotTable) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the table's positions, each (B, S, Hkv, D): a view when contiguous, else a gather."""

@@ -103,8 +103,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     flat = x.reshape(rows, x.shape[-1])
     trained = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # a drafter's training step
     block = _ROW_BLOCK if row_invariant(x) and not (prefill or trained) else max(rows, 1)
-    parts = [_product(flat[start : start + block], weight, bias, scale, packed) for start in range(0, rows, block)]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if rows <= block:  # one product (a decode, a short verify): no slicing, which costs a dispatch per call
+        out = _product(flat, weight, bias, scale, packed)
+    else:
+        out = torch.cat([_product(flat[start : start + block], weight, bias, scale, packed)
+                         for start in range(0, rows, block)])
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -189,10 +192,14 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, T, heads, D) by position; cos/sin are (B, T, D). Half-split convention (HF Llama)."""
+    """Rotate (B, T, heads, D) by position; cos/sin are (B, T, D), or (B, T, 1, D) already broadcast over
+    the heads (the target does that once per forward rather than once per layer). Half-split convention
+    (HF Llama)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    if cos.dim() == 3:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return x * cos + rotated * sin
 
 
 class SwiGLU(nn.Module):
@@ -359,6 +366,8 @@ def _attend_block(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     padded_keys = values.shape[2]
     if padded_keys > s:
         weights = F.pad(weights, (0, padded_keys - s))
+    if padded_keys <= _VALUE_CHUNK:  # one chunk: its bf16 product as it is (a cast to fp32 and back is exact)
+        return torch.matmul(weights, values)[:, :, :r]
     out = torch.matmul(weights[..., :_VALUE_CHUNK], values[:, :, :_VALUE_CHUNK]).float()
     for start in range(_VALUE_CHUNK, padded_keys, _VALUE_CHUNK):
         end = start + _VALUE_CHUNK
