@@ -12,7 +12,8 @@
      cache (`DynamicCache`), the loop `generate` runs without the logits processors;
    - llama.cpp on the embedded target's own GGUF (Q4_1 for SmolLM2) through `llama-cpp-python`, when
      it is installed (`pip install 'hspec[bench]'`; it compiles llama.cpp for this CPU), greedy, with
-     the same thread count;
+     the same thread count; left out, with a warning naming the build that avoids it, when the installed
+     build crashes on this CPU (`llama_cpp_crash`);
    - vLLM's CPU build when it is installed (`scripts/install_vllm.sh`, docs/vllm.md), bf16 (its fastest
      dtype here), eager, batch 1, no prefix caching, the same thread count. Its engine offers no clock
      between the prefill and the first decode step, so its decode time is a generate of N tokens minus
@@ -34,7 +35,10 @@ from __future__ import annotations
 
 import copy
 import statistics
+import subprocess
+import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,12 +266,17 @@ def _transformers_runner(target: Target, max_new_tokens: int) -> Runner:
 
 def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int) -> Runner | None:
     """Greedy decoding in llama.cpp on the embedded target's GGUF; None when llama-cpp-python is not
-    installed or the target is not the embedded default (only it comes with a GGUF here)."""
+    installed, the target is not the embedded default (only it comes with a GGUF here), or the installed
+    build crashes on this CPU (`llama_cpp_crash`, which then says so)."""
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
     if target_name not in (None, "smollm2"):
+        return None
+    crash = llama_cpp_crash(default_gguf_path(), threads)
+    if crash is not None:
+        warnings.warn(crash, RuntimeWarning, stacklevel=2)
         return None
     llm = Llama(str(default_gguf_path()), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
                 logits_all=False, verbose=False)
@@ -288,6 +297,35 @@ def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int) -> Ru
         llm.eval(ids)
         return time.perf_counter() - start
     return Runner(decode, prefill)
+
+
+# Evaluates a 2-token batch in a process of its own: ggml's AMX matrix product segfaults on some AMX CPUs
+# (ggml-org/llama.cpp issue 20824; on host fc-v1045 every batch of 2 or more tokens), which in this process
+# would end the whole benchmark.
+_LLAMA_CPP_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), n_threads_batch=int(sys.argv[2]), verbose=False)
+llm.eval(llm.tokenize(b"Hello there"))
+"""
+# How llama-cpp-python builds without ggml's AMX backend (docs/fast-path.md#an-amx-host).
+LLAMA_CPP_WITHOUT_AMX = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
+                         '-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON '
+                         '-DGGML_AVX512_BF16=ON" pip install --force-reinstall --no-deps --no-cache-dir '
+                         'llama-cpp-python')
+
+
+def llama_cpp_crash(gguf: Path, threads: int) -> str | None:
+    """None when the installed llama.cpp evaluates a 2-token batch of `gguf` in a child process, else what
+    to tell the user: how it failed and how to build it without ggml's AMX backend."""
+    probe = subprocess.run([sys.executable, "-c", _LLAMA_CPP_PROBE, str(gguf), str(threads)],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode == 0:
+        return None
+    how = f"signal {-probe.returncode}" if probe.returncode < 0 else f"exit status {probe.returncode}"
+    return (f"llama.cpp (llama-cpp-python) failed evaluating a 2-token batch on this CPU ({how}); its column "
+            f"is left out. On AMX CPUs ggml's AMX backend is known to crash; build it without: "
+            f"{LLAMA_CPP_WITHOUT_AMX}")
 
 
 def _vllm_runner(target: Target, max_new_tokens: int, longest_prompt: int, threads: int) -> Runner | None:
