@@ -240,6 +240,8 @@ def test_an_int4_weight_is_the_kernels_weights_and_a_prefill_multiplies_it():
     assert torch.allclose(wide.float(), kernel.float(), atol=0.05, rtol=0.02)
     with pytest.raises(ValueError, match="steps and zeros"):
         linear(x, weight, packed=packed)
+    with pytest.raises(ValueError, match="packed levels"):  # never the int8 kernel on floating values
+        linear(x, weight, scale=scale)
 
 
 def test_quantize_int4_stores_what_its_kernel_takes_and_leaves_the_rest_to_int8(tiny_dirs):

@@ -122,9 +122,10 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     floating weight is computed as the first of two (oneDNN's one-row kernel rounds otherwise); the int8
     and int4 kernels give one row alone the bits it gets among others, so it goes as it is (padding cost
     them ~15-30% of a decode's products: 30 layers' int4 products 5.6 ms for one row, 7.4 for two)."""
-    if int4_packed(packed):
-        if scale is None:
-            raise ValueError("int4 levels need their steps and zeros (models.quantize.quantize_int4)")
+    if int4_packed(packed) or (scale is not None and weight.is_floating_point()):  # int4 (see `linear`)
+        if scale is None or not int4_packed(packed):
+            raise ValueError("an int4 weight needs its packed levels and their steps and zeros "
+                             "(models.quantize.quantize_int4)")
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), packed, weight.shape[1] // scale.shape[0],
                                                           scale)
         return out if bias is None else out + bias

@@ -163,7 +163,7 @@ class TargetModel(nn.Module):
             positions = starts[:, None] + tree_mask.sum(-1) - 1  # (B, T) start + depth
             table, mask = _tree_table(starts, tree_mask, table)
         x = self.embed_tokens(input_ids)  # (B, T, H)
-        cos, sin = (table[:, :, None] for table in self.rope(positions, x.dtype))  # (B, T, 1, D) for every layer
+        cos, sin = (angles[:, :, None] for angles in self.rope(positions, x.dtype))  # (B, T, 1, D), all layers
         wanted = set(hidden_layers)
         collected = {0: x} if 0 in wanted else {}
         for i, layer in enumerate(self.layers):

@@ -66,7 +66,7 @@ def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch
 
 def quantize_groups(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) floating weight -> (N, K) uint8 levels 0..15 and (K/G, N, 2) steps and zeros in `scale_dtype`,
-    weight ~= (level - 8) * step + zero (the int4 kernel's form, `models.layers.dequantize`).
+    weight ~= (level - 8) * step + zero (the int4 kernel's form, `dequantize_groups`).
 
     Per group of G inputs: step = (max - min) / 15 and zero = min + 8 step, so the levels span the group's
     range (Q4_1's choice); both are rounded to `scale_dtype` first and each level is the nearest under the
