@@ -128,7 +128,7 @@ def test_attend_keeps_a_rows_bits_behind_zero_weight_keys_at_every_length():
     """A query against L keys, and against the same keys followed by 5 masked ones (a tree row's table
     ends before its siblings'), must give the same bits for every L. On an AVX2-only CPU the bf16 value
     product over a key count that is not a multiple of 16 broke this at L = 207, 331 and 343 of these, on an
-    AMX CPU at L = 140, 150, 196, 205 and 355 (`_pads_keys` pads there)."""
+    AMX CPU at L = 140, 150, 196, 205 and 355 unpadded (`_KEY_MULTIPLE` pads them)."""
     gen = torch.Generator().manual_seed(0)
     differing = []
     for length in range(1, 400):
@@ -141,16 +141,24 @@ def test_attend_keeps_a_rows_bits_behind_zero_weight_keys_at_every_length():
     assert not differing, f"key counts whose row changed behind masked keys: {differing}"
 
 
-@pytest.mark.parametrize("capability,flags,pads", [
-    ("AVX2", {"avx2"}, True),  # torch's own bf16 product: 7 of 8,192 cases parted unpadded
-    ("AVX512", {"avx512f", "avx512_bf16"}, False),  # the AMD EPYC host: every row kept its bits unpadded
-    ("AVX512", {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, True),  # oneDNN on AMX tiles: 5 of 399 parted
-    ("DEFAULT", set(), True),  # a CPU nothing was measured on
-])
-def test_the_value_sum_pads_its_keys_on_every_cpu_but_avx512_without_amx(capability, flags, pads):
-    from hspec.models.layers import pads_keys
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 140, 205, 355, 1030])
+@pytest.mark.parametrize("t", [1, 8])
+def test_attend_gives_the_same_bits_whatever_follows_its_keys(length, t):
+    """A paged read hands `attend` keys and values past its `num_keys` (`PagedKVPool.gather(multiple=...)`):
+    whatever they hold (finite), the output must be the bits of the exact keys, for a decode row and a
+    masked verify, across chunk (1,024) and key-multiple (32) boundaries."""
+    from hspec.models.layers import key_multiple
 
-    assert pads_keys(capability, frozenset(flags)) is pads
+    gen = torch.Generator().manual_seed(length)
+    q = torch.randn(1, t, 9, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, length + 70, 3, 64, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, length + 70, 3, 64, generator=gen).to(torch.bfloat16)
+    s = length + t
+    mask = None if t == 1 else (torch.arange(s) <= length + torch.arange(t)[:, None])[None, None]  # (1, 1, T, S)
+    exact = attend(q, k[:, :s], v[:, :s], mask)
+    for extra in (key_multiple(q) - 1, 69 - length % 7):
+        assert torch.equal(attend(q, k[:, : s + extra], v[:, : s + extra], mask, num_keys=s), exact), extra
+    assert key_multiple(q.float()) == 1
 
 
 @pytest.mark.parametrize("context,t", [(0, 300), (37, 129), (200, 520)])
@@ -168,7 +176,7 @@ def test_a_long_prefill_gives_every_row_the_bits_it_gets_in_one_block(context, t
     lengths = torch.tensor([context, max(context - 50, 0)])
     mask = key_pos[None, None, :] <= lengths[:, None, None] + torch.arange(t)[None, :, None]  # (B, T, S)
     mask = mask[:, None]
-    assert torch.equal(attend(q, k, v, mask), _attend_rows(q, k, v, mask))
+    assert torch.equal(attend(q, k, v, mask), _attend_rows(q, k, v, mask, context + t))
 
 
 def test_row_invariant_attention_matches_sdpa_to_bf16_rounding():

@@ -127,3 +127,29 @@ def test_a_pool_returns_what_was_written_and_a_bf16_pool_hands_out_k_transposed_
         assert per_head_kt.stride(-1) == 1
     else:
         assert pool.k.is_contiguous()
+
+
+def test_gather_rounds_the_positions_up_to_a_multiple_where_the_pool_has_them():
+    """A lone sequence's read runs on into the slots after it (a view: no copy), a gather pads with slot
+    0; at the end of the pool a view stops at the sequence's last position. The first S positions are
+    always the sequence's own."""
+    pool = PagedKVPool(1, num_kv_heads=2, head_dim=4, num_blocks=6, block_size=4, dtype=torch.bfloat16)
+    pool.add_sequence(0)
+    k, v = torch.randn(2, 1, 6, 2, 4).to(torch.bfloat16)
+    pool.write(0, pool.extend([0], 6), k, v)
+    keys, values = pool.gather(0, pool.slot_table([0]), multiple=8)
+    assert keys.shape[1] == values.shape[1] == 8
+    assert torch.equal(keys[:, :6], k) and torch.equal(values[:, :6], v)
+    assert values.data_ptr() == pool.v[0].data_ptr()  # a view into the pool
+    pool.add_sequence(1)
+    pool.write(0, pool.extend([1], 3), *torch.randn(2, 1, 3, 2, 4).to(torch.bfloat16))
+    pool.write(0, pool.extend([0], 4), *torch.randn(2, 1, 4, 2, 4).to(torch.bfloat16))  # blocks 0, 1, 3
+    table = pool.slot_table([0])
+    assert table.contiguous_start is None
+    keys, values = pool.gather(0, table, multiple=8)  # 10 positions -> 16, the 6 after them from slot 0
+    assert keys.shape[1] == 16 and torch.equal(values[:, 10:], pool.v[0, :1].expand(6, -1, -1)[None])
+    assert torch.equal(pool.gather(0, table)[1], values[:, :10])
+    end = PagedKVPool(1, num_kv_heads=2, head_dim=4, num_blocks=2, block_size=4, dtype=torch.bfloat16)
+    end.add_sequence(0)
+    end.extend([0], 6)
+    assert end.gather(0, end.slot_table([0]), multiple=16)[0].shape[1] == 6

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
@@ -256,9 +257,20 @@ class PagedKVPool:
             new = new.reshape(-1, self.num_kv_heads, self.head_dim)
             cache.index_copy_(0, flat, new if new.dtype == cache.dtype else new.to(cache.dtype))
 
-    def gather(self, layer: int, table: SlotTable) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the table's positions, each (B, S, Hkv, D): a view when contiguous, else a gather."""
-        return self._read(layer, table.slots, table.contiguous_start)
+    def gather(self, layer: int, table: SlotTable, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the table's positions, each (B, S', Hkv, D): a view when contiguous, else a gather.
+
+        S' is the table's S rounded up to `multiple` where the pool can give the extra positions (always
+        for a gather; for a view when the slots after the sequence's exist): a reader that weighs them 0
+        may compute over S' keys without copying. They hold other slots' contents, which are finite (every
+        slot holds zeros or K/V written to it); a gather reads slot 0 there, as for a shorter sequence's
+        unused positions.
+        """
+        s, start = table.slots.shape[1], table.contiguous_start
+        pad = -s % multiple
+        if start is not None:
+            return self._view(layer, start, start + s + pad if start + s + pad <= self.capacity_tokens else start + s)
+        return self._gather(layer, F.pad(table.slots, (0, pad)) if pad else table.slots)
 
     def gather_window(self, layers: Sequence[int], seq_ids: Sequence[int], ends: Sequence[int], window: int
                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -276,23 +288,20 @@ class PagedKVPool:
         table = self.slot_table(seq_ids)
         if table.contiguous_start is not None:
             start = table.contiguous_start + max_len - s
-            slots = torch.arange(start, start + s, device=device)[None, :]  # (1, S)
-            return ([self._read(i, slots, start) for i in layers],
+            return ([self._view(i, start, start + s) for i in layers],
                     torch.ones((1, s), dtype=torch.bool, device=device))
         ends_t = torch.as_tensor(list(ends), dtype=torch.long, device=device)
         positions = ends_t[:, None] - s + torch.arange(s, device=device)  # (B, S)
         slots = table.slots.gather(1, positions.clamp(min=0))  # (B, S)
-        return [self._read(i, slots, None) for i in layers], positions >= 0
+        return [self._gather(i, slots) for i in layers], positions >= 0
 
-    def _read(self, layer: int, slots: torch.Tensor, contiguous_start: int | None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `slots` (B, S) of one layer, each (B, S, Hkv, D); a slice when the slots run
-        consecutively from `contiguous_start` (then B == 1)."""
-        k, v = self.k[layer], self.v[layer]
-        if contiguous_start is not None:
-            window = slice(contiguous_start, contiguous_start + slots.shape[1])
-            return k[window].unsqueeze(0), v[window].unsqueeze(0)
-        return k[slots], v[slots]
+    def _view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the consecutive slots start..end-1 of one layer, each (1, end - start, Hkv, D), as views."""
+        return self.k[layer, start:end].unsqueeze(0), self.v[layer, start:end].unsqueeze(0)
+
+    def _gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` (B, S) of one layer, each (B, S, Hkv, D), copied out."""
+        return self.k[layer][slots], self.v[layer][slots]
 
     def _check(self, seq_id: int) -> int:
         if seq_id not in self._lengths:

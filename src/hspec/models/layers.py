@@ -18,13 +18,9 @@ tensors take the fused kernels (`F.linear`, `F.scaled_dot_product_attention`).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from hspec.models.dtype import cpu_flags
 
 # Keys per product in the row-invariant attention: a query's weighted sum of values is accumulated chunk
 # by chunk in fp32, so the keys that other rows of a verify add at the end never change how the earlier
@@ -44,27 +40,16 @@ _QUERY_BLOCK = 128
 # bits. On an AMX CPU (Sapphire Rapids, where oneDNN's bf16 product runs on AMX tiles, 32 bf16 values
 # deep) 5 of 399 key counts did, and greedy n-gram speculation changed a Spec-Bench output; padded to 16,
 # 3 verify rows of 3,192 still did; padded to 32, none (docs/fast-path.md). 32 is a multiple of 16, so
-# it serves the AVX2 CPUs too. AVX-512 CPUs without AMX gave the same bits either way, and the padding's
-# copies cost ~26 us a layer (~0.8 ms a decoded token at context 300), so only those skip it (`_pads_keys`).
+# it serves the AVX2 CPUs too; AVX-512 CPUs without AMX gave the same bits either way. The score product
+# runs over the same padded count (a key's score is a product over D alone, the same bits whatever other
+# keys share the call): a new product shape costs oneDNN ~0.7 ms to create, so shapes that change every 32
+# tokens rather than every token save that on most decoded tokens (`key_multiple`).
 _KEY_MULTIPLE = 32
 # Most rows one product of a decode or a verify takes. oneDNN's bf16 product gave each row the same bits
 # in calls of 2 to 32 rows; on an AMX CPU a call of 33 or more rows runs another kernel, and 1-57 of 64
 # rows of SmolLM2's products came out otherwise (and 132 of 5,872 verify rows of a 16-token attention).
 # So a larger call (a batch of sequences, a long verify, a recompute after preemption) runs in blocks.
 _ROW_BLOCK = 32
-
-
-def pads_keys(capability: str, flags: frozenset[str]) -> bool:
-    """Whether the value sum pads its keys to `_KEY_MULTIPLE` on a CPU whose torch kernels are `capability`
-    (`torch.backends.cpu.get_cpu_capability()`) and whose /proc/cpuinfo says `flags`: everywhere but on
-    AVX-512 CPUs without AMX, the one kind of CPU measured to keep a row's bits unpadded."""
-    return not capability.startswith("AVX512") or any(flag.startswith("amx") for flag in flags)
-
-
-@functools.cache
-def _pads_keys() -> bool:
-    """`pads_keys` for this machine (a property of the hardware, read once)."""
-    return pads_keys(torch.backends.cpu.get_cpu_capability(), cpu_flags())
 
 
 def row_invariant(x: torch.Tensor) -> bool:
@@ -285,25 +270,37 @@ class QKVProjection(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           prefill: bool = False) -> torch.Tensor:
+           prefill: bool = False, num_keys: int | None = None) -> torch.Tensor:
     """Scaled dot-product attention with GQA.
 
-    q (B, T, Hq, D); k, v (B, S, Hkv, D); mask (B, 1, T, S) bool, True = may attend, or None for
-    full attention. Returns (B, T, Hq * D). Row-invariant tensors take `_attend_row_invariant`.
+    q (B, T, Hq, D); k, v (B, S', Hkv, D) whose first S = num_keys (default S') positions are the keys;
+    mask (B, 1, T, S) bool, True = may attend, or None for full attention. Returns (B, T, Hq * D).
+    Positions after the S keys must hold finite values and are never attended: a paged read may add them
+    (`key_multiple`). Row-invariant tensors take `_attend_row_invariant`.
     prefill: as in `linear` (the rows are a prompt's): a query block's rows share one product.
     """
+    s = k.shape[1] if num_keys is None else num_keys
     if row_invariant(q):
-        return _attend_row_invariant(q, k, v, mask, prefill)
+        return _attend_row_invariant(q, k, v, mask, s, prefill)
     b, t, hq, d = q.shape
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        q.transpose(1, 2), k[:, :s].transpose(1, 2), v[:, :s].transpose(1, 2), attn_mask=mask,
         enable_gqa=hq != k.shape[2],
     )  # (B, Hq, T, D)
     return out.transpose(1, 2).reshape(b, t, hq * d)
 
 
-def _attend_row_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          mask: torch.Tensor | None, prefill: bool = False) -> torch.Tensor:
+def key_multiple(x: torch.Tensor) -> int:
+    """How many key positions a reader should hand `attend` for queries like `x`: `attend` computes a
+    row-invariant tensor's products over the keys rounded up to `_KEY_MULTIPLE` (see there), so keys and
+    values given that far (`PagedKVPool.gather(multiple=...)`) spare it a copy of the values, and oneDNN
+    sees a new product shape every 32 tokens rather than every token (creating one cost ~0.7 ms on an AMX
+    CPU, once per decoded token; docs/fast-path.md). 1 for the fused kernels."""
+    return _KEY_MULTIPLE if row_invariant(x) else 1
+
+
+def _attend_row_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          s: int, prefill: bool = False) -> torch.Tensor:
     """`attend` computed so that a query row's output does not depend on the other rows of the call.
 
     The G = Hq / Hkv query heads that share a KV head become G * T rows, multiplied per KV head in
@@ -319,58 +316,65 @@ def _attend_row_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     t = q.shape[1]
     row_block = q.shape[1] * q.shape[2] if prefill else _ROW_BLOCK
     if mask is None or t <= _QUERY_BLOCK:
-        return _attend_rows(q, k, v, mask, row_block)
+        return _attend_rows(q, k, v, mask, s, row_block)
     blocks = []
     for start in range(0, t, _QUERY_BLOCK):
         block_mask = mask[:, :, start : start + _QUERY_BLOCK]  # (B, 1, Tb, S)
         seen = block_mask.flatten(0, 2).any(0).nonzero()  # (visible keys, 1)
         keys = int(seen[-1]) + 1 if seen.numel() else 1
-        blocks.append(_attend_rows(q[:, start : start + _QUERY_BLOCK], k[:, :keys], v[:, :keys],
-                                   block_mask[..., :keys], row_block))
+        blocks.append(_attend_rows(q[:, start : start + _QUERY_BLOCK], k, v, block_mask[..., :keys], keys,
+                                   row_block))
     return torch.cat(blocks, dim=1)
 
 
-def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, s: int,
                  row_block: int = _ROW_BLOCK) -> torch.Tensor:
-    """`_attend_row_invariant` in one call: every row against all S keys (shapes as in `attend`), the
-    T G query rows of a KV head in products of at most `row_block` rows."""
+    """`_attend_row_invariant` in one call: every row against the first s keys (shapes as in `attend`),
+    the T G query rows of a KV head in products of at most `row_block` rows. The products run over W, s
+    rounded up to `_KEY_MULTIPLE`: over the positions k and v hold up to W when they reach it (their
+    weights are 0), else over s keys with values padded by zeros."""
     b, t, hq, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     g = hq // hkv
+    width = s + -s % _KEY_MULTIPLE
     rows = q.view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)  # (B, Hkv, T G, D)
     visible = None
     if mask is not None:
         visible = mask[:, :, :, None, :].expand(b, 1, t, g, s).reshape(b, 1, t * g, s)
-    keys = k.permute(0, 2, 3, 1)  # (B, Hkv, D, S)
-    values = v.permute(0, 2, 1, 3)  # (B, Hkv, S, D)
-    pad = -s % _KEY_MULTIPLE if _pads_keys() else 0
-    if pad:  # zero-weight keys up to a multiple of _KEY_MULTIPLE (see there)
-        values = F.pad(values, (0, 0, 0, pad))
-    blocks = [_attend_block(rows[:, :, start : start + row_block], keys, values,
+    if k.shape[1] < width:  # zero-weight keys up to a multiple of _KEY_MULTIPLE (see there), copied
+        k, v = k[:, :s], F.pad(v[:, :s], (0, 0, 0, 0, 0, width - s))
+    elif k.shape[1] > width:
+        k, v = k[:, :width], v[:, :width]
+    keys = k.permute(0, 2, 3, 1)  # (B, Hkv, D, S or W)
+    values = v.permute(0, 2, 1, 3)  # (B, Hkv, W, D)
+    blocks = [_attend_block(rows[:, :, start : start + row_block], keys, values, s,
                             None if visible is None else visible[:, :, start : start + row_block])
               for start in range(0, t * g, row_block)]
     out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # (B, Hkv, T G, D)
     return out.view(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, hq * d)
 
 
-def _attend_block(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None
-                  ) -> torch.Tensor:
-    """Up to `_ROW_BLOCK` query rows (B, Hkv, R, D) against keys (B, Hkv, D, S) and values (B, Hkv, S', D),
-    S' >= S padded with zero-weight keys; visible (B, 1, R, S) or None. Returns (B, Hkv, R, D)."""
-    r, s, d = rows.shape[2], keys.shape[3], rows.shape[3]
+def _attend_block(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: int,
+                  visible: torch.Tensor | None) -> torch.Tensor:
+    """Up to `_ROW_BLOCK` query rows (B, Hkv, R, D) against the first s of keys (B, Hkv, D, S or W) and
+    values (B, Hkv, W, D), W >= S a multiple of `_KEY_MULTIPLE` whose positions after s weigh 0;
+    visible (B, 1, R, s) or None. Returns (B, Hkv, R, D)."""
+    r, d = rows.shape[2], rows.shape[3]
     if r == 1:  # one row: compute it as one of two (see `linear`)
         rows = rows.expand(-1, -1, 2, -1)
-    scores = torch.matmul(rows, keys)  # (B, Hkv, rows, S)
+    scores = torch.matmul(rows, keys)  # (B, Hkv, rows, S or W): a key's score does not depend on the others
+    if scores.shape[-1] > s:
+        scores = scores[..., :s]
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.softmax(scores.float() * d**-0.5, dim=-1).to(rows.dtype)
-    padded_keys = values.shape[2]
-    if padded_keys > s:
-        weights = F.pad(weights, (0, padded_keys - s))
-    if padded_keys <= _VALUE_CHUNK:  # one chunk: its bf16 product as it is (a cast to fp32 and back is exact)
+    width = values.shape[2]
+    if width > s:
+        weights = F.pad(weights, (0, width - s))
+    if width <= _VALUE_CHUNK:  # one chunk: its bf16 product as it is (a cast to fp32 and back is exact)
         return torch.matmul(weights, values)[:, :, :r]
     out = torch.matmul(weights[..., :_VALUE_CHUNK], values[:, :, :_VALUE_CHUNK]).float()
-    for start in range(_VALUE_CHUNK, padded_keys, _VALUE_CHUNK):
+    for start in range(_VALUE_CHUNK, width, _VALUE_CHUNK):
         end = start + _VALUE_CHUNK
         out = out + torch.matmul(weights[..., start:end], values[:, :, start:end]).float()
     return out[:, :, :r].to(rows.dtype)

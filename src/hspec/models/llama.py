@@ -21,7 +21,7 @@ from torch import nn
 from hspec.cache.paged_pool import PagedKVPool, SlotTable
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import dtype_name
-from hspec.models.layers import Linear, QKVProjection, RMSNorm, SwiGLU, attend, int4_packed, rope_cos_sin
+from hspec.models.layers import Linear, QKVProjection, RMSNorm, SwiGLU, attend, int4_packed, key_multiple, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,9 @@ class Attention(nn.Module):
         b, t = x.shape[:2]
         q, k, v = self.qkv(x, cos, sin, prefill)  # (B, T, Hq, D), (B, T, Hkv, D) x2
         pool.write(layer_index, write_slots, k, v)  # new tokens first, so they see themselves
-        keys, values = pool.gather(layer_index, table)  # (rows, S, Hkv, D)
-        rows = table.slots.shape[0]
-        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, mask, prefill)  # (rows, T', Hq D)
+        keys, values = pool.gather(layer_index, table, key_multiple(x))  # (rows, S' >= S, Hkv, D)
+        rows, s = table.slots.shape
+        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, mask, prefill, s)  # (rows, T', Hq D)
         return self.o_proj(out.reshape(b, t, -1), prefill)
 
 
