@@ -8,7 +8,7 @@ import torch
 
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch
-from hspec.drafters.common import BlockContext, DrafterConfig, build_block, dspark_trainable_params
+from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, DrafterConfig, build_block, dspark_trainable_params
 from hspec.drafters.hspec import HSpecConfig, HSpecDrafter, hspec_trainable_params
 from hspec.models.config import RopeScaling, TargetConfig
 from hspec.sampling import SamplingBatch, SamplingParams
@@ -126,13 +126,21 @@ def test_attention_over_the_pool_equals_a_fresh_recompute(tiny_target, kind):
     for row in range(2):
         fresh = drafter.block_logits(_context_from_scratch(tiny_target, drafter, seqs[row], anchors[row], K))
         assert torch.allclose(batched[row], fresh[0], atol=1e-4), (kind, row)
+    # A proposal's read, rounded up to CONTEXT_MULTIPLE keys with the extra ones masked, changes nothing.
+    kv, mask = drafter.context_kv_from_pool(pool, [0, 1], lengths, CONTEXT_MULTIPLE)
+    assert not kv or (mask.shape[1] == CONTEXT_MULTIPLE and int(mask.sum()) == 10 + 7)
+    rounded = drafter.block_logits(BlockContext(block_tokens, positions, drafter.last_hidden_of([0, 1]), kv, mask))
+    assert torch.allclose(rounded, batched, atol=1e-5), kind
     # A lone sequence whose blocks are consecutive reads zero-copy views of the pool.
-    lone = tiny_target.model.new_pool(num_blocks=8, block_size=4)
+    lone = tiny_target.model.new_pool(num_blocks=16, block_size=4)
     _prefill(tiny_target, drafter, lone, 0, seqs[0])
     lone_kv, lone_mask = drafter.context_kv_from_pool(lone, [0], [13])
     for k, _ in lone_kv:
         assert k.untyped_storage().data_ptr() == lone.k.untyped_storage().data_ptr()
         assert k.shape == (1, 10, 2, 16) and bool(lone_mask.all())
+    lone_kv, lone_mask = drafter.context_kv_from_pool(lone, [0], [13], CONTEXT_MULTIPLE)
+    assert not lone_kv or (lone_kv[0][0].shape == (1, CONTEXT_MULTIPLE, 2, 16)
+                           and lone_mask.tolist() == [[True] * 10 + [False] * 22])
 
 
 def _propose(target, drafter, prompts, K, params):

@@ -153,3 +153,20 @@ def test_gather_rounds_the_positions_up_to_a_multiple_where_the_pool_has_them():
     end.add_sequence(0)
     end.extend([0], 6)
     assert end.gather(0, end.slot_table([0]), multiple=16)[0].shape[1] == 6
+
+
+def test_gather_window_rounds_up_with_the_extra_keys_masked():
+    pool = PagedKVPool(1, num_kv_heads=2, head_dim=4, num_blocks=8, block_size=4, dtype=torch.bfloat16)
+    pool.add_sequence(0)
+    k, v = torch.randn(2, 1, 10, 2, 4).to(torch.bfloat16)
+    pool.write(0, pool.extend([0], 10), k, v)
+    [(keys, values)], visible = pool.gather_window([0], [0], [10], window=6, multiple=8)
+    assert keys.shape[1] == 8 and torch.equal(keys[:, :6], k[:, 4:]) and torch.equal(values[:, :6], v[:, 4:])
+    assert visible.tolist() == [[True] * 6 + [False] * 2]
+    pool.add_sequence(1)
+    pool.write(0, pool.extend([1], 3), *torch.randn(2, 1, 3, 2, 4).to(torch.bfloat16))
+    [(keys, values)], visible = pool.gather_window([0], [0, 1], [10, 3], window=6, multiple=8)  # a gather
+    assert keys.shape[:2] == (2, 8) and torch.equal(keys[:1, :6], k[:, 4:])
+    assert visible.tolist() == [[True] * 6 + [False] * 2, [False] * 3 + [True] * 3 + [False] * 2]
+    [(keys, _)], visible = pool.gather_window([0], [0], [10], window=6)
+    assert keys.shape[1] == 6 and bool(visible.all())

@@ -272,28 +272,34 @@ class PagedKVPool:
             return self._view(layer, start, start + s + pad if start + s + pad <= self.capacity_tokens else start + s)
         return self._gather(layer, F.pad(table.slots, (0, pad)) if pad else table.slots)
 
-    def gather_window(self, layers: Sequence[int], seq_ids: Sequence[int], ends: Sequence[int], window: int
-                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    def gather_window(self, layers: Sequence[int], seq_ids: Sequence[int], ends: Sequence[int], window: int,
+                      multiple: int = 1) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """K and V of `layers` at the last min(end, window) positions before ends[b] of each sequence.
 
         Keys are right-aligned: key j of row b is position ends[b] - S + j, S = min(max(ends), window);
         keys at negative positions are masked. A lone sequence with consecutive blocks gets views, as
-        in `gather`. Returns ([(k, v) each (B, S, Hkv, D)] in `layers` order, visible (B, S) bool).
+        in `gather`. `multiple`: as in `gather`, S' = S rounded up to it where the pool has the slots, the
+        keys after the S masked. Returns ([(k, v) each (B, S', Hkv, D)] in `layers` order, visible (B, S')
+        bool).
         """
         device = self.k.device
         if not layers:
             return [], torch.zeros((len(seq_ids), 0), dtype=torch.bool, device=device)
         max_len = max(ends)
         s = min(max_len, window)
+        pad = -s % multiple
         table = self.slot_table(seq_ids)
         if table.contiguous_start is not None:
             start = table.contiguous_start + max_len - s
-            return ([self._view(i, start, start + s) for i in layers],
-                    torch.ones((1, s), dtype=torch.bool, device=device))
+            if start + s + pad > self.capacity_tokens:
+                pad = 0
+            visible = torch.arange(s + pad, device=device)[None, :] < s  # (1, S')
+            return [self._view(i, start, start + s + pad) for i in layers], visible
         ends_t = torch.as_tensor(list(ends), dtype=torch.long, device=device)
-        positions = ends_t[:, None] - s + torch.arange(s, device=device)  # (B, S)
-        slots = table.slots.gather(1, positions.clamp(min=0))  # (B, S)
-        return [self._gather(i, slots) for i in layers], positions >= 0
+        positions = ends_t[:, None] - s + torch.arange(s + pad, device=device)  # (B, S')
+        visible = (positions >= 0) & (positions < ends_t[:, None])
+        slots = table.slots.gather(1, torch.where(visible, positions, 0))  # (B, S')
+        return [self._gather(i, slots) for i in layers], visible
 
     def _view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the consecutive slots start..end-1 of one layer, each (1, end - start, Hkv, D), as views."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hspec.drafters.base import DraftBatch
-from hspec.drafters.common import BlockContext, build_block
+from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, build_block
 from hspec.sampling import SamplingBatch, draw_uniforms, sample_with_uniform
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def inference_context(drafter: NeuralDrafter, batch: DraftBatch, K: int) -> Bloc
     lengths = batch.pool.lengths(batch.seq_ids)
     p = torch.tensor(lengths, dtype=torch.long, device=batch.anchor_tokens.device)  # (B,)
     block_tokens, positions = build_block(batch.anchor_tokens, p, K, drafter.config.mask_token_id)
-    context_kv, context_mask = drafter.context_kv_from_pool(batch.pool, batch.seq_ids, lengths)
+    context_kv, context_mask = drafter.context_kv_from_pool(batch.pool, batch.seq_ids, lengths, CONTEXT_MULTIPLE)
     return BlockContext(block_tokens, positions, drafter.last_hidden_of(batch.seq_ids), context_kv, context_mask)
 
 
