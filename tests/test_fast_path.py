@@ -427,3 +427,21 @@ def test_smollm2_tree_rows_equal_the_decode_of_their_path_bit_for_bit(dtype):
             pool.truncate(0, start)
             model(torch.tensor([tokens[-len(path) - 1 : -1]]), pool, [0])  # the path's own K/V for the next rep
     assert not differing, f"tree rows with other bits than their decode (rep, depth): {differing}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_with_the_signed_sin_table_is_the_half_split_rotation_bit_for_bit(dtype):
+    """`apply_rope` swaps halves against a sin table that carries the sign; it must give exactly HF Llama's
+    x * cos + (-x2, x1) * sin, with 3-dim tables and with tables already broadcast over the heads."""
+    from hspec.models.layers import apply_rope, rope_cos_sin
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    positions = torch.tensor([[0, 5, 300, 8191]])
+    cos, sin = rope_cos_sin(inv_freq, positions, dtype)  # (1, 4, 64)
+    angles = torch.cat((positions.float()[..., None] * inv_freq,) * 2, dim=-1)
+    plain_sin = angles.sin().to(dtype)
+    assert torch.equal(cos, angles.cos().to(dtype))
+    x = torch.randn(1, 4, 5, 64).to(dtype)
+    expected = x * cos[:, :, None] + torch.cat((-x[..., 32:], x[..., :32]), dim=-1) * plain_sin[:, :, None]
+    assert torch.equal(apply_rope(x, cos, sin), expected)
+    assert torch.equal(apply_rope(x, cos[:, :, None], sin[:, :, None]), expected)

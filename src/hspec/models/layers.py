@@ -171,21 +171,23 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for `positions` (B, T): each (B, T, D), angles computed in fp32."""
+    """cos and signed sin tables for `positions` (B, T): each (B, T, D), angles computed in fp32.
+
+    The sin table carries the sign of the half rotation: -sin on the first half, sin on the second, so
+    `apply_rope` swaps x's halves instead of negating one (the same bits: (-a) * s == a * (-s))."""
     angles = positions.float()[..., None] * inv_freq.float()  # (B, T, D/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (B, T, D): halves rotate together
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    sin = angles.sin()
+    return torch.cat((angles, angles), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, T, heads, D) by position; cos/sin are (B, T, D), or (B, T, 1, D) already broadcast over
-    the heads (the target does that once per forward rather than once per layer). Half-split convention
-    (HF Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """Rotate (B, T, heads, D) by position: x * cos + (x2, x1) * sin with the signed sin of `rope_cos_sin`
+    (half-split convention, HF Llama's x * cos + (-x2, x1) * sin). cos/sin are (B, T, D), or (B, T, 1, D)
+    already broadcast over the heads (the target does that once per forward rather than once per layer)."""
+    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)  # (..., D): halves swapped
     if cos.dim() == 3:
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return x * cos + rotated * sin
+    return x * cos + swapped * sin
 
 
 class SwiGLU(nn.Module):
