@@ -104,6 +104,10 @@ class PagedKVPool:
         else:
             self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L_all, slots, Hkv, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Per-layer views for reading, each (slots, Hkv, D), taken once: a decode reads every layer, and a
+        # select costs a dispatch. `write` takes fresh ones, which autograd lets a drafter's K/V fill.
+        self._layer_k = [self.k[i] for i in range(num_layers)]
+        self._layer_v = [self.v[i] for i in range(num_layers)]
         # Ascending pop order keeps a lone sequence's blocks consecutive, which lets B == 1 attention
         # read a slice instead of gathering; freed blocks are pushed back and reused first.
         self._free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -242,7 +246,7 @@ class PagedKVPool:
         """Read-only views of one layer's K/V (target layers 0..L-1, drafter layers after them)."""
         if not 0 <= layer < self.k.shape[0]:
             raise IndexError(f"layer {layer} is outside the pool's {self.k.shape[0]} layers")
-        return LayerKV(self.k[layer], self.v[layer])
+        return LayerKV(self._layer_k[layer], self._layer_v[layer])
 
     def drafter_layer_index(self, i: int) -> int:
         """Pool layer index of the drafter's i-th own layer."""
@@ -303,11 +307,11 @@ class PagedKVPool:
 
     def _view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the consecutive slots start..end-1 of one layer, each (1, end - start, Hkv, D), as views."""
-        return self.k[layer, start:end].unsqueeze(0), self.v[layer, start:end].unsqueeze(0)
+        return self._layer_k[layer][start:end].unsqueeze(0), self._layer_v[layer][start:end].unsqueeze(0)
 
     def _gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` (B, S) of one layer, each (B, S, Hkv, D), copied out."""
-        return self.k[layer][slots], self.v[layer][slots]
+        return self._layer_k[layer][slots], self._layer_v[layer][slots]
 
     def _check(self, seq_id: int) -> int:
         if seq_id not in self._lengths:

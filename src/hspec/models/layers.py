@@ -349,10 +349,12 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         k, v = k[:, :width], v[:, :width]
     keys = k.permute(0, 2, 3, 1)  # (B, Hkv, D, S or W)
     values = v.permute(0, 2, 1, 3)  # (B, Hkv, W, D)
-    blocks = [_attend_block(rows[:, :, start : start + row_block], keys, values, s,
-                            None if visible is None else visible[:, :, start : start + row_block])
-              for start in range(0, t * g, row_block)]
-    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # (B, Hkv, T G, D)
+    if t * g <= row_block:  # one product (a decode, a short verify): no slicing, which costs a dispatch
+        out = _attend_block(rows, keys, values, s, visible)  # (B, Hkv, T G, D)
+    else:
+        out = torch.cat([_attend_block(rows[:, :, start : start + row_block], keys, values, s,
+                                       None if visible is None else visible[:, :, start : start + row_block])
+                         for start in range(0, t * g, row_block)], dim=2)
     return out.view(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, hq * d)
 
 
@@ -374,9 +376,11 @@ def _attend_block(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if width > s:
         weights = F.pad(weights, (0, width - s))
     if width <= _VALUE_CHUNK:  # one chunk: its bf16 product as it is (a cast to fp32 and back is exact)
-        return torch.matmul(weights, values)[:, :, :r]
-    out = torch.matmul(weights[..., :_VALUE_CHUNK], values[:, :, :_VALUE_CHUNK]).float()
-    for start in range(_VALUE_CHUNK, width, _VALUE_CHUNK):
-        end = start + _VALUE_CHUNK
-        out = out + torch.matmul(weights[..., start:end], values[:, :, start:end]).float()
-    return out[:, :, :r].to(rows.dtype)
+        out = torch.matmul(weights, values)
+    else:
+        out = torch.matmul(weights[..., :_VALUE_CHUNK], values[:, :, :_VALUE_CHUNK]).float()
+        for start in range(_VALUE_CHUNK, width, _VALUE_CHUNK):
+            end = start + _VALUE_CHUNK
+            out = out + torch.matmul(weights[..., start:end], values[:, :, start:end]).float()
+        out = out.to(rows.dtype)
+    return out if out.shape[2] == r else out[:, :, :r]
