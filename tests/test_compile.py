@@ -9,6 +9,7 @@ from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import compile as compile_module
 from hspec.drafters import create_drafter
 from hspec.drafters.compile import CompiledForward, compile_drafter
+from hspec.models.loading import load_target
 from hspec.runtime import build_drafter
 from hspec.sampling import SamplingParams
 
@@ -76,3 +77,20 @@ def test_a_compiled_drafter_keeps_greedy_output_equal_to_plain(tiny_target, kind
     plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1, tokens=32)
     assert _greedy(tiny_target, drafter, tokens=32) == plain
     assert drafter.block_logits.is_compiled and drafter.draft_greedy.is_compiled
+
+
+@pytest.mark.slow
+def test_a_compiled_drafter_compiles_once_whatever_the_context_length():
+    """SmolLM2 in int4 with its shipped H-Spec drafter: a first decode whose proposals read 64 keys (the
+    head dim) from a pool of 64 slots, then contexts of every length to 170 must reuse the first compile.
+    Dynamo's duck shapes had tied those 64 keys to the head dim, and a read spanning the pool to K's
+    stride, and recompiled (~40 s) in the middle of an evaluated decode."""
+    target = load_target("smollm2", dtype="int4")
+    drafter = build_drafter("hspec", target, compiled=True)
+    decoder = SpeculativeDecoder(target.model, drafter, 3, eos_token_ids=())
+    with torch.inference_mode():
+        decoder.generate([target.tokenizer.encode_prompt("Hi")], SamplingParams(), 16)
+        prompt = target.tokenizer.encode_prompt("Write a long essay about the history of the bicycle.")
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            decoder.generate([prompt], SamplingParams(), 120)
+    assert drafter.draft_greedy.is_compiled

@@ -170,3 +170,7 @@ def test_gather_window_rounds_up_with_the_extra_keys_masked():
     assert visible.tolist() == [[True] * 6 + [False] * 2, [False] * 3 + [True] * 3 + [False] * 2]
     [(keys, _)], visible = pool.gather_window([0], [0], [10], window=6)
     assert keys.shape[1] == 6 and bool(visible.all())
+    end = PagedKVPool(1, num_kv_heads=2, head_dim=4, num_blocks=4, block_size=4, dtype=torch.bfloat16)
+    end.add_sequence(0)
+    end.extend([0], 10)  # rounded to 16 the read would end at the pool's end: K's stride (see gather_window)
+    assert end.gather_window([0], [0], [10], window=16, multiple=16)[0][0][0].shape[1] == 10

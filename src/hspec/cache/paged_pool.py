@@ -295,8 +295,8 @@ class PagedKVPool:
         table = self.slot_table(seq_ids)
         if table.contiguous_start is not None:
             start = table.contiguous_start + max_len - s
-            if start + s + pad > self.capacity_tokens:
-                pad = 0
+            if start + s + pad >= self.capacity_tokens:  # not to the pool's end: a compiled drafter guards on
+                pad = 0  # whether its keys span the whole pool (K's stride is the slot count) and would recompile
             visible = torch.arange(s + pad, device=device)[None, :] < s  # (1, S')
             return [self._view(i, start, start + s + pad) for i in layers], visible
         ends_t = torch.as_tensor(list(ends), dtype=torch.long, device=device)

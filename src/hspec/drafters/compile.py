@@ -19,12 +19,22 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from hspec.drafters.common import NeuralDrafter
 
 COMPILED_METHODS = ("block_logits", "draft_greedy")
+
+
+def no_duck_shapes() -> AbstractContextManager[None]:
+    """Tracing in which sizes that happen to be equal stay separate symbols. By default dynamo gives dims
+    of equal value one symbol and guards on their equality: a context of 64 keys became the head dim's
+    64, and of as many keys as the pool had slots its stride's factor, and the next context length
+    recompiled the drafter (~40 s here) in the middle of a decode."""
+    return fx_config.patch(use_duck_shape=False)
 
 
 class CompiledForward:
@@ -45,7 +55,8 @@ class CompiledForward:
         if self.compiled is None:
             return self.eager(*args)
         try:
-            return self.compiled(*args)
+            with no_duck_shapes():
+                return self.compiled(*args)
         except Exception as compile_error:
             result = self.eager(*args)  # an error of the method itself raises here, as without compiling
             self.compiled = None
