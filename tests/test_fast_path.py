@@ -106,7 +106,8 @@ def test_a_bf16_target_is_prepacked_and_keeps_the_logits_of_plain_weights(tiny_d
 @pytest.mark.parametrize("context", [37, 255, 700, 1023, 1024, 1500, 2100])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
 @pytest.mark.parametrize("t", [8, 16])
-def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_heads, t):
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])  # float32: a CPU target's pool
+def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_heads, t, kv_dtype):
     """Row r of a T-token verify sees the context and r + 1 new keys of T; its 1-token decode saw exactly
     those keys and no more. The outputs must be equal bit for bit, across value-chunk boundaries, and
     with more query rows per KV head (16 x 3) than one product takes (on an AMX CPU a 48-row product
@@ -114,8 +115,8 @@ def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_hea
     torch.manual_seed(context)
     d = 64
     q = torch.randn(1, t, heads, d).to(torch.bfloat16)
-    k = torch.randn(1, context + t, kv_heads, d).to(torch.bfloat16)
-    v = torch.randn(1, context + t, kv_heads, d).to(torch.bfloat16)
+    k = torch.randn(1, context + t, kv_heads, d).to(torch.bfloat16).to(kv_dtype)
+    v = torch.randn(1, context + t, kv_heads, d).to(torch.bfloat16).to(kv_dtype)
     key_pos = torch.arange(context + t)
     mask = (key_pos[None, :] <= context + torch.arange(t)[:, None])[None, None]  # (1, 1, T, S)
     verify = attend(q, k, v, mask)  # (1, T, Hq * D)
@@ -124,7 +125,8 @@ def test_attend_gives_a_verify_row_the_bits_of_its_decode(context, heads, kv_hea
         assert torch.equal(verify[:, r : r + 1], decode), f"row {r} differs"
 
 
-def test_attend_keeps_a_rows_bits_behind_zero_weight_keys_at_every_length():
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_attend_keeps_a_rows_bits_behind_zero_weight_keys_at_every_length(kv_dtype):
     """A query against L keys, and against the same keys followed by 5 masked ones (a tree row's table
     ends before its siblings'), must give the same bits for every L. On an AVX2-only CPU the bf16 value
     product over a key count that is not a multiple of 16 broke this at L = 207, 331 and 343 of these, on an
@@ -133,8 +135,8 @@ def test_attend_keeps_a_rows_bits_behind_zero_weight_keys_at_every_length():
     differing = []
     for length in range(1, 400):
         q = torch.randn(1, 2, 9, 64, generator=gen).to(torch.bfloat16)
-        k = torch.randn(1, length + 5, 3, 64, generator=gen).to(torch.bfloat16)
-        v = torch.randn(1, length + 5, 3, 64, generator=gen).to(torch.bfloat16)
+        k = torch.randn(1, length + 5, 3, 64, generator=gen).to(torch.bfloat16).to(kv_dtype)
+        v = torch.randn(1, length + 5, 3, 64, generator=gen).to(torch.bfloat16).to(kv_dtype)
         mask = (torch.arange(length + 5) < length).expand(1, 1, 2, length + 5)
         if not torch.equal(attend(q, k[:, :length], v[:, :length], None), attend(q, k, v, mask)):
             differing.append(length)
@@ -143,7 +145,8 @@ def test_attend_keeps_a_rows_bits_behind_zero_weight_keys_at_every_length():
 
 @pytest.mark.parametrize("length", [1, 31, 32, 33, 140, 205, 355, 1030])
 @pytest.mark.parametrize("t", [1, 8])
-def test_attend_gives_the_same_bits_whatever_follows_its_keys(length, t):
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_attend_gives_the_same_bits_whatever_follows_its_keys(length, t, kv_dtype):
     """A paged read hands `attend` keys and values past its `num_keys` (`PagedKVPool.gather(multiple=...)`):
     whatever they hold (finite), the output must be the bits of the exact keys, for a decode row and a
     masked verify, across chunk (1,024) and key-multiple (32) boundaries."""
@@ -151,8 +154,8 @@ def test_attend_gives_the_same_bits_whatever_follows_its_keys(length, t):
 
     gen = torch.Generator().manual_seed(length)
     q = torch.randn(1, t, 9, 64, generator=gen).to(torch.bfloat16)
-    k = torch.randn(1, length + 70, 3, 64, generator=gen).to(torch.bfloat16)
-    v = torch.randn(1, length + 70, 3, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, length + 70, 3, 64, generator=gen).to(torch.bfloat16).to(kv_dtype)
+    v = torch.randn(1, length + 70, 3, 64, generator=gen).to(torch.bfloat16).to(kv_dtype)
     s = length + t
     mask = None if t == 1 else (torch.arange(s) <= length + torch.arange(t)[:, None])[None, None]  # (1, 1, T, S)
     exact = attend(q, k[:, :s], v[:, :s], mask)

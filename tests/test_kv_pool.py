@@ -115,18 +115,34 @@ def test_batched_ragged_equals_one_by_one(tiny_target):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_pool_returns_what_was_written_and_a_bf16_pool_hands_out_k_transposed_in_place(dtype):
-    pool = PagedKVPool(2, num_kv_heads=3, head_dim=8, num_blocks=4, block_size=4, dtype=dtype)
+@pytest.mark.parametrize("transposed_k", [True, False])
+def test_a_pool_returns_what_was_written_and_a_transposed_one_hands_out_k_transposed_in_place(dtype, transposed_k):
+    pool = PagedKVPool(2, num_kv_heads=3, head_dim=8, num_blocks=4, block_size=4, dtype=dtype,
+                       transposed_k=transposed_k)
     pool.add_sequence(0)
     k, v = torch.randn(2, 1, 6, 3, 8).to(dtype)
     pool.write(1, pool.extend([0], 6), k, v)
     keys, values = pool.gather(1, pool.slot_table([0]))  # (1, 6, 3, 8) each
     assert torch.equal(keys, k) and torch.equal(values, v)
     per_head_kt = keys.permute(0, 2, 3, 1)  # (B, Hkv, D, S), what the score product reads
-    if dtype == torch.bfloat16:  # reduced precision on the CPU: K^T is row-major, no copy needed
+    if transposed_k:  # K^T is row-major, no copy needed
         assert per_head_kt.stride(-1) == 1
     else:
         assert pool.k.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+def test_a_target_pool_is_float32_on_the_cpu_and_transposed_where_attention_is_row_invariant(tiny_target, dtype):
+    """bf16/int8/int4 targets on the CPU keep K/V in float32 (their attention's products are fp32 GEMMs,
+    `TargetModel.kv_dtype`) with K transposed; a float32 target's fused attention gets K slot-major.
+    A bf16 K/V value is exact in float32, so the pool holds what the layers computed."""
+    from hspec.models.loading import build_model
+
+    model = build_model(tiny_target.config, tiny_target.model.state_dict(), dtype, "cpu")
+    pool = model.new_pool(num_blocks=4, block_size=4)
+    assert pool.k.dtype == model.kv_dtype == torch.float32
+    assert model.row_invariant_attention is (dtype != "float32")
+    assert (pool.k.permute(0, 2, 3, 1).stride(-1) == 1) is model.row_invariant_attention  # K^T row-major
 
 
 def test_gather_rounds_the_positions_up_to_a_multiple_where_the_pool_has_them():

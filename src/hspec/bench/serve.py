@@ -154,7 +154,7 @@ def server_configs(settings: ServeBenchSettings) -> list[tuple[str, str, int | N
 def kv_capacity_table(target, budget_bytes: float, block_size: int) -> list[dict[str, Any]]:
     """KV capacity in tokens at `budget_bytes` for every registered kind (pool built on `meta`: no memory)."""
     c = target.config
-    dtype = target.model.embed_tokens.weight.dtype
+    dtype = target.model.kv_dtype
     rows = []
     for kind in DRAFTERS.names():
         try:

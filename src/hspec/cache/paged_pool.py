@@ -77,7 +77,13 @@ class PagedKVPool:
         num_drafter_layers: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        transposed_k: bool = False,
     ) -> None:
+        """transposed_k: K lives in memory as (L_all, Hkv, D, slots), seen as the usual (L_all, slots, Hkv,
+        D), so that one head's K^T over consecutive slots is a row-major (D, S) matrix the score product
+        of the row-invariant attention (models/layers.py) reads in place instead of copying it out of a
+        strided view (same bits; docs/fast-path.md); the fused attention of float32 and GPU models prefers
+        K slot-major (`TargetModel.new_pool` chooses)."""
         for name, value in (("num_target_layers", num_target_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("num_blocks", num_blocks), ("block_size", block_size)):
             if value <= 0:
@@ -93,12 +99,7 @@ class PagedKVPool:
         num_layers = num_target_layers + num_drafter_layers
         num_slots = num_blocks * block_size
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        if dtype != torch.float32 and torch.device(device).type == "cpu":
-            # Reduced precision on the CPU (the row-invariant attention of models/layers.py): K lives in
-            # memory as (L_all, Hkv, D, slots), seen as (L_all, slots, Hkv, D), so one head's K^T over
-            # consecutive slots is a row-major (D, S) matrix that the bf16 score product reads in place
-            # instead of copying it out of a strided view (same bits; docs/fast-path.md). float32's
-            # fused attention prefers K slot-major.
+        if transposed_k:
             k_storage = torch.zeros((num_layers, num_kv_heads, head_dim, num_slots), dtype=dtype, device=device)
             self.k = k_storage.permute(0, 3, 1, 2)  # (L_all, slots, Hkv, D)
         else:
@@ -117,8 +118,8 @@ class PagedKVPool:
     @classmethod
     def from_memory_budget(cls, budget_bytes: int, num_target_layers: int, num_kv_heads: int,
                            head_dim: int, block_size: int = 16, num_drafter_layers: int = 0,
-                           dtype: torch.dtype = torch.float32,
-                           device: torch.device | str = "cpu") -> PagedKVPool:
+                           dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                           transposed_k: bool = False) -> PagedKVPool:
         """As many blocks as fit in `budget_bytes` for all layers (target + drafter)."""
         per_token = cls.bytes_per_token(num_target_layers + num_drafter_layers, num_kv_heads, head_dim, dtype)
         num_blocks = budget_bytes // (per_token * block_size)
@@ -128,7 +129,7 @@ class PagedKVPool:
                 f"({per_token} B per token); raise the budget"
             )
         return cls(num_target_layers, num_kv_heads, head_dim, int(num_blocks), block_size,
-                   num_drafter_layers, dtype, device)
+                   num_drafter_layers, dtype, device, transposed_k)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

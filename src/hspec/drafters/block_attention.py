@@ -88,14 +88,15 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if context is None:
         probs = torch.softmax(block_scores, dim=-1).to(v.dtype)
         out = probs @ v.transpose(1, 2)  # (N, Hkv, g*K, D)
-    else:
+    else:  # the context may be in another dtype (a CPU target's float32 pool): its products are in its dtype
         ck, cv = context
         s = ck.shape[1]
-        ctx_scores = (qg @ ck.permute(0, 2, 3, 1)).float() * scale  # (N, Hkv, g*K, S)
+        ctx_scores = (qg.to(ck.dtype) @ ck.permute(0, 2, 3, 1)).float() * scale  # (N, Hkv, g*K, S)
         if context_mask is not None:
             ctx_scores = ctx_scores.masked_fill(~context_mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(torch.cat([ctx_scores, block_scores], dim=-1), dim=-1).to(v.dtype)
-        out = probs[..., :s] @ cv.transpose(1, 2) + probs[..., s:] @ v.transpose(1, 2)  # (N, Hkv, g*K, D)
+        probs = torch.softmax(torch.cat([ctx_scores, block_scores], dim=-1), dim=-1)
+        out = (probs[..., :s].to(cv.dtype) @ cv.transpose(1, 2)).to(v.dtype) \
+            + probs[..., s:].to(v.dtype) @ v.transpose(1, 2)  # (N, Hkv, g*K, D)
     return out.view(n, hkv, g, K, d).permute(0, 3, 1, 2, 4).reshape(n, K, hq * d)
 
 

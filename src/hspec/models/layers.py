@@ -28,6 +28,10 @@ from torch import nn
 # product gave a verify row its decode's bits with chunks up to 8,192 keys (contexts to 3,100; 256 -> 1,024
 # made a decode at context 800 0.78-0.90x as long; docs/fast-path.md).
 _VALUE_CHUNK = 1024
+# The same in float32 (a CPU target's pool, `TargetModel.kv_dtype`): MKL's fp32 product over more than ~352
+# keys rounds otherwise than over the same keys followed by zero-weight ones (107 of 128 widths to 2,048
+# here), within 256 it never did (rows 3 and 24, widths 32-256 against every wider one).
+_FP32_VALUE_CHUNK = 256
 # Query tokens per block of a long call (a prefill): each block is computed only against the keys some
 # row of it can see, so a causal prefill of T tokens does about half the T x T work and its scores stay
 # cache-sized. A block is a row-invariant call of its own, so every row keeps its bits.
@@ -334,7 +338,7 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     """`_attend_row_invariant` in one call: every row against the first s keys (shapes as in `attend`),
     the T G query rows of a KV head in products of at most `row_block` rows. The products run over W, s
     rounded up to `_KEY_MULTIPLE`: over the positions k and v hold up to W when they reach it (their
-    weights are 0), else over s keys with values padded by zeros."""
+    weights are 0), else over s keys and values padded by zeros."""
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -343,12 +347,13 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     visible = None
     if mask is not None:
         visible = mask[:, :, :, None, :].expand(b, 1, t, g, s).reshape(b, 1, t * g, s)
-    if k.shape[1] < width:  # zero-weight keys up to a multiple of _KEY_MULTIPLE (see there), copied
-        k, v = k[:, :s], F.pad(v[:, :s], (0, 0, 0, 0, 0, width - s))
-    elif k.shape[1] > width:
-        k, v = k[:, :width], v[:, :width]
-    keys = k.permute(0, 2, 3, 1)  # (B, Hkv, D, S or W)
-    values = v.permute(0, 2, 1, 3)  # (B, Hkv, W, D)
+    if k.shape[1] < width:  # zero-weight keys up to a multiple of _KEY_MULTIPLE (see there), copied, K^T
+        keys = F.pad(k[:, :s].permute(0, 2, 3, 1), (0, width - s))  # row-major as a CPU target's pool holds it
+        values = F.pad(v[:, :s].permute(0, 2, 1, 3), (0, 0, 0, width - s))  # (B, Hkv, W, D)
+    else:  # MKL's fp32 score product, unlike oneDNN's bf16 one, rounds a key's score otherwise over a key
+        if k.shape[1] > width:  # count that is not a multiple of 32, or from a K^T that is not row-major
+            k, v = k[:, :width], v[:, :width]
+        keys, values = k.permute(0, 2, 3, 1), v.permute(0, 2, 1, 3)  # (B, Hkv, D, W), (B, Hkv, W, D)
     if t * g <= row_block:  # one product (a decode, a short verify): no slicing, which costs a dispatch
         out = _attend_block(rows, keys, values, s, visible)  # (B, Hkv, T G, D)
     else:
@@ -362,25 +367,29 @@ def _attend_block(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                   visible: torch.Tensor | None) -> torch.Tensor:
     """Up to `_ROW_BLOCK` query rows (B, Hkv, R, D) against the first s of keys (B, Hkv, D, S or W) and
     values (B, Hkv, W, D), W >= S a multiple of `_KEY_MULTIPLE` whose positions after s weigh 0;
-    visible (B, 1, R, s) or None. Returns (B, Hkv, R, D)."""
+    visible (B, 1, R, s) or None. Returns (B, Hkv, R, D) in the rows' dtype.
+
+    Keys and values in float32 (a target's pool on the CPU, `TargetModel.kv_dtype`) make both products
+    fp32 GEMMs of the rows and weights in fp32; in the rows' dtype they are that dtype's products (oneDNN's
+    for bf16), the weights rounded to it. Either way the fp32 sum over value chunks is the same."""
     r, d = rows.shape[2], rows.shape[3]
-    if r == 1:  # one row: compute it as one of two (see `linear`)
+    if r == 1:  # one row: compute it as one of two (see `linear`; MKL's fp32 one-row kernel rounds otherwise too)
         rows = rows.expand(-1, -1, 2, -1)
-    scores = torch.matmul(rows, keys)  # (B, Hkv, rows, S or W): a key's score does not depend on the others
+    scores = torch.matmul(rows.to(keys.dtype), keys)  # (B, Hkv, rows, S or W): a key's score is its own product
     if scores.shape[-1] > s:
         scores = scores[..., :s]
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
-    weights = torch.softmax(scores.float() * d**-0.5, dim=-1).to(rows.dtype)
+    weights = torch.softmax(scores.float() * d**-0.5, dim=-1).to(values.dtype)
     width = values.shape[2]
     if width > s:
         weights = F.pad(weights, (0, width - s))
-    if width <= _VALUE_CHUNK:  # one chunk: its bf16 product as it is (a cast to fp32 and back is exact)
+    chunk = _FP32_VALUE_CHUNK if values.dtype == torch.float32 else _VALUE_CHUNK
+    if width <= chunk:  # one chunk: its product as it is (a cast to fp32 and back is exact)
         out = torch.matmul(weights, values)
     else:
-        out = torch.matmul(weights[..., :_VALUE_CHUNK], values[:, :, :_VALUE_CHUNK]).float()
-        for start in range(_VALUE_CHUNK, width, _VALUE_CHUNK):
-            end = start + _VALUE_CHUNK
-            out = out + torch.matmul(weights[..., start:end], values[:, :, start:end]).float()
-        out = out.to(rows.dtype)
+        out = torch.matmul(weights[..., :chunk], values[:, :, :chunk]).float()
+        for start in range(chunk, width, chunk):
+            out = out + torch.matmul(weights[..., start : start + chunk], values[:, :, start : start + chunk]).float()
+    out = out.to(rows.dtype)
     return out if out.shape[2] == r else out[:, :, :r]

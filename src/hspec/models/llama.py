@@ -87,11 +87,27 @@ class TargetModel(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
 
     def new_pool(self, num_blocks: int, block_size: int = 16, num_drafter_layers: int = 0) -> PagedKVPool:
-        """A KV pool shaped for this model, on its device and dtype."""
+        """A KV pool shaped for this model, on its device, in `kv_dtype`, K transposed for the row-invariant
+        attention (`PagedKVPool`)."""
         c = self.config
+        return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, num_drafter_layers,
+                           dtype=self.kv_dtype, device=self.embed_tokens.weight.device,
+                           transposed_k=self.row_invariant_attention)
+
+    @property
+    def row_invariant_attention(self) -> bool:
+        """Whether this model's attention takes the row-invariant kernels (bf16, int8 and int4 on the CPU;
+        models/layers.py) rather than the fused one."""
         w = self.embed_tokens.weight
-        return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
-                           num_drafter_layers, dtype=w.dtype, device=w.device)
+        return w.dtype != torch.float32 and w.device.type == "cpu"
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of this model's KV pool: float32 where the attention is row-invariant, whose two small
+        products per layer then run as fp32 GEMMs (a bf16 K/V value is exact in fp32): oneDNN's bf16
+        product cost ~35 us each for a decode's 3 x 64 x S shapes, MKL's fp32 one ~8, so about 1.5 ms of
+        a SmolLM2 token (docs/fast-path.md), for twice the KV memory; the weights' dtype elsewhere."""
+        return torch.float32 if self.row_invariant_attention else self.embed_tokens.weight.dtype
 
     @property
     def dtype_name(self) -> str:

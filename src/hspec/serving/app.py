@@ -65,12 +65,12 @@ def build_engine(target: TargetModel, drafter: Drafter, tokenizer: ServingTokeni
     if (kv_budget_bytes is None) == (num_blocks is None):
         raise ValueError("give exactly one of kv_budget_bytes and num_blocks")
     c = target.config
-    weight = target.embed_tokens.weight
     if num_blocks is not None:
         pool = target.new_pool(num_blocks, block_size, drafter.num_drafter_layers)
     elif kv_budget_bytes is not None:
         pool = PagedKVPool.from_memory_budget(int(kv_budget_bytes), c.num_layers, c.num_kv_heads, c.head_dim,
-                                              block_size, drafter.num_drafter_layers, weight.dtype, weight.device)
+                                              block_size, drafter.num_drafter_layers, target.kv_dtype,
+                                              target.embed_tokens.weight.device, target.row_invariant_attention)
     stages = DecodeStages(target, drafter, K, tokenizer.eos_token_ids, tokenizer.decode)
     return Engine(stages, pool, max_running, speculate_max_batch)
 
