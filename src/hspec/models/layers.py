@@ -347,11 +347,15 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     visible = None
     if mask is not None:
         visible = mask[:, :, :, None, :].expand(b, 1, t, g, s).reshape(b, 1, t * g, s)
-    if k.shape[1] < width:  # zero-weight keys up to a multiple of _KEY_MULTIPLE (see there), copied, K^T
-        keys = F.pad(k[:, :s].permute(0, 2, 3, 1), (0, width - s))  # row-major as a CPU target's pool holds it
+    # Both products run over W keys, K^T row-major: MKL's fp32 score product, unlike oneDNN's bf16 one,
+    # rounds a key's score otherwise over a key count that is not a multiple of 32 or from a K^T that is not
+    # row-major. Keys and values not given that far are padded with zeros here (a copy); a CPU target's pool
+    # gives them (`key_multiple`), K^T already row-major.
+    if k.shape[1] < width:
+        keys = F.pad(k[:, :s].permute(0, 2, 3, 1), (0, width - s))  # (B, Hkv, D, W)
         values = F.pad(v[:, :s].permute(0, 2, 1, 3), (0, 0, 0, width - s))  # (B, Hkv, W, D)
-    else:  # MKL's fp32 score product, unlike oneDNN's bf16 one, rounds a key's score otherwise over a key
-        if k.shape[1] > width:  # count that is not a multiple of 32, or from a K^T that is not row-major
+    else:
+        if k.shape[1] > width:
             k, v = k[:, :width], v[:, :width]
         keys, values = k.permute(0, 2, 3, 1), v.permute(0, 2, 1, 3)  # (B, Hkv, D, W), (B, Hkv, W, D)
     if t * g <= row_block:  # one product (a decode, a short verify): no slicing, which costs a dispatch
@@ -365,8 +369,8 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 def _attend_block(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: int,
                   visible: torch.Tensor | None) -> torch.Tensor:
-    """Up to `_ROW_BLOCK` query rows (B, Hkv, R, D) against the first s of keys (B, Hkv, D, S or W) and
-    values (B, Hkv, W, D), W >= S a multiple of `_KEY_MULTIPLE` whose positions after s weigh 0;
+    """Up to `_ROW_BLOCK` query rows (B, Hkv, R, D) against the first s of keys (B, Hkv, D, W) and
+    values (B, Hkv, W, D), W >= s a multiple of `_KEY_MULTIPLE` whose positions after s weigh 0;
     visible (B, 1, R, s) or None. Returns (B, Hkv, R, D) in the rows' dtype.
 
     Keys and values in float32 (a target's pool on the CPU, `TargetModel.kv_dtype`) make both products
@@ -375,7 +379,7 @@ def _attend_block(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     r, d = rows.shape[2], rows.shape[3]
     if r == 1:  # one row: compute it as one of two (see `linear`; MKL's fp32 one-row kernel rounds otherwise too)
         rows = rows.expand(-1, -1, 2, -1)
-    scores = torch.matmul(rows.to(keys.dtype), keys)  # (B, Hkv, rows, S or W): a key's score is its own product
+    scores = torch.matmul(rows.to(keys.dtype), keys)  # (B, Hkv, rows, W): a key's score is its own product
     if scores.shape[-1] > s:
         scores = scores[..., :s]
     if visible is not None:

@@ -21,7 +21,17 @@ from torch import nn
 from hspec.cache.paged_pool import PagedKVPool, SlotTable
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import dtype_name
-from hspec.models.layers import Linear, QKVProjection, RMSNorm, SwiGLU, attend, int4_packed, key_multiple, rope_cos_sin
+from hspec.models.layers import (
+    Linear,
+    QKVProjection,
+    RMSNorm,
+    SwiGLU,
+    attend,
+    int4_packed,
+    key_multiple,
+    rope_cos_sin,
+    row_invariant,
+)
 
 
 @dataclass(frozen=True)
@@ -98,8 +108,7 @@ class TargetModel(nn.Module):
     def row_invariant_attention(self) -> bool:
         """Whether this model's attention takes the row-invariant kernels (bf16, int8 and int4 on the CPU;
         models/layers.py) rather than the fused one."""
-        w = self.embed_tokens.weight
-        return w.dtype != torch.float32 and w.device.type == "cpu"
+        return row_invariant(self.embed_tokens.weight)
 
     @property
     def kv_dtype(self) -> torch.dtype:
