@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hspec.bench.vllm import read_prompts, summarize
+from hspec.bench.vllm import read_prompts, render_markdown, summarize
 from hspec.drafters import create_drafter
 from hspec.drafters.checkpoint import save_drafter
 from hspec.drafters.dflash import DFlashConfig
@@ -255,6 +255,22 @@ def test_summary_counts_equal_outputs_and_tau():
     assert row["tokens_per_s"] == pytest.approx(3.0)
     plain = summarize("none", "vllm", [GreedyRun([1, 2, 3], 1.0, 0, 0)], [[1, 2, 3]], 5)
     assert plain["tau"] == 1.0 and plain["outputs_equal_plain"] == 1
+
+
+def test_the_table_divides_tokens_per_s_by_vllm_plain_and_by_its_fastest_drafter():
+    def row(drafter, engine, seconds):
+        return summarize(drafter, engine, [GreedyRun([1, 2, 3, 4], seconds, 1, 1)], [[1, 2, 3, 4]], None)
+
+    rows = [row("none", "vllm", 2.0), row("ngram", "vllm", 1.0), row("suffix", "vllm", 1.6),
+            row("none", "hspec", 0.5)]
+    meta = {"command": "test", "date": "-", "commit": "-", "settings": {},
+            "machine": {"cuda": None, "processor": "x", "cpu_count": 1, "torch_threads": 1, "platform": "p",
+                        "torch": "t"}}
+    text = render_markdown(meta, rows)
+    assert "| x vLLM plain | x vLLM ngram |" in text
+    assert "| ngram | vllm | 1/1 | 2.00 | 4.0 | 2.00x | 1.00x |" in text
+    assert "| none | hspec | 1/1 | 2.00 | 8.0 | 4.00x | 2.00x |" in text
+    assert "| x vLLM plain | x vLLM drafted |" in render_markdown(meta, rows[:1])
 
 
 def test_plugin_acts_only_on_drafters_that_sample_from_the_anchor():

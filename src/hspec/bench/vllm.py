@@ -243,16 +243,23 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
 
 
 def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
+    plain = next((r["tokens_per_s"] for r in rows if r["drafter"] == "none" and r["engine"] == "vllm"), None)
+    drafted = [r for r in rows if r["drafter"] != "none" and r["engine"] == "vllm"]
+    fastest = max(drafted, key=lambda r: r["tokens_per_s"], default=None)  # vLLM's fastest drafter
     lines = ["# hspec bench vllm: drafters inside vLLM (batch 1, greedy)", "", provenance_markdown(meta),
-             "| drafter | engine | outputs equal vLLM plain | tau | tokens/s | KV capacity (tokens) |",
-             "|---|---|---|---|---|---|"]
+             "| drafter | engine | outputs equal vLLM plain | tau | tokens/s | x vLLM plain | "
+             f"x vLLM {fastest['drafter'] if fastest else 'drafted'} | KV capacity (tokens) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kv = "" if r["kv_capacity_tokens"] is None else f"{r['kv_capacity_tokens']:,}"
         lines.append(f"| {r['drafter']} | {r['engine']} | {r['outputs_equal_plain']}/{r['num_prompts']} | "
-                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {kv} |")
+                     f"{r['tau']:.2f} | {r['tokens_per_s']:.1f} | {_ratio(r['tokens_per_s'], plain)} | "
+                     f"{_ratio(r['tokens_per_s'], fastest['tokens_per_s'] if fastest else None)} | {kv} |")
     lines += ["", "tau: tokens per verify step (accepted drafts + the bonus token). tokens/s: generated tokens over "
-              "the wall time of the generate calls (prefill included), one prompt at a time. `engine hspec` rows "
-              "run hspec's own engine on the same token ids; their equality column compares with vLLM plain too."]
+              "the wall time of the generate calls (prefill included), one prompt at a time; the two ratio "
+              "columns divide them by vLLM plain's and by the fastest vLLM drafter's, measured in the same run. "
+              "`engine hspec` rows run hspec's own engine on the same token ids; their equality column compares "
+              "with vLLM plain too."]
     if any(r["drafter"].partition("=")[0] == "hspec" for r in rows):
         lines += ["", "hspec: H-Spec served by hspec's proposer (vLLM method `custom_class` + hspec's plugin), "
                   "K = the checkpoint's max_draft_len; it keeps no KV, so its KV capacity is plain's."]
@@ -264,6 +271,11 @@ def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str
                   "nothing about a trained DFlash; its rows show that output stays equal to plain and what "
                   "DFlash's context-KV layers take from vLLM's KV capacity."]
     return "\n".join(lines) + "\n"
+
+
+def _ratio(tokens_per_s: float, reference: float | None) -> str:
+    """tokens_per_s over a reference row's, as a table cell ('' without a reference)."""
+    return f"{tokens_per_s / reference:.2f}x" if reference else ""
 
 
 def vllm_version() -> str:
