@@ -821,7 +821,9 @@ def _add_serve(sub) -> None:
 
 def _add_pool_options(p: argparse.ArgumentParser, default_budget_mib: float) -> None:
     p.add_argument("--kv-budget-mib", type=float, default=default_budget_mib,
-                   help=f"KV pool memory in MiB, target + drafter layers (default {default_budget_mib:g})")
+                   help=f"KV pool memory in MiB, target + drafter layers (default {default_budget_mib:g}); a "
+                        "reduced-precision target on the CPU keeps float32 K/V, twice a bf16 pool's bytes per "
+                        "token, for faster attention (docs/fast-path.md)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-running", type=int, default=128, help="largest decoding batch (default 128)")
 
