@@ -107,13 +107,14 @@ def assert_samples_follow(samples, exact: dict[tuple, float], min_p_value: float
     assert p_value > min_p_value, f"chi2={chi2:.1f}, dof={dof}, p={p_value:.2e}"
 
 
-def load_tiny(directory: Path, device: str = "cpu", dtype: torch.dtype | str = torch.float32) -> Target:
+def load_tiny(directory: Path, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
+              native: bool = True) -> Target:
     """Load a tiny checkpoint through the real loader, without a HF tokenizer. `dtype` may also be
-    a `--dtype` name, "int8" included."""
+    a `--dtype` name, "int8" included; `native` as in `build_model`."""
     from hspec.models import loading
 
     config = loading.read_config(directory)
-    model = loading.build_model(config, loading.read_state_dict(directory), dtype, device)
+    model = loading.build_model(config, loading.read_state_dict(directory), dtype, device, native)
     return Target(directory.name, directory, config, model, _ByteTokenizer(config.vocab_size))  # type: ignore[arg-type]
 
 

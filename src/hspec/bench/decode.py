@@ -8,6 +8,8 @@
      `models.weight_layout.fuse_projections`), so the gain of stacking is measured in the same run;
    - hspec bfloat16 on F.linear's plain weights (the runtime before `models.prepack`), when bfloat16 is
      among the dtypes, for the gain of oneDNN's prepacked weights;
+   - hspec in the last row-invariant dtype of `--dtypes` (int4 by default) with its decoder layers run by
+     Python rather than the native decoder stack (`models.native`), for that stack's gain;
    - transformers on the same weights (float32): its model called token by token with its own KV
      cache (`DynamicCache`), the loop `generate` runs without the logits processors;
    - llama.cpp on the embedded target's own GGUF (Q4_1 for SmolLM2) through `llama-cpp-python`, when
@@ -61,6 +63,7 @@ VERIFY_KS = (3, 7, 15)
 PREFILL_TOKENS = (128, 512)
 UNFUSED = "float32-unfused"
 UNPACKED = "bfloat16-unpacked"
+PYTHON_LAYERS = "-python-layers"  # suffix of the dtype whose layers run without the native stack
 TRANSFORMERS = "transformers-float32"
 LLAMA_CPP = "llama.cpp"
 VLLM = "vllm-bfloat16"
@@ -98,6 +101,10 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
         unpacked = build_model(base.config, state, "bfloat16", "cpu")
         drop_packed(unpacked)
         runners[UNPACKED] = _hspec_runner(unpacked, max_new_tokens)
+    native = [name for name in names if targets[name].model.native is not None]
+    if native:
+        python_layers = build_model(base.config, state, native[-1], "cpu", native=False)
+        runners[native[-1] + PYTHON_LAYERS] = _hspec_runner(python_layers, max_new_tokens)
     if transformers:
         runners[TRANSFORMERS] = _transformers_runner(base, max_new_tokens)
     llama_cpp = _llama_cpp_runner(target_name, max_new_tokens, torch.get_num_threads())
@@ -193,6 +200,8 @@ def _label(name: str) -> str:
         return "hspec float32, q/k/v and gate/up as separate matmuls (before the fast path)"
     if name == UNPACKED:
         return "hspec bfloat16, F.linear on plain weights (before prepacking)"
+    if name.endswith(PYTHON_LAYERS):
+        return f"hspec {name.removesuffix(PYTHON_LAYERS)}, decoder layers in Python (before the native stack)"
     if name == TRANSFORMERS:
         return "transformers generate, float32"
     if name == LLAMA_CPP:

@@ -32,6 +32,7 @@ from hspec.models.layers import (
     rope_cos_sin,
     row_invariant,
 )
+from hspec.models.native import NativeDecoderStack
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,19 @@ class DecoderLayer(nn.Module):
 
 
 class TargetModel(nn.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / SmolLM2 decoder whose KV cache is a `PagedKVPool`."""
+    """Llama / Mistral / Qwen2 / Qwen3 / SmolLM2 decoder whose KV cache is a `PagedKVPool`.
+
+    native: the decoder layers in C++ (`models.native`) for the forwards it covers (a lone sequence's
+    decode or verify in a row-invariant dtype), with the Python layers' bits; None runs the Python layers
+    always. `loading.build_model` sets it once the weights are in their final storage.
+    """
+
+    native: NativeDecoderStack | None
 
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()
         self.config = config
+        self.native = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -191,10 +200,16 @@ class TargetModel(nn.Module):
         cos, sin = (angles[:, :, None] for angles in self.rope(positions, x.dtype))  # (B, T, 1, D), all layers
         wanted = set(hidden_layers)
         collected = {0: x} if 0 in wanted else {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, pool, i, write_slots, table, mask, prefill)
-            if i + 1 in wanted:
-                collected[i + 1] = x
+        if self.native is not None and self.native.covers(x, table.contiguous_start, tree_mask is not None, prefill):
+            layers = sorted(wanted - {0})
+            x, outputs = self.native(x, cos, sin, pool.k, pool.v, pool.capacity_tokens, write_slots,
+                                     table.contiguous_start, table.slots.shape[1], mask, layers)
+            collected.update(zip(layers, outputs))
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, pool, i, write_slots, table, mask, prefill)
+                if i + 1 in wanted:
+                    collected[i + 1] = x
         if last_logits_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import quantized_weights, resolve_dtype, slow_dtype_note
 from hspec.models.llama import TargetModel
+from hspec.models.native import NativeDecoderStack, build_extension
 from hspec.models.prepack import prepack_bf16
 from hspec.models.quantize import quantize_int4, quantize_int8
 from hspec.models.tokenizer import ChatTokenizer
@@ -75,16 +76,17 @@ def resolve_target_dir(name_or_path: str | None) -> tuple[str, Path]:
 
 
 def load_target(name_or_path: str | None = None, dtype: str | torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> Target:
+                device: torch.device | str = "cpu", native: bool = True) -> Target:
     """Load the target's weights, config and tokenizer; errors name the bad file and what was expected.
 
     `dtype` is a torch dtype or a `--dtype` name (auto, float32, bfloat16, int8; see `models.dtype`): the
     weights, the KV pools the model makes and the drafters built on it all run in it. The library
     default stays float32 (training and cached features); the inference commands default to auto.
+    `native`: as in `build_model`.
     """
     name, directory = resolve_target_dir(name_or_path)
     config = read_config(directory)
-    model = build_model(config, read_state_dict(directory), dtype, device)
+    model = build_model(config, read_state_dict(directory), dtype, device, native)
     return Target(name, directory, config, model, ChatTokenizer.from_directory(directory, config))
 
 
@@ -141,11 +143,14 @@ def hf_to_runtime_key(key: str) -> str:
 
 
 def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: str | torch.dtype,
-                device: torch.device | str) -> TargetModel:
+                device: torch.device | str, native: bool = True) -> TargetModel:
     """Build on the meta device, then adopt the checkpoint's tensors (no double allocation).
 
     `dtype`: a torch dtype or a `--dtype` name; "int8" stores the linears as int8, "int4" the decoder
     layers' as int4 and the LM head as int8 (`models.quantize`).
+    `native`: run a lone sequence's decodes and verifies through the C++ decoder stack (`models.native`;
+    built on first use, the same bits) where the model is row-invariant (bf16, int8, int4 on the CPU);
+    False keeps the Python layers (for comparing the two).
     """
     if quantized_weights(dtype) and torch.device(device).type != "cpu":
         raise ValueError(f"--dtype {dtype} (weight-only {dtype} linears) runs on the CPU; on {device} use bfloat16")
@@ -188,6 +193,10 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
         quantize_int8(model, compute_dtype)  # int4 leaves the LM head, and what its kernel cannot take
     else:
         prepack_bf16(model)  # bf16 on a CPU: oneDNN's packed copies, F.linear's bits faster (else a no-op)
+    if native and model.row_invariant_attention and NativeDecoderStack.fits(model.layers):
+        extension = build_extension()
+        if extension is not None:
+            model.native = NativeDecoderStack(extension, config, model.layers)
     return model
 
 

@@ -1,0 +1,192 @@
+// The target's decoder layers for one sequence's decode or verify, in C++ (models/native.py builds it).
+//
+// It calls the ATen operators that models/layers.py and models/llama.py call, with the same arguments in
+// the same order, so every result has the Python layers' bits; only the Python interpreter between the
+// ~80 operators of a layer is gone (docs/fast-path.md, "The native decoder stack"). It covers what
+// `NativeDecoderStack.covers` admits: one sequence whose K/V slots are consecutive, a chain of T new
+// tokens whose T * G query rows and T rows fit one product (layers._ROW_BLOCK), no per-head q/k norm, on
+// the CPU in a row-invariant dtype. Everything else runs the Python layers.
+//
+// Legend: T new tokens, S context length (keys), W S rounded up to the key multiple, H hidden,
+// Hq/Hkv heads, G = Hq / Hkv, D head dim, L layers.
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+using at::Tensor;
+using OptionalTensor = std::optional<Tensor>;
+
+namespace {
+
+// The weights of one decoder layer, in the order `NativeDecoderStack` lists them; a None of Python is
+// std::nullopt (no bias, a floating weight's missing scale, an unpacked weight).
+constexpr int64_t kTensorsPerLayer = 15;
+
+struct LinearWeights {
+  Tensor weight;          // (N, K): floating, int8, or an int4 weight's floating values
+  OptionalTensor bias;    // (N,)
+  OptionalTensor scale;   // int8 (N,), int4 (K / group, N, 2)
+  OptionalTensor packed;  // oneDNN's prepacked bf16 copy, or the int4 levels (uint8)
+};
+
+// layers._product for at most layers._ROW_BLOCK rows: flat (M, K) -> (M, N).
+Tensor product(const Tensor& flat, const LinearWeights& w) {
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte) {  // int4
+    Tensor out = at::_weight_int4pack_mm_for_cpu(flat.contiguous(), *w.packed, w.weight.size(1) / w.scale->size(0),
+                                                 *w.scale);
+    return w.bias.has_value() ? out + *w.bias : out;
+  }
+  const bool padded = flat.size(0) == 1 && !w.scale.has_value();  // one floating row: the first of two
+  const Tensor rows = padded ? flat.expand({2, -1}) : flat;
+  Tensor out;
+  if (w.packed.has_value()) {
+    static auto linear_pointwise =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+            .typed<Tensor(const Tensor&, const Tensor&, const OptionalTensor&, c10::string_view,
+                          c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+    out = linear_pointwise.call(rows, *w.packed, w.bias, "none", c10::List<std::optional<at::Scalar>>(),
+                                c10::string_view(""));
+  } else if (!w.scale.has_value()) {
+    out = at::linear(rows, w.weight, w.bias);
+  } else {
+    out = at::_weight_int8pack_mm(rows, w.weight, *w.scale);
+    if (w.bias.has_value()) out = out + *w.bias;
+  }
+  return padded ? out.slice(0, 0, 1) : out;
+}
+
+// layers.linear: x (..., K) -> (..., N).
+Tensor linear(const Tensor& x, const LinearWeights& w) {
+  const int64_t k = x.size(-1);
+  Tensor out = product(x.reshape({x.numel() / k, k}), w);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = w.weight.size(0);
+  return out.reshape(shape);
+}
+
+// layers.RMSNorm without autograd, bf16 input: weight * F.rms_norm(x).
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  return weight * at::rms_norm(x, {x.size(-1)}, std::nullopt, eps);
+}
+
+// layers.apply_rope with cos/sin (1, T, 1, D) and the signed sin table.
+Tensor apply_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  const Tensor swapped = x.unflatten(-1, {2, x.size(-1) / 2}).flip({-2}).flatten(-2);
+  return x * cos + swapped * sin;
+}
+
+struct AttentionShape {
+  int64_t hq, hkv, d, s, width, value_chunk;
+};
+
+// layers._attend_rows then _attend_block for one product: q (1, T, Hq, D) against the first S of keys and
+// values (1, S', Hkv, D); hidden_not (1, 1, T G, S) True where a row may NOT see a key, or nullopt.
+// Returns (1, T, Hq D).
+Tensor attend(const Tensor& q, Tensor keys, Tensor values, const OptionalTensor& hidden_not, const AttentionShape& a) {
+  const int64_t t = q.size(1), g = a.hq / a.hkv;
+  const Tensor rows = q.view({1, t, a.hkv, g, a.d}).permute({0, 2, 1, 3, 4}).reshape({1, a.hkv, t * g, a.d});
+  Tensor keys_t, vals;  // (1, Hkv, D, W), (1, Hkv, W, D)
+  if (keys.size(1) < a.width) {
+    keys_t = at::constant_pad_nd(keys.slice(1, 0, a.s).permute({0, 2, 3, 1}), {0, a.width - a.s});
+    vals = at::constant_pad_nd(values.slice(1, 0, a.s).permute({0, 2, 1, 3}), {0, 0, 0, a.width - a.s});
+  } else {
+    if (keys.size(1) > a.width) {
+      keys = keys.slice(1, 0, a.width);
+      values = values.slice(1, 0, a.width);
+    }
+    keys_t = keys.permute({0, 2, 3, 1});
+    vals = values.permute({0, 2, 1, 3});
+  }
+  const int64_t r = rows.size(2);
+  const Tensor block = r == 1 ? rows.expand({-1, -1, 2, -1}) : rows;  // one row: the first of two
+  Tensor scores = at::matmul(block.to(keys_t.scalar_type()), keys_t);  // (1, Hkv, rows, W)
+  if (scores.size(-1) > a.s) scores = scores.slice(-1, 0, a.s);
+  if (hidden_not.has_value()) scores = scores.masked_fill(*hidden_not, -INFINITY);
+  Tensor weights = at::softmax(scores.to(at::kFloat) * std::pow(static_cast<double>(a.d), -0.5), -1)
+                       .to(vals.scalar_type());
+  const int64_t width = vals.size(2);
+  if (width > a.s) weights = at::constant_pad_nd(weights, {0, width - a.s});
+  Tensor out;
+  if (width <= a.value_chunk) {
+    out = at::matmul(weights, vals);
+  } else {  // fp32 sum over chunks of value_chunk keys
+    out = at::matmul(weights.slice(-1, 0, a.value_chunk), vals.slice(2, 0, a.value_chunk)).to(at::kFloat);
+    for (int64_t start = a.value_chunk; start < width; start += a.value_chunk) {
+      out = out + at::matmul(weights.slice(-1, start, start + a.value_chunk),
+                             vals.slice(2, start, start + a.value_chunk)).to(at::kFloat);
+    }
+  }
+  out = out.to(rows.scalar_type());
+  if (out.size(2) != r) out = out.slice(2, 0, r);
+  return out.view({1, a.hkv, t, g, a.d}).permute({0, 2, 1, 3, 4}).reshape({1, t, a.hq * a.d});
+}
+
+}  // namespace
+
+// TargetModel.forward's layer loop for one sequence: x (1, T, H) embeddings, cos/sin (1, T, 1, D),
+// `weights` L x kTensorsPerLayer, pool_k/pool_v the pool's (L_all, slots, Hkv, D) views, write_slots (1, T),
+// the context's S keys at slots start..start+S-1 (the new tokens' included), mask (1, 1, T, S) or nullopt.
+// `key_end` is the slot after the last one a layer's attention reads (start + W where the pool has them,
+// else start + S; `PagedKVPool.gather`). Returns [x after the last layer, then the output of each layer
+// in `hidden_layers` (1-based, as HF's hidden_states), in that order], each (1, T, H).
+std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin,
+                                  const std::vector<OptionalTensor>& weights, const Tensor& pool_k,
+                                  const Tensor& pool_v, const Tensor& write_slots, int64_t start, int64_t s,
+                                  int64_t key_end, int64_t width, const OptionalTensor& mask, int64_t hq,
+                                  int64_t hkv, int64_t d, double eps, int64_t value_chunk,
+                                  int64_t fp32_value_chunk, const std::vector<int64_t>& hidden_layers) {
+  TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "decoder_stack: ", weights.size(),
+              " weights is not a whole number of layers of ", kTensorsPerLayer);
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "decoder_stack takes one sequence, got x of shape ", x.sizes());
+  const int64_t num_layers = static_cast<int64_t>(weights.size()) / kTensorsPerLayer;
+  const int64_t t = x.size(1), g = hq / hkv;
+  const Tensor flat_slots = write_slots.reshape({-1});
+  OptionalTensor hidden_not;  // (1, 1, T G, S), computed once rather than once per layer
+  if (mask.has_value()) {
+    hidden_not = mask->unsqueeze(3).expand({1, 1, t, g, s}).reshape({1, 1, t * g, s}).logical_not();
+  }
+  const auto need = [&](int64_t i) -> const Tensor& {
+    TORCH_CHECK(weights[i].has_value(), "decoder_stack: weight ", i, " is required");
+    return *weights[i];
+  };
+  std::vector<Tensor> collected;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const int64_t at = layer * kTensorsPerLayer;
+    const LinearWeights qkv{need(at + 1), weights[at + 2], weights[at + 3], weights[at + 4]};
+    const LinearWeights o_proj{need(at + 5), std::nullopt, weights[at + 6], weights[at + 7]};
+    const LinearWeights gate_up{need(at + 9), std::nullopt, weights[at + 10], weights[at + 11]};
+    const LinearWeights down{need(at + 12), std::nullopt, weights[at + 13], weights[at + 14]};
+
+    // Attention (llama.Attention, layers.QKVProjection): q and k rotated in one pass.
+    const Tensor projected = linear(rms_norm(x, need(at), eps), qkv);  // (1, T, (Hq + 2 Hkv) D)
+    const int64_t qk_width = (hq + hkv) * d;
+    const Tensor qk = apply_rope(projected.slice(-1, 0, qk_width).view({1, t, -1, d}), cos, sin);
+    const std::vector<Tensor> q_k = qk.split_with_sizes({hq, hkv}, 2);
+    const Tensor v = projected.slice(-1, qk_width).view({1, t, hkv, d});
+    Tensor layer_k = pool_k.select(0, layer), layer_v = pool_v.select(0, layer);  // (slots, Hkv, D)
+    layer_k.index_copy_(0, flat_slots, q_k[1].reshape({-1, hkv, d}).to(layer_k.scalar_type()));
+    layer_v.index_copy_(0, flat_slots, v.reshape({-1, hkv, d}).to(layer_v.scalar_type()));
+    const AttentionShape shape{hq, hkv, d, s, width,
+                               layer_v.scalar_type() == at::kFloat ? fp32_value_chunk : value_chunk};
+    const Tensor attended = attend(q_k[0], layer_k.slice(0, start, key_end).unsqueeze(0),
+                                   layer_v.slice(0, start, key_end).unsqueeze(0), hidden_not, shape);
+    x = x + linear(attended, o_proj);
+
+    // SwiGLU with gate and up fused (layers.SwiGLU).
+    const std::vector<Tensor> gate_and_up = linear(rms_norm(x, need(at + 8), eps), gate_up).chunk(2, -1);
+    x = x + linear(at::silu(gate_and_up[0]) * gate_and_up[1], down);
+    for (const int64_t wanted : hidden_layers) {
+      if (wanted == layer + 1) collected.push_back(x);
+    }
+  }
+  collected.insert(collected.begin(), x);
+  return collected;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("decoder_stack", &decoder_stack, "The target's decoder layers for one sequence (decoder_stack.cpp)");
+}

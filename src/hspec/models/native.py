@@ -1,0 +1,101 @@
+"""The native decoder stack: the target's decoder layers in C++ for a lone sequence's decode and verify.
+
+A SmolLM2 token runs ~2,600 ATen operators (about 86 per layer), and on the CPU the Python interpreter
+between them cost about as much as the small operators themselves. `decoder_stack.cpp` makes the same
+operator calls with the same arguments in the same order, so its results have the Python layers' bits
+(tests/test_native.py checks logits, hidden states and the pool's K/V for equality); it only takes the
+interpreter out. It is built once per machine with torch's C++ extension loader (a compiler and ninja;
+~20-60 s, cached under torch's extensions directory, TORCH_EXTENSIONS_DIR) the first time a
+row-invariant target loads. If it cannot be built, a warning says why and the Python layers run: the same
+outputs, slower. docs/fast-path.md ("The native decoder stack") has the measurements.
+
+Legend: T new tokens, S context length, H hidden, Hq/Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from hspec.models.config import TargetConfig
+from hspec.models.layers import _FP32_VALUE_CHUNK, _KEY_MULTIPLE, _ROW_BLOCK, _VALUE_CHUNK
+
+_SOURCE = Path(__file__).with_name("decoder_stack.cpp")
+
+
+def build_extension() -> ModuleType | None:
+    """Compile (or load the cached build of) `decoder_stack.cpp`; None, with a warning naming the cause,
+    where that fails (no C++ compiler, no ninja, headers missing)."""
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load("hspec_decoder_stack", [str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+    except Exception as error:  # a missing compiler or ninja raises RuntimeError or OSError, a bad build others
+        warnings.warn(f"hspec: the native decoder stack could not be built ({type(error).__name__}: "
+                      f"{str(error).strip().splitlines()[-1] if str(error).strip() else error}); the Python "
+                      "layers run instead, with the same outputs, slower (docs/fast-path.md)", stacklevel=2)
+        return None
+
+
+class NativeDecoderStack:
+    """`decoder_stack.cpp` bound to one target's decoder layers (`TargetModel.layers`, models/llama.py).
+
+    Built after the target's weights reached their final storage (fused, quantized, prepacked:
+    `loading.build_model`), it keeps references to those tensors; a layer whose weights are replaced
+    afterwards would not be seen, so nothing replaces them.
+    """
+
+    def __init__(self, extension: ModuleType, config: TargetConfig, layers: nn.ModuleList) -> None:
+        c = config
+        self.extension = extension
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = (c.num_heads, c.num_kv_heads, c.head_dim,
+                                                                       c.rms_norm_eps)
+        self.weights: list[torch.Tensor | None] = []  # 15 per layer, the order decoder_stack.cpp reads
+        for layer in layers:
+            qkv, o_proj, mlp = layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp
+            self.weights += [layer.input_layernorm.weight, qkv.qkv_weight, qkv.qkv_bias, qkv.qkv_scale,
+                             qkv.qkv_packed, o_proj.weight, o_proj.weight_scale, o_proj.weight_packed,
+                             layer.post_attention_layernorm.weight, mlp.gate_up_weight, mlp.gate_up_scale,
+                             mlp.gate_up_packed, mlp.down_proj.weight, mlp.down_proj.weight_scale,
+                             mlp.down_proj.weight_packed]
+
+    def __deepcopy__(self, memo: dict) -> NativeDecoderStack:
+        """A deep copy of its model binds the copy's tensors (`memo`); the compiled extension is shared."""
+        copied = copy.copy(self)
+        copied.weights = copy.deepcopy(self.weights, memo)
+        return copied
+
+    @staticmethod
+    def fits(layers: nn.ModuleList) -> bool:
+        """Whether the stack can run these decoder layers at all: fused q/k/v and gate/up
+        (`fuse_projections`), no per-head q/k norm (Qwen3), no bias on o_proj or the MLP."""
+        return all(layer.self_attn.qkv.qkv_weight is not None and layer.mlp.gate_up_weight is not None
+                   and layer.self_attn.qkv.q_norm is None and layer.self_attn.o_proj.bias is None
+                   and layer.mlp.down_proj.bias is None for layer in layers)
+
+    def covers(self, x: torch.Tensor, contiguous_start: int | None, tree: bool, prefill: bool) -> bool:
+        """Whether a forward of embeddings x (B, T, H) runs here: one sequence with consecutive slots, a
+        chain (not a tree), not a prompt's prefill, T * G query rows within one product, no autograd, on
+        the CPU in a row-invariant dtype (the Python layers keep every other case)."""
+        b, t = x.shape[:2]
+        rows = t * self.num_heads // self.num_kv_heads
+        return (b == 1 and contiguous_start is not None and not tree and not prefill and rows <= _ROW_BLOCK
+                and x.device.type == "cpu" and x.dtype != torch.float32 and not torch.is_grad_enabled())
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor,
+                 pool_v: torch.Tensor, capacity: int, write_slots: torch.Tensor, start: int, s: int,
+                 mask: torch.Tensor | None, hidden_layers: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layers over x (1, T, H) for a sequence whose S keys (the T new ones included) sit at slots
+        start..start+S-1 of the pool's (L_all, slots, Hkv, D) K and V. Returns the last layer's output and
+        the outputs of `hidden_layers` (1-based, ascending), each (1, T, H)."""
+        width = s + -s % _KEY_MULTIPLE
+        key_end = start + width if start + width <= capacity else start + s  # as `PagedKVPool.gather` reads
+        out = self.extension.decoder_stack(x, cos, sin, self.weights, pool_k, pool_v, write_slots, start, s, key_end,
+                                           width, mask, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
+                                           _VALUE_CHUNK, _FP32_VALUE_CHUNK, hidden_layers)
+        return out[0], out[1:]

@@ -1,0 +1,116 @@
+"""The native decoder stack (`models.native`, `decoder_stack.cpp`) gives the Python layers' bits.
+
+Every test compares a target built with the stack against the same checkpoint built without it: logits,
+requested hidden states and the pool's K/V after each forward must be equal in every bit, for decodes and
+verifies, in bf16, int8 and int4, across the families the stack fits. The losslessness suites run over
+the stack too, since `build_model` attaches it to every row-invariant target.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hspec.cache.paged_pool import blocks_for
+from hspec.models import native as native_module
+from hspec.models.native import NativeDecoderStack, build_extension
+
+
+class _Counting:
+    """Stands in for the compiled extension and counts the calls that reach it."""
+
+    def __init__(self, extension) -> None:
+        self.extension, self.calls = extension, 0
+
+    def decoder_stack(self, *args):
+        self.calls += 1
+        return self.extension.decoder_stack(*args)
+
+
+def _prefilled(model, prompt: list[int], extra: int):
+    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + extra, 16))
+    pool.add_sequence(0)
+    model(torch.tensor([prompt]), pool, [0], last_logits_only=True, prefill=True)
+    return pool
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "smollm2-like"])
+def test_the_native_stack_gives_the_python_layers_bits(tiny_dirs, family, dtype):
+    from conftest import load_tiny
+
+    fast = load_tiny(tiny_dirs[family], dtype=dtype).model
+    slow = load_tiny(tiny_dirs[family], dtype=dtype, native=False).model
+    assert fast.native is not None and slow.native is None
+    counter = _Counting(fast.native.extension)
+    fast.native.extension = counter
+    vocab = fast.config.vocab_size
+    prompt = [3 + (7 * i) % (vocab - 3) for i in range(280)]  # the fp32 value chunks (256 keys) while decoding
+    pools = [_prefilled(model, prompt, 80) for model in (fast, slow)]
+    generator = torch.Generator().manual_seed(0)
+    group = fast.config.num_heads // fast.config.num_kv_heads
+    widths = (1, 4, 1, 8, 32 // group, 32 // group + 1, 1, 3)  # the last rows the stack covers, and one beyond
+    with torch.inference_mode():
+        for width in widths:
+            ids = torch.randint(3, vocab, (1, width), generator=generator)
+            a = fast(ids, pools[0], [0], hidden_layers=(0, 2, fast.config.num_layers))
+            b = slow(ids, pools[1], [0], hidden_layers=(0, 2, slow.config.num_layers))
+            assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+            assert torch.equal(pools[0].k, pools[1].k) and torch.equal(pools[0].v, pools[1].v)
+    assert counter.calls == len(widths) - 1  # every forward but the one whose rows exceed a product
+
+
+def test_the_stack_leaves_batches_trees_prefills_and_float32_to_the_python_layers(tiny_dirs):
+    from conftest import load_tiny
+
+    model = load_tiny(tiny_dirs["llama"], dtype="bfloat16").model
+    x = torch.zeros(1, 2, model.config.hidden_size, dtype=torch.bfloat16)
+    stack = model.native
+    assert not stack.covers(x, contiguous_start=0, tree=False, prefill=False)  # autograd on
+    with torch.inference_mode():
+        assert stack.covers(x, contiguous_start=0, tree=False, prefill=False)
+        assert not stack.covers(x.expand(2, -1, -1), contiguous_start=None, tree=False, prefill=False)
+        assert not stack.covers(x, contiguous_start=None, tree=False, prefill=False)  # slots not consecutive
+        assert not stack.covers(x, contiguous_start=0, tree=True, prefill=False)
+        assert not stack.covers(x, contiguous_start=0, tree=False, prefill=True)
+        assert not stack.covers(x.float(), contiguous_start=0, tree=False, prefill=False)
+    assert load_tiny(tiny_dirs["llama"]).model.native is None  # float32 takes the fused kernels
+    assert load_tiny(tiny_dirs["qwen3"], dtype="bfloat16").model.native is None  # per-head q/k norm
+
+
+def test_a_deep_copy_binds_the_copys_weights(tiny_dirs):
+    from conftest import load_tiny
+
+    model = load_tiny(tiny_dirs["llama"], dtype="int8").model
+    copied = copy.deepcopy(model)
+    assert copied.native.weights[0] is copied.layers[0].input_layernorm.weight
+    assert copied.native.weights[0] is not model.layers[0].input_layernorm.weight
+    assert copied.native.extension is model.native.extension
+
+
+def test_a_stack_that_cannot_be_built_warns_and_the_python_layers_run(tiny_dirs, tmp_path, monkeypatch):
+    from conftest import load_tiny
+
+    broken = tmp_path / "decoder_stack.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native_module, "_SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    with pytest.warns(UserWarning, match="native decoder stack could not be built"):
+        assert build_extension() is None
+    with pytest.warns(UserWarning, match="Python layers run instead"):
+        model = load_tiny(tiny_dirs["llama"], dtype="bfloat16").model
+    assert model.native is None
+    pool = _prefilled(model, [3, 4, 5, 6], 4)
+    with torch.inference_mode():
+        assert model(torch.tensor([[7]]), pool, [0]).logits.shape == (1, 1, model.config.vocab_size)
+
+
+def test_fits_names_what_the_stack_runs(tiny_dirs):
+    from conftest import load_tiny
+
+    model = load_tiny(tiny_dirs["mistral"], dtype="int4").model
+    assert NativeDecoderStack.fits(model.layers)
+    model.layers[0].mlp.gate_up_weight = None  # separate gate and up projections
+    assert not NativeDecoderStack.fits(model.layers)
