@@ -62,20 +62,53 @@ def test_the_native_stack_gives_the_python_layers_bits(tiny_dirs, family, dtype)
     assert counter.calls == len(widths) - 1  # every forward but the one whose rows exceed a product
 
 
-def test_the_stack_leaves_batches_trees_prefills_and_float32_to_the_python_layers(tiny_dirs):
+def test_batches_of_ragged_sequences_on_scattered_blocks_keep_the_python_layers_bits(tiny_dirs):
+    """Two sequences of different lengths whose blocks interleave in the pool (a gather, as in the server),
+    then one of them alone on its scattered blocks, decoding and verifying side by side."""
+    from conftest import load_tiny
+
+    fast = load_tiny(tiny_dirs["llama"], dtype="int4").model
+    slow = load_tiny(tiny_dirs["llama"], dtype="int4", native=False).model
+    counter = _Counting(fast.native.extension)
+    fast.native.extension = counter
+    vocab = fast.config.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    pools = [model.new_pool(num_blocks=64, block_size=8) for model in (fast, slow)]
+    with torch.inference_mode():
+        for model, pool in zip((fast, slow), pools, strict=True):
+            for seq in (0, 1):
+                pool.add_sequence(seq)
+            for chunk in range(6):  # 6 x 8 tokens each, alternating: the two sequences' blocks interleave
+                for seq in (0, 1):
+                    ids = torch.tensor([[3 + (5 * chunk + 11 * seq + i) % (vocab - 3) for i in range(8)]])
+                    model(ids, pool, [seq], prefill=True)
+            model(torch.tensor([[5, 6, 7]]), pool, [1], prefill=True)  # ragged: 48 and 51 tokens
+        assert pools[0].slot_table([0]).contiguous_start is None  # sequence 0 alone is a gather too
+        for seq_ids, width in (([0, 1], 1), ([0, 1], 4), ([1, 0], 1), ([0], 1), ([0], 5), ([1], 2)):
+            ids = torch.randint(3, vocab, (len(seq_ids), width), generator=generator)
+            a = fast(ids, pools[0], seq_ids, hidden_layers=(1, 3))
+            b = slow(ids, pools[1], seq_ids, hidden_layers=(1, 3))
+            assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+            assert torch.equal(pools[0].k, pools[1].k) and torch.equal(pools[0].v, pools[1].v)
+    assert counter.calls == 6
+
+
+def test_the_stack_leaves_trees_prefills_wide_verifies_and_float32_to_the_python_layers(tiny_dirs):
     from conftest import load_tiny
 
     model = load_tiny(tiny_dirs["llama"], dtype="bfloat16").model
     x = torch.zeros(1, 2, model.config.hidden_size, dtype=torch.bfloat16)
     stack = model.native
-    assert not stack.covers(x, contiguous_start=0, tree=False, prefill=False)  # autograd on
+    group = model.config.num_heads // model.config.num_kv_heads
+    assert not stack.covers(x, tree=False, prefill=False)  # autograd on
     with torch.inference_mode():
-        assert stack.covers(x, contiguous_start=0, tree=False, prefill=False)
-        assert not stack.covers(x.expand(2, -1, -1), contiguous_start=None, tree=False, prefill=False)
-        assert not stack.covers(x, contiguous_start=None, tree=False, prefill=False)  # slots not consecutive
-        assert not stack.covers(x, contiguous_start=0, tree=True, prefill=False)
-        assert not stack.covers(x, contiguous_start=0, tree=False, prefill=True)
-        assert not stack.covers(x.float(), contiguous_start=0, tree=False, prefill=False)
+        assert stack.covers(x, tree=False, prefill=False)
+        assert stack.covers(x.expand(3, -1, -1), tree=False, prefill=False)  # a batch
+        assert not stack.covers(x, tree=True, prefill=False)
+        assert not stack.covers(x, tree=False, prefill=True)
+        assert not stack.covers(x.float(), tree=False, prefill=False)
+        wide = torch.zeros(1, 32 // group + 1, model.config.hidden_size, dtype=torch.bfloat16)
+        assert not stack.covers(wide, tree=False, prefill=False)  # its query rows exceed one product
     assert load_tiny(tiny_dirs["llama"]).model.native is None  # float32 takes the fused kernels
     assert load_tiny(tiny_dirs["qwen3"], dtype="bfloat16").model.native is None  # per-head q/k norm
 

@@ -3,12 +3,12 @@
 // It calls the ATen operators that models/layers.py and models/llama.py call, with the same arguments in
 // the same order, so every result has the Python layers' bits; only the Python interpreter between the
 // ~80 operators of a layer is gone (docs/fast-path.md, "The native decoder stack"). It covers what
-// `NativeDecoderStack.covers` admits: one sequence whose K/V slots are consecutive, a chain of T new
-// tokens whose T * G query rows and T rows fit one product (layers._ROW_BLOCK), no per-head q/k norm, on
+// `NativeDecoderStack.covers` admits: a chain of T new tokens per sequence (not a tree, not a prompt's
+// prefill) whose T * G query rows fit one attention product (layers._ROW_BLOCK), no per-head q/k norm, on
 // the CPU in a row-invariant dtype. Everything else runs the Python layers.
 //
-// Legend: T new tokens, S context length (keys), W S rounded up to the key multiple, H hidden,
-// Hq/Hkv heads, G = Hq / Hkv, D head dim, L layers.
+// Legend: B sequences, T new tokens, S context length (keys), S' >= S the keys read, W S rounded up to
+// the key multiple, H hidden, Hq/Hkv heads, G = Hq / Hkv, D head dim, L layers.
 
 #include <torch/extension.h>
 
@@ -32,7 +32,7 @@ struct LinearWeights {
   OptionalTensor packed;  // oneDNN's prepacked bf16 copy, or the int4 levels (uint8)
 };
 
-// layers._product for at most layers._ROW_BLOCK rows: flat (M, K) -> (M, N).
+// layers._product: one product of at most layers._ROW_BLOCK rows, flat (M, K) -> (M, N).
 Tensor product(const Tensor& flat, const LinearWeights& w) {
   if (w.packed.has_value() && w.packed->scalar_type() == at::kByte) {  // int4
     Tensor out = at::_weight_int4pack_mm_for_cpu(flat.contiguous(), *w.packed, w.weight.size(1) / w.scale->size(0),
@@ -59,10 +59,20 @@ Tensor product(const Tensor& flat, const LinearWeights& w) {
   return padded ? out.slice(0, 0, 1) : out;
 }
 
-// layers.linear: x (..., K) -> (..., N).
-Tensor linear(const Tensor& x, const LinearWeights& w) {
-  const int64_t k = x.size(-1);
-  Tensor out = product(x.reshape({x.numel() / k, k}), w);
+// layers.linear: x (..., K) -> (..., N), in products of at most row_block rows.
+Tensor linear(const Tensor& x, const LinearWeights& w, int64_t row_block) {
+  const int64_t k = x.size(-1), rows = x.numel() / k;
+  const Tensor flat = x.reshape({rows, k});
+  Tensor out;
+  if (rows <= row_block) {
+    out = product(flat, w);
+  } else {
+    std::vector<Tensor> blocks;
+    for (int64_t start = 0; start < rows; start += row_block) {
+      blocks.push_back(product(flat.slice(0, start, start + row_block), w));
+    }
+    out = at::cat(blocks);
+  }
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = w.weight.size(0);
   return out.reshape(shape);
@@ -73,7 +83,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return weight * at::rms_norm(x, {x.size(-1)}, std::nullopt, eps);
 }
 
-// layers.apply_rope with cos/sin (1, T, 1, D) and the signed sin table.
+// layers.apply_rope with cos/sin (B, T, 1, D) and the signed sin table.
 Tensor apply_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   const Tensor swapped = x.unflatten(-1, {2, x.size(-1) / 2}).flip({-2}).flatten(-2);
   return x * cos + swapped * sin;
@@ -83,13 +93,13 @@ struct AttentionShape {
   int64_t hq, hkv, d, s, width, value_chunk;
 };
 
-// layers._attend_rows then _attend_block for one product: q (1, T, Hq, D) against the first S of keys and
-// values (1, S', Hkv, D); hidden_not (1, 1, T G, S) True where a row may NOT see a key, or nullopt.
-// Returns (1, T, Hq D).
+// layers._attend_rows then _attend_block for one product: q (B, T, Hq, D) against the first S of keys and
+// values (B, S', Hkv, D); hidden_not (B, 1, T G, S) True where a row may NOT see a key, or nullopt.
+// Returns (B, T, Hq D).
 Tensor attend(const Tensor& q, Tensor keys, Tensor values, const OptionalTensor& hidden_not, const AttentionShape& a) {
-  const int64_t t = q.size(1), g = a.hq / a.hkv;
-  const Tensor rows = q.view({1, t, a.hkv, g, a.d}).permute({0, 2, 1, 3, 4}).reshape({1, a.hkv, t * g, a.d});
-  Tensor keys_t, vals;  // (1, Hkv, D, W), (1, Hkv, W, D)
+  const int64_t b = q.size(0), t = q.size(1), g = a.hq / a.hkv;
+  const Tensor rows = q.view({b, t, a.hkv, g, a.d}).permute({0, 2, 1, 3, 4}).reshape({b, a.hkv, t * g, a.d});
+  Tensor keys_t, vals;  // (B, Hkv, D, W), (B, Hkv, W, D)
   if (keys.size(1) < a.width) {
     keys_t = at::constant_pad_nd(keys.slice(1, 0, a.s).permute({0, 2, 3, 1}), {0, a.width - a.s});
     vals = at::constant_pad_nd(values.slice(1, 0, a.s).permute({0, 2, 1, 3}), {0, 0, 0, a.width - a.s});
@@ -103,7 +113,7 @@ Tensor attend(const Tensor& q, Tensor keys, Tensor values, const OptionalTensor&
   }
   const int64_t r = rows.size(2);
   const Tensor block = r == 1 ? rows.expand({-1, -1, 2, -1}) : rows;  // one row: the first of two
-  Tensor scores = at::matmul(block.to(keys_t.scalar_type()), keys_t);  // (1, Hkv, rows, W)
+  Tensor scores = at::matmul(block.to(keys_t.scalar_type()), keys_t);  // (B, Hkv, rows, W)
   if (scores.size(-1) > a.s) scores = scores.slice(-1, 0, a.s);
   if (hidden_not.has_value()) scores = scores.masked_fill(*hidden_not, -INFINITY);
   Tensor weights = at::softmax(scores.to(at::kFloat) * std::pow(static_cast<double>(a.d), -0.5), -1)
@@ -122,32 +132,36 @@ Tensor attend(const Tensor& q, Tensor keys, Tensor values, const OptionalTensor&
   }
   out = out.to(rows.scalar_type());
   if (out.size(2) != r) out = out.slice(2, 0, r);
-  return out.view({1, a.hkv, t, g, a.d}).permute({0, 2, 1, 3, 4}).reshape({1, t, a.hq * a.d});
+  return out.view({b, a.hkv, t, g, a.d}).permute({0, 2, 1, 3, 4}).reshape({b, t, a.hq * a.d});
 }
 
 }  // namespace
 
-// TargetModel.forward's layer loop for one sequence: x (1, T, H) embeddings, cos/sin (1, T, 1, D),
-// `weights` L x kTensorsPerLayer, pool_k/pool_v the pool's (L_all, slots, Hkv, D) views, write_slots (1, T),
-// the context's S keys at slots start..start+S-1 (the new tokens' included), mask (1, 1, T, S) or nullopt.
-// `key_end` is the slot after the last one a layer's attention reads (start + W where the pool has them,
-// else start + S; `PagedKVPool.gather`). Returns [x after the last layer, then the output of each layer
-// in `hidden_layers` (1-based, as HF's hidden_states), in that order], each (1, T, H).
+// TargetModel.forward's layer loop: x (B, T, H) embeddings, cos/sin (B, T, 1, D), `weights` L x
+// kTensorsPerLayer, pool_k/pool_v the pool's (L_all, slots, Hkv, D) views, write_slots (B, T), mask
+// (B, 1, T, S) or nullopt. The S keys of each sequence (the new tokens' included) are read either at
+// `slots` (B, S'), a gather (`PagedKVPool._gather`), or, without it, at the consecutive slots
+// start..key_end-1 of a lone sequence (`PagedKVPool._view`); W is S rounded up to the key multiple.
+// Returns [x after the last layer, then the output of each layer in `hidden_layers` (1-based, ascending,
+// as HF's hidden_states)], each (B, T, H).
 std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin,
                                   const std::vector<OptionalTensor>& weights, const Tensor& pool_k,
-                                  const Tensor& pool_v, const Tensor& write_slots, int64_t start, int64_t s,
-                                  int64_t key_end, int64_t width, const OptionalTensor& mask, int64_t hq,
-                                  int64_t hkv, int64_t d, double eps, int64_t value_chunk,
-                                  int64_t fp32_value_chunk, const std::vector<int64_t>& hidden_layers) {
+                                  const Tensor& pool_v, const Tensor& write_slots, const OptionalTensor& slots,
+                                  int64_t start, int64_t key_end, int64_t s, int64_t width,
+                                  const OptionalTensor& mask, int64_t hq, int64_t hkv, int64_t d, double eps,
+                                  int64_t row_block, int64_t value_chunk, int64_t fp32_value_chunk,
+                                  const std::vector<int64_t>& hidden_layers) {
   TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "decoder_stack: ", weights.size(),
               " weights is not a whole number of layers of ", kTensorsPerLayer);
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "decoder_stack takes one sequence, got x of shape ", x.sizes());
+  TORCH_CHECK(x.dim() == 3, "decoder_stack takes x of shape (B, T, H), got ", x.sizes());
+  TORCH_CHECK(slots.has_value() || x.size(0) == 1, "decoder_stack: a batch of ", x.size(0),
+              " sequences needs their slots");
   const int64_t num_layers = static_cast<int64_t>(weights.size()) / kTensorsPerLayer;
-  const int64_t t = x.size(1), g = hq / hkv;
+  const int64_t b = x.size(0), t = x.size(1), g = hq / hkv;
   const Tensor flat_slots = write_slots.reshape({-1});
-  OptionalTensor hidden_not;  // (1, 1, T G, S), computed once rather than once per layer
+  OptionalTensor hidden_not;  // (B, 1, T G, S), computed once rather than once per layer
   if (mask.has_value()) {
-    hidden_not = mask->unsqueeze(3).expand({1, 1, t, g, s}).reshape({1, 1, t * g, s}).logical_not();
+    hidden_not = mask->unsqueeze(3).expand({b, 1, t, g, s}).reshape({b, 1, t * g, s}).logical_not();
   }
   const auto need = [&](int64_t i) -> const Tensor& {
     TORCH_CHECK(weights[i].has_value(), "decoder_stack: weight ", i, " is required");
@@ -162,23 +176,29 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
     const LinearWeights down{need(at + 12), std::nullopt, weights[at + 13], weights[at + 14]};
 
     // Attention (llama.Attention, layers.QKVProjection): q and k rotated in one pass.
-    const Tensor projected = linear(rms_norm(x, need(at), eps), qkv);  // (1, T, (Hq + 2 Hkv) D)
+    const Tensor projected = linear(rms_norm(x, need(at), eps), qkv, row_block);  // (B, T, (Hq + 2 Hkv) D)
     const int64_t qk_width = (hq + hkv) * d;
-    const Tensor qk = apply_rope(projected.slice(-1, 0, qk_width).view({1, t, -1, d}), cos, sin);
+    const Tensor qk = apply_rope(projected.slice(-1, 0, qk_width).view({b, t, -1, d}), cos, sin);
     const std::vector<Tensor> q_k = qk.split_with_sizes({hq, hkv}, 2);
-    const Tensor v = projected.slice(-1, qk_width).view({1, t, hkv, d});
+    const Tensor v = projected.slice(-1, qk_width).view({b, t, hkv, d});
     Tensor layer_k = pool_k.select(0, layer), layer_v = pool_v.select(0, layer);  // (slots, Hkv, D)
     layer_k.index_copy_(0, flat_slots, q_k[1].reshape({-1, hkv, d}).to(layer_k.scalar_type()));
     layer_v.index_copy_(0, flat_slots, v.reshape({-1, hkv, d}).to(layer_v.scalar_type()));
     const AttentionShape shape{hq, hkv, d, s, width,
                                layer_v.scalar_type() == at::kFloat ? fp32_value_chunk : value_chunk};
-    const Tensor attended = attend(q_k[0], layer_k.slice(0, start, key_end).unsqueeze(0),
-                                   layer_v.slice(0, start, key_end).unsqueeze(0), hidden_not, shape);
-    x = x + linear(attended, o_proj);
+    Tensor keys, values;  // (B, S', Hkv, D)
+    if (slots.has_value()) {
+      keys = layer_k.index({*slots});
+      values = layer_v.index({*slots});
+    } else {
+      keys = layer_k.slice(0, start, key_end).unsqueeze(0);
+      values = layer_v.slice(0, start, key_end).unsqueeze(0);
+    }
+    x = x + linear(attend(q_k[0], keys, values, hidden_not, shape), o_proj, row_block);
 
     // SwiGLU with gate and up fused (layers.SwiGLU).
-    const std::vector<Tensor> gate_and_up = linear(rms_norm(x, need(at + 8), eps), gate_up).chunk(2, -1);
-    x = x + linear(at::silu(gate_and_up[0]) * gate_and_up[1], down);
+    const std::vector<Tensor> gate_and_up = linear(rms_norm(x, need(at + 8), eps), gate_up, row_block).chunk(2, -1);
+    x = x + linear(at::silu(gate_and_up[0]) * gate_and_up[1], down, row_block);
     for (const int64_t wanted : hidden_layers) {
       if (wanted == layer + 1) collected.push_back(x);
     }
@@ -188,5 +208,5 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("decoder_stack", &decoder_stack, "The target's decoder layers for one sequence (decoder_stack.cpp)");
+  module.def("decoder_stack", &decoder_stack, "The target's decoder layers (decoder_stack.cpp)");
 }

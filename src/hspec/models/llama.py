@@ -86,9 +86,9 @@ class DecoderLayer(nn.Module):
 class TargetModel(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 / SmolLM2 decoder whose KV cache is a `PagedKVPool`.
 
-    native: the decoder layers in C++ (`models.native`) for the forwards it covers (a lone sequence's
-    decode or verify in a row-invariant dtype), with the Python layers' bits; None runs the Python layers
-    always. `loading.build_model` sets it once the weights are in their final storage.
+    native: the decoder layers in C++ (`models.native`) for the forwards it covers (decodes and verifies
+    in a row-invariant dtype), with the Python layers' bits; None runs the Python layers always.
+    `loading.build_model` sets it once the weights are in their final storage.
     """
 
     native: NativeDecoderStack | None
@@ -200,10 +200,10 @@ class TargetModel(nn.Module):
         cos, sin = (angles[:, :, None] for angles in self.rope(positions, x.dtype))  # (B, T, 1, D), all layers
         wanted = set(hidden_layers)
         collected = {0: x} if 0 in wanted else {}
-        if self.native is not None and self.native.covers(x, table.contiguous_start, tree_mask is not None, prefill):
+        if self.native is not None and self.native.covers(x, tree_mask is not None, prefill):
             layers = sorted(wanted - {0})
-            x, outputs = self.native(x, cos, sin, pool.k, pool.v, pool.capacity_tokens, write_slots,
-                                     table.contiguous_start, table.slots.shape[1], mask, layers)
+            x, outputs = self.native(x, cos, sin, pool.k, pool.v, pool.capacity_tokens, write_slots, table.slots,
+                                     table.contiguous_start, mask, layers)
             collected.update(zip(layers, outputs))
         else:
             for i, layer in enumerate(self.layers):

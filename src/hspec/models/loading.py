@@ -148,7 +148,7 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
 
     `dtype`: a torch dtype or a `--dtype` name; "int8" stores the linears as int8, "int4" the decoder
     layers' as int4 and the LM head as int8 (`models.quantize`).
-    `native`: run a lone sequence's decodes and verifies through the C++ decoder stack (`models.native`;
+    `native`: run decodes and verifies through the C++ decoder stack (`models.native`;
     built on first use, the same bits) where the model is row-invariant (bf16, int8, int4 on the CPU);
     False keeps the Python layers (for comparing the two).
     """

@@ -1,4 +1,4 @@
-"""The native decoder stack: the target's decoder layers in C++ for a lone sequence's decode and verify.
+"""The native decoder stack: the target's decoder layers in C++ for decodes and verifies.
 
 A SmolLM2 token runs ~2,600 ATen operators (about 86 per layer), and on the CPU the Python interpreter
 between them cost about as much as the small operators themselves. `decoder_stack.cpp` makes the same
@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hspec.models.config import TargetConfig
@@ -78,24 +79,32 @@ class NativeDecoderStack:
                    and layer.self_attn.qkv.q_norm is None and layer.self_attn.o_proj.bias is None
                    and layer.mlp.down_proj.bias is None for layer in layers)
 
-    def covers(self, x: torch.Tensor, contiguous_start: int | None, tree: bool, prefill: bool) -> bool:
-        """Whether a forward of embeddings x (B, T, H) runs here: one sequence with consecutive slots, a
-        chain (not a tree), not a prompt's prefill, T * G query rows within one product, no autograd, on
-        the CPU in a row-invariant dtype (the Python layers keep every other case)."""
-        b, t = x.shape[:2]
-        rows = t * self.num_heads // self.num_kv_heads
-        return (b == 1 and contiguous_start is not None and not tree and not prefill and rows <= _ROW_BLOCK
-                and x.device.type == "cpu" and x.dtype != torch.float32 and not torch.is_grad_enabled())
+    def covers(self, x: torch.Tensor, tree: bool, prefill: bool) -> bool:
+        """Whether a forward of embeddings x (B, T, H) runs here: a chain of new tokens (not a tree), not a
+        prompt's prefill, each sequence's T * G query rows within one product, no autograd, on the CPU in
+        a row-invariant dtype (the Python layers keep every other case)."""
+        rows = x.shape[1] * self.num_heads // self.num_kv_heads
+        return (not tree and not prefill and rows <= _ROW_BLOCK and x.device.type == "cpu"
+                and x.dtype != torch.float32 and not torch.is_grad_enabled())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor,
-                 pool_v: torch.Tensor, capacity: int, write_slots: torch.Tensor, start: int, s: int,
-                 mask: torch.Tensor | None, hidden_layers: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The layers over x (1, T, H) for a sequence whose S keys (the T new ones included) sit at slots
-        start..start+S-1 of the pool's (L_all, slots, Hkv, D) K and V. Returns the last layer's output and
-        the outputs of `hidden_layers` (1-based, ascending), each (1, T, H)."""
+                 pool_v: torch.Tensor, capacity: int, write_slots: torch.Tensor, slots: torch.Tensor,
+                 contiguous_start: int | None, mask: torch.Tensor | None, hidden_layers: list[int]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layers over x (B, T, H) whose keys (the T new ones included) sit at `slots` (B, S) of the
+        pool's (L_all, slots, Hkv, D) K and V, read as `PagedKVPool.gather` reads them: a view from
+        `contiguous_start` (a lone sequence's consecutive slots), else a gather. Returns the last layer's
+        output and the outputs of `hidden_layers` (1-based, ascending), each (B, T, H)."""
+        s = slots.shape[1]
         width = s + -s % _KEY_MULTIPLE
-        key_end = start + width if start + width <= capacity else start + s  # as `PagedKVPool.gather` reads
-        out = self.extension.decoder_stack(x, cos, sin, self.weights, pool_k, pool_v, write_slots, start, s, key_end,
-                                           width, mask, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
-                                           _VALUE_CHUNK, _FP32_VALUE_CHUNK, hidden_layers)
+        start = key_end = 0
+        gathered = None
+        if contiguous_start is None:
+            gathered = F.pad(slots, (0, width - s)) if width > s else slots  # (B, W)
+        else:
+            start = contiguous_start
+            key_end = start + width if start + width <= capacity else start + s
+        out = self.extension.decoder_stack(x, cos, sin, self.weights, pool_k, pool_v, write_slots, gathered, start,
+                                           key_end, s, width, mask, self.num_heads, self.num_kv_heads, self.head_dim,
+                                           self.eps, _ROW_BLOCK, _VALUE_CHUNK, _FP32_VALUE_CHUNK, hidden_layers)
         return out[0], out[1:]
