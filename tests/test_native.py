@@ -147,3 +147,15 @@ def test_fits_names_what_the_stack_runs(tiny_dirs):
     assert NativeDecoderStack.fits(model.layers)
     model.layers[0].mlp.gate_up_weight = None  # separate gate and up projections
     assert not NativeDecoderStack.fits(model.layers)
+
+
+def test_the_build_finds_the_ninja_package_without_an_activated_environment(monkeypatch):
+    """`.venv/bin/hspec` runs with the environment's bin folder off PATH, where pip put `ninja`."""
+    import os
+
+    import ninja
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with native_module._ninja_on_path():
+        assert os.environ["PATH"].split(os.pathsep) == [ninja.BIN_DIR, "/nonexistent"]
+    assert os.environ["PATH"] == "/nonexistent"

@@ -14,8 +14,11 @@ Legend: T new tokens, S context length, H hidden, Hq/Hkv heads, D head dim.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -35,12 +38,31 @@ def build_extension() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load("hspec_decoder_stack", [str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+        with _ninja_on_path():
+            return cpp_extension.load("hspec_decoder_stack", [str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as error:  # a missing compiler or ninja raises RuntimeError or OSError, a bad build others
         warnings.warn(f"hspec: the native decoder stack could not be built ({type(error).__name__}: "
                       f"{str(error).strip().splitlines()[-1] if str(error).strip() else error}); the Python "
                       "layers run instead, with the same outputs, slower (docs/fast-path.md)", stacklevel=2)
         return None
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch's loader runs `ninja` from PATH; the `ninja` package puts it in the environment's bin folder,
+    which is not on PATH when the environment is not activated (`.venv/bin/hspec ...`). Prepend it for
+    the build only."""
+    try:
+        import ninja
+    except ImportError:  # a system ninja may still be on PATH
+        yield
+        return
+    previous = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + previous
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = previous
 
 
 class NativeDecoderStack:
