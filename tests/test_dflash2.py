@@ -110,3 +110,15 @@ def test_selector_loss_inserts_the_gold_token(tiny_target, feats):
     assert torch.isfinite(loss) and float(loss.detach()) > 0
     loss.backward()
     assert drafter.selector.B.weight.grad.abs().sum() > 0 and drafter.selector.query.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("trains_backbone", [True, False])
+def test_the_selector_loss_reaches_the_backbone_only_when_asked(tiny_target, feats, trains_backbone):
+    config = DFlash2Config.from_target("dflash2", tiny_target.config, selector_trains_backbone=trains_backbone)
+    drafter = perturbed(DFlash2Drafter(tiny_target.config, tiny_target.model, config=config)).train()
+    batch = make_batch(drafter, tiny_target.model, feats, torch.tensor([12, 20, 30, 41]), 6)
+    _, loss = drafter.training_logits(batch.ctx, batch.prev_tokens, batch.labels, batch.valid)
+    loss.backward()  # the selector's loss alone: U is detached in it
+    backbone = drafter.layers[-1].mlp.down_proj.weight.grad
+    assert drafter.selector.query.weight.grad.abs().sum() > 0
+    assert (backbone is not None and bool(backbone.abs().sum() > 0)) == trains_backbone

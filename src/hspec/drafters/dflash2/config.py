@@ -16,7 +16,8 @@ DFlash-2 is DFlash (5 Qwen3-style layers over a drafter-side context KV cache) w
 
 Training: the backbone keeps the unified loss on U; the selector adds `selector_loss_weight` x a
 C-way cross-entropy over the candidates (the gold token put in place of the last candidate when
-it is not among them), weighted by position like the unified loss.
+it is not among them), weighted by position like the unified loss. U is detached in it; the query
+W h_t is not, unless `selector_trains_backbone` is False.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class DFlash2Config(DFlashConfig):
     selector_candidates: int = 16  # C: candidates kept per slot (top-16 in the release)
     selector_rank: int = 256  # r: width of the codebooks A, B and of W h_t
     selector_loss_weight: float = 1.0  # alpha: weight of the selector's C-way cross-entropy
+    # Whether the selector's loss reaches the backbone through its query W h_t (the recipe); False detaches
+    # h_t there, a diagnostic of whether that gradient is what holds the backbone back (docs/drafters.md).
+    selector_trains_backbone: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -164,7 +164,8 @@ class DFlash2Drafter(DFlashDrafter):
 
         labels (N, K) target ids; valid (N, K). A gold token outside slot t's candidates replaces
         the last candidate; a gold token outside the draft vocabulary has no term. U is detached in
-        the selector's scores, so the selector's loss reaches the backbone only through its query W h_t.
+        the selector's scores, so the selector's loss reaches the backbone only through its query W h_t,
+        and not at all when `config.selector_trains_backbone` is False.
         """
         hidden = self.block_hidden(ctx)  # (N, K, H)
         logits = self.head(hidden)  # (N, K, Vp)
@@ -175,7 +176,8 @@ class DFlash2Drafter(DFlashDrafter):
         candidates = self.candidates(logits.detach())  # (N, K, C)
         present = (candidates == gold[..., None]).any(-1)  # (N, K)
         candidates[..., -1] = torch.where(present | (gold < 0), candidates[..., -1], gold)
-        scores = self.selector_scores(hidden, logits.detach(), prev_tokens, candidates)  # (N, K, C)
+        query_hidden = hidden if self.config.selector_trains_backbone else hidden.detach()
+        scores = self.selector_scores(query_hidden, logits.detach(), prev_tokens, candidates)  # (N, K, C)
         target = (candidates == gold[..., None]).float().argmax(-1)  # (N, K) the gold token's slot
         ce = F.cross_entropy(scores.float().flatten(0, 1), target.flatten(), reduction="none").view_as(target)
         counted = valid & (gold >= 0)
