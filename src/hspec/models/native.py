@@ -41,9 +41,11 @@ def build_extension() -> ModuleType | None:
         with _ninja_on_path():
             return cpp_extension.load("hspec_decoder_stack", [str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as error:  # a missing compiler or ninja raises RuntimeError or OSError, a bad build others
-        warnings.warn(f"hspec: the native decoder stack could not be built ({type(error).__name__}: "
-                      f"{str(error).strip().splitlines()[-1] if str(error).strip() else error}); the Python "
-                      "layers run instead, with the same outputs, slower (docs/fast-path.md)", stacklevel=2)
+        lines = str(error).strip().splitlines() or [repr(error)]
+        cause = next((line.strip() for line in lines if ": error" in line), lines[-1])  # the compiler's first error
+        warnings.warn(f"hspec: the native decoder stack could not be built ({type(error).__name__}: {cause}); "
+                      "the Python layers run instead, with the same outputs, slower (docs/fast-path.md)",
+                      stacklevel=2)
         return None
 
 
