@@ -157,6 +157,30 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
     assert order.index("train-report") > max(i for i, w in enumerate(order) if w == "train")
 
 
+def test_the_dflash2_diagnostic_trains_the_variant_with_the_long_recipe_then_validates_three(tmp_path):
+    """scripts/dflash2_diagnostic.sh with a recording stand-in for `hspec`: the commands parse, the variant
+    trains as compare_long.sh trains DFlash-2 plus its one option, and the validation compares it with the
+    two kinds it is about."""
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "hspec"
+    fake.write_text(f'#!/usr/bin/env bash\nline=$(printf "%q " "$@")\necho "$line" >> {log}\n')
+    fake.chmod(0o755)
+    runs = tmp_path / "runs"
+    env = {**os.environ, "HSPEC": str(fake), "RUNS": str(runs), "PARTS": "1 2"}
+    subprocess.run(["bash", str(SCRIPTS / "dflash2_diagnostic.sh")], env=env, capture_output=True, text=True,
+                   check=True, cwd=ROOT)
+    calls = [shlex.split(line) for line in log.read_text().splitlines() if line.strip()]
+    parser = build_parser()
+    for words in calls:
+        parser.parse_args(words)
+    train, validate = calls
+    assert train[train.index("--drafter") + 1] == "dflash2" and train[train.index("--steps") + 1] == "3000"
+    assert train[train.index("--draft-vocab") + 1] == "8192"
+    assert train[train.index("--drafter-option") + 1] == "selector_trains_backbone=false"
+    assert validate[1:4] == [str(runs / "dflash/drafter"), str(runs / "dflash2/drafter"),
+                             str(runs / "dflash2-selector-detached/drafter")]
+
+
 @pytest.mark.slow
 def test_describe_drafters_reproduces_the_committed_tables(tmp_path):
     """Every registered kind has its row in results/drafters_describe.{md,json}: rerun

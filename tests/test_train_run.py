@@ -253,3 +253,35 @@ def test_the_state_is_also_saved_once_the_save_interval_has_passed(tmp_path, tin
         assert saved_steps == expected
     with pytest.raises(ValueError, match="save_minutes must be >= 0, got -1"):
         train_run.train("hspec", "tiny", [feature_dir], tmp_path / "bad", config, target=tiny_target, save_minutes=-1)
+
+
+def test_drafter_options_set_a_fresh_drafters_config_and_are_recorded(tmp_path, tiny_target, feature_dir):
+    from hspec.drafters.base import parse_config_options
+
+    options = parse_config_options("dflash2", ["selector_trains_backbone=false", "selector_rank=8"])
+    assert options == {"selector_trains_backbone": False, "selector_rank": 8}
+    config = TrainConfig(steps=1, seqs_per_step=2, anchors_per_seq=2)
+    saved = train_run.train("dflash2", "tiny", [feature_dir], tmp_path / "run", config, val_every=1,
+                            draft_vocab_size=20, target=tiny_target, drafter_options=options)
+    drafter = load_drafter(saved, tiny_target.model)
+    assert drafter.config.selector_trains_backbone is False and drafter.config.selector_rank == 8
+    first = json.loads((tmp_path / "run" / "history.jsonl").read_text().split("\n")[0])
+    assert first["settings"]["drafter_options"] == {"selector_trains_backbone": False, "selector_rank": 8}
+    with pytest.raises(ValueError, match="keeps the saved drafter's own"):
+        train_run.train("dflash2", "tiny", [feature_dir], tmp_path / "again", config, init_from=saved,
+                        target=tiny_target, drafter_options=options)
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ("selector_trains_backbone=maybe", "takes true or false"),
+    ("selector_rank=wide", "takes an integer"),
+    ("no_such_field=1", "selector_trains_backbone"),  # the allowed keys are listed
+    ("selector_rank", "expected KEY=VALUE"),
+])
+def test_a_bad_drafter_option_names_itself_and_what_is_allowed(option, message):
+    from hspec.drafters.base import parse_config_options
+
+    with pytest.raises(ValueError, match=message):
+        parse_config_options("dflash2", [option])
+    with pytest.raises(ValueError, match="no trained configuration"):
+        parse_config_options("ngram", ["k=1"])

@@ -320,6 +320,10 @@ def _add_train(sub) -> None:
                             "to train it on more data; keeps its config and draft vocabulary, restarts the "
                             "schedule (warmup + half-cosine over --steps). For --drafter dels, a trained dflash "
                             "drafter: DeLS-Spec trains its local head over it, frozen")
+    train.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="set a field of a fresh drafter's config (repeatable), e.g. "
+                            "selector_trains_backbone=false for dflash2; an unknown key lists the ones the kind "
+                            "has (not with --init-from, which keeps the saved config)")
     train.add_argument("--override", action="store_true",
                        help="resume a run dir although settings changed (e.g. another --steps or --lr): without "
                             "it such a rerun stops and lists the changes; with it the change is recorded in the "
@@ -339,6 +343,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hspec.drafters import DRAFTERS
+    from hspec.drafters.base import parse_config_options
     from hspec.training.run import train as run_training
     from hspec.training.trainer import TrainConfig
 
@@ -350,7 +355,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                          config, val_every=args.val_every, draft_vocab_size=args.draft_vocab,
                          init_from=None if args.init_from is None else Path(args.init_from),
                          corpora=None if args.corpus is None else [Path(p) for p in args.corpus.split(",")],
-                         device=args.device, override=args.override, save_minutes=args.save_minutes)
+                         device=args.device, override=args.override, save_minutes=args.save_minutes,
+                         drafter_options=parse_config_options(args.drafter, args.drafter_option))
     print(f"wrote {saved}")
     return 0
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
 
 import torch
 
@@ -218,3 +219,34 @@ def drafter_config(kind: str, target_config: TargetConfig, **overrides):
         raise ValueError(f"drafter kind {kind!r} has no trained configuration (it takes no options like "
                          f"{sorted(overrides)})")
     return config_class.from_target(kind, target_config, **overrides)
+
+
+def parse_config_options(kind: str, options: Sequence[str]) -> dict[str, Any]:
+    """`KEY=VALUE` strings (`hspec train --drafter-option`) -> overrides for `drafter_config(kind, ...)`.
+
+    A key must be a scalar field of the kind's config (bool, int, float or str, as its default is); the
+    value is read as that type (a bool as true/false). Errors name the bad option and what is allowed.
+    """
+    config_class = DRAFTERS.get(kind).config_class
+    if config_class is None:
+        raise ValueError(f"drafter kind {kind!r} has no trained configuration, so no --drafter-option applies")
+    settable = {f.name: type(f.default) for f in fields(config_class)
+                if f.default is not MISSING and type(f.default) in (bool, int, float, str)}
+    parsed: dict[str, Any] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in settable:
+            raise ValueError(f"--drafter-option {option!r}: expected KEY=VALUE with KEY one of {sorted(settable)} "
+                             f"(the scalar fields of {kind}'s config)")
+        kind_of = settable[key]
+        if kind_of is bool:
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--drafter-option {option!r}: {key} takes true or false")
+            parsed[key] = value.lower() == "true"
+            continue
+        try:
+            parsed[key] = kind_of(value)
+        except ValueError:
+            expected = {int: "an integer", float: "a number"}.get(kind_of, kind_of.__name__)
+            raise ValueError(f"--drafter-option {option!r}: {key} takes {expected}") from None
+    return parsed

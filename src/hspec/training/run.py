@@ -71,7 +71,8 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
           log_every: int = 10, val_every: int = 100, val_sequences: int = 24,
           draft_vocab_size: int | None = None, init_from: Path | None = None,
           corpora: list[Path] | None = None, device: str = "cpu", override: bool = False,
-          target: Target | None = None, save_minutes: float = 10.0) -> Path:
+          target: Target | None = None, save_minutes: float = 10.0,
+          drafter_options: dict[str, Any] | None = None) -> Path:
     """Train `kind` on the cached features; resumable; returns the saved drafter directory.
 
     `corpora` (generated JSONL files) replaces `features_dirs`: the target then computes each
@@ -80,6 +81,8 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     `draft_vocab_size` (Vp) overrides the kind's default pruned vocabulary (the paper's 32,000).
     `init_from` starts from a saved drafter of the same kind instead of a fresh one (fine-tuning on more
     data): its config and draft vocabulary are kept, and the recipe's schedule starts over.
+    `drafter_options` overrides fields of a fresh drafter's config (`--drafter-option`,
+    `drafters.base.parse_config_options`); a drafter from `init_from` keeps its own, so both raise.
     Resuming `run_dir` with settings other than the recorded ones raises ValueError listing them, unless
     `override` is True (the change is then logged in the history and the new settings apply).
     `config.precision` 'auto' resolves for `device` (training/precision.py), or on a resume to the precision
@@ -91,6 +94,10 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     """
     if save_minutes < 0:
         raise ValueError(f"save_minutes must be >= 0, got {save_minutes}")
+    drafter_options = dict(drafter_options or {})
+    if drafter_options and init_from is not None:
+        raise ValueError(f"--drafter-option {sorted(drafter_options)} sets a fresh drafter's config; --init-from "
+                         f"{init_from} keeps the saved drafter's own")
     where = resolve_device(device)
     rank, world = _init_distributed(where)
     history = run_dir / "history.jsonl"
@@ -99,7 +106,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         config = replace(config, precision=(recorded or {}).get("precision") or resolve_precision("auto", where))
     features = "online: " + ",".join(map(str, corpora)) if corpora else ",".join(map(str, features_dirs))
     settings = run_settings(kind, target_name, features, config, draft_vocab_size, init_from, val_every,
-                            val_sequences, world)
+                            val_sequences, world, drafter_options)
     if rank == 0:
         for line in remove_stale_temporaries(run_dir) + remove_stale_temporaries(run_dir / "state"):
             print(f"[train] {line}", flush=True)
@@ -120,8 +127,8 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     if init_from is not None:
         drafter = _initial_drafter(init_from, kind, target.model, draft_vocab_size)
     else:
-        config_override = None if draft_vocab_size is None else drafter_config(kind, target.config,
-                                                                               draft_vocab_size=draft_vocab_size)
+        overrides = {**drafter_options, **({} if draft_vocab_size is None else {"draft_vocab_size": draft_vocab_size})}
+        config_override = drafter_config(kind, target.config, **overrides) if overrides else None
         drafter = create_drafter(kind, target.config, target_model=target.model, config=config_override)
         drafter.head.set_vocab(_draft_vocabulary(store, train_ids, target.config.vocab_size,
                                                  drafter.config.draft_vocab_size))
@@ -201,11 +208,13 @@ _SETTING_FLAGS = {"kind": "--drafter", "target": "--target", "features": "--feat
 
 
 def run_settings(kind: str, target_name: str, features: str, config: TrainConfig, draft_vocab_size: int | None,
-                 init_from: Path | None, val_every: int, val_sequences: int, world_size: int) -> dict[str, Any]:
+                 init_from: Path | None, val_every: int, val_sequences: int, world_size: int,
+                 drafter_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The settings of a run that a resume must keep, JSON-ready (as recorded in history.jsonl)."""
     settings = {"kind": kind, "target": target_name, "features": features, "draft_vocab_size": draft_vocab_size,
                 "init_from": None if init_from is None else str(init_from), "val_every": val_every,
-                "val_sequences": val_sequences, "world_size": world_size, **asdict(config)}
+                "val_sequences": val_sequences, "world_size": world_size, **asdict(config),
+                "drafter_options": dict(drafter_options or {})}
     return json.loads(json.dumps(settings, default=str))
 
 
