@@ -87,7 +87,13 @@ for kind in $KINDS; do
   runs+=("$RUNS/$kind")
   drafters+=("$kind=$RUNS/$kind/drafter")
 done
-$HSPEC train-report "${runs[@]}" --out "$OUT/training.md" --title "All kinds, one recipe, $STEPS steps, SmolLM2-135M-Instruct"
+# Rewritten only when a run changed since (a rerun of a finished run writes nothing), so a resumed script
+# leaves the tree clean for the evaluations' provenance.
+histories=()
+for run in "${runs[@]}"; do histories+=("$run/history.jsonl"); done
+if [ ! -f "$OUT/training.md" ] || [ -n "$(find "${histories[@]}" -newer "$OUT/training.md" 2>/dev/null)" ]; then
+  $HSPEC train-report "${runs[@]}" --out "$OUT/training.md" --title "All kinds, one recipe, $STEPS steps, SmolLM2-135M-Instruct"
+fi
 list=$(IFS=,; echo "ngram,${drafters[*]}")
 
 # 3. Evaluations, each skipped when its JSON exists (delete it to rerun), all interleaved item by item

@@ -149,7 +149,10 @@ def test_validate_reports_both_validations_of_saved_drafters_on_the_held_out_spl
 def test_resume_refuses_changed_settings_unless_overridden(tmp_path, train_tiny, capsys):
     run = tmp_path / "run"
     train_tiny(run)
-    train_tiny(run)  # the same settings resume (here: nothing left to do)
+    written = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    assert train_tiny(run) == run / "drafter"  # the same settings resume: nothing left to do, nothing rewritten
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == written
+    assert "has finished its 2 steps" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"changed: --steps 2 -> 4, --lr 0.0006 -> 0.001\. .*--override"):
         train_tiny(run, steps=4, lr=1e-3)
     with pytest.raises(ValueError, match=r"changed: --seqs-per-step 2 -> 3\b"):

@@ -29,7 +29,7 @@ from hspec.drafters.checkpoint import load_drafter, read_checkpoint, remove_stal
 from hspec.drafters.common import NeuralDrafter, kv_layer_of, select_target_layers
 from hspec.drafters.dels import DeLSDrafter
 from hspec.models.loading import Target, load_target, resolve_device
-from hspec.training.checkpoint import load_training_state, save_training_state
+from hspec.training.checkpoint import load_training_state, save_training_state, training_states
 from hspec.training.datagen import read_corpus
 from hspec.training.features import OnlineFeatures
 from hspec.training.precision import resolve_precision
@@ -117,6 +117,10 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         raise ValueError(f"{run_dir} holds a run made with other settings; changed: {_describe(changes)}. Rerun "
                          f"with the recorded settings to resume, pass --override to continue with the new ones "
                          f"(recorded in {history}), or train into another --out")
+    if world == 1 and _finished(run_dir, config.steps):  # a rerun of a finished run changes nothing on disk
+        print(f"[train] {run_dir} has finished its {config.steps} steps; its drafter is {run_dir / 'drafter'}",
+              flush=True)
+        return run_dir / "drafter"
     torch.manual_seed(config.seed)
     if target is None:
         target = load_target(target_name, device=where)
@@ -345,6 +349,13 @@ def _init_distributed(device: torch.device) -> tuple[int, int]:
         torch.cuda.set_device(device)  # NCCL works on the current device: make it this process's own GPU
     dist.init_process_group(process_group_backend(device))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    """Whether `run_dir` saved a training state at `steps` (or later) and its final drafter."""
+    states = training_states(run_dir / "state")
+    done = bool(states) and int(states[-1].name.split("-")[1]) >= steps
+    return done and (run_dir / "drafter" / "config.json").exists()
 
 
 def _trim_history(path: Path, step: int) -> None:
