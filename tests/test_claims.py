@@ -93,6 +93,17 @@ def test_verdicts_follow_the_ci_and_a_contradiction_decides_the_claim():
     assert _claim(results, "markov").verdict == "reproduced"  # hspec ahead of hspec-nomarkov
 
 
+@pytest.mark.parametrize(("load", "used"), [(2.3, True), (3.4, False)])
+def test_speeds_timed_on_a_shared_cpu_are_not_compared_and_tau_still_is(load, used):
+    records = [{**r, "load_1min": load, "threads": 2} for r in _greedy_k7()]
+    table2 = _claim(check_claims({GREEDY_K7: _payload(records)}, num_resamples=RESAMPLES), "table2")
+    assert _comparison(table2, "dspark", TAU).verdict == "reproduced"
+    speed = [c for c in table2.comparisons if c.metric == SPEEDUP]
+    assert bool(speed) == used
+    if not used:
+        assert any("timed on a shared CPU" in s and "1.4" in s for s in table2.skipped)
+
+
 def test_all_reproduced_or_some_unresolved():
     records = [r for r in _greedy_k7() if r["method"] != "dflash"]
     results = check_claims({GREEDY_K7: _payload(records)}, num_resamples=RESAMPLES)

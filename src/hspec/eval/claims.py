@@ -50,6 +50,9 @@ PARALLEL_BASELINES = ("dspark", "dflash", "peagle")  # the parallel drafters of 
 # direct KV reuse small at its (0-based) indices 0 and 1 and widening from index 2 on.
 FIRST_LATE_POSITION = 3
 TAU, SPEEDUP, LATE_ACCEPTANCE = "tau", "speedup", "late acceptance"
+# Load above the eval's own threads beyond which its timings are not used (`shared_cpu`): a quiet machine
+# reads about its thread count; one more busy process adds about 1.
+SHARED_LOAD = 0.5
 VERDICTS = ("reproduced", "contradicted", "unresolved")  # of a comparison; a claim may also be "skipped"
 STEM = "claims"  # the files written: claims.json, claims.md
 CONFIDENCE = 0.95  # nominal coverage of every CI
@@ -309,8 +312,25 @@ def _tau(ctx: _Context, units_a: list[dict], units_b: list[dict], item_index: np
 
 
 def _speedup(ctx: _Context, units_a: list[dict], units_b: list[dict], item_index: np.ndarray, K: int) -> _Result:
-    """ITL(b) / ITL(a) - 1 over paired items: how much faster a decodes than b."""
+    """ITL(b) / ITL(a) - 1 over paired items: how much faster a decodes than b; not run on timings taken
+    on a shared CPU (`shared_cpu`)."""
+    shared = shared_cpu(units_a + units_b)
+    if shared is not None:
+        return shared
     return _relative(ctx, _per_item(itl_ratio(units_b), item_index), _per_item(itl_ratio(units_a), item_index))
+
+
+def shared_cpu(records: Sequence[dict]) -> str | None:
+    """Why these records' timings are not evidence, or None: the eval runner records the CPU's 1-minute
+    load average after each turn, its own threads included; when the median over the records exceeds the
+    eval's threads by more than SHARED_LOAD, other work took CPU time from the methods it timed (plain
+    decoding took ~320 ms a token instead of ~20 in such a run), and a speed comparison would measure that
+    work. Records from before the runner kept the load (no `load_1min`) are taken as they are."""
+    loads = [r["load_1min"] - r["threads"] for r in records if "load_1min" in r]
+    if not loads or float(np.median(loads)) <= SHARED_LOAD:
+        return None
+    return (f"timed on a shared CPU: the median 1-minute load exceeded the eval's threads by "
+            f"{float(np.median(loads)):.1f} (more than {SHARED_LOAD}), so its speeds are not evidence")
 
 
 def _relative(ctx: _Context, ahead: np.ndarray, behind: np.ndarray) -> _Result:

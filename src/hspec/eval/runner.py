@@ -12,11 +12,13 @@ command run again after a kill resumes with the first unfinished item.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from hspec.data.tasks import load_task
@@ -114,6 +116,9 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                     if looked_up is not None:  # KIND+ngram: the steps prompt lookup drafted
                         lookup_steps[label] = dec.drafter.lookup_rows - looked_up  # type: ignore[operator]
                 reference = outputs["none"].sequences[0].token_ids
+                # How busy the CPU was while the turn's methods ran (its 1-minute load average, the eval's own
+                # threads included): timings from a shared CPU are not evidence (`eval.claims`, SHARED_LOAD).
+                busy = {"load_1min": round(os.getloadavg()[0], 2), "threads": torch.get_num_threads()}
                 for label, out in outputs.items():
                     seq = out.sequences[0]
                     if sampling.greedy and seq.token_ids != reference:
@@ -121,7 +126,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                     item_records.append({"task": task.name, "category": item.category, "item": item.id,
                                          "turn": turn_index, "method": label, "K": runs[label][1],
                                          "tokens": len(seq.token_ids), "decode_s": out.decode_s,
-                                         "num_accepted": seq.num_accepted,
+                                         "num_accepted": seq.num_accepted, **busy,
                                          **({"num_drafted": seq.num_drafted}
                                             if any(n < runs[label][1] for n in seq.num_drafted) else {}),
                                          **({"lookup_steps": lookup_steps[label]}
