@@ -117,7 +117,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         raise ValueError(f"{run_dir} holds a run made with other settings; changed: {_describe(changes)}. Rerun "
                          f"with the recorded settings to resume, pass --override to continue with the new ones "
                          f"(recorded in {history}), or train into another --out")
-    if world == 1 and _finished(run_dir, config.steps):  # a rerun of a finished run changes nothing on disk
+    if world == 1 and not changes and _finished(run_dir, config.steps):  # a rerun of a finished run writes nothing
         print(f"[train] {run_dir} has finished its {config.steps} steps; its drafter is {run_dir / 'drafter'}",
               flush=True)
         return run_dir / "drafter"
