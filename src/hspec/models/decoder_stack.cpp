@@ -90,7 +90,7 @@ Tensor apply_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 }
 
 struct AttentionShape {
-  int64_t hq, hkv, d, s, width, value_chunk;
+  int64_t hq, hkv, d, s, width, value_chunk, min_rows;
 };
 
 // layers._attend_rows then _attend_block for one product: q (B, T, Hq, D) against the first S of keys and
@@ -112,7 +112,8 @@ Tensor attend(const Tensor& q, Tensor keys, Tensor values, const OptionalTensor&
     vals = values.permute({0, 2, 1, 3});
   }
   const int64_t r = rows.size(2);
-  const Tensor block = r == 1 ? rows.expand({-1, -1, 2, -1}) : rows;  // one row: the first of two
+  // Fewer rows than min_rows: the first rows of a product of min_rows (layers._MIN_ATTENTION_ROWS).
+  const Tensor block = r < a.min_rows ? at::constant_pad_nd(rows, {0, 0, 0, a.min_rows - r}) : rows;
   Tensor scores = at::matmul(block.to(keys_t.scalar_type()), keys_t);  // (B, Hkv, rows, W)
   if (scores.size(-1) > a.s) scores = scores.slice(-1, 0, a.s);
   if (hidden_not.has_value()) scores = scores.masked_fill(*hidden_not, -INFINITY);
@@ -149,7 +150,8 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
                                   const Tensor& pool_v, const Tensor& write_slots, const OptionalTensor& slots,
                                   int64_t start, int64_t key_end, int64_t s, int64_t width,
                                   const OptionalTensor& mask, int64_t hq, int64_t hkv, int64_t d, double eps,
-                                  int64_t row_block, int64_t value_chunk, int64_t fp32_value_chunk,
+                                  int64_t row_block, int64_t min_attention_rows, int64_t value_chunk,
+                                  int64_t fp32_value_chunk,
                                   const std::vector<int64_t>& hidden_layers) {
   TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "decoder_stack: ", weights.size(),
               " weights is not a whole number of layers of ", kTensorsPerLayer);
@@ -159,9 +161,13 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
   const int64_t num_layers = static_cast<int64_t>(weights.size()) / kTensorsPerLayer;
   const int64_t b = x.size(0), t = x.size(1), g = hq / hkv;
   const Tensor flat_slots = write_slots.reshape({-1});
-  OptionalTensor hidden_not;  // (B, 1, T G, S), computed once rather than once per layer
+  OptionalTensor hidden_not;  // (B, 1, max(T G, min_attention_rows), S), computed once, not once per layer
   if (mask.has_value()) {
     hidden_not = mask->unsqueeze(3).expand({b, 1, t, g, s}).reshape({b, 1, t * g, s}).logical_not();
+    // attend pads fewer than min_attention_rows rows to that many; their rows see every key.
+    if (t * g < min_attention_rows) {
+      hidden_not = at::constant_pad_nd(*hidden_not, {0, 0, 0, min_attention_rows - t * g}, 0);
+    }
   }
   const auto need = [&](int64_t i) -> const Tensor& {
     TORCH_CHECK(weights[i].has_value(), "decoder_stack: weight ", i, " is required");
@@ -185,7 +191,8 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
     layer_k.index_copy_(0, flat_slots, q_k[1].reshape({-1, hkv, d}).to(layer_k.scalar_type()));
     layer_v.index_copy_(0, flat_slots, v.reshape({-1, hkv, d}).to(layer_v.scalar_type()));
     const AttentionShape shape{hq, hkv, d, s, width,
-                               layer_v.scalar_type() == at::kFloat ? fp32_value_chunk : value_chunk};
+                               layer_v.scalar_type() == at::kFloat ? fp32_value_chunk : value_chunk,
+                               min_attention_rows};
     Tensor keys, values;  // (B, S', Hkv, D)
     if (slots.has_value()) {
       keys = layer_k.index({*slots});

@@ -28,10 +28,12 @@ from torch import nn
 # product gave a verify row its decode's bits with chunks up to 8,192 keys (contexts to 3,100; 256 -> 1,024
 # made a decode at context 800 0.78-0.90x as long; docs/fast-path.md).
 _VALUE_CHUNK = 1024
-# The same in float32 (a CPU target's pool, `TargetModel.kv_dtype`): MKL's fp32 product over more than ~352
-# keys rounds otherwise than over the same keys followed by zero-weight ones (107 of 128 widths to 2,048
-# here), within 256 it never did (rows 3 and 24, widths 32-256 against every wider one).
-_FP32_VALUE_CHUNK = 256
+# The same in float32 (a CPU target's pool, `TargetModel.kv_dtype`): MKL's fp32 product over more keys than
+# some threshold rounds otherwise than over the same keys followed by zero-weight ones. On the AMX Xeon
+# the threshold was ~352 keys (107 of 128 widths to 2,048 parted; none within 256); on an AVX2-only EPYC
+# (Zen 3) 224: a chunk of 224 or 256 keys parted from its first 128-224 keys with zero weights after them,
+# one of 192 never did (softmax weights, 4-32 rows, every width a multiple of 32). 128 leaves a margin.
+_FP32_VALUE_CHUNK = 128
 # Query tokens per block of a long call (a prefill): each block is computed only against the keys some
 # row of it can see, so a causal prefill of T tokens does about half the T x T work and its scores stay
 # cache-sized. A block is a row-invariant call of its own, so every row keeps its bits.
@@ -54,6 +56,12 @@ _KEY_MULTIPLE = 32
 # rows of SmolLM2's products came out otherwise (and 132 of 5,872 verify rows of a 16-token attention).
 # So a larger call (a batch of sequences, a long verify, a recompute after preemption) runs in blocks.
 _ROW_BLOCK = 32
+# Fewest query rows one attention product gets. On an AVX2-only EPYC (Zen 3) MKL's fp32 product of 1-3
+# rows runs another kernel than one of 4 to 32 rows and rounds otherwise (softmax weights times values over
+# 32-256 keys, 1 and 2 threads): a decode's 3 query rows of a SmolLM2 KV head parted from its verify rows'
+# bits. So a smaller block is computed as the first rows of 4 (zero rows pad it; a product of 4 rows costs
+# what one of 3 does, both read the keys once). oneDNN's bf16 product gives 2 to 32 rows the same bits.
+_MIN_ATTENTION_ROWS = 4
 
 
 def row_invariant(x: torch.Tensor) -> bool:
@@ -377,8 +385,9 @@ def _attend_block(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     fp32 GEMMs of the rows and weights in fp32; in the rows' dtype they are that dtype's products (oneDNN's
     for bf16), the weights rounded to it. Either way the fp32 sum over value chunks is the same."""
     r, d = rows.shape[2], rows.shape[3]
-    if r == 1:  # one row: compute it as one of two (see `linear`; MKL's fp32 one-row kernel rounds otherwise too)
-        rows = rows.expand(-1, -1, 2, -1)
+    if r < _MIN_ATTENTION_ROWS:  # as the first rows of a larger product (see `_MIN_ATTENTION_ROWS`)
+        rows = F.pad(rows, (0, 0, 0, _MIN_ATTENTION_ROWS - r))
+        visible = None if visible is None else F.pad(visible, (0, 0, 0, _MIN_ATTENTION_ROWS - r), value=True)
     scores = torch.matmul(rows.to(keys.dtype), keys)  # (B, Hkv, rows, W): a key's score is its own product
     if scores.shape[-1] > s:
         scores = scores[..., :s]

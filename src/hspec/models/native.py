@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hspec.models.config import TargetConfig
-from hspec.models.layers import _FP32_VALUE_CHUNK, _KEY_MULTIPLE, _ROW_BLOCK, _VALUE_CHUNK
+from hspec.models.layers import _FP32_VALUE_CHUNK, _KEY_MULTIPLE, _MIN_ATTENTION_ROWS, _ROW_BLOCK, _VALUE_CHUNK
 
 _SOURCE = Path(__file__).with_name("decoder_stack.cpp")
 
@@ -130,5 +130,6 @@ class NativeDecoderStack:
             key_end = start + width if start + width <= capacity else start + s
         out = self.extension.decoder_stack(x, cos, sin, self.weights, pool_k, pool_v, write_slots, gathered, start,
                                            key_end, s, width, mask, self.num_heads, self.num_kv_heads, self.head_dim,
-                                           self.eps, _ROW_BLOCK, _VALUE_CHUNK, _FP32_VALUE_CHUNK, hidden_layers)
+                                           self.eps, _ROW_BLOCK, _MIN_ATTENTION_ROWS, _VALUE_CHUNK, _FP32_VALUE_CHUNK,
+                                           hidden_layers)
         return out[0], out[1:]
