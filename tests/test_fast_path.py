@@ -347,20 +347,30 @@ def test_weight_only_dtypes_are_refused_off_the_cpu(dtype):
         load_target("smollm2", dtype=dtype, device="meta")
 
 
-def test_a_dequantized_int8_product_is_the_bf16_product_of_the_rounded_weight():
-    from hspec.models.layers import linear
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_a_prompts_int8_product_is_the_floating_product_of_the_rounded_weight(native_bf16, monkeypatch):
+    """A prefill multiplies the dequantized weight in one call: in bf16 where the CPU has bf16 dot products,
+    in fp32 where torch would emulate bf16 (an AVX2-only CPU), rounded back to bf16 either way."""
+    import hspec.models.layers as layers
     from hspec.models.quantize import quantize_rows
 
+    monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda: native_bf16)
     torch.manual_seed(0)
     w = torch.randn(96, 64) * 0.05
     q, scale = quantize_rows(w, torch.bfloat16)
     x = torch.randn(3, 40, 64).bfloat16()
-    wide = linear(x, q, scale=scale, prefill=True)
-    assert torch.equal(wide, torch.nn.functional.linear(x, q.bfloat16() * scale[:, None]))
-    kernel = linear(x, q, scale=scale)
+
+    def floating_product(weight: torch.Tensor) -> torch.Tensor:
+        if native_bf16:
+            return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(x.float(), weight.float()).bfloat16()
+
+    wide = layers.linear(x, q, scale=scale, prefill=True)
+    assert torch.equal(wide, floating_product(q.bfloat16() * scale[:, None]))
+    kernel = layers.linear(x, q, scale=scale)
     assert not torch.equal(wide, kernel) and torch.allclose(wide.float(), kernel.float(), atol=0.05, rtol=0.02)
     floating = torch.randn(96, 64).bfloat16()
-    assert torch.equal(linear(x, floating, prefill=True), torch.nn.functional.linear(x, floating))  # one call
+    assert torch.equal(layers.linear(x, floating, prefill=True), floating_product(floating))  # one call
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])

@@ -20,6 +20,7 @@ and the decoding loop compares the two within one runtime and dtype (see docs/fa
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -32,8 +33,11 @@ _NAMED = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+@functools.cache
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist, e.g. macOS)."""
+    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist, e.g. macOS).
+    Read once per file: the hardware does not change while a process runs, and `models.layers` asks on
+    every prompt's products."""
     try:
         text = cpuinfo.read_text()
     except OSError:

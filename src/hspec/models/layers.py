@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hspec.models.dtype import cpu_has_native_bf16
+
 # Keys per product in the row-invariant attention: a query's weighted sum of values is accumulated chunk
 # by chunk in fp32, so the keys that other rows of a verify add at the end never change how the earlier
 # keys are summed. 1,024 rather than 256: each product costs ~40 us however small, and oneDNN's bf16
@@ -91,11 +93,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight dequantized for the call, an int4 one's floating copy). The int8 and int4 kernels work on a few
     rows at a time: for 512 rows of SmolLM2's gate/up matrix they took 22 and 20 ms against 1.5 ms for
     the bf16 product and 4.1 ms for dequantizing int8 and multiplying (1 thread, beside a training run);
-    the floating product gives other bits. A product autograd records (a drafter's training step under
+    the floating product gives other bits. On a CPU without native bf16 a bf16 prompt's product runs in
+    fp32 (`_emulated_bf16`). A product autograd records (a drafter's training step under
     bf16 autocast) needs no row invariance either and also runs in one call.
     """
-    if prefill and scale is not None:
-        return F.linear(x, weight if int4_packed(packed) else weight.to(x.dtype) * scale[:, None], bias)
+    if prefill and (scale is not None or _emulated_bf16(x)):
+        floating = weight if scale is None or int4_packed(packed) else weight.to(x.dtype) * scale[:, None]
+        if _emulated_bf16(x):  # a prompt's rows in fp32, where torch runs bf16 products in software
+            return F.linear(x.float(), floating.float(), None if bias is None else bias.float()).to(x.dtype)
+        return F.linear(x, floating, bias)
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     trained = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # a drafter's training step
@@ -106,6 +112,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.cat([_product(flat[start : start + block], weight, bias, scale, packed)
                          for start in range(0, rows, block)])
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _emulated_bf16(x: torch.Tensor) -> bool:
+    """Whether x is bf16 on a CPU without native bf16 dot products (AVX2 only), where torch computes a bf16
+    product in software: a prompt's 128 rows through SmolLM2's layers took 2.1 s in bf16 against 0.35 s in
+    fp32 on an AVX2-only EPYC (docs/fast-path.md#prefill). A decode's few rows stay bf16 (they are bound by
+    reading the weights, and the int8 and int4 kernels take bf16 rows)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_has_native_bf16()
 
 
 def int4_packed(packed: torch.Tensor | None) -> bool:
