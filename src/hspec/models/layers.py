@@ -97,9 +97,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fp32 (`_emulated_bf16`). A product autograd records (a drafter's training step under
     bf16 autocast) needs no row invariance either and also runs in one call.
     """
-    if prefill and (scale is not None or _emulated_bf16(x)):
+    emulated = prefill and _emulated_bf16(x)  # a prompt's rows then go in fp32 (torch's bf16 is software)
+    if prefill and (scale is not None or emulated):
         floating = weight if scale is None or int4_packed(packed) else weight.to(x.dtype) * scale[:, None]
-        if _emulated_bf16(x):  # a prompt's rows in fp32, where torch runs bf16 products in software
+        if emulated:
             return F.linear(x.float(), floating.float(), None if bias is None else bias.float()).to(x.dtype)
         return F.linear(x, floating, bias)
     rows = x.numel() // x.shape[-1]
@@ -117,7 +118,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _emulated_bf16(x: torch.Tensor) -> bool:
     """Whether x is bf16 on a CPU without native bf16 dot products (AVX2 only), where torch computes a bf16
     product in software: a prompt's 128 rows through SmolLM2's layers took 2.1 s in bf16 against 0.35 s in
-    fp32 on an AVX2-only EPYC (docs/fast-path.md#prefill). A decode's few rows stay bf16 (they are bound by
+    fp32 on an AVX2-only EPYC (docs/fast-path.md#an-avx2-host). A decode's few rows stay bf16 (they are bound by
     reading the weights, and the int8 and int4 kernels take bf16 rows)."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_has_native_bf16()
 
