@@ -13,34 +13,48 @@ import torch
 
 from hspec.cache.paged_pool import blocks_for
 from hspec.models.layers import attend, linear, row_invariant
+from hspec.models.native import load_kernels
 from hspec.models.quantize import (
     dequantize_groups,
     int4_kernel_fits,
+    pack_int4,
     quantize_groups,
     quantize_int4,
     quantize_int8,
     quantize_rows,
 )
 
+# Weight storages `linear` takes: floating, and int8 and int4 for torch's kernels or hspec's (models/cpu_kernels.cpp).
+STORAGES = ["floating", "int8", "int4", "int8 hspec", "int4 hspec"]
+
 
 def _stored(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`weight` as `linear` takes it in `storage` (floating, int8, int4): weight, scale, packed."""
-    if storage == "int8":
-        return (*quantize_rows(weight, torch.bfloat16), None)
-    if storage == "int4":
+    """`weight` as `linear` takes it in `storage` (one of STORAGES): weight, scale, packed. An hspec storage
+    skips the test where hspec's kernels do not run."""
+    hspec = storage.endswith(" hspec")
+    if hspec and not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here (no AVX2, or no compiler)")
+    if storage.startswith("int8"):
+        q, scale = quantize_rows(weight, torch.bfloat16)
+        return q, scale, q if hspec else None
+    if storage.startswith("int4"):
         levels, scale = quantize_groups(weight, torch.bfloat16)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)
-        return dequantize_groups(levels, scale, torch.bfloat16), scale, packed
+        floating = dequantize_groups(levels, scale, torch.bfloat16)
+        if hspec:
+            return (floating, *pack_int4(levels, scale))
+        return floating, scale, torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)
     return weight, None, None
 
 
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (3072, 576), (40, 48)])
-@pytest.mark.parametrize("storage", ["floating", "int8", "int4"])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (3072, 576), (40, 48), (37, 64)])
+@pytest.mark.parametrize("storage", STORAGES)
 def test_linear_computes_a_row_the_same_alone_or_among_others(out_features, in_features, storage):
     torch.manual_seed(0)
     weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
-    if storage == "int4" and not int4_kernel_fits(weight):
-        pytest.skip("the int4 kernel takes no 48-wide input")
+    if storage.startswith("int4") and not int4_kernel_fits(weight):
+        pytest.skip("the int4 kernels take inputs in groups of 32 and outputs in multiples of 16")
+    if storage == "int8 hspec" and in_features % 32:
+        pytest.skip("hspec's int8 kernel takes inputs in blocks of 32 (torch's takes the rest)")
     weight, scale, packed = _stored(weight, storage)
     x = torch.randn(1, 70, in_features).to(torch.bfloat16)  # more rows than one product takes (_ROW_BLOCK)
     together = linear(x, weight, scale=scale, packed=packed)  # (1, 70, out)
@@ -209,6 +223,82 @@ def test_rms_norm_on_bf16_without_autograd_keeps_the_fp32_paths_bits_alone_or_am
     assert reference.requires_grad and torch.equal(fast, reference.detach()) and torch.equal(rows_alone, fast)
 
 
+@pytest.mark.parametrize("storage", ["int8 hspec", "int4 hspec"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_hspecs_kernels_compute_the_product_of_the_stored_weights(storage, rows):
+    """hspec's int8 and int4 kernels multiply exactly the weights the storage says (int8 rows times their
+    scale; level * step + offset), summed in fp32: float32 rows give the fp32 product to summation error,
+    bf16 rows that product rounded to bf16."""
+    torch.manual_seed(7)
+    weight, scale, packed = _stored(torch.randn(80, 96) * 0.05, storage)
+    if storage.startswith("int8"):
+        exact = weight.float() * scale.float()[:, None]
+    else:
+        levels = torch.cat((packed & 15, packed >> 4), dim=-1).view(80, 96).float()  # inputs 0-15 low, 16-31 high
+        step, offset = scale.repeat_interleave(32, dim=1).unbind(-1)  # (N, K) each
+        exact = levels * step + offset
+    x = torch.randn(rows, 96)
+    assert torch.allclose(linear(x, weight, scale=scale, packed=packed), x @ exact.T, rtol=1e-5, atol=1e-5)
+    rounded = linear(x.bfloat16(), weight, scale=scale, packed=packed)
+    assert rounded.dtype == torch.bfloat16
+    assert torch.allclose(rounded.float(), (x.bfloat16().float() @ exact.T), rtol=1e-2, atol=1e-3)
+
+
+def test_hspecs_kernels_name_what_they_were_given():
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    weight, scale, packed = _stored(torch.randn(64, 64), "int4 hspec")
+    with pytest.raises(RuntimeError, match=r"int4_linear: levels must be contiguous uint8 \(N, 2, 16\)"):
+        torch.ops.hspec.int4_linear(torch.randn(2, 64), packed[:, :1], scale)
+    with pytest.raises(RuntimeError, match="inputs in blocks of 32, got K = 48"):
+        torch.ops.hspec.int8_linear(torch.randn(2, 48), torch.zeros(4, 48, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(RuntimeError, match="rms_norm takes bfloat16"):
+        torch.ops.hspec.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5)
+
+
+@pytest.mark.parametrize("dim", [64, 100, 576])
+def test_hspecs_rms_norm_is_f_rms_norm_to_a_bf16_step_and_keeps_a_rows_bits_alone(dim):
+    from hspec.models.layers import RMSNorm
+
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    torch.manual_seed(0)
+    norm = RMSNorm(dim, 1e-5).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight)
+    x = (torch.randn(2, 9, dim) * torch.logspace(-2, 3, 9)[None, :, None]).bfloat16()
+    with torch.no_grad():
+        reference = norm(x)
+        norm.use_norm_kernel()
+        fast = norm(x)
+        rows_alone = torch.cat([norm(x[:, t : t + 1]) for t in range(9)], 1)
+    assert torch.equal(rows_alone, fast)
+    step = reference.float().abs() * 2**-7  # one bf16 step of the output
+    assert bool(((fast.float() - reference.float()).abs() <= step + 1e-30).all())
+
+
+def test_a_model_runs_hspecs_kernels_or_torchs_throughout(tiny_dirs):
+    from conftest import load_tiny
+    from hspec.models.layers import RMSNorm
+    from hspec.models.loading import build_model, read_state_dict
+
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    ours = load_tiny(tiny_dirs["llama"], dtype="int4").model
+    theirs = build_model(ours.config, read_state_dict(tiny_dirs["llama"]), "int4", "cpu", kernels=False)
+    norms = [m for m in ours.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernel for m in norms) and ours.native.kernel_norms
+    assert not any(m.kernel for m in theirs.modules() if isinstance(m, RMSNorm)) and not theirs.native.kernel_norms
+    assert ours.layers[0].mlp.gate_up_packed.dim() == 3 and theirs.layers[0].mlp.gate_up_packed.dim() == 2
+    assert ours.lm_head.weight_packed is not None and theirs.lm_head.weight_packed is None
+    pool_a, pool_b = ours.new_pool(num_blocks=4), theirs.new_pool(num_blocks=4)
+    pool_a.add_sequence(0)
+    pool_b.add_sequence(0)
+    with torch.inference_mode():
+        a = ours(torch.tensor([[3, 4, 5]]), pool_a, [0]).logits
+        b = theirs(torch.tensor([[3, 4, 5]]), pool_b, [0]).logits
+    assert torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.05)  # the same weights, other roundings
+
+
 def test_quantize_rows_bounds_the_error_by_half_a_step():
     torch.manual_seed(2)
     weight = torch.randn(30, 50)
@@ -239,9 +329,10 @@ def test_quantize_groups_bounds_the_error_by_half_a_step_and_keeps_a_q4_1_checkp
         assert torch.equal(quantize_groups(checkpoint, scale_dtype)[0], q.to(torch.uint8))
 
 
-def test_an_int4_weight_is_the_kernels_weights_and_a_prefill_multiplies_it():
+@pytest.mark.parametrize("storage", ["int4", "int4 hspec"])
+def test_an_int4_weight_is_the_kernels_weights_and_a_prefill_multiplies_it(storage):
     torch.manual_seed(6)
-    weight, scale, packed = _stored(torch.randn(96, 64) * 0.05, "int4")
+    weight, scale, packed = _stored(torch.randn(96, 64) * 0.05, storage)
     eye = torch.eye(64, dtype=torch.bfloat16)
     assert torch.equal(linear(eye, weight, scale=scale, packed=packed).T, weight)  # the kernel's weights, bit for bit
     x = torch.randn(3, 40, 64).bfloat16()
@@ -277,7 +368,12 @@ def test_quantize_int4_stores_what_its_kernel_takes_and_leaves_the_rest_to_int8(
     assert qkv.qkv_packed.dtype == torch.uint8 and mlp.gate_up_packed.dtype == torch.uint8
     assert qkv.qkv_weight.dtype == torch.bfloat16  # the levels' values, what a prefill multiplies
     assert qkv.k_proj.weight.untyped_storage().data_ptr() == qkv.qkv_weight.untyped_storage().data_ptr()
-    assert torch.equal(qkv.k_proj.weight_scale, qkv.qkv_scale[:, qkv.q_proj.weight.shape[0]:][:, :32])
+    q_rows = qkv.q_proj.weight.shape[0]
+    if load_kernels():  # hspec's layout: levels (N, K/32, 16), steps and offsets (N, K/32, 2) in fp32
+        assert qkv.qkv_packed.shape == (qkv.qkv_weight.shape[0], 2, 16) and qkv.qkv_scale.dtype == torch.float32
+        assert torch.equal(qkv.k_proj.weight_scale, qkv.qkv_scale[q_rows : q_rows + 32])
+    else:  # torch's: steps and zeros (K/32, N, 2)
+        assert torch.equal(qkv.k_proj.weight_scale, qkv.qkv_scale[:, q_rows:][:, :32])
     assert mlp.down_proj.weight_packed.dtype == torch.uint8
 
 

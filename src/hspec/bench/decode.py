@@ -10,6 +10,8 @@
      among the dtypes, for the gain of oneDNN's prepacked weights;
    - hspec in the last row-invariant dtype of `--dtypes` (int4 by default) with its decoder layers run by
      Python rather than the native decoder stack (`models.native`), for that stack's gain;
+   - hspec in each weight-only dtype (int8, int4) on torch's kernels and F.rms_norm rather than hspec's
+     (`models/cpu_kernels.cpp`), where hspec's run, for their gain; its verify cost is measured too;
    - transformers on the same weights (float32): its model called token by token with its own KV
      cache (`DynamicCache`), the loop `generate` runs without the logits processors;
    - llama.cpp on the embedded target's own GGUF (Q4_1 for SmolLM2) through `llama-cpp-python`, when
@@ -64,6 +66,7 @@ PREFILL_TOKENS = (128, 512)
 UNFUSED = "float32-unfused"
 UNPACKED = "bfloat16-unpacked"
 PYTHON_LAYERS = "-python-layers"  # suffix of the dtype whose layers run without the native stack
+TORCH_KERNELS = "-torch-kernels"  # suffix of a weight-only dtype on torch's kernels rather than hspec's
 TRANSFORMERS = "transformers-float32"
 LLAMA_CPP = "llama.cpp"
 VLLM = "vllm-bfloat16"
@@ -105,6 +108,11 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
     if native:
         python_layers = build_model(base.config, state, native[-1], "cpu", native=False)
         runners[native[-1] + PYTHON_LAYERS] = _hspec_runner(python_layers, max_new_tokens)
+    verified = {name: t.model for name, t in targets.items()}  # the models whose verify cost part 2 measures
+    for name in names:
+        if quantized_weights(name) and targets[name].model.norm.kernel:  # the model runs hspec's kernels
+            verified[name + TORCH_KERNELS] = build_model(base.config, state, name, "cpu", kernels=False)
+            runners[name + TORCH_KERNELS] = _hspec_runner(verified[name + TORCH_KERNELS], max_new_tokens)
     if transformers:
         runners[TRANSFORMERS] = _transformers_runner(base, max_new_tokens)
     llama_cpp = _llama_cpp_runner(target_name, max_new_tokens, torch.get_num_threads())
@@ -124,7 +132,7 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
                     ms[name].append(1000 * runner.decode(ids) / (max_new_tokens - 1))
                 print(f"[decode] round {r + 1}/{repeats} prompt {i + 1}/{len(prompts)}: "
                       + ", ".join(f"{name} {v[-1]:.1f}" for name, v in ms.items()) + " ms/token", flush=True)
-        verify = {name: verify_costs(t.model, prompts[0], repeats * 5) for name, t in targets.items()}
+        verify = {name: verify_costs(model, prompts[0], repeats * 5) for name, model in verified.items()}
         flips = {name: argmax_flips(t.model, prompts, max_new_tokens) for name, t in targets.items()}
         prefill = prefill_costs(runners, long_prompt, prefill_tokens, repeats + 1)
 
@@ -202,6 +210,8 @@ def _label(name: str) -> str:
         return "hspec bfloat16, F.linear on plain weights (before prepacking)"
     if name.endswith(PYTHON_LAYERS):
         return f"hspec {name.removesuffix(PYTHON_LAYERS)}, decoder layers in Python (before the native stack)"
+    if name.endswith(TORCH_KERNELS):
+        return f"hspec {name.removesuffix(TORCH_KERNELS)} on torch's kernels (before hspec's CPU kernels)"
     if name == TRANSFORMERS:
         return "transformers generate, float32"
     if name == LLAMA_CPP:

@@ -29,12 +29,23 @@ struct LinearWeights {
   Tensor weight;          // (N, K): floating, int8, or an int4 weight's floating values
   OptionalTensor bias;    // (N,)
   OptionalTensor scale;   // int8 (N,), int4 (K / group, N, 2)
-  OptionalTensor packed;  // oneDNN's prepacked bf16 copy, or the int4 levels (uint8)
+  OptionalTensor packed;  // oneDNN's prepacked bf16 copy, the int4 levels (uint8), or hspec's int8 kernel's matrix
 };
 
 // layers._product: one product of at most layers._ROW_BLOCK rows, flat (M, K) -> (M, N).
 Tensor product(const Tensor& flat, const LinearWeights& w) {
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte) {  // int4
+  using Kernel = Tensor(const Tensor&, const Tensor&, const Tensor&);
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte && w.packed->dim() == 3) {  // int4, hspec's kernel
+    static auto int4_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::int4_linear", "").typed<Kernel>();
+    Tensor out = int4_linear.call(flat, *w.packed, *w.scale);
+    return w.bias.has_value() ? out + *w.bias : out;
+  }
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kChar) {  // int8, hspec's kernel
+    static auto int8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::int8_linear", "").typed<Kernel>();
+    Tensor out = int8_linear.call(flat, *w.packed, *w.scale);
+    return w.bias.has_value() ? out + *w.bias : out;
+  }
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte) {  // int4, torch's kernel
     Tensor out = at::_weight_int4pack_mm_for_cpu(flat.contiguous(), *w.packed, w.weight.size(1) / w.scale->size(0),
                                                  *w.scale);
     return w.bias.has_value() ? out + *w.bias : out;
@@ -78,8 +89,13 @@ Tensor linear(const Tensor& x, const LinearWeights& w, int64_t row_block) {
   return out.reshape(shape);
 }
 
-// layers.RMSNorm without autograd, bf16 input: weight * F.rms_norm(x).
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+// layers.RMSNorm without autograd, bf16 input: hspec's kernel where the model uses it, else weight * F.rms_norm(x).
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, bool kernel) {
+  if (kernel) {
+    static auto norm = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::rms_norm", "")
+                           .typed<Tensor(const Tensor&, const Tensor&, double)>();
+    return norm.call(x, weight, eps);
+  }
   return weight * at::rms_norm(x, {x.size(-1)}, std::nullopt, eps);
 }
 
@@ -151,7 +167,7 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
                                   int64_t start, int64_t key_end, int64_t s, int64_t width,
                                   const OptionalTensor& mask, int64_t hq, int64_t hkv, int64_t d, double eps,
                                   int64_t row_block, int64_t min_attention_rows, int64_t value_chunk,
-                                  int64_t fp32_value_chunk,
+                                  int64_t fp32_value_chunk, bool kernel_norms,
                                   const std::vector<int64_t>& hidden_layers) {
   TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "decoder_stack: ", weights.size(),
               " weights is not a whole number of layers of ", kTensorsPerLayer);
@@ -182,7 +198,7 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
     const LinearWeights down{need(at + 12), std::nullopt, weights[at + 13], weights[at + 14]};
 
     // Attention (llama.Attention, layers.QKVProjection): q and k rotated in one pass.
-    const Tensor projected = linear(rms_norm(x, need(at), eps), qkv, row_block);  // (B, T, (Hq + 2 Hkv) D)
+    const Tensor projected = linear(rms_norm(x, need(at), eps, kernel_norms), qkv, row_block);  // (B, T, (Hq + 2 Hkv) D)
     const int64_t qk_width = (hq + hkv) * d;
     const Tensor qk = apply_rope(projected.slice(-1, 0, qk_width).view({b, t, -1, d}), cos, sin);
     const std::vector<Tensor> q_k = qk.split_with_sizes({hq, hkv}, 2);
@@ -204,7 +220,7 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
     x = x + linear(attend(q_k[0], keys, values, hidden_not, shape), o_proj, row_block);
 
     // SwiGLU with gate and up fused (layers.SwiGLU).
-    const std::vector<Tensor> gate_and_up = linear(rms_norm(x, need(at + 8), eps), gate_up, row_block).chunk(2, -1);
+    const std::vector<Tensor> gate_and_up = linear(rms_norm(x, need(at + 8), eps, kernel_norms), gate_up, row_block).chunk(2, -1);
     x = x + linear(at::silu(gate_and_up[0]) * gate_and_up[1], down, row_block);
     for (const int64_t wanted : hidden_layers) {
       if (wanted == layer + 1) collected.push_back(x);

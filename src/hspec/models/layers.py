@@ -81,11 +81,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     - floating (N, K), `scale` None; `packed` the weight prepacked for oneDNN (`models.prepack`), which
       gives F.linear's bits faster, or None; ignored inside a torch.compile graph, which cannot take
       oneDNN's opaque tensors (inductor picks its own kernel);
-    - int8 (N, K), `scale` (N,) in x's dtype: weight ~= int8 * scale[:, None];
-    - int4: `packed` the 4-bit levels in the int4 kernel's layout (uint8, `int4_packed`), `scale`
-      (K/G, N, 2) the step and zero of every group of G inputs of a row in x's dtype (a weight is
-      (level - 8) * step + zero), and `weight` (N, K) those weights in x's dtype, exactly as the kernel
-      computes them (`models.quantize.dequantize_groups`).
+    - int8 (N, K), `scale` (N,) in x's dtype: weight ~= int8 * scale[:, None]; `packed` that int8 matrix
+      again where hspec's int8 kernel multiplies it (`models/cpu_kernels.cpp`), None where torch's does;
+    - int4: `packed` the 4-bit levels (uint8, `int4_packed`) and `weight` (N, K) their weights in x's
+      dtype (`models.quantize.dequantize_groups`). For hspec's kernel the levels are (N, K/G, G/2) and
+      `scale` (N, K/G, 2) the fp32 step and offset of every group of G inputs of a row (a weight is
+      level * step + offset, computed in fp32; `weight` holds it rounded to x's dtype); for torch's kernel
+      they are its (N, K/2) layout and `scale` (K/G, N, 2) the step and zero in x's dtype (a weight is
+      (level - 8) * step + zero, rounded to x's dtype as `weight` holds it).
     The second row of a padded single row is the same row again: a two-row bf16 product costs what a
     one-row product costs (it is bound by reading the weight) and goes through the kernel larger calls use.
     prefill: the rows are a prompt's (`TargetModel.forward(prefill=True)`), never a decode or a verify,
@@ -124,7 +127,8 @@ def _emulated_bf16(x: torch.Tensor) -> bool:
 
 
 def int4_packed(packed: torch.Tensor | None) -> bool:
-    """Whether `packed` holds int4 levels for the int4 kernel (uint8), rather than a oneDNN bf16 copy."""
+    """Whether `packed` holds int4 levels (uint8: hspec's (N, K/32, 16) or torch's (N, K/2)), rather than a
+    oneDNN bf16 copy or the int8 matrix of hspec's int8 kernel."""
     return packed is not None and packed.dtype == torch.uint8
 
 
@@ -138,19 +142,25 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if scale is None or not int4_packed(packed):
             raise ValueError("an int4 weight needs its packed levels and their steps and zeros "
                              "(models.quantize.quantize_int4)")
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), packed, weight.shape[1] // scale.shape[0],
-                                                          scale)
+        if packed.dim() == 3:  # hspec's kernel (models/cpu_kernels.cpp)
+            out = torch.ops.hspec.int4_linear(flat, packed, scale)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), packed,
+                                                              weight.shape[1] // scale.shape[0], scale)
         return out if bias is None else out + bias
-    padded = flat.shape[0] == 1 and row_invariant(flat) and scale is None
+    if scale is not None:  # int8
+        if packed is not None and not torch.compiler.is_compiling():  # hspec's kernel (models/cpu_kernels.cpp)
+            out = torch.ops.hspec.int8_linear(flat, packed, scale)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)
+        return out if bias is None else out + bias
+    padded = flat.shape[0] == 1 and row_invariant(flat)
     if padded:
         flat = flat.expand(2, -1)
     if packed is not None and not torch.compiler.is_compiling():
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    elif scale is None:
-        out = F.linear(flat, weight, bias)
     else:
-        out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)
-        out = out if bias is None else out + bias
+        out = F.linear(flat, weight, bias)
     return out[:1] if padded else out
 
 
@@ -188,9 +198,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = False  # hspec's kernel for bf16 rows (`use_norm_kernel`)
+
+    def use_norm_kernel(self) -> None:
+        """Compute bf16 rows without autograd with hspec's kernel (`torch.ops.hspec.rms_norm`,
+        models/cpu_kernels.cpp): F.rms_norm's steps in a loop, ~1 us a row where F.rms_norm took ~40 us
+        on an AVX2 CPU (docs/fast-path.md#hspecs-cpu-kernels). Its rounding may differ from F.rms_norm's in
+        the last bit, so a model uses one or the other throughout (`loading.build_model` decides)."""
+        self.kernel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled():
+            if self.kernel and self.weight.dtype == torch.bfloat16:
+                return torch.ops.hspec.rms_norm(x, self.weight, self.eps)
             return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x / sqrt(mean(x^2) + eps)
         return self.weight * normed.to(x.dtype)

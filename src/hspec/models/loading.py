@@ -24,8 +24,9 @@ from safetensors.torch import load_file, save_file
 
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import quantized_weights, resolve_dtype, slow_dtype_note
+from hspec.models.layers import RMSNorm
 from hspec.models.llama import TargetModel
-from hspec.models.native import NativeDecoderStack, build_extension
+from hspec.models.native import NativeDecoderStack, build_extension, load_kernels
 from hspec.models.prepack import prepack_bf16
 from hspec.models.quantize import quantize_int4, quantize_int8
 from hspec.models.tokenizer import ChatTokenizer
@@ -143,7 +144,7 @@ def hf_to_runtime_key(key: str) -> str:
 
 
 def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: str | torch.dtype,
-                device: torch.device | str, native: bool = True) -> TargetModel:
+                device: torch.device | str, native: bool = True, kernels: bool = True) -> TargetModel:
     """Build on the meta device, then adopt the checkpoint's tensors (no double allocation).
 
     `dtype`: a torch dtype or a `--dtype` name; "int8" stores the linears as int8, "int4" the decoder
@@ -151,6 +152,10 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     `native`: run decodes and verifies through the C++ decoder stack (`models.native`;
     built on first use, the same bits) where the model is row-invariant (bf16, int8, int4 on the CPU);
     False keeps the Python layers (for comparing the two).
+    `kernels`: where the model is row-invariant and the CPU has AVX2 and FMA, its int8 and int4 products and
+    its norms run hspec's kernels (`models/cpu_kernels.cpp`, built with the stack), in the Python layers
+    and the stack alike; False keeps torch's (for comparing the two). Either way one model uses one kind
+    throughout, so its decodes and verifies agree.
     """
     if quantized_weights(dtype) and torch.device(device).type != "cpu":
         raise ValueError(f"--dtype {dtype} (weight-only {dtype} linears) runs on the CPU; on {device} use bfloat16")
@@ -186,13 +191,18 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     # The target is never trained here: frozen, no gradient reaches (or is computed for) its weights.
     model.eval().requires_grad_(False)
     fuse_projections(model)  # q/k/v and gate/up as one GEMM each (the named weights become views)
-    if dtype == "int4" and not quantize_int4(model.layers, compute_dtype):
+    use_kernels = kernels and model.row_invariant_attention and load_kernels()
+    if dtype == "int4" and not quantize_int4(model.layers, compute_dtype, use_kernels):
         warnings.warn(f"--dtype int4: no linear of this {config.architecture} fits the int4 kernel (inputs a "
                       "multiple of 32, outputs of 16); it runs as int8", stacklevel=2)
     if quantized_weights(dtype):
-        quantize_int8(model, compute_dtype)  # int4 leaves the LM head, and what its kernel cannot take
+        quantize_int8(model, compute_dtype, use_kernels)  # int4 leaves the LM head, and what its kernel cannot take
     else:
         prepack_bf16(model)  # bf16 on a CPU: oneDNN's packed copies, F.linear's bits faster (else a no-op)
+    if use_kernels:
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.use_norm_kernel()
     if native and model.row_invariant_attention and NativeDecoderStack.fits(model.layers):
         extension = build_extension()
         if extension is not None:

@@ -30,22 +30,47 @@ from hspec.models.config import TargetConfig
 from hspec.models.layers import _FP32_VALUE_CHUNK, _KEY_MULTIPLE, _MIN_ATTENTION_ROWS, _ROW_BLOCK, _VALUE_CHUNK
 
 _SOURCE = Path(__file__).with_name("decoder_stack.cpp")
+_KERNELS_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 
 
 def build_extension() -> ModuleType | None:
     """Compile (or load the cached build of) `decoder_stack.cpp`; None, with a warning naming the cause,
     where that fails (no C++ compiler, no ninja, headers missing)."""
+    return _build("hspec_decoder_stack", _SOURCE, ["-O2"], "the native decoder stack could not be built",
+                  "the Python layers run instead, with the same outputs, slower")
+
+
+def load_kernels() -> bool:
+    """Whether hspec's CPU kernels (`cpu_kernels.cpp`, torch.ops.hspec.*) run here: compiled (or loaded from
+    the cache) once per process, and this CPU has AVX2 and FMA. False, with a warning naming the cause,
+    where the build fails. torch aborts the process on a second registration of the same operators (a
+    build loaded from another extensions directory), so a process that has them does not load them again.
+    -O3 unrolls the kernels' register tiles (at -O2 the int8 kernel of 8 rows took 2.5x as long);
+    -fopenmp lets `at::parallel_for`, a header template, split the outputs among torch's threads."""
+    if not hasattr(torch.ops.hspec, "available"):
+        built = _build("hspec_cpu_kernels", _KERNELS_SOURCE, ["-O3", "-fopenmp"], "hspec's CPU kernels could not "
+                       "be built", "torch's kernels run instead, slower", ["-fopenmp"], python_module=False)
+        if not built:
+            return False
+    return bool(torch.ops.hspec.available())
+
+
+def _build(name: str, source: Path, cflags: list[str], failure: str, fallback: str,
+           ldflags: list[str] | None = None, python_module: bool = True) -> ModuleType | bool | None:
+    """torch's loader on one source: the Python module (`python_module`), else True once the library is
+    loaded; None, with a warning, where that fails."""
     from torch.utils import cpp_extension
 
     try:
         with _ninja_on_path():
-            return cpp_extension.load("hspec_decoder_stack", [str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+            module = cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
+                                        is_python_module=python_module, verbose=False)
+            return module if python_module else True
     except Exception as error:  # a missing compiler or ninja raises RuntimeError or OSError, a bad build others
         lines = str(error).strip().splitlines() or [repr(error)]
         cause = next((line.strip() for line in lines if ": error" in line), lines[-1])  # the compiler's first error
-        warnings.warn(f"hspec: the native decoder stack could not be built ({type(error).__name__}: {cause}); "
-                      "the Python layers run instead, with the same outputs, slower (docs/fast-path.md)",
-                      stacklevel=2)
+        warnings.warn(f"hspec: {failure} ({type(error).__name__}: {cause}); {fallback} (docs/fast-path.md)",
+                      stacklevel=3)
         return None
 
 
@@ -80,6 +105,9 @@ class NativeDecoderStack:
         self.extension = extension
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = (c.num_heads, c.num_kv_heads, c.head_dim,
                                                                        c.rms_norm_eps)
+        # the layers' norms run hspec's kernel (`RMSNorm.use_norm_kernel`, set before the stack is built)
+        self.kernel_norms = all(layer.input_layernorm.kernel and layer.post_attention_layernorm.kernel
+                                for layer in layers)
         self.weights: list[torch.Tensor | None] = []  # 15 per layer, the order decoder_stack.cpp reads
         for layer in layers:
             qkv, o_proj, mlp = layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp
@@ -131,5 +159,5 @@ class NativeDecoderStack:
         out = self.extension.decoder_stack(x, cos, sin, self.weights, pool_k, pool_v, write_slots, gathered, start,
                                            key_end, s, width, mask, self.num_heads, self.num_kv_heads, self.head_dim,
                                            self.eps, _ROW_BLOCK, _MIN_ATTENTION_ROWS, _VALUE_CHUNK, _FP32_VALUE_CHUNK,
-                                           hidden_layers)
+                                           self.kernel_norms, hidden_layers)
         return out[0], out[1:]

@@ -48,9 +48,9 @@ _K_MULTIPLE = 16
 INT4_GROUP = 32
 _INT4_N_MULTIPLE = 16
 
-# A weight (N, K) and its compute dtype -> what `linear` takes: the stored weight, its scales, and the copy
-# its kernel reads (None where the kernel reads the stored weight).
-Quantizer = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+# A weight (N, K), its compute dtype and whether hspec's kernels run it -> what `linear` takes: the stored
+# weight, its scales, and the copy its kernel reads (None where torch's kernel reads the stored weight).
+Quantizer = Callable[[torch.Tensor, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
 def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,16 +92,36 @@ def dequantize_groups(levels: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return torch.addcmul((zero - 8 * step)[..., None], grouped, step[..., None]).reshape(n, k).to(dtype)
 
 
-def _int8(weight: torch.Tensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, None]:
-    """`Quantizer` of `quantize_int8`: int8 rows, their scales; the kernel reads the int8 matrix itself."""
-    return (*quantize_rows(weight, compute_dtype), None)
+def _int8(weight: torch.Tensor, compute_dtype: torch.dtype, kernels: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor | None]:
+    """`Quantizer` of `quantize_int8`: int8 rows, their scales, and the matrix again where hspec's kernel
+    multiplies it (`kernels`, inputs a multiple of `INT4_GROUP`), else None (torch's kernel)."""
+    q, scale = quantize_rows(weight, compute_dtype)
+    return q, scale, q if kernels and weight.shape[1] % INT4_GROUP == 0 else None
 
 
-def _int4(weight: torch.Tensor, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`Quantizer` of `quantize_int4`: the levels' floating values, their steps and zeros, the packed levels."""
+def _int4(weight: torch.Tensor, compute_dtype: torch.dtype, kernels: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor]:
+    """`Quantizer` of `quantize_int4`: the levels' floating values, and the scales and packed levels of
+    hspec's kernel (`kernels`: `pack_int4`) or of torch's."""
     levels, scale = quantize_groups(weight, compute_dtype)
+    floating = dequantize_groups(levels, scale, compute_dtype)
+    if kernels:
+        return (floating, *pack_int4(levels, scale))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)  # (N, K/2) uint8
-    return dequantize_groups(levels, scale, compute_dtype), scale, packed
+    return floating, scale, packed
+
+
+def pack_int4(levels: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Levels (N, K) and steps and zeros (K/G, N, 2) (`quantize_groups`) -> hspec's int4 kernel's step and
+    offset (N, K/G, 2) fp32, offset = zero - 8 step (`dequantize_groups`'s fp32 form, a weight being
+    level * step + offset), and its levels (N, K/G, G/2) uint8: byte i of a group holds input i in its low
+    nibble and input i + G/2 in its high one (models/cpu_kernels.cpp)."""
+    n, k = levels.shape
+    step, zero = scale.permute(1, 0, 2).float().unbind(-1)  # (N, K/G) each
+    grouped = levels.view(n, k // INT4_GROUP, INT4_GROUP)
+    packed = grouped[..., : INT4_GROUP // 2] | (grouped[..., INT4_GROUP // 2 :] << 4)
+    return torch.stack((step, zero - 8 * step), dim=-1).contiguous(), packed.contiguous()
 
 
 def int8_kernel_fits(weight: torch.Tensor) -> bool:
@@ -114,7 +134,7 @@ def int4_kernel_fits(weight: torch.Tensor) -> bool:
     return weight.shape[1] % INT4_GROUP == 0 and weight.shape[0] % _INT4_N_MULTIPLE == 0
 
 
-def quantize_int8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+def quantize_int8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16, kernels: bool = False) -> None:
     """Store every floating linear weight under `model`, and the stacked q/k/v and gate/up matrices, as int8.
 
     Plain `nn.Linear` children are first swapped for `models.layers.Linear` (same parameters), whose
@@ -122,21 +142,23 @@ def quantize_int8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16)
     alone): a stacked matrix is quantized once and the named weights that were views of it become views
     of the int8 matrix and its scales (memory is not doubled; `state_dict()` keeps its names). A weight
     shared with an embedding (a tied LM head) is copied: the embedding keeps its floating rows for lookups.
-    Frozen modules only.
+    Frozen modules only. `kernels`: hspec's int8 kernel multiplies them (`models/cpu_kernels.cpp`, loaded:
+    `models.native.build_extension`), else torch's.
     """
-    _quantize(model, _int8, int8_kernel_fits, compute_dtype)
+    _quantize(model, _int8, int8_kernel_fits, compute_dtype, kernels)
 
 
-def quantize_int4(layers: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> int:
+def quantize_int4(layers: nn.Module, compute_dtype: torch.dtype = torch.bfloat16, kernels: bool = False) -> int:
     """Store the linear weights under `layers` (a target's decoder layers) that the int4 kernel takes as
     int4 groups (`quantize_groups`): the levels packed for the kernel, their steps and zeros, and the
     weight replaced by the levels' floating values; stacked matrices and views as in `quantize_int8`.
-    Returns how many weights became int4; `quantize_int8` stores the others (and the LM head) afterwards."""
-    return _quantize(layers, _int4, int4_kernel_fits, compute_dtype)
+    Returns how many weights became int4; `quantize_int8` stores the others (and the LM head) afterwards.
+    `kernels`: hspec's int4 kernel multiplies them (`pack_int4`), else torch's."""
+    return _quantize(layers, _int4, int4_kernel_fits, compute_dtype, kernels)
 
 
 def _quantize(model: nn.Module, quantizer: Quantizer, fits: Callable[[torch.Tensor], bool],
-              compute_dtype: torch.dtype) -> int:
+              compute_dtype: torch.dtype, kernels: bool) -> int:
     """`quantize_int8` or `quantize_int4`: every weight under `model` not quantized yet (no scales) that
     `fits` the kernel. Returns how many weights (stacked ones counted once) were stored."""
     _swap_plain_linears(model)
@@ -145,17 +167,17 @@ def _quantize(model: nn.Module, quantizer: Quantizer, fits: Callable[[torch.Tens
         if (isinstance(module, QKVProjection) and module.qkv_weight is not None and module.qkv_scale is None
                 and fits(module.qkv_weight)):
             module.qkv_weight, module.qkv_scale, module.qkv_packed = _requantize_views(
-                module.qkv_weight, (module.q_proj, module.k_proj, module.v_proj), quantizer, compute_dtype)
+                module.qkv_weight, (module.q_proj, module.k_proj, module.v_proj), quantizer, compute_dtype, kernels)
             stored += 1
         elif (isinstance(module, SwiGLU) and module.gate_up_weight is not None and module.gate_up_scale is None
               and fits(module.gate_up_weight)):
             module.gate_up_weight, module.gate_up_scale, module.gate_up_packed = _requantize_views(
-                module.gate_up_weight, (module.gate_proj, module.up_proj), quantizer, compute_dtype)
+                module.gate_up_weight, (module.gate_proj, module.up_proj), quantizer, compute_dtype, kernels)
             stored += 1
     for module in model.modules():
         if isinstance(module, Linear) and module.weight_scale is None and fits(module.weight):
             _check_frozen(module.weight)
-            q, module.weight_scale, module.weight_packed = quantizer(module.weight, compute_dtype)
+            q, module.weight_scale, module.weight_packed = quantizer(module.weight, compute_dtype, kernels)
             module.weight = nn.Parameter(q, requires_grad=False)
             stored += 1
     return stored
@@ -172,13 +194,15 @@ def _swap_plain_linears(model: nn.Module) -> None:
 
 
 def _requantize_views(stacked: torch.Tensor, parts: tuple[Linear, ...], quantizer: Quantizer,
-                      compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      compute_dtype: torch.dtype, kernels: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize a stacked (sum of N, K) matrix and point each part's weight/scale at its rows; returns the
     stacked weight, scales and kernel copy (the parts, never multiplied once stacked, get none)."""
     for part in parts:
         _check_frozen(part.weight)
-    q, scale, packed = quantizer(stacked, compute_dtype)
-    row_axis = 0 if scale.dim() == 1 else 1  # int8 scales are (N,), int4's (K/G, N, 2)
+    q, scale, packed = quantizer(stacked, compute_dtype, kernels)
+    torch_int4 = packed is not None and packed.dtype == torch.uint8 and packed.dim() == 2
+    row_axis = 1 if torch_int4 else 0  # torch's int4 scales are (K/G, N, 2); int8's (N,), hspec's int4 (N, K/G, 2)
     offset = 0
     for part in parts:
         rows = part.weight.shape[0]

@@ -1,0 +1,316 @@
+// hspec's own CPU kernels for the few rows of a decode or a verify: int8 and int4 weight-only products
+// and the bf16 RMSNorm, registered as torch.ops.hspec.* for the Python layers and decoder_stack.cpp alike
+// (models/native.py builds them; docs/fast-path.md, "hspec's CPU kernels").
+//
+// Why: on an AVX2-only CPU torch's int4 kernel takes ~3x a row's time for 8 rows, its int8 one ~3x, and
+// F.rms_norm ~40 us for one 576-wide row, 61 calls a SmolLM2 token. These kernels unpack a weight block
+// once for up to 8 rows, and the norm is a loop.
+//
+// Row invariance by construction: an output element is the dot product of its input row with its weight
+// row, summed over the inputs in one order that depends on K alone (8 fp32 lanes, blocks of 32 inputs
+// in ascending order, the lanes added in a fixed tree at the end). How many rows share the call, how they
+// are tiled and how many threads split the outputs never change it, so a verify row has the bits of its
+// 1-token decode.
+//
+// Legend: M rows, K inputs, N outputs, a block = 32 inputs (an int4 group).
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define HSPEC_X86 1
+#define HSPEC_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+namespace hspec {
+
+// Whether this CPU runs the kernels (x86-64 with AVX2 and FMA); where it does not, models keep torch's.
+bool cpu_kernels_available() {
+#ifdef HSPEC_X86
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+#ifdef HSPEC_X86
+namespace {
+
+constexpr int64_t kBlock = 32;
+// Most rows one tile keeps in registers; a call of more rows runs tile after tile over the same weights.
+constexpr int kMaxTileRows = 8;
+// Output tiles per thread chunk at least (a tile is 1-8 outputs).
+constexpr int64_t kGrain = 4;
+
+inline void store(float* out, float value) { *out = value; }
+inline void store(c10::BFloat16* out, float value) { *out = c10::BFloat16(value); }  // round to nearest even
+
+inline float read(const float* p) { return *p; }
+inline float read(const c10::BFloat16* p) { return static_cast<float>(*p); }
+
+// Rows [row0, row0 + rows) of x (M, K) in fp32, block-major: [K/32][rows][32], so that a tile reads every
+// row of a block from one pointer.
+template <typename In>
+std::vector<float> pack_rows(const In* x, int64_t k, int64_t row0, int64_t rows) {
+  std::vector<float> packed(static_cast<size_t>(rows * k));
+  for (int64_t r = 0; r < rows; ++r) {
+    const In* row = x + (row0 + r) * k;
+    for (int64_t i = 0; i < k; ++i) packed[((i / kBlock) * rows + r) * kBlock + i % kBlock] = read(row + i);
+  }
+  return packed;
+}
+
+HSPEC_AVX2 inline float lane_sum(__m256 v) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One tile: MT rows (block-major, `pack_rows`) times NT consecutive int4 output rows from n0.
+template <int MT, int NT, typename Out>
+HSPEC_AVX2 void int4_tile(const float* x, int64_t k, const uint8_t* levels, const float* step_offset, int64_t n0,
+                          Out* out, int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  for (int64_t g = 0; g < blocks; ++g) {
+    const float* xg = x + g * kBlock * MT;
+    for (int j = 0; j < NT; ++j) {
+      const int64_t at = (n0 + j) * blocks + g;
+      const uint8_t* b = levels + at * 16;  // byte i: input i in its low nibble, input i + 16 in its high one
+      const __m256 step = _mm256_broadcast_ss(step_offset + 2 * at);
+      const __m256 offset = _mm256_broadcast_ss(step_offset + 2 * at + 1);
+      const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+      const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
+      const __m256i quarters[4] = {_mm256_and_si256(low, nibble), _mm256_and_si256(high, nibble),
+                                   _mm256_srli_epi32(low, 4), _mm256_srli_epi32(high, 4)};
+      for (int q = 0; q < 4; ++q) {  // inputs 8q .. 8q + 7 of the block
+        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quarters[q]), step, offset);  // level * step + offset
+        for (int m = 0; m < MT; ++m) acc[m][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + m * kBlock + 8 * q), acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) store(out + m * ldo + n0 + j, lane_sum(acc[m][j]));
+}
+
+// One tile: MT rows times NT consecutive int8 output rows from n0, each scaled once summed.
+template <int MT, int NT, typename Out, typename Scale>
+HSPEC_AVX2 void int8_tile(const float* x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0, Out* out,
+                          int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < blocks; ++g) {
+    const float* xg = x + g * kBlock * MT;
+    for (int j = 0; j < NT; ++j) {
+      const int8_t* row = weight + (n0 + j) * k + g * kBlock;
+      for (int q = 0; q < 4; ++q) {
+        const __m256 w = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * q))));
+        for (int m = 0; m < MT; ++m) acc[m][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + m * kBlock + 8 * q), acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) store(out + m * ldo + n0 + j, lane_sum(acc[m][j]) * read(scale + n0 + j));
+}
+
+// Outputs per tile for MT rows: as many accumulators as registers allow (16 ymm: MT * NT <= 8 leaves
+// room for the unpacked weights), so that a decode's one row still keeps 8 sums in flight.
+template <int MT>
+constexpr int tile_outputs() {
+  return MT == 1 ? 8 : MT == 2 ? 4 : MT <= 4 ? 2 : 1;
+}
+
+// Every output of MT rows: tiles of NT outputs split among threads, the N % NT last ones one at a time.
+template <int MT, typename Tile>
+void for_each_tile(int64_t n, const Tile& tile) {
+  constexpr int NT = tile_outputs<MT>();
+  const int64_t tiles = n / NT;
+  at::parallel_for(0, tiles, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) tile(std::integral_constant<int, NT>(), t * NT);
+  });
+  for (int64_t n0 = tiles * NT; n0 < n; ++n0) tile(std::integral_constant<int, 1>(), n0);
+}
+
+// Calls body(std::integral_constant<int, MT>(), row0) for the tiles of up to kMaxTileRows rows of M.
+template <typename Body>
+void for_each_row_tile(int64_t m, const Body& body) {
+  for (int64_t row0 = 0; row0 < m; row0 += kMaxTileRows) {
+    switch (std::min<int64_t>(m - row0, kMaxTileRows)) {
+      case 8: body(std::integral_constant<int, 8>(), row0); break;
+      case 7: body(std::integral_constant<int, 7>(), row0); break;
+      case 6: body(std::integral_constant<int, 6>(), row0); break;
+      case 5: body(std::integral_constant<int, 5>(), row0); break;
+      case 4: body(std::integral_constant<int, 4>(), row0); break;
+      case 3: body(std::integral_constant<int, 3>(), row0); break;
+      case 2: body(std::integral_constant<int, 2>(), row0); break;
+      default: body(std::integral_constant<int, 1>(), row0); break;
+    }
+  }
+}
+
+template <typename In, typename Out>
+void int4_rows(const In* x, int64_t m, int64_t k, const uint8_t* levels, const float* step_offset, int64_t n, Out* out) {
+  for_each_row_tile(m, [&](auto rows, int64_t row0) {
+    constexpr int MT = decltype(rows)::value;
+    const std::vector<float> packed = pack_rows(x, k, row0, MT);
+    for_each_tile<MT>(n, [&](auto outputs, int64_t n0) {
+      int4_tile<MT, decltype(outputs)::value>(packed.data(), k, levels, step_offset, n0, out + row0 * n, n);
+    });
+  });
+}
+
+template <typename In, typename Out, typename Scale>
+void int8_rows(const In* x, int64_t m, int64_t k, const int8_t* weight, const Scale* scale, int64_t n, Out* out) {
+  for_each_row_tile(m, [&](auto rows, int64_t row0) {
+    constexpr int MT = decltype(rows)::value;
+    const std::vector<float> packed = pack_rows(x, k, row0, MT);
+    for_each_tile<MT>(n, [&](auto outputs, int64_t n0) {
+      int8_tile<MT, decltype(outputs)::value>(packed.data(), k, weight, scale, n0, out + row0 * n, n);
+    });
+  });
+}
+
+// 8 lanes over the first h - h % 8 values, then the rest one by one.
+HSPEC_AVX2 float sum_of_squares(const c10::BFloat16* row, int64_t h) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
+    const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));  // bf16 -> fp32
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float sum = lane_sum(acc);
+  for (; i < h; ++i) sum += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+  return sum;
+}
+
+void check_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "hspec::", op, " takes CPU rows (M, K), got ", x.sizes(), " on ",
+              x.device());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "hspec::", op,
+              " takes bfloat16 or float32 rows, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) % kBlock == 0, "hspec::", op, " takes inputs in blocks of ", kBlock, ", got K = ", x.size(1));
+  TORCH_CHECK(cpu_kernels_available(), "hspec::", op, " needs a CPU with AVX2 and FMA");
+}
+
+}  // namespace
+#endif
+
+// weight * rms_norm(x) for bf16 rows x (..., H) and a bf16 weight (H,), as layers.RMSNorm computes it.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+#ifdef HSPEC_X86
+  TORCH_CHECK(cpu_kernels_available(), "hspec::rms_norm needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "hspec::rms_norm takes bfloat16 CPU tensors, got ", x.scalar_type(), " and ", weight.scalar_type());
+  const int64_t h = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h, "hspec::rms_norm: weight ", weight.sizes(), " for rows of ",
+              h);
+  const at::Tensor rows = x.contiguous();
+  at::Tensor out = at::empty_like(rows);
+  const c10::BFloat16* in = rows.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* w = weight.contiguous().data_ptr<c10::BFloat16>();
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  for (int64_t r = 0, n = rows.numel() / h; r < n; ++r) {
+    // F.rms_norm's steps: x / sqrt(mean(x^2) + eps) rounded to bf16, then times the weight, rounded again
+    const float inverse = 1.0f / std::sqrt(sum_of_squares(in + r * h, h) / static_cast<float>(h) +
+                                           static_cast<float>(eps));
+    for (int64_t i = 0; i < h; ++i) {
+      const c10::BFloat16 normed(static_cast<float>(in[r * h + i]) * inverse);
+      o[r * h + i] = c10::BFloat16(static_cast<float>(w[i]) * static_cast<float>(normed));
+    }
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "hspec::rms_norm runs on x86-64 CPUs only");
+#endif
+}
+
+// x (M, K) times an int8 weight (N, K) with one scale per output row (N,) -> (M, N) in x's dtype.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+#ifdef HSPEC_X86
+  check_rows(x, "int8_linear");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.size(1) == x.size(1) &&
+                  weight.is_contiguous(),
+              "hspec::int8_linear: weight must be a contiguous int8 (N, ", x.size(1), "), got ", weight.scalar_type(),
+              " ", weight.sizes());
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == weight.size(0) && scale.is_contiguous() &&
+                  (scale.scalar_type() == at::kBFloat16 || scale.scalar_type() == at::kFloat),
+              "hspec::int8_linear: scale must be a contiguous bf16 or fp32 (", weight.size(0), ",), got ",
+              scale.scalar_type(), " ", scale.sizes());
+  const at::Tensor rows = x.contiguous();
+  const int64_t m = rows.size(0), k = rows.size(1), n = weight.size(0);
+  at::Tensor out = at::empty({m, n}, rows.options());
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const auto run = [&](const auto* in, auto* o) {
+    if (scale.scalar_type() == at::kFloat) {
+      int8_rows(in, m, k, w, scale.data_ptr<float>(), n, o);
+    } else {
+      int8_rows(in, m, k, w, scale.data_ptr<c10::BFloat16>(), n, o);
+    }
+  };
+  if (rows.scalar_type() == at::kBFloat16) {
+    run(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  } else {
+    run(rows.data_ptr<float>(), out.data_ptr<float>());
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "hspec::int8_linear runs on x86-64 CPUs only");
+#endif
+}
+
+// x (M, K) times int4 groups of 32: levels (N, K/32, 16) uint8, step_offset (N, K/32, 2) fp32 -> (M, N).
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& step_offset) {
+#ifdef HSPEC_X86
+  check_rows(x, "int4_linear");
+  const int64_t blocks = x.size(1) / kBlock;
+  TORCH_CHECK(levels.scalar_type() == at::kByte && levels.dim() == 3 && levels.size(1) == blocks &&
+                  levels.size(2) == kBlock / 2 && levels.is_contiguous(),
+              "hspec::int4_linear: levels must be contiguous uint8 (N, ", blocks, ", 16), got ", levels.scalar_type(),
+              " ", levels.sizes());
+  TORCH_CHECK(step_offset.scalar_type() == at::kFloat && step_offset.is_contiguous() &&
+                  step_offset.sizes() == at::IntArrayRef({levels.size(0), blocks, 2}),
+              "hspec::int4_linear: step_offset must be contiguous fp32 (N, ", blocks, ", 2), got ",
+              step_offset.scalar_type(), " ", step_offset.sizes());
+  const at::Tensor rows = x.contiguous();
+  const int64_t m = rows.size(0), k = rows.size(1), n = levels.size(0);
+  at::Tensor out = at::empty({m, n}, rows.options());
+  const uint8_t* l = levels.data_ptr<uint8_t>();
+  const float* so = step_offset.data_ptr<float>();
+  if (rows.scalar_type() == at::kBFloat16) {
+    int4_rows(rows.data_ptr<c10::BFloat16>(), m, k, l, so, n, out.data_ptr<c10::BFloat16>());
+  } else {
+    int4_rows(rows.data_ptr<float>(), m, k, l, so, n, out.data_ptr<float>());
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "hspec::int4_linear runs on x86-64 CPUs only");
+#endif
+}
+
+}  // namespace hspec
+
+TORCH_LIBRARY(hspec, library) {
+  library.def("available() -> bool", &hspec::cpu_kernels_available);
+  library.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  library.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  library.def("int4_linear(Tensor x, Tensor levels, Tensor step_offset) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hspec, CPU, library) {
+  library.impl("rms_norm", &hspec::rms_norm);
+  library.impl("int8_linear", &hspec::int8_linear);
+  library.impl("int4_linear", &hspec::int4_linear);
+}
