@@ -196,6 +196,50 @@ def test_a_long_prefill_gives_every_row_the_bits_it_gets_in_one_block(context, t
     assert torch.equal(attend(q, k, v, mask), _attend_rows(q, k, v, mask, context + t))
 
 
+def _pool_layout(k: torch.Tensor) -> torch.Tensor:
+    """k (B, S, Hkv, D) as a CPU target's pool holds it: K^T in memory (`PagedKVPool(transposed_k=True)`)."""
+    return k.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("context,t", [(0, 1), (5, 4), (61, 8), (130, 16), (300, 3), (1000, 8)])
+def test_hspecs_attention_gives_a_verify_row_the_bits_of_its_decode(context, t):
+    """hspec's kernel computes each row alone over the keys it may see: a verify row equals its 1-token
+    decode bit for bit, with the keys in the pool's K^T layout or gathered, whatever follows them, and
+    within bf16 rounding of the fused float32 attention."""
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    torch.manual_seed(context + t)
+    q = torch.randn(1, t, 9, 64).bfloat16()
+    k = torch.randn(1, context + t + 40, 3, 64).bfloat16().float()
+    v = torch.randn(1, context + t + 40, 3, 64).bfloat16().float()
+    s = context + t
+    mask = (torch.arange(s) <= context + torch.arange(t)[:, None])[None, None]  # (1, 1, T, S)
+    verify = attend(q, _pool_layout(k), v, mask, num_keys=s, kernel=True)
+    assert torch.equal(attend(q, k[:, :s], v[:, :s], mask, kernel=True), verify)  # gathered, exactly s keys
+    for r in range(t):
+        decode = attend(q[:, r : r + 1], _pool_layout(k), v, None, num_keys=context + r + 1, kernel=True)
+        assert torch.equal(verify[:, r : r + 1], decode), f"row {r} differs"
+    reference = attend(q.float(), k[:, :s], v[:, :s], mask)  # float32: the fused kernel
+    assert (verify.float() - reference).abs().max() < 0.02
+
+
+def test_hspecs_attention_skips_the_keys_a_row_may_not_see():
+    """A row under any mask (a tree's rows see their ancestors) equals the row over its visible keys alone."""
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 9, 64, generator=gen).bfloat16()
+    k, v = torch.randn(2, 150, 3, 64, generator=gen), torch.randn(2, 150, 3, 64, generator=gen)
+    mask = torch.rand(2, 1, 3, 150, generator=gen) > 0.4
+    mask[..., 0] = True
+    out = attend(q, k, v, mask, kernel=True)
+    for b in range(2):
+        for r in range(3):
+            seen = mask[b, 0, r].nonzero().squeeze(1)
+            alone = attend(q[b : b + 1, r : r + 1], k[b : b + 1, seen], v[b : b + 1, seen], None, kernel=True)
+            assert torch.equal(out[b : b + 1, r : r + 1], alone), (b, r)
+
+
 def test_row_invariant_attention_matches_sdpa_to_bf16_rounding():
     torch.manual_seed(1)
     q = torch.randn(2, 5, 9, 64)
@@ -268,7 +312,7 @@ def test_hspecs_rms_norm_is_f_rms_norm_to_a_bf16_step_and_keeps_a_rows_bits_alon
     x = (torch.randn(2, 9, dim) * torch.logspace(-2, 3, 9)[None, :, None]).bfloat16()
     with torch.no_grad():
         reference = norm(x)
-        norm.use_norm_kernel()
+        norm.kernel = True
         fast = norm(x)
         rows_alone = torch.cat([norm(x[:, t : t + 1]) for t in range(9)], 1)
     assert torch.equal(rows_alone, fast)
@@ -286,8 +330,8 @@ def test_a_model_runs_hspecs_kernels_or_torchs_throughout(tiny_dirs):
     ours = load_tiny(tiny_dirs["llama"], dtype="int4").model
     theirs = build_model(ours.config, read_state_dict(tiny_dirs["llama"]), "int4", "cpu", kernels=False)
     norms = [m for m in ours.modules() if isinstance(m, RMSNorm)]
-    assert norms and all(m.kernel for m in norms) and ours.native.kernel_norms
-    assert not any(m.kernel for m in theirs.modules() if isinstance(m, RMSNorm)) and not theirs.native.kernel_norms
+    assert norms and all(m.kernel for m in norms) and ours.native.kernels
+    assert not any(m.kernel for m in theirs.modules() if isinstance(m, RMSNorm)) and not theirs.native.kernels
     assert ours.layers[0].mlp.gate_up_packed.dim() == 3 and theirs.layers[0].mlp.gate_up_packed.dim() == 2
     assert ours.lm_head.weight_packed is not None and theirs.lm_head.weight_packed is None
     pool_a, pool_b = ours.new_pool(num_blocks=4), theirs.new_pool(num_blocks=4)

@@ -196,6 +196,66 @@ HSPEC_AVX2 float sum_of_squares(const c10::BFloat16* row, int64_t h) {
   return sum;
 }
 
+// The scores of one query row q (D,) against up to 8 V consecutive keys from j0 (n of them) of K^T (D, S)
+// with row stride ld: V vectors side by side, the last one masked where n is not a multiple of 8.
+template <int V>
+HSPEC_AVX2 void score_block(const float* q, const float* kt, int64_t ld, int64_t d, int64_t j0, int64_t n, float* scores) {
+  const int64_t rest = n - 8 * (V - 1);  // keys in the last vector, 1-8
+  const __m256i last = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rest)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 acc[V];
+  for (int c = 0; c < V; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const __m256 qi = _mm256_broadcast_ss(q + i);
+    const float* row = kt + i * ld + j0;
+    for (int c = 0; c < V - 1; ++c) acc[c] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(row + 8 * c), acc[c]);
+    acc[V - 1] = _mm256_fmadd_ps(qi, _mm256_maskload_ps(row + 8 * (V - 1), last), acc[V - 1]);
+  }
+  for (int c = 0; c < V - 1; ++c) _mm256_storeu_ps(scores + j0 + 8 * c, acc[c]);
+  _mm256_maskstore_ps(scores + j0 + 8 * (V - 1), last, acc[V - 1]);
+}
+
+// The scores of one query row q (D,) against keys j < s of one KV head, K^T (D, S) with row stride ld:
+// score_j = sum over d = 0..D-1 of q_d k_dj, one FMA chain per key in d order, whichever vector lane the key
+// falls in, so a key's score does not depend on s. 64 keys at a time: eight chains in flight.
+HSPEC_AVX2 void key_scores(const float* q, const float* kt, int64_t ld, int64_t d, int64_t s, float* scores) {
+  for (int64_t j = 0; j < s; j += 64) {
+    const int64_t n = std::min<int64_t>(64, s - j);
+    switch ((n + 7) / 8) {
+      case 8: score_block<8>(q, kt, ld, d, j, n, scores); break;
+      case 7: score_block<7>(q, kt, ld, d, j, n, scores); break;
+      case 6: score_block<6>(q, kt, ld, d, j, n, scores); break;
+      case 5: score_block<5>(q, kt, ld, d, j, n, scores); break;
+      case 4: score_block<4>(q, kt, ld, d, j, n, scores); break;
+      case 3: score_block<3>(q, kt, ld, d, j, n, scores); break;
+      case 2: score_block<2>(q, kt, ld, d, j, n, scores); break;
+      default: score_block<1>(q, kt, ld, d, j, n, scores); break;
+    }
+  }
+}
+
+// out (D,) = sum over the visible keys j (ascending) of p_j v_j, V (s, D) with row stride ld: one FMA
+// chain per output element in j order, then times 1 / total. Up to 64 outputs at a time, so that 8 chains
+// run side by side.
+HSPEC_AVX2 void weighted_values(const float* p, const bool* visible, const float* v, int64_t ld, int64_t d, int64_t s,
+                                float inverse_total, float* out) {
+  for (int64_t i0 = 0; i0 < d; i0 += 64) {
+    const int chunks = static_cast<int>(std::min<int64_t>(d - i0, 64) / 8);
+    __m256 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < s; ++j) {
+      if (visible != nullptr && !visible[j]) continue;
+      const __m256 weight = _mm256_set1_ps(p[j]);
+      const float* row = v + j * ld + i0;
+      if (chunks == 8) {
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * c), acc[c]);
+      } else {
+        for (int c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * c), acc[c]);
+      }
+    }
+    for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(out + i0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inverse_total)));
+  }
+}
+
 void check_rows(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "hspec::", op, " takes CPU rows (M, K), got ", x.sizes(), " on ",
               x.device());
@@ -300,6 +360,71 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& levels, const at::
 #endif
 }
 
+// Attention of the rows q (B, T, Hq, D) over the first s keys of k and v (B, S', Hkv, D), fp32; mask
+// (B, 1, T, S') True where a row may see a key, or none (every row sees all s). Returns (B, T, Hq D) in q's
+// dtype. Each row alone: its scores (`key_scores`), scaled by D^-1/2, a softmax over its visible keys in
+// fp32 (max, then exp and their sum in key order), and the weighted sum of their values
+// (`weighted_values`). A key a row may not see contributes nothing anywhere, so a verify row, whose call
+// holds more keys, computes exactly what its 1-token decode did.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                     int64_t s) {
+#ifdef HSPEC_X86
+  TORCH_CHECK(cpu_kernels_available(), "hspec::attention needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.device().is_cpu(),
+              "hspec::attention takes q (B, T, Hq, D), k and v (B, S', Hkv, D) on the CPU, got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3), hkv = k.size(2);
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.sizes() == v.sizes() &&
+                  k.size(0) == b && k.size(3) == d && hq % hkv == 0 && d % 8 == 0 && s >= 1 && s <= k.size(1),
+              "hspec::attention: k and v must be float32 (", b, ", S' >= ", s, ", Hkv dividing ", hq, ", ", d,
+              "), D a multiple of 8; got ", k.scalar_type(), " ", k.sizes(), " and ", v.scalar_type(), " ", v.sizes());
+  // K^T of each (sequence, KV head) as rows over consecutive keys: the pool's own layout (a view), else a copy.
+  const at::Tensor kt = k.stride(1) == 1 ? k : k.permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2});
+  const at::Tensor values = v.stride(3) == 1 ? v : v.contiguous();
+  const at::Tensor rows = q.to(at::kFloat).contiguous();
+  std::optional<at::Tensor> visible;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(0) == b && mask->size(2) == t &&
+                    mask->size(3) >= s,
+                "hspec::attention: mask must be bool (", b, ", 1, ", t, ", S >= ", s, "), got ", mask->sizes());
+    visible = mask->slice(3, 0, s).contiguous();
+  }
+  at::Tensor out = at::empty({b, t, hq * d}, rows.options());
+  const float* qp = rows.data_ptr<float>();
+  const float* kp = kt.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  const bool* mp = visible.has_value() ? visible->data_ptr<bool>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t g = hq / hkv;
+  at::parallel_for(0, b * t * hq, std::max<int64_t>(1, 16384 / (s * d)), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(s));
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t bi = r / (t * hq), ti = (r / hq) % t, h = r % hq, kv = h / g;
+      const bool* row_visible = mp == nullptr ? nullptr : mp + (bi * t + ti) * s;
+      key_scores(qp + r * d, kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3), d, s, scores.data());
+      float high = -INFINITY;
+      for (int64_t j = 0; j < s; ++j) {
+        scores[j] *= scale;
+        if (row_visible == nullptr || row_visible[j]) high = std::max(high, scores[j]);
+      }
+      float total = 0.0f;
+      for (int64_t j = 0; j < s; ++j) {
+        if (row_visible == nullptr || row_visible[j]) {
+          scores[j] = std::exp(scores[j] - high);
+          total += scores[j];
+        }
+      }
+      weighted_values(scores.data(), row_visible, vp + bi * values.stride(0) + kv * values.stride(2), values.stride(1), d,
+                      s, 1.0f / total, op + r * d);
+    }
+  });
+  return out.to(q.scalar_type());
+#else
+  TORCH_CHECK(false, "hspec::attention runs on x86-64 CPUs only");
+#endif
+}
+
 }  // namespace hspec
 
 TORCH_LIBRARY(hspec, library) {
@@ -307,10 +432,12 @@ TORCH_LIBRARY(hspec, library) {
   library.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   library.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   library.def("int4_linear(Tensor x, Tensor levels, Tensor step_offset) -> Tensor");
+  library.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, int s) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hspec, CPU, library) {
   library.impl("rms_norm", &hspec::rms_norm);
   library.impl("int8_linear", &hspec::int8_linear);
   library.impl("int4_linear", &hspec::int4_linear);
+  library.impl("attention", &hspec::attention);
 }

@@ -1,7 +1,8 @@
 // The target's decoder layers for one sequence's decode or verify, in C++ (models/native.py builds it).
 //
-// It calls the ATen operators that models/layers.py and models/llama.py call, with the same arguments in
-// the same order, so every result has the Python layers' bits; only the Python interpreter between the
+// It calls the operators that models/layers.py and models/llama.py call (ATen's, and hspec's CPU kernels,
+// cpu_kernels.cpp, through the dispatcher where the model runs them), with the same arguments in the same
+// order, so every result has the Python layers' bits; only the Python interpreter between the
 // ~80 operators of a layer is gone (docs/fast-path.md, "The native decoder stack"). It covers what
 // `NativeDecoderStack.covers` admits: a chain of T new tokens per sequence (not a tree, not a prompt's
 // prefill) whose T * G query rows fit one attention product (layers._ROW_BLOCK), no per-head q/k norm, on
@@ -152,6 +153,14 @@ Tensor attend(const Tensor& q, Tensor keys, Tensor values, const OptionalTensor&
   return out.view({b, a.hkv, t, g, a.d}).permute({0, 2, 1, 3, 4}).reshape({b, t, a.hq * a.d});
 }
 
+// layers.attend with hspec's kernel (cpu_kernels.cpp): q (B, T, Hq, D) over the first s of keys and values
+// (B, S', Hkv, D) float32, mask (B, 1, T, S) or nullopt. Returns (B, T, Hq D).
+Tensor kernel_attend(const Tensor& q, const Tensor& keys, const Tensor& values, const OptionalTensor& mask, int64_t s) {
+  static auto kernel = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::attention", "")
+                           .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&, int64_t)>();
+  return kernel.call(q, keys, values, mask, s);
+}
+
 }  // namespace
 
 // TargetModel.forward's layer loop: x (B, T, H) embeddings, cos/sin (B, T, 1, D), `weights` L x
@@ -167,7 +176,7 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
                                   int64_t start, int64_t key_end, int64_t s, int64_t width,
                                   const OptionalTensor& mask, int64_t hq, int64_t hkv, int64_t d, double eps,
                                   int64_t row_block, int64_t min_attention_rows, int64_t value_chunk,
-                                  int64_t fp32_value_chunk, bool kernel_norms,
+                                  int64_t fp32_value_chunk, bool kernels,
                                   const std::vector<int64_t>& hidden_layers) {
   TORCH_CHECK(weights.size() % kTensorsPerLayer == 0, "decoder_stack: ", weights.size(),
               " weights is not a whole number of layers of ", kTensorsPerLayer);
@@ -198,7 +207,7 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
     const LinearWeights down{need(at + 12), std::nullopt, weights[at + 13], weights[at + 14]};
 
     // Attention (llama.Attention, layers.QKVProjection): q and k rotated in one pass.
-    const Tensor projected = linear(rms_norm(x, need(at), eps, kernel_norms), qkv, row_block);  // (B, T, (Hq + 2 Hkv) D)
+    const Tensor projected = linear(rms_norm(x, need(at), eps, kernels), qkv, row_block);  // (B, T, (Hq + 2 Hkv) D)
     const int64_t qk_width = (hq + hkv) * d;
     const Tensor qk = apply_rope(projected.slice(-1, 0, qk_width).view({b, t, -1, d}), cos, sin);
     const std::vector<Tensor> q_k = qk.split_with_sizes({hq, hkv}, 2);
@@ -217,10 +226,13 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
       keys = layer_k.slice(0, start, key_end).unsqueeze(0);
       values = layer_v.slice(0, start, key_end).unsqueeze(0);
     }
-    x = x + linear(attend(q_k[0], keys, values, hidden_not, shape), o_proj, row_block);
+    const Tensor attended = kernels && values.scalar_type() == at::kFloat
+                                ? kernel_attend(q_k[0], keys, values, mask, s)
+                                : attend(q_k[0], keys, values, hidden_not, shape);
+    x = x + linear(attended, o_proj, row_block);
 
     // SwiGLU with gate and up fused (layers.SwiGLU).
-    const std::vector<Tensor> gate_and_up = linear(rms_norm(x, need(at + 8), eps, kernel_norms), gate_up, row_block).chunk(2, -1);
+    const std::vector<Tensor> gate_and_up = linear(rms_norm(x, need(at + 8), eps, kernels), gate_up, row_block).chunk(2, -1);
     x = x + linear(at::silu(gate_and_up[0]) * gate_and_up[1], down, row_block);
     for (const int64_t wanted : hidden_layers) {
       if (wanted == layer + 1) collected.push_back(x);

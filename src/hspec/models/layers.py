@@ -198,14 +198,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel = False  # hspec's kernel for bf16 rows (`use_norm_kernel`)
-
-    def use_norm_kernel(self) -> None:
-        """Compute bf16 rows without autograd with hspec's kernel (`torch.ops.hspec.rms_norm`,
-        models/cpu_kernels.cpp): F.rms_norm's steps in a loop, ~1 us a row where F.rms_norm took ~40 us
-        on an AVX2 CPU (docs/fast-path.md#hspecs-cpu-kernels). Its rounding may differ from F.rms_norm's in
-        the last bit, so a model uses one or the other throughout (`loading.build_model` decides)."""
-        self.kernel = True
+        # bf16 rows without autograd go to hspec's kernel (`torch.ops.hspec.rms_norm`, models/cpu_kernels.cpp):
+        # F.rms_norm's steps in a loop, ~1 us a row where F.rms_norm took ~40 us on an AVX2 CPU
+        # (docs/fast-path.md#hspecs-cpu-kernels). It may round otherwise than F.rms_norm in the last bit, so a
+        # model uses one or the other throughout (`loading.build_model` sets it).
+        self.kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled():
@@ -319,7 +316,7 @@ class QKVProjection(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           prefill: bool = False, num_keys: int | None = None) -> torch.Tensor:
+           prefill: bool = False, num_keys: int | None = None, kernel: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with GQA.
 
     q (B, T, Hq, D); k, v (B, S', Hkv, D) whose first S = num_keys (default S') positions are the keys;
@@ -327,9 +324,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     Positions after the S keys must hold finite values and are never attended: a paged read may add them
     (`key_multiple`). Row-invariant tensors take `_attend_row_invariant`.
     prefill: as in `linear` (the rows are a prompt's): a query block's rows share one product.
+    kernel: a decode's or a verify's row-invariant rows over float32 keys (a CPU target's pool) go to hspec's
+    kernel (`torch.ops.hspec.attention`, models/cpu_kernels.cpp), which computes each row alone and skips
+    the keys it may not see: one call where `_attend_row_invariant` makes ~25 (docs/fast-path.md#hspecs-cpu-kernels).
+    A model uses one or the other for every decode and verify (`loading.build_model` decides).
     """
     s = k.shape[1] if num_keys is None else num_keys
     if row_invariant(q):
+        if kernel and not prefill and k.dtype == torch.float32:
+            return torch.ops.hspec.attention(q, k, v, mask, s)
         return _attend_row_invariant(q, k, v, mask, s, prefill)
     b, t, hq, d = q.shape
     out = F.scaled_dot_product_attention(

@@ -52,6 +52,7 @@ class Attention(nn.Module):
         self.qkv = QKVProjection(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                  c.attention_bias, c.qk_norm, c.rms_norm_eps)
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.kernel = False  # decodes and verifies attend with hspec's kernel (`layers.attend`; build_model sets it)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
                 layer_index: int, write_slots: torch.Tensor, table: SlotTable,
@@ -63,7 +64,8 @@ class Attention(nn.Module):
         pool.write(layer_index, write_slots, k, v)  # new tokens first, so they see themselves
         keys, values = pool.gather(layer_index, table, key_multiple(x))  # (rows, S' >= S, Hkv, D)
         rows, s = table.slots.shape
-        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, mask, prefill, s)  # (rows, T', Hq D)
+        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, mask, prefill, s,
+                     self.kernel)  # (rows, T', Hq D)
         return self.o_proj(out.reshape(b, t, -1), prefill)
 
 

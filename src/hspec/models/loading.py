@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import quantized_weights, resolve_dtype, slow_dtype_note
 from hspec.models.layers import RMSNorm
-from hspec.models.llama import TargetModel
+from hspec.models.llama import Attention, TargetModel
 from hspec.models.native import NativeDecoderStack, build_extension, load_kernels
 from hspec.models.prepack import prepack_bf16
 from hspec.models.quantize import quantize_int4, quantize_int8
@@ -152,10 +152,10 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     `native`: run decodes and verifies through the C++ decoder stack (`models.native`;
     built on first use, the same bits) where the model is row-invariant (bf16, int8, int4 on the CPU);
     False keeps the Python layers (for comparing the two).
-    `kernels`: where the model is row-invariant and the CPU has AVX2 and FMA, its int8 and int4 products and
-    its norms run hspec's kernels (`models/cpu_kernels.cpp`, built with the stack), in the Python layers
-    and the stack alike; False keeps torch's (for comparing the two). Either way one model uses one kind
-    throughout, so its decodes and verifies agree.
+    `kernels`: where the model is row-invariant and the CPU has AVX2 and FMA, its int8 and int4 products,
+    its norms and its decodes' and verifies' attention run hspec's kernels (`models/cpu_kernels.cpp`,
+    `models.native.load_kernels`), in the Python layers and the stack alike; False keeps torch's (for
+    comparing the two). Either way one model uses one kind throughout, so its decodes and verifies agree.
     """
     if quantized_weights(dtype) and torch.device(device).type != "cpu":
         raise ValueError(f"--dtype {dtype} (weight-only {dtype} linears) runs on the CPU; on {device} use bfloat16")
@@ -201,8 +201,8 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
         prepack_bf16(model)  # bf16 on a CPU: oneDNN's packed copies, F.linear's bits faster (else a no-op)
     if use_kernels:
         for module in model.modules():
-            if isinstance(module, RMSNorm):
-                module.use_norm_kernel()
+            if isinstance(module, (RMSNorm, Attention)):
+                module.kernel = True
     if native and model.row_invariant_attention and NativeDecoderStack.fits(model.layers):
         extension = build_extension()
         if extension is not None:

@@ -9,6 +9,10 @@ interpreter out. It is built once per machine with torch's C++ extension loader 
 row-invariant target loads. If it cannot be built, a warning says why and the Python layers run: the same
 outputs, slower. docs/fast-path.md ("The native decoder stack") has the measurements.
 
+hspec's CPU kernels (`cpu_kernels.cpp`: int8 and int4 products, the bf16 RMSNorm) are a library of their
+own, loaded by `load_kernels` and called as torch.ops.hspec.* by the Python layers and the stack alike
+(docs/fast-path.md, "hspec's CPU kernels").
+
 Legend: T new tokens, S context length, H hidden, Hq/Hkv heads, D head dim.
 """
 
@@ -105,9 +109,9 @@ class NativeDecoderStack:
         self.extension = extension
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = (c.num_heads, c.num_kv_heads, c.head_dim,
                                                                        c.rms_norm_eps)
-        # the layers' norms run hspec's kernel (`RMSNorm.use_norm_kernel`, set before the stack is built)
-        self.kernel_norms = all(layer.input_layernorm.kernel and layer.post_attention_layernorm.kernel
-                                for layer in layers)
+        # the layers' norms and attention run hspec's kernels (`build_model` sets them before building the stack)
+        self.kernels = all(layer.input_layernorm.kernel and layer.post_attention_layernorm.kernel
+                           and layer.self_attn.kernel for layer in layers)
         self.weights: list[torch.Tensor | None] = []  # 15 per layer, the order decoder_stack.cpp reads
         for layer in layers:
             qkv, o_proj, mlp = layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp
@@ -159,5 +163,5 @@ class NativeDecoderStack:
         out = self.extension.decoder_stack(x, cos, sin, self.weights, pool_k, pool_v, write_slots, gathered, start,
                                            key_end, s, width, mask, self.num_heads, self.num_kv_heads, self.head_dim,
                                            self.eps, _ROW_BLOCK, _MIN_ATTENTION_ROWS, _VALUE_CHUNK, _FP32_VALUE_CHUNK,
-                                           self.kernel_norms, hidden_layers)
+                                           self.kernels, hidden_layers)
         return out[0], out[1:]

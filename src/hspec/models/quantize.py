@@ -4,11 +4,13 @@ Plain decoding of a small model on a CPU is bound by reading the weights: every 
 them once (SmolLM2-135M in bf16: 212 MB of layer weights and a 56 MB LM head). Fewer bytes per weight
 are fewer bytes to read; activations, the KV pool, norms, attention and every drafter stay bf16.
 
-- int8: one bf16 scale per output row (`quantize_rows`); the product runs in `aten._weight_int8pack_mm`,
-  which dequantizes a tile at a time and multiplies it with the bf16 activations.
+- int8: one bf16 scale per output row (`quantize_rows`); the product runs in hspec's int8 kernel
+  (`models/cpu_kernels.cpp`, on a CPU with AVX2 and FMA) or `aten._weight_int8pack_mm`, each of which
+  dequantizes a tile at a time and multiplies it with the activations.
 - int4: groups of `INT4_GROUP` inputs of a row, each with its own step and minimum (`quantize_groups`,
-  the asymmetric scheme of llama.cpp's Q4_1); the product runs in `aten._weight_int4pack_mm_for_cpu` on
-  the levels packed for it, and the weight itself becomes their floating values (`dequantize_groups`),
+  the asymmetric scheme of llama.cpp's Q4_1); the product runs in hspec's int4 kernel on the levels
+  packed for it (`pack_int4`, on a CPU with AVX2 and FMA) or in `aten._weight_int4pack_mm_for_cpu` on
+  torch's packing, and the weight itself becomes their floating values (`dequantize_groups`),
   which a prompt's prefill multiplies at bf16's speed (dequantizing for each prefill cost ~75 ms).
   Only the decoder layers' linears (`quantize_int4`): the LM head stays int8, because the logits of a
   vocabulary's 49k rows are where 4 bits would cost the most (llama.cpp's own SmolLM2 GGUF keeps its
