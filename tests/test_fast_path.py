@@ -252,14 +252,19 @@ def test_row_invariant_attention_matches_sdpa_to_bf16_rounding():
     assert (got - reference).abs().max() < 0.05
 
 
-@pytest.mark.parametrize("dim", [64, 576, 2048])
-def test_rms_norm_on_bf16_without_autograd_keeps_the_fp32_paths_bits_alone_or_among_others(dim):
+def _norm_and_rows(dim: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A bf16 RMSNorm of `dim` with random weights and rows (2, 9, dim) whose scales span 1e-2 to 1e3."""
     from hspec.models.layers import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(dim, 1e-5).to(torch.bfloat16)
     torch.nn.init.normal_(norm.weight)
-    x = (torch.randn(2, 9, dim) * torch.logspace(-2, 3, 9)[None, :, None]).bfloat16()
+    return norm, (torch.randn(2, 9, dim) * torch.logspace(-2, 3, 9)[None, :, None]).bfloat16()
+
+
+@pytest.mark.parametrize("dim", [64, 576, 2048])
+def test_rms_norm_on_bf16_without_autograd_keeps_the_fp32_paths_bits_alone_or_among_others(dim):
+    norm, x = _norm_and_rows(dim)
     with torch.no_grad():
         fast = norm(x)
         rows_alone = torch.cat([norm(x[:, t : t + 1]) for t in range(9)], 1)
@@ -302,14 +307,9 @@ def test_hspecs_kernels_name_what_they_were_given():
 
 @pytest.mark.parametrize("dim", [64, 100, 576])
 def test_hspecs_rms_norm_is_f_rms_norm_to_a_bf16_step_and_keeps_a_rows_bits_alone(dim):
-    from hspec.models.layers import RMSNorm
-
     if not load_kernels():
         pytest.skip("hspec's CPU kernels do not run here")
-    torch.manual_seed(0)
-    norm = RMSNorm(dim, 1e-5).to(torch.bfloat16)
-    torch.nn.init.normal_(norm.weight)
-    x = (torch.randn(2, 9, dim) * torch.logspace(-2, 3, 9)[None, :, None]).bfloat16()
+    norm, x = _norm_and_rows(dim)
     with torch.no_grad():
         reference = norm(x)
         norm.kernel = True

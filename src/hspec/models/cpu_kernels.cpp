@@ -160,24 +160,15 @@ void for_each_row_tile(int64_t m, const Body& body) {
   }
 }
 
-template <typename In, typename Out>
-void int4_rows(const In* x, int64_t m, int64_t k, const uint8_t* levels, const float* step_offset, int64_t n, Out* out) {
+// Every output of x's m rows: tiles of up to 8 rows, each packed once (`pack_rows`) and multiplied into every
+// tile of outputs by tile(rows, outputs, packed, n0, out), rows and outputs the tile's sizes as integral
+// constants, out the tile's first output row.
+template <typename In, typename Out, typename Tile>
+void tiled_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, const Tile& tile) {
   for_each_row_tile(m, [&](auto rows, int64_t row0) {
-    constexpr int MT = decltype(rows)::value;
-    const std::vector<float> packed = pack_rows(x, k, row0, MT);
-    for_each_tile<MT>(n, [&](auto outputs, int64_t n0) {
-      int4_tile<MT, decltype(outputs)::value>(packed.data(), k, levels, step_offset, n0, out + row0 * n, n);
-    });
-  });
-}
-
-template <typename In, typename Out, typename Scale>
-void int8_rows(const In* x, int64_t m, int64_t k, const int8_t* weight, const Scale* scale, int64_t n, Out* out) {
-  for_each_row_tile(m, [&](auto rows, int64_t row0) {
-    constexpr int MT = decltype(rows)::value;
-    const std::vector<float> packed = pack_rows(x, k, row0, MT);
-    for_each_tile<MT>(n, [&](auto outputs, int64_t n0) {
-      int8_tile<MT, decltype(outputs)::value>(packed.data(), k, weight, scale, n0, out + row0 * n, n);
+    const std::vector<float> packed = pack_rows(x, k, row0, decltype(rows)::value);
+    for_each_tile<decltype(rows)::value>(n, [&](auto outputs, int64_t n0) {
+      tile(rows, outputs, packed.data(), n0, out + row0 * n);
     });
   });
 }
@@ -256,6 +247,19 @@ HSPEC_AVX2 void weighted_values(const float* p, const bool* visible, const float
   }
 }
 
+// A product's (M, N) output in x's dtype: body(rows, out) gets x's rows and the output as bf16 or fp32 pointers.
+template <typename Body>
+at::Tensor product_of_rows(const at::Tensor& x, int64_t n, const Body& body) {
+  const at::Tensor rows = x.contiguous();
+  at::Tensor out = at::empty({rows.size(0), n}, rows.options());
+  if (rows.scalar_type() == at::kBFloat16) {
+    body(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  } else {
+    body(rows.data_ptr<float>(), out.data_ptr<float>());
+  }
+  return out;
+}
+
 void check_rows(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "hspec::", op, " takes CPU rows (M, K), got ", x.sizes(), " on ",
               x.device());
@@ -309,23 +313,17 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                   (scale.scalar_type() == at::kBFloat16 || scale.scalar_type() == at::kFloat),
               "hspec::int8_linear: scale must be a contiguous bf16 or fp32 (", weight.size(0), ",), got ",
               scale.scalar_type(), " ", scale.sizes());
-  const at::Tensor rows = x.contiguous();
-  const int64_t m = rows.size(0), k = rows.size(1), n = weight.size(0);
-  at::Tensor out = at::empty({m, n}, rows.options());
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   const int8_t* w = weight.data_ptr<int8_t>();
-  const auto run = [&](const auto* in, auto* o) {
-    if (scale.scalar_type() == at::kFloat) {
-      int8_rows(in, m, k, w, scale.data_ptr<float>(), n, o);
-    } else {
-      int8_rows(in, m, k, w, scale.data_ptr<c10::BFloat16>(), n, o);
-    }
+  const auto rows_with = [&](const auto* scales) {
+    return product_of_rows(x, n, [&](const auto* in, auto* out) {
+      tiled_product(in, m, k, n, out, [&](auto rows, auto outputs, const float* packed, int64_t n0, auto* o) {
+        int8_tile<decltype(rows)::value, decltype(outputs)::value>(packed, k, w, scales, n0, o, n);
+      });
+    });
   };
-  if (rows.scalar_type() == at::kBFloat16) {
-    run(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
-  } else {
-    run(rows.data_ptr<float>(), out.data_ptr<float>());
-  }
-  return out;
+  return scale.scalar_type() == at::kFloat ? rows_with(scale.data_ptr<float>())
+                                           : rows_with(scale.data_ptr<c10::BFloat16>());
 #else
   TORCH_CHECK(false, "hspec::int8_linear runs on x86-64 CPUs only");
 #endif
@@ -344,17 +342,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& levels, const at::
                   step_offset.sizes() == at::IntArrayRef({levels.size(0), blocks, 2}),
               "hspec::int4_linear: step_offset must be contiguous fp32 (N, ", blocks, ", 2), got ",
               step_offset.scalar_type(), " ", step_offset.sizes());
-  const at::Tensor rows = x.contiguous();
-  const int64_t m = rows.size(0), k = rows.size(1), n = levels.size(0);
-  at::Tensor out = at::empty({m, n}, rows.options());
+  const int64_t m = x.size(0), k = x.size(1), n = levels.size(0);
   const uint8_t* l = levels.data_ptr<uint8_t>();
   const float* so = step_offset.data_ptr<float>();
-  if (rows.scalar_type() == at::kBFloat16) {
-    int4_rows(rows.data_ptr<c10::BFloat16>(), m, k, l, so, n, out.data_ptr<c10::BFloat16>());
-  } else {
-    int4_rows(rows.data_ptr<float>(), m, k, l, so, n, out.data_ptr<float>());
-  }
-  return out;
+  return product_of_rows(x, n, [&](const auto* in, auto* out) {
+    tiled_product(in, m, k, n, out, [&](auto rows, auto outputs, const float* packed, int64_t n0, auto* o) {
+      int4_tile<decltype(rows)::value, decltype(outputs)::value>(packed, k, l, so, n0, o, n);
+    });
+  });
 #else
   TORCH_CHECK(false, "hspec::int4_linear runs on x86-64 CPUs only");
 #endif
