@@ -10,8 +10,9 @@
      among the dtypes, for the gain of oneDNN's prepacked weights;
    - hspec in the last row-invariant dtype of `--dtypes` (int4 by default) with its decoder layers run by
      Python rather than the native decoder stack (`models.native`), for that stack's gain;
-   - hspec in each weight-only dtype (int8, int4) on torch's kernels and F.rms_norm rather than hspec's
-     (`models/cpu_kernels.cpp`), where hspec's run, for their gain; its verify cost is measured too;
+   - hspec in each weight-only dtype (int8, int4) on torch's products, F.rms_norm and the row-invariant
+     Python attention rather than hspec's kernels (`models/cpu_kernels.cpp`), where hspec's run, for their
+     gain; its verify cost is measured too;
    - transformers on the same weights (float32): its model called token by token with its own KV
      cache (`DynamicCache`), the loop `generate` runs without the logits processors;
    - llama.cpp on the embedded target's own GGUF (Q4_1 for SmolLM2) through `llama-cpp-python`, when

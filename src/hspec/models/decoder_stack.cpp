@@ -186,8 +186,10 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
   const int64_t num_layers = static_cast<int64_t>(weights.size()) / kTensorsPerLayer;
   const int64_t b = x.size(0), t = x.size(1), g = hq / hkv;
   const Tensor flat_slots = write_slots.reshape({-1});
+  // hspec's attention kernel takes the float32 pool and the mask as they are; the other path's mask is inverted.
+  const bool kernel_attention = kernels && pool_v.scalar_type() == at::kFloat;
   OptionalTensor hidden_not;  // (B, 1, max(T G, min_attention_rows), S), computed once, not once per layer
-  if (mask.has_value()) {
+  if (mask.has_value() && !kernel_attention) {
     hidden_not = mask->unsqueeze(3).expand({b, 1, t, g, s}).reshape({b, 1, t * g, s}).logical_not();
     // attend pads fewer than min_attention_rows rows to that many; their rows see every key.
     if (t * g < min_attention_rows) {
@@ -226,7 +228,7 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
       keys = layer_k.slice(0, start, key_end).unsqueeze(0);
       values = layer_v.slice(0, start, key_end).unsqueeze(0);
     }
-    const Tensor attended = kernels && values.scalar_type() == at::kFloat
+    const Tensor attended = kernel_attention
                                 ? kernel_attend(q_k[0], keys, values, mask, s)
                                 : attend(q_k[0], keys, values, hidden_not, shape);
     x = x + linear(attended, o_proj, row_block);
