@@ -240,6 +240,66 @@ def test_hspecs_attention_skips_the_keys_a_row_may_not_see():
             assert torch.equal(out[b : b + 1, r : r + 1], alone), (b, r)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1), (10, 2)])
+def test_hspecs_attention_shares_no_sums_between_the_heads_of_a_kv_head(heads, kv_heads):
+    """The query heads of one KV head run in passes of up to 3 (1, 2 or 3 rows): each head's rows equal
+    that head run alone, bit for bit, and the fused float32 attention to bf16 rounding."""
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    torch.manual_seed(heads + kv_heads)
+    q = torch.randn(2, 3, heads, 64).bfloat16()
+    k, v = torch.randn(2, 77, kv_heads, 64), torch.randn(2, 77, kv_heads, 64)
+    mask = (torch.arange(77) <= 74 + torch.arange(3)[:, None])[None, None].expand(2, 1, 3, 77)
+    out = attend(q, _pool_layout(k), v, mask, kernel=True).unflatten(-1, (heads, 64))
+    group = heads // kv_heads
+    for h in range(heads):
+        kv = h // group
+        alone = attend(q[:, :, h : h + 1], k[:, :, kv : kv + 1], v[:, :, kv : kv + 1], mask, kernel=True)
+        assert torch.equal(out[:, :, h], alone), f"head {h} differs"
+    reference = attend(q.float(), k, v, mask).unflatten(-1, (heads, 64))
+    assert (out.float() - reference).abs().max() < 0.02
+
+
+def test_hspecs_attention_softmax_holds_scores_far_apart():
+    """Scores hundreds apart (exp underflows to 0 for all but the top keys) and equal scores: the kernel's
+    vectorised exp stays within bf16 rounding of the float32 softmax."""
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    torch.manual_seed(3)
+    k, v = torch.randn(1, 203, 3, 64), torch.randn(1, 203, 3, 64)
+    for q in (torch.randn(1, 2, 9, 64) * 60, torch.zeros(1, 2, 9, 64)):
+        got = attend(q.bfloat16(), k, v, None, kernel=True).float()
+        reference = attend(q.bfloat16().float(), k, v, None)
+        assert torch.isfinite(got).all()
+        assert (got - reference).abs().max() < 0.02
+
+
+def test_rope_and_write_rotates_and_writes_as_the_layers_do():
+    """hspec::rope_and_write: the queries apply_rope gives, the rotated keys and the values written at the
+    slots of a transposed float32 pool layer, bit for bit; a slot outside the pool is refused by name."""
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    from hspec.models.layers import apply_rope, rope_cos_sin
+
+    torch.manual_seed(0)
+    b, t, hq, hkv, d = 2, 3, 9, 3, 64
+    projected = torch.randn(b, t, (hq + 2 * hkv) * d).bfloat16()
+    cos, sin = (table[:, :, None] for table in rope_cos_sin(1e4 ** -(torch.arange(0, d, 2) / d),
+                                                            torch.arange(b * t).view(b, t) * 37, torch.bfloat16))
+    pool_k = torch.zeros(hkv, d, 20).permute(2, 0, 1)  # (slots, Hkv, D) seen, K^T in memory
+    pool_v = torch.zeros(20, hkv, d)
+    slots = torch.tensor([4, 5, 6, 11, 12, 13])
+    queries = torch.ops.hspec.rope_and_write(projected, cos, sin, pool_k, pool_v, slots, hq, hkv)
+    heads = projected.view(b, t, hq + 2 * hkv, d)
+    rotated = apply_rope(heads[:, :, : hq + hkv], cos, sin)
+    assert torch.equal(queries, rotated[:, :, :hq])
+    assert torch.equal(pool_k[slots], rotated[:, :, hq:].reshape(-1, hkv, d).float())
+    assert torch.equal(pool_v[slots], heads[:, :, hq + hkv :].reshape(-1, hkv, d).float())
+    assert not pool_k[[0, 7, 19]].any() and not pool_v[[0, 7, 19]].any()
+    with pytest.raises(RuntimeError, match="slot 20 outside the pool's 20"):
+        torch.ops.hspec.rope_and_write(projected, cos, sin, pool_k, pool_v, slots + 7, hq, hkv)
+
+
 def test_row_invariant_attention_matches_sdpa_to_bf16_rounding():
     torch.manual_seed(1)
     q = torch.randn(2, 5, 9, 64)

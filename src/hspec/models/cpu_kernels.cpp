@@ -1,10 +1,11 @@
-// hspec's own CPU kernels for the few rows of a decode or a verify: int8 and int4 weight-only products
-// and the bf16 RMSNorm, registered as torch.ops.hspec.* for the Python layers and decoder_stack.cpp alike
+// hspec's own CPU kernels for the few rows of a decode or a verify: int8 and int4 weight-only products,
+// the bf16 RMSNorm and attention, registered as torch.ops.hspec.* for the Python layers and decoder_stack.cpp alike
 // (models/native.py builds them; docs/fast-path.md, "hspec's CPU kernels").
 //
 // Why: on an AVX2-only CPU torch's int4 kernel takes ~3x a row's time for 8 rows, its int8 one ~3x, and
 // F.rms_norm ~40 us for one 576-wide row, 61 calls a SmolLM2 token. These kernels unpack a weight block
-// once for up to 8 rows, and the norm is a loop.
+// once for up to 8 rows, and the norm is a loop. The attention kernel replaces ~25 operators a layer by
+// one call, and its softmax exponentiates 8 scores at a time (std::exp one by one cost 20-25% of it).
 //
 // Row invariance by construction: an output element is the dot product of its input row with its weight
 // row, summed over the inputs in one order that depends on K alone (8 fp32 lanes, blocks of 32 inputs
@@ -187,64 +188,180 @@ HSPEC_AVX2 float sum_of_squares(const c10::BFloat16* row, int64_t h) {
   return sum;
 }
 
-// The scores of one query row q (D,) against up to 8 V consecutive keys from j0 (n of them) of K^T (D, S)
-// with row stride ld: V vectors side by side, the last one masked where n is not a multiple of 8.
-template <int V>
-HSPEC_AVX2 void score_block(const float* q, const float* kt, int64_t ld, int64_t d, int64_t j0, int64_t n, float* scores) {
+// The scores of R query rows q (R, D) of one KV head against up to 8 V consecutive keys from j0 (n of
+// them) of K^T (D, S) with row stride ld: V vectors side by side per row, the last one masked where n is
+// not a multiple of 8; each key vector is loaded once for the R rows. scores: R rows of stride lds.
+template <int R, int V>
+HSPEC_AVX2 void score_block(const float* q, const float* kt, int64_t ld, int64_t d, int64_t j0, int64_t n,
+                            float* scores, int64_t lds) {
   const int64_t rest = n - 8 * (V - 1);  // keys in the last vector, 1-8
   const __m256i last = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rest)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  __m256 acc[V];
-  for (int c = 0; c < V; ++c) acc[c] = _mm256_setzero_ps();
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; ++i) {
-    const __m256 qi = _mm256_broadcast_ss(q + i);
+    __m256 qi[R];
+    for (int r = 0; r < R; ++r) qi[r] = _mm256_broadcast_ss(q + r * d + i);
     const float* row = kt + i * ld + j0;
-    for (int c = 0; c < V - 1; ++c) acc[c] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(row + 8 * c), acc[c]);
-    acc[V - 1] = _mm256_fmadd_ps(qi, _mm256_maskload_ps(row + 8 * (V - 1), last), acc[V - 1]);
+    for (int c = 0; c < V; ++c) {
+      const __m256 keys = c < V - 1 ? _mm256_loadu_ps(row + 8 * c) : _mm256_maskload_ps(row + 8 * c, last);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(qi[r], keys, acc[r][c]);
+    }
   }
-  for (int c = 0; c < V - 1; ++c) _mm256_storeu_ps(scores + j0 + 8 * c, acc[c]);
-  _mm256_maskstore_ps(scores + j0 + 8 * (V - 1), last, acc[V - 1]);
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < V - 1; ++c) _mm256_storeu_ps(scores + r * lds + j0 + 8 * c, acc[r][c]);
+    _mm256_maskstore_ps(scores + r * lds + j0 + 8 * (V - 1), last, acc[r][V - 1]);
+  }
 }
 
-// The scores of one query row q (D,) against keys j < s of one KV head, K^T (D, S) with row stride ld:
-// score_j = sum over d = 0..D-1 of q_d k_dj, one FMA chain per key in d order, whichever vector lane the key
-// falls in, so a key's score does not depend on s. 64 keys at a time: eight chains in flight.
-HSPEC_AVX2 void key_scores(const float* q, const float* kt, int64_t ld, int64_t d, int64_t s, float* scores) {
-  for (int64_t j = 0; j < s; j += 64) {
-    const int64_t n = std::min<int64_t>(64, s - j);
+// The scores of R query rows q (R, D) of one KV head against keys j < s, K^T (D, S) with row stride ld,
+// into scores (R, lds): score_rj = sum over d = 0..D-1 of q_rd k_dj, one FMA chain per (row, key) in d
+// order, whichever vector lane the key falls in and however many rows share the pass, so a score depends
+// on its row and key alone. KEYS keys at a time (64 for one row, 32 for up to 3, the accumulators fitting
+// the 16 registers).
+template <int R>
+HSPEC_AVX2 void key_scores(const float* q, const float* kt, int64_t ld, int64_t d, int64_t s, float* scores,
+                           int64_t lds) {
+  constexpr int64_t kKeys = R == 1 ? 64 : 32;
+  for (int64_t j = 0; j < s; j += kKeys) {
+    const int64_t n = std::min<int64_t>(kKeys, s - j);
     switch ((n + 7) / 8) {
-      case 8: score_block<8>(q, kt, ld, d, j, n, scores); break;
-      case 7: score_block<7>(q, kt, ld, d, j, n, scores); break;
-      case 6: score_block<6>(q, kt, ld, d, j, n, scores); break;
-      case 5: score_block<5>(q, kt, ld, d, j, n, scores); break;
-      case 4: score_block<4>(q, kt, ld, d, j, n, scores); break;
-      case 3: score_block<3>(q, kt, ld, d, j, n, scores); break;
-      case 2: score_block<2>(q, kt, ld, d, j, n, scores); break;
-      default: score_block<1>(q, kt, ld, d, j, n, scores); break;
+      case 8: score_block<R, R == 1 ? 8 : 4>(q, kt, ld, d, j, n, scores, lds); break;
+      case 7: score_block<R, R == 1 ? 7 : 4>(q, kt, ld, d, j, n, scores, lds); break;
+      case 6: score_block<R, R == 1 ? 6 : 4>(q, kt, ld, d, j, n, scores, lds); break;
+      case 5: score_block<R, R == 1 ? 5 : 4>(q, kt, ld, d, j, n, scores, lds); break;
+      case 4: score_block<R, 4>(q, kt, ld, d, j, n, scores, lds); break;
+      case 3: score_block<R, 3>(q, kt, ld, d, j, n, scores, lds); break;
+      case 2: score_block<R, 2>(q, kt, ld, d, j, n, scores, lds); break;
+      default: score_block<R, 1>(q, kt, ld, d, j, n, scores, lds); break;
     }
   }
 }
 
-// out (D,) = sum over the visible keys j (ascending) of p_j v_j, V (s, D) with row stride ld: one FMA
-// chain per output element in j order, then times 1 / total. Up to 64 outputs at a time, so that 8 chains
-// run side by side.
-HSPEC_AVX2 void weighted_values(const float* p, const bool* visible, const float* v, int64_t ld, int64_t d, int64_t s,
-                                float inverse_total, float* out) {
-  for (int64_t i0 = 0; i0 < d; i0 += 64) {
-    const int chunks = static_cast<int>(std::min<int64_t>(d - i0, 64) / 8);
-    __m256 acc[8];
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+// out (R, D) = for each of R rows, the sum over the visible keys j (ascending) of p_rj v_j, V (s, D) with
+// row stride ld and p (R, ldp): one FMA chain per output element in j order, then times the row's
+// inverse total; each value vector is loaded once for the R rows. 64 outputs at a time for one row, 32
+// for up to 3, so that 8 or 12 chains run side by side.
+template <int R>
+HSPEC_AVX2 void weighted_values(const float* p, int64_t ldp, const bool* visible, const float* v, int64_t ld,
+                                int64_t d, int64_t s, const float* inverse_total, float* out) {
+  constexpr int kChunks = R == 1 ? 8 : 4;
+  for (int64_t i0 = 0; i0 < d; i0 += 8 * kChunks) {
+    const int chunks = static_cast<int>(std::min<int64_t>(d - i0, 8 * kChunks) / 8);
+    __m256 acc[R][kChunks];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < s; ++j) {
       if (visible != nullptr && !visible[j]) continue;
-      const __m256 weight = _mm256_set1_ps(p[j]);
+      __m256 weight[R];
+      for (int r = 0; r < R; ++r) weight[r] = _mm256_set1_ps(p[r * ldp + j]);
       const float* row = v + j * ld + i0;
-      if (chunks == 8) {
-        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * c), acc[c]);
+      if (chunks == kChunks) {
+        for (int c = 0; c < kChunks; ++c) {
+          const __m256 values = _mm256_loadu_ps(row + 8 * c);
+          for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(weight[r], values, acc[r][c]);
+        }
       } else {
-        for (int c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * c), acc[c]);
+        for (int c = 0; c < chunks; ++c) {
+          const __m256 values = _mm256_loadu_ps(row + 8 * c);
+          for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(weight[r], values, acc[r][c]);
+        }
       }
     }
-    for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(out + i0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inverse_total)));
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < chunks; ++c)
+        _mm256_storeu_ps(out + r * d + i0 + 8 * c, _mm256_mul_ps(acc[r][c], _mm256_set1_ps(inverse_total[r])));
   }
+}
+
+// exp(x) of 8 softmax arguments x <= 0 at once, lane by lane (a lane's result depends on its x alone):
+// x = n ln 2 + r with n = floor(x log2 e + 1/2) and |r| <= ln 2 / 2, e^r by Cephes' degree-5 polynomial
+// (1 + r + r^2 p(r)), times 2^n put into the exponent bits. Below -87 it returns 0 (e^-87 ~ 1.6e-38 is
+// not a normal fp32 number). Within 2 ulp of std::exp, about 10x its speed here.
+HSPEC_AVX2 inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: exact n * 0.693359375
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
+}
+
+// A softmax's numerators and their sum over n scores (scaled, of the keys a row sees, in key order), in
+// place: e_i = exp(score_i - max); returns their total. The sum runs in 8 lanes, score i in lane i % 8,
+// the lanes added in `lane_sum`'s tree, so it depends on the n scores alone (not on keys the row does
+// not see, nor on where they sat).
+HSPEC_AVX2 float exponentiate(float* scores, int64_t n) {
+  __m256 high = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(scores + i));
+  float top = -INFINITY;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, high);
+  for (float lane : lanes) top = std::max(top, lane);
+  for (int64_t j = i; j < n; ++j) top = std::max(top, scores[j]);
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift));
+    _mm256_storeu_ps(scores + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  if (i < n) {  // the last n % 8 scores, through the same lanes; the unused lanes add 0
+    const __m256i used = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 rest = _mm256_maskload_ps(scores + i, used);
+    const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(rest, shift)), _mm256_castsi256_ps(used));
+    _mm256_maskstore_ps(scores + i, used, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return lane_sum(total);
+}
+
+// Query rows of one KV head that share a pass over its keys and values (`key_scores`, `weighted_values`).
+constexpr int kMaxSharedRows = 3;
+
+// One KV head of one sequence: K^T (D, S) with row stride kt_ld, V (S, D) with row stride v_ld.
+struct Head {
+  const float* kt;
+  int64_t kt_ld;
+  const float* v;
+  int64_t v_ld;
+};
+
+// Attention of R query rows q (R, D) of one head over its first s keys, the visible ones (visible: s
+// flags, or nullptr for all): scores, a softmax of the visible keys' scaled scores (`exponentiate`), the
+// weighted values into out (R, D). scores (R, s) and seen (s,) are the caller's scratch.
+template <int R>
+HSPEC_AVX2 void attend_rows(const float* q, const Head& head, const bool* visible, int64_t d, int64_t s, float scale,
+                            float* scores, float* seen, float* out) {
+  key_scores<R>(q, head.kt, head.kt_ld, d, s, scores, s);
+  float inverse_total[R];
+  for (int r = 0; r < R; ++r) {
+    float* row = scores + r * s;
+    if (visible == nullptr) {
+      for (int64_t j = 0; j < s; ++j) row[j] *= scale;
+      inverse_total[r] = 1.0f / exponentiate(row, s);
+    } else {  // the visible keys' scores side by side, exponentiated, and put back
+      int64_t n = 0;
+      for (int64_t j = 0; j < s; ++j) {
+        if (visible[j]) seen[n++] = row[j] * scale;
+      }
+      inverse_total[r] = 1.0f / exponentiate(seen, n);
+      for (int64_t j = 0, i = 0; j < s; ++j) {
+        if (visible[j]) row[j] = seen[i++];
+      }
+    }
+  }
+  weighted_values<R>(scores, s, visible, head.v, head.v_ld, d, s, inverse_total, out);
 }
 
 // A product's (M, N) output in x's dtype: body(rows, out) gets x's rows and the output as bf16 or fp32 pointers.
@@ -357,10 +474,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& levels, const at::
 
 // Attention of the rows q (B, T, Hq, D) over the first s keys of k and v (B, S', Hkv, D), fp32; mask
 // (B, 1, T, S') True where a row may see a key, or none (every row sees all s). Returns (B, T, Hq D) in q's
-// dtype. Each row alone: its scores (`key_scores`), scaled by D^-1/2, a softmax over its visible keys in
-// fp32 (max, then exp and their sum in key order), and the weighted sum of their values
-// (`weighted_values`). A key a row may not see contributes nothing anywhere, so a verify row, whose call
-// holds more keys, computes exactly what its 1-token decode did.
+// dtype. Each row's numbers are its own: its scores (`key_scores`), scaled by D^-1/2, a softmax over its
+// visible keys in fp32 (`exponentiate`: the max, then exp and their sum in the visible keys' order), and
+// the weighted sum of their values (`weighted_values`). Up to 3 query heads of one token that share a KV
+// head run together (`attend_rows`), each key and value loaded once for them, which changes no row's sums.
+// A key a row may not see contributes nothing anywhere, so a verify row, whose call holds more keys,
+// computes exactly what its 1-token decode did.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
                      int64_t s) {
 #ifdef HSPEC_X86
@@ -392,32 +511,95 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t g = hq / hkv;
-  at::parallel_for(0, b * t * hq, std::max<int64_t>(1, 16384 / (s * d)), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(s));
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t bi = r / (t * hq), ti = (r / hq) % t, h = r % hq, kv = h / g;
-      const bool* row_visible = mp == nullptr ? nullptr : mp + (bi * t + ti) * s;
-      key_scores(qp + r * d, kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3), d, s, scores.data());
-      float high = -INFINITY;
-      for (int64_t j = 0; j < s; ++j) {
-        scores[j] *= scale;
-        if (row_visible == nullptr || row_visible[j]) high = std::max(high, scores[j]);
+  const int64_t chunks = (g + kMaxSharedRows - 1) / kMaxSharedRows;  // of the G query heads of one KV head
+  at::parallel_for(0, b * t * hkv * chunks, std::max<int64_t>(1, 16384 / (s * d)), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(kMaxSharedRows * s)), seen(static_cast<size_t>(s));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bi = item / (t * hkv * chunks), ti = (item / (hkv * chunks)) % t;
+      const int64_t kv = (item / chunks) % hkv, h = kv * g + (item % chunks) * kMaxSharedRows;
+      const int64_t r = (bi * t + ti) * hq + h;  // the first query row
+      const Head head{kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3),
+                      vp + bi * values.stride(0) + kv * values.stride(2), values.stride(1)};
+      const bool* visible = mp == nullptr ? nullptr : mp + (bi * t + ti) * s;
+      switch (std::min<int64_t>(kMaxSharedRows, kv * g + g - h)) {
+        case 3: attend_rows<3>(qp + r * d, head, visible, d, s, scale, scores.data(), seen.data(), op + r * d); break;
+        case 2: attend_rows<2>(qp + r * d, head, visible, d, s, scale, scores.data(), seen.data(), op + r * d); break;
+        default: attend_rows<1>(qp + r * d, head, visible, d, s, scale, scores.data(), seen.data(), op + r * d); break;
       }
-      float total = 0.0f;
-      for (int64_t j = 0; j < s; ++j) {
-        if (row_visible == nullptr || row_visible[j]) {
-          scores[j] = std::exp(scores[j] - high);
-          total += scores[j];
-        }
-      }
-      weighted_values(scores.data(), row_visible, vp + bi * values.stride(0) + kv * values.stride(2), values.stride(1), d,
-                      s, 1.0f / total, op + r * d);
     }
   });
   return out.to(q.scalar_type());
 #else
   TORCH_CHECK(false, "hspec::attention runs on x86-64 CPUs only");
 #endif
+}
+
+// The new tokens' queries and keys rotated by position, and their keys and values written to one layer of
+// a float32 KV pool: what decoder_stack.cpp's apply_rope, split, index_copy_ and .to(float32) did with ~20
+// operators, in one call and with the same bits (each bf16 product and sum rounded as torch's bf16 mul and
+// add round: the fp32 result to nearest even). projected (B, T, (Hq + 2 Hkv) D) bf16 (q, k, v side by
+// side), cos and the signed sin (B, T, 1, D) bf16 (layers.rope_cos_sin), pool_k and pool_v one layer's
+// (slots, Hkv, D) float32 views (any strides: the pool keeps K transposed), slots (B T,) long. Returns the
+// rotated queries (B, T, Hq, D) bf16.
+at::Tensor rope_and_write(const at::Tensor& projected, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& pool_k,
+                          at::Tensor& pool_v, const at::Tensor& slots, int64_t hq, int64_t hkv) {
+  TORCH_CHECK(projected.dim() == 3 && projected.scalar_type() == at::kBFloat16 && projected.device().is_cpu(),
+              "hspec::rope_and_write takes bf16 CPU projections (B, T, (Hq + 2 Hkv) D), got ",
+              projected.scalar_type(), " ", projected.sizes());
+  const int64_t b = projected.size(0), t = projected.size(1), d = projected.size(2) / (hq + 2 * hkv);
+  TORCH_CHECK(d % 2 == 0 && d * (hq + 2 * hkv) == projected.size(2), "hspec::rope_and_write: ", projected.size(2),
+              " projected features are not (", hq, " + 2 x ", hkv, ") heads of an even head dim");
+  for (const at::Tensor* table : {&cos, &sin}) {
+    TORCH_CHECK(table->scalar_type() == at::kBFloat16 && table->sizes() == at::IntArrayRef({b, t, 1, d}),
+                "hspec::rope_and_write: cos and sin must be bf16 (", b, ", ", t, ", 1, ", d, "), got ",
+                table->scalar_type(), " ", table->sizes());
+  }
+  for (const at::Tensor* pool : {&pool_k, &pool_v}) {
+    TORCH_CHECK(pool->scalar_type() == at::kFloat && pool->dim() == 3 && pool->size(1) == hkv && pool->size(2) == d,
+                "hspec::rope_and_write: the pool's layer must be float32 (slots, ", hkv, ", ", d, "), got ",
+                pool->scalar_type(), " ", pool->sizes());
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == b * t, "hspec::rope_and_write: ", b * t,
+              " long write slots needed, got ", slots.scalar_type(), " ", slots.sizes());
+  const at::Tensor x = projected.contiguous(), c = cos.contiguous(), sn = sin.contiguous(), at_slots = slots.contiguous();
+  const int64_t* slot = at_slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b * t; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_k.size(0), "hspec::rope_and_write: slot ", slot[i],
+                " outside the pool's ", pool_k.size(0));
+  }
+  at::Tensor queries = at::empty({b, t, hq, d}, projected.options());
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* cp = c.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* sp = sn.data_ptr<c10::BFloat16>();
+  c10::BFloat16* qp = queries.data_ptr<c10::BFloat16>();
+  float* kp = pool_k.data_ptr<float>();
+  float* vp = pool_v.data_ptr<float>();
+  const int64_t half = d / 2, width = (hq + 2 * hkv) * d;
+  for (int64_t i = 0; i < b * t; ++i) {  // token i: its heads q (Hq), k (Hkv), v (Hkv)
+    const c10::BFloat16* row = xp + i * width;
+    const c10::BFloat16* ci = cp + i * d;
+    const c10::BFloat16* si = sp + i * d;
+    for (int64_t h = 0; h < hq + hkv; ++h) {
+      const c10::BFloat16* head = row + h * d;
+      for (int64_t e = 0; e < d; ++e) {
+        const c10::BFloat16 turned(static_cast<float>(head[e]) * static_cast<float>(ci[e]));
+        const c10::BFloat16 swapped(static_cast<float>(head[e < half ? e + half : e - half]) * static_cast<float>(si[e]));
+        const c10::BFloat16 rotated(static_cast<float>(turned) + static_cast<float>(swapped));
+        if (h < hq) {
+          qp[(i * hq + h) * d + e] = rotated;
+        } else {
+          kp[slot[i] * pool_k.stride(0) + (h - hq) * pool_k.stride(1) + e * pool_k.stride(2)] = static_cast<float>(rotated);
+        }
+      }
+    }
+    for (int64_t h = 0; h < hkv; ++h) {
+      const c10::BFloat16* head = row + (hq + hkv + h) * d;
+      for (int64_t e = 0; e < d; ++e) {
+        vp[slot[i] * pool_v.stride(0) + h * pool_v.stride(1) + e * pool_v.stride(2)] = static_cast<float>(head[e]);
+      }
+    }
+  }
+  return queries;
 }
 
 }  // namespace hspec
@@ -428,6 +610,8 @@ TORCH_LIBRARY(hspec, library) {
   library.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   library.def("int4_linear(Tensor x, Tensor levels, Tensor step_offset) -> Tensor");
   library.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, int s) -> Tensor");
+  library.def("rope_and_write(Tensor projected, Tensor cos, Tensor sin, Tensor(a!) pool_k, Tensor(b!) pool_v, "
+              "Tensor slots, int hq, int hkv) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hspec, CPU, library) {
@@ -435,4 +619,5 @@ TORCH_LIBRARY_IMPL(hspec, CPU, library) {
   library.impl("int8_linear", &hspec::int8_linear);
   library.impl("int4_linear", &hspec::int4_linear);
   library.impl("attention", &hspec::attention);
+  library.impl("rope_and_write", &hspec::rope_and_write);
 }

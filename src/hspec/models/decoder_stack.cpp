@@ -3,7 +3,8 @@
 // It calls the operators that models/layers.py and models/llama.py call (ATen's, and hspec's CPU kernels,
 // cpu_kernels.cpp, through the dispatcher where the model runs them), with the same arguments in the same
 // order, so every result has the Python layers' bits; only the Python interpreter between the
-// ~80 operators of a layer is gone (docs/fast-path.md, "The native decoder stack"). It covers what
+// ~80 operators of a layer is gone (docs/fast-path.md, "The native decoder stack"). Where hspec's kernels
+// run, one of them (rope_and_write) replaces the ~20 operators of RoPE and the KV writes, with their bits. It covers what
 // `NativeDecoderStack.covers` admits: a chain of T new tokens per sequence (not a tree, not a prompt's
 // prefill) whose T * G query rows fit one attention product (layers._ROW_BLOCK), no per-head q/k norm, on
 // the CPU in a row-invariant dtype. Everything else runs the Python layers.
@@ -161,6 +162,16 @@ Tensor kernel_attend(const Tensor& q, const Tensor& keys, const Tensor& values, 
   return kernel.call(q, keys, values, mask, s);
 }
 
+// apply_rope of q and k, then k and v written to a float32 pool's layer at slots, with hspec's kernel
+// (cpu_kernels.cpp): projected (B, T, (Hq + 2 Hkv) D). Returns q rotated, (B, T, Hq, D).
+Tensor rope_and_write(const Tensor& projected, const Tensor& cos, const Tensor& sin, Tensor& layer_k, Tensor& layer_v,
+                      const Tensor& slots, int64_t hq, int64_t hkv) {
+  static auto kernel = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::rope_and_write", "")
+                           .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&,
+                                         int64_t, int64_t)>();
+  return kernel.call(projected, cos, sin, layer_k, layer_v, slots, hq, hkv);
+}
+
 }  // namespace
 
 // TargetModel.forward's layer loop: x (B, T, H) embeddings, cos/sin (B, T, 1, D), `weights` L x
@@ -210,13 +221,19 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
 
     // Attention (llama.Attention, layers.QKVProjection): q and k rotated in one pass.
     const Tensor projected = linear(rms_norm(x, need(at), eps, kernels), qkv, row_block);  // (B, T, (Hq + 2 Hkv) D)
-    const int64_t qk_width = (hq + hkv) * d;
-    const Tensor qk = apply_rope(projected.slice(-1, 0, qk_width).view({b, t, -1, d}), cos, sin);
-    const std::vector<Tensor> q_k = qk.split_with_sizes({hq, hkv}, 2);
-    const Tensor v = projected.slice(-1, qk_width).view({b, t, hkv, d});
     Tensor layer_k = pool_k.select(0, layer), layer_v = pool_v.select(0, layer);  // (slots, Hkv, D)
-    layer_k.index_copy_(0, flat_slots, q_k[1].reshape({-1, hkv, d}).to(layer_k.scalar_type()));
-    layer_v.index_copy_(0, flat_slots, v.reshape({-1, hkv, d}).to(layer_v.scalar_type()));
+    Tensor queries;  // (B, T, Hq, D)
+    if (kernel_attention) {
+      queries = rope_and_write(projected, cos, sin, layer_k, layer_v, flat_slots, hq, hkv);
+    } else {
+      const int64_t qk_width = (hq + hkv) * d;
+      const Tensor qk = apply_rope(projected.slice(-1, 0, qk_width).view({b, t, -1, d}), cos, sin);
+      const std::vector<Tensor> q_k = qk.split_with_sizes({hq, hkv}, 2);
+      const Tensor v = projected.slice(-1, qk_width).view({b, t, hkv, d});
+      layer_k.index_copy_(0, flat_slots, q_k[1].reshape({-1, hkv, d}).to(layer_k.scalar_type()));
+      layer_v.index_copy_(0, flat_slots, v.reshape({-1, hkv, d}).to(layer_v.scalar_type()));
+      queries = q_k[0];
+    }
     const AttentionShape shape{hq, hkv, d, s, width,
                                layer_v.scalar_type() == at::kFloat ? fp32_value_chunk : value_chunk,
                                min_attention_rows};
@@ -229,8 +246,8 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
       values = layer_v.slice(0, start, key_end).unsqueeze(0);
     }
     const Tensor attended = kernel_attention
-                                ? kernel_attend(q_k[0], keys, values, mask, s)
-                                : attend(q_k[0], keys, values, hidden_not, shape);
+                                ? kernel_attend(queries, keys, values, mask, s)
+                                : attend(queries, keys, values, hidden_not, shape);
     x = x + linear(attended, o_proj, row_block);
 
     // SwiGLU with gate and up fused (layers.SwiGLU).
