@@ -283,7 +283,7 @@ def test_rope_and_write_rotates_and_writes_as_the_layers_do():
 
     torch.manual_seed(0)
     b, t, hq, hkv, d = 2, 3, 9, 3, 64
-    projected = torch.randn(b, t, (hq + 2 * hkv) * d).bfloat16()
+    projected = torch.randn(b * t, (hq + 2 * hkv) * d).bfloat16()
     cos, sin = (table[:, :, None] for table in rope_cos_sin(1e4 ** -(torch.arange(0, d, 2) / d),
                                                             torch.arange(b * t).view(b, t) * 37, torch.bfloat16))
     pool_k = torch.zeros(hkv, d, 20).permute(2, 0, 1)  # (slots, Hkv, D) seen, K^T in memory

@@ -487,6 +487,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.device().is_cpu(),
               "hspec::attention takes q (B, T, Hq, D), k and v (B, S', Hkv, D) on the CPU, got ", q.sizes(), ", ",
               k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "hspec::attention takes bfloat16 or float32 queries, got ", q.scalar_type());
   const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3), hkv = k.size(2);
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.sizes() == v.sizes() &&
                   k.size(0) == b && k.size(3) == d && hq % hkv == 0 && d % 8 == 0 && s >= 1 && s <= k.size(1),
@@ -495,7 +497,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   // K^T of each (sequence, KV head) as rows over consecutive keys: the pool's own layout (a view), else a copy.
   const at::Tensor kt = k.stride(1) == 1 ? k : k.permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2});
   const at::Tensor values = v.stride(3) == 1 ? v : v.contiguous();
-  const at::Tensor rows = q.to(at::kFloat).contiguous();
+  const at::Tensor rows = q.contiguous();  // bf16 or float32, converted row by row
   std::optional<at::Tensor> visible;
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(0) == b && mask->size(2) == t &&
@@ -504,31 +506,40 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     visible = mask->slice(3, 0, s).contiguous();
   }
   at::Tensor out = at::empty({b, t, hq * d}, rows.options());
-  const float* qp = rows.data_ptr<float>();
   const float* kp = kt.data_ptr<float>();
   const float* vp = values.data_ptr<float>();
   const bool* mp = visible.has_value() ? visible->data_ptr<bool>() : nullptr;
-  float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t g = hq / hkv;
   const int64_t chunks = (g + kMaxSharedRows - 1) / kMaxSharedRows;  // of the G query heads of one KV head
-  at::parallel_for(0, b * t * hkv * chunks, std::max<int64_t>(1, 16384 / (s * d)), [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(kMaxSharedRows * s)), seen(static_cast<size_t>(s));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t bi = item / (t * hkv * chunks), ti = (item / (hkv * chunks)) % t;
-      const int64_t kv = (item / chunks) % hkv, h = kv * g + (item % chunks) * kMaxSharedRows;
-      const int64_t r = (bi * t + ti) * hq + h;  // the first query row
-      const Head head{kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3),
-                      vp + bi * values.stride(0) + kv * values.stride(2), values.stride(1)};
-      const bool* visible = mp == nullptr ? nullptr : mp + (bi * t + ti) * s;
-      switch (std::min<int64_t>(kMaxSharedRows, kv * g + g - h)) {
-        case 3: attend_rows<3>(qp + r * d, head, visible, d, s, scale, scores.data(), seen.data(), op + r * d); break;
-        case 2: attend_rows<2>(qp + r * d, head, visible, d, s, scale, scores.data(), seen.data(), op + r * d); break;
-        default: attend_rows<1>(qp + r * d, head, visible, d, s, scale, scores.data(), seen.data(), op + r * d); break;
+  const auto run = [&](const auto* qp, auto* op) {
+    at::parallel_for(0, b * t * hkv * chunks, std::max<int64_t>(1, 16384 / (s * d)), [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(static_cast<size_t>(kMaxSharedRows * s)), seen(static_cast<size_t>(s));
+      std::vector<float> query(static_cast<size_t>(kMaxSharedRows * d)), result(static_cast<size_t>(kMaxSharedRows * d));
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t bi = item / (t * hkv * chunks), ti = (item / (hkv * chunks)) % t;
+        const int64_t kv = (item / chunks) % hkv, h = kv * g + (item % chunks) * kMaxSharedRows;
+        const int64_t r = (bi * t + ti) * hq + h;  // the first query row
+        const int64_t n = std::min<int64_t>(kMaxSharedRows, kv * g + g - h);  // rows in this pass
+        const Head head{kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3),
+                        vp + bi * values.stride(0) + kv * values.stride(2), values.stride(1)};
+        const bool* visible = mp == nullptr ? nullptr : mp + (bi * t + ti) * s;
+        for (int64_t i = 0; i < n * d; ++i) query[i] = read(qp + r * d + i);
+        switch (n) {
+          case 3: attend_rows<3>(query.data(), head, visible, d, s, scale, scores.data(), seen.data(), result.data()); break;
+          case 2: attend_rows<2>(query.data(), head, visible, d, s, scale, scores.data(), seen.data(), result.data()); break;
+          default: attend_rows<1>(query.data(), head, visible, d, s, scale, scores.data(), seen.data(), result.data()); break;
+        }
+        for (int64_t i = 0; i < n * d; ++i) store(op + r * d + i, result[i]);  // bf16: rounded to nearest even
       }
-    }
-  });
-  return out.to(q.scalar_type());
+    });
+  };
+  if (rows.scalar_type() == at::kBFloat16) {
+    run(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  } else {
+    run(rows.data_ptr<float>(), out.data_ptr<float>());
+  }
+  return out;
 #else
   TORCH_CHECK(false, "hspec::attention runs on x86-64 CPUs only");
 #endif
@@ -537,18 +548,19 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // The new tokens' queries and keys rotated by position, and their keys and values written to one layer of
 // a float32 KV pool: what decoder_stack.cpp's apply_rope, split, index_copy_ and .to(float32) did with ~20
 // operators, in one call and with the same bits (each bf16 product and sum rounded as torch's bf16 mul and
-// add round: the fp32 result to nearest even). projected (B, T, (Hq + 2 Hkv) D) bf16 (q, k, v side by
-// side), cos and the signed sin (B, T, 1, D) bf16 (layers.rope_cos_sin), pool_k and pool_v one layer's
+// add round: the fp32 result to nearest even). projected (B T, (Hq + 2 Hkv) D) or (B, T, (Hq + 2 Hkv) D)
+// bf16 (q, k, v side by side), cos and the signed sin (B, T, 1, D) bf16 (layers.rope_cos_sin), pool_k and pool_v one layer's
 // (slots, Hkv, D) float32 views (any strides: the pool keeps K transposed), slots (B T,) long. Returns the
 // rotated queries (B, T, Hq, D) bf16.
 at::Tensor rope_and_write(const at::Tensor& projected, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& pool_k,
                           at::Tensor& pool_v, const at::Tensor& slots, int64_t hq, int64_t hkv) {
-  TORCH_CHECK(projected.dim() == 3 && projected.scalar_type() == at::kBFloat16 && projected.device().is_cpu(),
-              "hspec::rope_and_write takes bf16 CPU projections (B, T, (Hq + 2 Hkv) D), got ",
-              projected.scalar_type(), " ", projected.sizes());
-  const int64_t b = projected.size(0), t = projected.size(1), d = projected.size(2) / (hq + 2 * hkv);
-  TORCH_CHECK(d % 2 == 0 && d * (hq + 2 * hkv) == projected.size(2), "hspec::rope_and_write: ", projected.size(2),
-              " projected features are not (", hq, " + 2 x ", hkv, ") heads of an even head dim");
+  TORCH_CHECK(cos.dim() == 4 && cos.size(2) == 1, "hspec::rope_and_write: cos must be (B, T, 1, D), got ", cos.sizes());
+  const int64_t b = cos.size(0), t = cos.size(1), d = cos.size(3);
+  TORCH_CHECK(projected.scalar_type() == at::kBFloat16 && projected.device().is_cpu() &&
+                  projected.numel() == b * t * (hq + 2 * hkv) * d && projected.size(-1) == (hq + 2 * hkv) * d,
+              "hspec::rope_and_write takes the bf16 CPU projections of ", b * t, " tokens, (B T, (", hq, " + 2 x ",
+              hkv, ") ", d, "), got ", projected.scalar_type(), " ", projected.sizes());
+  TORCH_CHECK(d % 2 == 0, "hspec::rope_and_write: the head dim must be even, got ", d);
   for (const at::Tensor* table : {&cos, &sin}) {
     TORCH_CHECK(table->scalar_type() == at::kBFloat16 && table->sizes() == at::IntArrayRef({b, t, 1, d}),
                 "hspec::rope_and_write: cos and sin must be bf16 (", b, ", ", t, ", 1, ", d, "), got ",

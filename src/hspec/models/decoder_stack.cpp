@@ -75,6 +75,7 @@ Tensor product(const Tensor& flat, const LinearWeights& w) {
 // layers.linear: x (..., K) -> (..., N), in products of at most row_block rows.
 Tensor linear(const Tensor& x, const LinearWeights& w, int64_t row_block) {
   const int64_t k = x.size(-1), rows = x.numel() / k;
+  if (x.dim() == 2 && rows <= row_block) return product(x, w);  // the stack's own rows: no reshape either way
   const Tensor flat = x.reshape({rows, k});
   Tensor out;
   if (rows <= row_block) {
@@ -163,7 +164,7 @@ Tensor kernel_attend(const Tensor& q, const Tensor& keys, const Tensor& values, 
 }
 
 // apply_rope of q and k, then k and v written to a float32 pool's layer at slots, with hspec's kernel
-// (cpu_kernels.cpp): projected (B, T, (Hq + 2 Hkv) D). Returns q rotated, (B, T, Hq, D).
+// (cpu_kernels.cpp): projected (B T, (Hq + 2 Hkv) D). Returns q rotated, (B, T, Hq, D).
 Tensor rope_and_write(const Tensor& projected, const Tensor& cos, const Tensor& sin, Tensor& layer_k, Tensor& layer_v,
                       const Tensor& slots, int64_t hq, int64_t hkv) {
   static auto kernel = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::rope_and_write", "")
@@ -195,7 +196,8 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
   TORCH_CHECK(slots.has_value() || x.size(0) == 1, "decoder_stack: a batch of ", x.size(0),
               " sequences needs their slots");
   const int64_t num_layers = static_cast<int64_t>(weights.size()) / kTensorsPerLayer;
-  const int64_t b = x.size(0), t = x.size(1), g = hq / hkv;
+  const int64_t b = x.size(0), t = x.size(1), g = hq / hkv, h = x.size(2);
+  x = x.reshape({b * t, h});  // the layers run on rows (B T, H): no reshape around each product
   const Tensor flat_slots = write_slots.reshape({-1});
   // hspec's attention kernel takes the float32 pool and the mask as they are; the other path's mask is inverted.
   const bool kernel_attention = kernels && pool_v.scalar_type() == at::kFloat;
@@ -220,7 +222,7 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
     const LinearWeights down{need(at + 12), std::nullopt, weights[at + 13], weights[at + 14]};
 
     // Attention (llama.Attention, layers.QKVProjection): q and k rotated in one pass.
-    const Tensor projected = linear(rms_norm(x, need(at), eps, kernels), qkv, row_block);  // (B, T, (Hq + 2 Hkv) D)
+    const Tensor projected = linear(rms_norm(x, need(at), eps, kernels), qkv, row_block);  // (B T, (Hq + 2 Hkv) D)
     Tensor layer_k = pool_k.select(0, layer), layer_v = pool_v.select(0, layer);  // (slots, Hkv, D)
     Tensor queries;  // (B, T, Hq, D)
     if (kernel_attention) {
@@ -248,16 +250,16 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
     const Tensor attended = kernel_attention
                                 ? kernel_attend(queries, keys, values, mask, s)
                                 : attend(queries, keys, values, hidden_not, shape);
-    x = x + linear(attended, o_proj, row_block);
+    x = x + linear(attended.view({b * t, hq * d}), o_proj, row_block);
 
     // SwiGLU with gate and up fused (layers.SwiGLU).
     const std::vector<Tensor> gate_and_up = linear(rms_norm(x, need(at + 8), eps, kernels), gate_up, row_block).chunk(2, -1);
     x = x + linear(at::silu(gate_and_up[0]) * gate_and_up[1], down, row_block);
     for (const int64_t wanted : hidden_layers) {
-      if (wanted == layer + 1) collected.push_back(x);
+      if (wanted == layer + 1) collected.push_back(x.view({b, t, h}));
     }
   }
-  collected.insert(collected.begin(), x);
+  collected.insert(collected.begin(), x.view({b, t, h}));
   return collected;
 }
 
