@@ -300,6 +300,26 @@ def test_rope_and_write_rotates_and_writes_as_the_layers_do():
         torch.ops.hspec.rope_and_write(projected, cos, sin, pool_k, pool_v, slots + 7, hq, hkv)
 
 
+def test_hspecs_attention_exponentiates_within_a_few_ulp_and_underflows_to_zero():
+    """Two keys, scores 0 and x, values e0 and e1: a float32 row's output holds 1 / (1 + e^x) and
+    e^x / (1 + e^x), so their ratio is the kernel's e^x (to the two roundings of the output): within 4e-7
+    of exp(x) from -86.9 to 0 (its polynomial: ~2 ulp), and exactly 0 below -87."""
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    d = 8
+    x = torch.cat((torch.linspace(-86.9, 0.0, 4001), torch.tensor([-87.5, -100.0, -1e4])))
+    q = torch.zeros(1, len(x), 1, d)
+    q[0, :, 0, 0] = x * d**0.5
+    k, v = torch.zeros(1, 2, 1, d), torch.zeros(1, 2, 1, d)
+    k[0, 1, 0, 0] = 1.0
+    v[0, 0, 0, 0] = v[0, 1, 0, 1] = 1.0
+    out = torch.ops.hspec.attention(q, k, v, None, 2)[0].double()  # (T, D): float32 rows, no bf16 rounding
+    score = (q[0, :, 0, 0] * torch.tensor(d**-0.5)).double()  # the kernel's fp32 score
+    ratio = out[:, 1] / out[:, 0]
+    assert ((ratio[:4001] / score[:4001].exp() - 1).abs() < 4e-7).all()
+    assert (out[4001:, 1] == 0).all() and (out[4001:, 0] == 1).all()
+
+
 def test_row_invariant_attention_matches_sdpa_to_bf16_rounding():
     torch.manual_seed(1)
     q = torch.randn(2, 5, 9, 64)

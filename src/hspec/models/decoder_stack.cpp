@@ -4,10 +4,10 @@
 // cpu_kernels.cpp, through the dispatcher where the model runs them), with the same arguments in the same
 // order, so every result has the Python layers' bits; only the Python interpreter between the
 // ~80 operators of a layer is gone (docs/fast-path.md, "The native decoder stack"). Where hspec's kernels
-// run, one of them (rope_and_write) replaces the ~20 operators of RoPE and the KV writes, with their bits. It covers what
-// `NativeDecoderStack.covers` admits: a chain of T new tokens per sequence (not a tree, not a prompt's
-// prefill) whose T * G query rows fit one attention product (layers._ROW_BLOCK), no per-head q/k norm, on
-// the CPU in a row-invariant dtype. Everything else runs the Python layers.
+// run, one of them (rope_and_write) replaces the ~20 operators of RoPE and the KV writes, with their bits.
+// It covers what `NativeDecoderStack.covers` admits: a chain of T new tokens per sequence (not a tree, not
+// a prompt's prefill) whose T * G query rows fit one attention product (layers._ROW_BLOCK), no per-head q/k
+// norm, on the CPU in a row-invariant dtype. Everything else runs the Python layers.
 //
 // Legend: B sequences, T new tokens, S context length (keys), S' >= S the keys read, W S rounded up to
 // the key multiple, H hidden, Hq/Hkv heads, G = Hq / Hkv, D head dim, L layers.
