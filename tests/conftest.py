@@ -110,12 +110,24 @@ def assert_samples_follow(samples, exact: dict[tuple, float], min_p_value: float
 def load_tiny(directory: Path, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
               native: bool = True) -> Target:
     """Load a tiny checkpoint through the real loader, without a HF tokenizer. `dtype` may also be
-    a `--dtype` name, "int8" included; `native` as in `build_model`."""
+    a `--dtype` name, "int8" included; `native` as in `build_model`. --dtype w4a8 skips the test where
+    hspec's CPU kernels do not run (it has no other kernels)."""
     from hspec.models import loading
+
+    skip_without_kernels(dtype)
 
     config = loading.read_config(directory)
     model = loading.build_model(config, loading.read_state_dict(directory), dtype, device, native)
     return Target(directory.name, directory, config, model, _ByteTokenizer(config.vocab_size))  # type: ignore[arg-type]
+
+
+def skip_without_kernels(dtype: torch.dtype | str) -> None:
+    """Skip the calling test for a dtype only hspec's CPU kernels compute (w4a8) where they do not run."""
+    from hspec.models.dtype import KERNEL_ONLY_DTYPES
+    from hspec.models.native import load_kernels
+
+    if dtype in KERNEL_ONLY_DTYPES and not load_kernels():
+        pytest.skip(f"--dtype {dtype} needs hspec's CPU kernels (x86-64 with AVX2 and FMA, a C++ compiler)")
 
 
 @pytest.fixture(scope="session", autouse=True)

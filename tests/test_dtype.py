@@ -34,8 +34,8 @@ def test_named_dtypes_and_errors():
     assert resolve_dtype("bfloat16", flags=AVX2_ONLY) == torch.bfloat16  # asked for: honoured, even if slower
     assert resolve_dtype(torch.bfloat16) == torch.bfloat16
     assert dtype_name(torch.bfloat16) == "bfloat16"
-    assert set(DTYPE_CHOICES) == {"auto", "float32", "bfloat16", "int8", "int4"}
-    for quantized in ("int8", "int4"):  # weight-only: the activations are bf16
+    assert set(DTYPE_CHOICES) == {"auto", "float32", "bfloat16", "int8", "int4", "w4a8"}
+    for quantized in ("int8", "int4", "w4a8"):  # bf16 between the products
         assert resolve_dtype(quantized) == torch.bfloat16 and quantized_weights(quantized)
     assert not quantized_weights("bfloat16") and not quantized_weights(torch.bfloat16)
     with pytest.raises(ValueError, match=r"'int2'.*auto, float32, bfloat16, int8, int4"):

@@ -1,5 +1,5 @@
-"""The fast path's kernels: row invariance of `linear` and `attend` in bf16, int8 and int4, and the
-int8 and int4 storage.
+"""The fast path's kernels: row invariance of `linear` and `attend` in bf16, int8, int4 and w4a8, and the
+int8, int4 and w4a8 storage.
 
 Greedy speculative decoding is lossless only if a row comes out the same bits whether it is computed
 alone (a 1-token decode) or inside a (K+1)-token verify; these tests check that on random tensors and
@@ -18,14 +18,17 @@ from hspec.models.quantize import (
     dequantize_groups,
     int4_kernel_fits,
     pack_int4,
+    pack_w4a8,
+    pack_w8a8,
     quantize_groups,
     quantize_int4,
     quantize_int8,
     quantize_rows,
 )
 
-# Weight storages `linear` takes: floating, and int8 and int4 for torch's kernels or hspec's (models/cpu_kernels.cpp).
-STORAGES = ["floating", "int8", "int4", "int8 hspec", "int4 hspec"]
+# Weight storages `linear` takes: floating, int8 and int4 for torch's kernels or hspec's (models/cpu_kernels.cpp),
+# and w4a8's two (int4 and int8 weights times int8 rows; hspec's kernels only).
+STORAGES = ["floating", "int8", "int4", "int8 hspec", "int4 hspec", "w4a8 hspec", "w8a8 hspec"]
 
 
 def _stored(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -34,6 +37,13 @@ def _stored(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Ten
     hspec = storage.endswith(" hspec")
     if hspec and not load_kernels():
         pytest.skip("hspec's CPU kernels do not run here (no AVX2, or no compiler)")
+    if storage == "w4a8 hspec":
+        levels, scale = quantize_groups(weight, torch.bfloat16)
+        step_offset, _ = pack_int4(levels, scale)
+        return dequantize_groups(levels, scale, torch.bfloat16), step_offset, pack_w4a8(levels, scale)
+    if storage == "w8a8 hspec":
+        q, scale = quantize_rows(weight, torch.bfloat16)
+        return q, scale, pack_w8a8(q)
     if storage.startswith("int8"):
         q, scale = quantize_rows(weight, torch.bfloat16)
         return q, scale, q if hspec else None
@@ -51,8 +61,10 @@ def _stored(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Ten
 def test_linear_computes_a_row_the_same_alone_or_among_others(out_features, in_features, storage):
     torch.manual_seed(0)
     weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
-    if storage.startswith("int4") and not int4_kernel_fits(weight):
+    if storage.startswith(("int4", "w4a8")) and not int4_kernel_fits(weight):
         pytest.skip("the int4 kernels take inputs in groups of 32 and outputs in multiples of 16")
+    if storage == "w8a8 hspec" and (in_features % 32 or out_features % 8):
+        pytest.skip("the w8a8 kernel takes inputs in blocks of 32 and outputs in multiples of 8")
     if storage == "int8 hspec" and in_features % 32:
         pytest.skip("hspec's int8 kernel takes inputs in blocks of 32 (torch's takes the rest)")
     weight, scale, packed = _stored(weight, storage)
@@ -373,6 +385,41 @@ def test_hspecs_kernels_compute_the_product_of_the_stored_weights(storage, rows)
     assert torch.allclose(rounded.float(), (x.bfloat16().float() @ exact.T), rtol=1e-2, atol=1e-3)
 
 
+def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (M, K) -> their levels (M, K/32, 32) and steps (M, K/32, 1) as the w4a8 and w8a8 kernels round
+    them: per block of 32, levels x * (127 / max |x|) in fp32 rounded to nearest even (bf16 rows often land
+    on a tie), step max |x| / 127."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    most = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(most > 0, torch.full_like(most, 127.0) / most, 0.0)  # (127.0 / most is 127 * (1 / most))
+    return torch.round(blocks * inverse), most / 127.0
+
+
+@pytest.mark.parametrize("storage", ["w4a8 hspec", "w8a8 hspec"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_w4a8s_kernels_multiply_the_stored_weights_by_the_rows_rounded_to_int8_blocks(storage, rows):
+    """The w4a8 and w8a8 kernels compute, to fp32 summation error, the product of the stored weights with
+    the rows rounded to int8 blocks of 32 (`_int8_blocks`): a level off anywhere would show (~1e-3)."""
+    torch.manual_seed(11)
+    original = torch.randn(80, 96) * 0.05
+    weight, scale, packed = _stored(original, storage)
+    if storage == "w4a8 hspec":
+        levels, steps = quantize_groups(original, torch.bfloat16)
+        step, zero = steps.permute(1, 0, 2).double().repeat_interleave(32, dim=1).unbind(-1)  # (N, K) each
+        exact = levels.double() * step + (zero - 8 * step)
+    else:
+        exact = weight.double() * scale.double()[:, None]
+    for x in (torch.randn(rows, 96), torch.randn(rows, 96).bfloat16()):
+        levels, steps = _int8_blocks(x)
+        rounded = (levels.double() * steps.double()).view(rows, 96)
+        got = linear(x, weight, scale=scale, packed=packed)
+        assert got.dtype == x.dtype
+        tolerance = 1e-5 if x.dtype == torch.float32 else 8e-3  # bf16 output: half a bf16 step
+        assert torch.allclose(got.double(), rounded @ exact.T, rtol=tolerance, atol=1e-5)
+    zero_row = linear(torch.zeros(1, 96), weight, scale=scale, packed=packed)  # max |x| = 0: no division by it
+    assert torch.equal(zero_row, torch.zeros(1, 80))
+
+
 def test_hspecs_kernels_name_what_they_were_given():
     if not load_kernels():
         pytest.skip("hspec's CPU kernels do not run here")
@@ -381,6 +428,12 @@ def test_hspecs_kernels_name_what_they_were_given():
         torch.ops.hspec.int4_linear(torch.randn(2, 64), packed[:, :1], scale)
     with pytest.raises(RuntimeError, match="inputs in blocks of 32, got K = 48"):
         torch.ops.hspec.int8_linear(torch.randn(2, 48), torch.zeros(4, 48, dtype=torch.int8), torch.ones(4))
+    tiles = _stored(torch.randn(64, 64), "w4a8 hspec")[2]
+    with pytest.raises(RuntimeError, match=r"w4a8_linear: weight must be contiguous uint8 \(N / 8, 2, 160\)"):
+        torch.ops.hspec.w4a8_linear(torch.randn(2, 64), tiles[:, :1])
+    q, scale, tiles = _stored(torch.randn(64, 64), "w8a8 hspec")
+    with pytest.raises(RuntimeError, match=r"w8a8_linear: scale must be a contiguous bf16 or fp32 \(64,\)"):
+        torch.ops.hspec.w8a8_linear(torch.randn(2, 64), tiles, scale[:8])
     with pytest.raises(RuntimeError, match="rms_norm takes bfloat16"):
         torch.ops.hspec.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5)
 
@@ -501,6 +554,28 @@ def test_quantize_int4_stores_what_its_kernel_takes_and_leaves_the_rest_to_int8(
     assert mlp.down_proj.weight_packed.dtype == torch.uint8
 
 
+def test_a_w4a8_target_holds_int4s_weights_for_the_integer_kernels_and_needs_them(tiny_dirs):
+    """--dtype w4a8: the decoder layers' weights are int4's (the same floating values, steps and offsets)
+    in the w4a8 kernel's tiles, the LM head int8 in the w8a8 kernel's; without hspec's kernels it is refused
+    by name (torch has no kernel for it)."""
+    from conftest import load_tiny, skip_without_kernels
+    from hspec.models.loading import build_model, read_state_dict
+
+    skip_without_kernels("w4a8")
+    w4a8 = load_tiny(tiny_dirs["llama"], dtype="w4a8").model
+    int4 = load_tiny(tiny_dirs["llama"], dtype="int4").model
+    assert w4a8.dtype_name == "w4a8" and int4.dtype_name == "int4"
+    gate_up = (w4a8.layers[0].mlp, int4.layers[0].mlp)
+    assert torch.equal(gate_up[0].gate_up_weight, gate_up[1].gate_up_weight)
+    assert torch.equal(gate_up[0].gate_up_scale, gate_up[1].gate_up_scale)
+    assert gate_up[0].gate_up_packed.shape == (gate_up[0].gate_up_weight.shape[0] // 8, 2, 160)
+    head = w4a8.lm_head
+    assert head.weight.dtype == torch.int8 and head.weight_packed.shape == (96 // 8, 2, 256)
+    assert torch.equal(head.weight, int4.lm_head.weight)
+    with pytest.raises(ValueError, match="--dtype w4a8 runs only in hspec's CPU kernels"):
+        build_model(w4a8.config, read_state_dict(tiny_dirs["llama"]), "w4a8", "cpu", kernels=False)
+
+
 def test_quantize_int8_leaves_floating_the_widths_the_kernel_cannot_take():
     from torch import nn
 
@@ -536,7 +611,7 @@ def test_quantize_int8_keeps_names_shares_stacked_rows_and_unties_the_head(tiny_
         quantize_int8(trainable)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "w4a8"])
 def test_tiny_target_verify_logits_equal_decode_logits_bit_for_bit(tiny_dirs, dtype):
     from conftest import load_tiny
 
@@ -559,7 +634,7 @@ def test_tiny_target_verify_logits_equal_decode_logits_bit_for_bit(tiny_dirs, dt
             assert all(torch.equal(a, b) for a, b in zip(decoded, verified, strict=True))
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "w4a8"])
 def test_weight_only_dtypes_are_refused_off_the_cpu(dtype):
     from hspec.models.loading import load_target
 
@@ -593,7 +668,7 @@ def test_a_prompts_int8_product_is_the_floating_product_of_the_rounded_weight(na
     assert torch.equal(layers.linear(x, floating, prefill=True), floating_product(floating))  # one call
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "w4a8"])
 def test_tiny_target_tree_rows_equal_the_decode_of_their_path_bit_for_bit(tiny_dirs, dtype):
     """A verified tree's node keeps the logits the decode of its path gives, with other branches' keys
     interleaved among its own in the pool: each node attends over its prefix and ancestors in order."""

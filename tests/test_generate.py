@@ -74,19 +74,25 @@ def targets_by_dtype(tiny_dirs):
     """The tiny target loaded in each dtype `--dtype` offers: the target, its pool and the drafters built
     on it all run in that dtype, and greedy speculative output must equal plain output of the same dtype."""
     from conftest import load_tiny
+    from hspec.models.native import load_kernels
 
-    return {name: load_tiny(tiny_dirs["llama"], dtype=name) for name in ("float32", "bfloat16", "int8", "int4")}
+    names = ("float32", "bfloat16", "int8", "int4") + (("w4a8",) if load_kernels() else ())  # w4a8: kernels only
+    return {name: load_tiny(tiny_dirs["llama"], dtype=name) for name in names}
 
 
 # Every (B, K) in float32; two each in bfloat16, int8 and int4 (bf16 activations), whose matrix products
-# are emulated (and slow) on CPUs without native bf16, so that the default suite stays short there.
+# are emulated (and slow) on CPUs without native bf16, so that the default suite stays short there; one
+# in w4a8 (int4's weights on other kernels, the same code around them).
 GREEDY_GRID = [("float32", B, K) for B, K in itertools.product([1, 3], [1, 3, 4, 5, 7])] + [
-    ("bfloat16", 1, 7), ("bfloat16", 3, 4), ("int8", 1, 5), ("int8", 3, 7), ("int4", 1, 7), ("int4", 3, 3)]
+    ("bfloat16", 1, 7), ("bfloat16", 3, 4), ("int8", 1, 5), ("int8", 3, 7), ("int4", 1, 7), ("int4", 3, 3),
+    ("w4a8", 3, 5)]
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("dtype,B,K", GREEDY_GRID)
 def test_greedy_equals_plain(targets_by_dtype, kind, dtype, B, K):
+    if dtype not in targets_by_dtype:
+        pytest.skip(f"--dtype {dtype} needs hspec's CPU kernels, which do not run here")
     tiny_target = targets_by_dtype[dtype]
     prompts = [tiny_target.tokenizer.encode_prompt(p) for p in PROMPTS[:B]]
     plain = _decoder(tiny_target, create_drafter("none", tiny_target.config), 1)
@@ -227,7 +233,7 @@ def test_sampled_output_has_target_distribution(tiny_dirs, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "w4a8"])
 def test_sampled_output_has_target_distribution_in_each_reduced_precision(tiny_dirs, dtype):
     """The chi-square test above for H-Spec on the tiny target in bf16, int8 and int4: rejection sampling
     reads the verify's probabilities in the runtime's dtype, and the samples must follow that runtime's
@@ -276,7 +282,8 @@ def test_shipped_hspec_drafter_is_lossless_on_smollm2(smollm2, kind, B, K):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,B,K,dtype", [("ngram", 3, 7, "bfloat16"), ("hspec+ngram:0.4", 1, 7, "bfloat16"),
-                                            ("hspec", 2, 7, "int8"), ("hspec+ngram", 2, 7, "int4")])
+                                            ("hspec", 2, 7, "int8"), ("hspec+ngram", 2, 7, "int4"),
+                                            ("hspec+ngram:0.4", 2, 7, "w4a8")])
 def test_reduced_precision_greedy_equals_plain_on_smollm2(kind, B, K, dtype):
     """The real target in bfloat16 (what --dtype auto picks on AVX512-BF16/AMX CPUs), int8 and int4: greedy
     speculative output equals plain greedy output of the same dtype, token for token (the row-invariant

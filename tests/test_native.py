@@ -36,7 +36,7 @@ def _prefilled(model, prompt: list[int], extra: int):
     return pool
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "w4a8"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "smollm2-like"])
 def test_the_native_stack_gives_the_python_layers_bits(tiny_dirs, family, dtype):
     from conftest import load_tiny

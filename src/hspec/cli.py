@@ -21,13 +21,15 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 
 def _add_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8", "int4"),
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8", "int4", "w4a8"),
                    help="weights, KV pool and drafters: auto (default) = bfloat16 on a GPU or a CPU with native "
                         "bf16 dot products (AVX512-BF16 or AMX), float32 on other CPUs, where bf16 runs slower; "
                         "int8 = the target's linear weights stored as int8 (one scale per row) with bf16 "
                         "activations; int4 = its decoder layers' weights in 4-bit groups of 32 (the default "
-                        "GGUF's own Q4_1 levels) and an int8 LM head, the fastest plain decoding on a CPU. "
-                        "int8 and int4 are slightly different models, so auto never picks them "
+                        "GGUF's own Q4_1 levels) and an int8 LM head, with bf16 activations; w4a8 = int4's weights "
+                        "with each product's input rows rounded to int8 blocks of 32 (integer dot products, as "
+                        "llama.cpp's Q4_1 x Q8_1; needs an x86-64 CPU with AVX2), the fastest plain decoding on a "
+                        "CPU. int8, int4 and w4a8 are slightly different models, so auto never picks them "
                         "(docs/fast-path.md)")
 
 
@@ -545,7 +547,7 @@ def _add_bench_decode(bench_sub) -> None:
                                             "<out>/decode_cpu.{json,md}.")
     _add_target(bdec)
     bdec.add_argument("--dtypes", default="float32,bfloat16,int8,int4",
-                      help="comma-separated dtypes to time (auto, float32, bfloat16, int8, int4; default "
+                      help="comma-separated dtypes to time (auto, float32, bfloat16, int8, int4, w4a8; default "
                            "float32,bfloat16,int8,int4)")
     bdec.add_argument("--no-transformers", action="store_true", help="leave out the transformers column")
     bdec.add_argument("--max-prompt-tokens", type=int, default=128,
@@ -682,9 +684,9 @@ def _add_bench_vllm(bench_sub) -> None:
                          "trained draft length)")
     bv.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
     bv.add_argument("--no-hspec-engine", action="store_true", help="skip the rows of hspec's own engine")
-    bv.add_argument("--hspec-dtype", choices=("float32", "bfloat16", "int8", "int4"), default="float32",
+    bv.add_argument("--hspec-dtype", choices=("float32", "bfloat16", "int8", "int4", "w4a8"), default="float32",
                     help="dtype of hspec's own engine (default float32, where its tau and outputs are compared "
-                         "exactly with vLLM's float32 run; bfloat16, int8 or int4 to race vLLM)")
+                         "exactly with vLLM's float32 run; bfloat16, int8, int4 or w4a8 to race vLLM)")
     bv.add_argument("--hspec-methods", default="",
                     help="comma-separated hspec drafters run only in hspec's engine, e.g. hspec+ngram:0.4 "
                          "(none already runs)")

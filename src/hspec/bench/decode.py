@@ -54,7 +54,7 @@ from hspec.cache.paged_pool import blocks_for
 from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import create_drafter
-from hspec.models.dtype import dtype_name, quantized_weights, resolve_dtype
+from hspec.models.dtype import KERNEL_ONLY_DTYPES, dtype_name, quantized_weights, resolve_dtype
 from hspec.models.layers import QKVProjection, SwiGLU
 from hspec.models.llama import TargetModel
 from hspec.models.loading import Target, build_model, default_gguf_path, load_target, read_state_dict
@@ -111,7 +111,7 @@ def run_decode_bench(target_name: str, num_prompts: int, max_new_tokens: int, re
         runners[native[-1] + PYTHON_LAYERS] = _hspec_runner(python_layers, max_new_tokens)
     verified = {name: t.model for name, t in targets.items()}  # the models whose verify cost part 2 measures
     for name in names:
-        if quantized_weights(name) and targets[name].model.norm.kernel:  # the model runs hspec's kernels
+        if quantized_weights(name) and name not in KERNEL_ONLY_DTYPES and targets[name].model.norm.kernel:
             verified[name + TORCH_KERNELS] = build_model(base.config, state, name, "cpu", kernels=False)
             runners[name + TORCH_KERNELS] = _hspec_runner(verified[name + TORCH_KERNELS], max_new_tokens)
     if transformers:
@@ -223,6 +223,9 @@ def _label(name: str) -> str:
         return "hspec int8 (int8 weight-only linears, bf16 activations)"
     if name == "int4":
         return "hspec int4 (int4 weight-only decoder layers in groups of 32, int8 LM head, bf16 activations)"
+    if name == "w4a8":
+        return ("hspec w4a8 (int4's weights; each product's input rows rounded to int8 blocks of 32, integer dot "
+                "products)")
     return f"hspec {name}"
 
 

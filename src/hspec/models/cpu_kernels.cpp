@@ -1,5 +1,5 @@
-// hspec's own CPU kernels for the few rows of a decode or a verify: int8 and int4 weight-only products,
-// the bf16 RMSNorm and attention, registered as torch.ops.hspec.* for the Python layers and decoder_stack.cpp alike
+// hspec's own CPU kernels for the few rows of a decode or a verify: int8 and int4 weight-only products, the
+// w4a8 and w8a8 integer products (rows rounded to int8 blocks, --dtype w4a8), the bf16 RMSNorm and attention, registered as torch.ops.hspec.* for the Python layers and decoder_stack.cpp alike
 // (models/native.py builds them; docs/fast-path.md, "hspec's CPU kernels").
 //
 // Why: on an AVX2-only CPU torch's int4 kernel takes ~3x a row's time for 8 rows, its int8 one ~3x, and
@@ -9,7 +9,8 @@
 //
 // Row invariance by construction: an output element is the dot product of its input row with its weight
 // row, summed over the inputs in one order that depends on K alone (8 fp32 lanes, blocks of 32 inputs
-// in ascending order, the lanes added in a fixed tree at the end). How many rows share the call, how they
+// in ascending order, the lanes added in a fixed tree at the end; the integer products sum each block
+// exactly, then the blocks in ascending order), and a row rounded to int8 is rounded alone. How many rows share the call, how they
 // are tiled and how many threads split the outputs never change it, so a verify row has the bits of its
 // 1-token decode.
 //
@@ -19,8 +20,10 @@
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -103,6 +106,159 @@ HSPEC_AVX2 void int4_tile(const float* x, int64_t k, const uint8_t* levels, cons
     for (int j = 0; j < NT; ++j) store(out + m * ldo + n0 + j, lane_sum(acc[m][j]));
 }
 
+// 8 fp32 values from 8 bf16 or fp32 ones.
+HSPEC_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+HSPEC_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// Rows [row0, row0 + rows) of x (M, K) as int8 blocks of 32 (llama.cpp's Q8_1): per block of a row a step
+// d = max |x| / 127 and levels q = x * (127 / max |x|) rounded to nearest even (-127..127), block-major like
+// pack_rows ([K/32][rows][32]), with d and d * sum(q) per [K/32][rows]. A row's levels depend on that row
+// alone.
+struct Int8Rows {
+  std::vector<int8_t> levels;
+  std::vector<float> step, step_sum;
+};
+
+template <typename In>
+HSPEC_AVX2 Int8Rows quantize_rows(const In* x, int64_t k, int64_t row0, int64_t rows) {
+  const int64_t blocks = k / kBlock;
+  Int8Rows q{std::vector<int8_t>(static_cast<size_t>(rows * k)), std::vector<float>(static_cast<size_t>(blocks * rows)),
+             std::vector<float>(static_cast<size_t>(blocks * rows))};
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleaving
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < blocks; ++g) {
+      const In* v = x + (row0 + r) * k + g * kBlock;
+      __m256 values[4];
+      __m256 largest = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        values[c] = load8(v + 8 * c);
+        largest = _mm256_max_ps(largest, _mm256_and_ps(values[c], magnitude));
+      }
+      __m128 top = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+      top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+      const float most = _mm_cvtss_f32(_mm_max_ss(top, _mm_movehdup_ps(top)));
+      const __m256 inverse = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
+      __m256i level[4];
+      for (int c = 0; c < 4; ++c) level[c] = _mm256_cvtps_epi32(_mm256_mul_ps(values[c], inverse));  // nearest even
+      const __m256i total = _mm256_add_epi32(_mm256_add_epi32(level[0], level[1]), _mm256_add_epi32(level[2], level[3]));
+      const __m256i packed = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(level[0], level[1]), _mm256_packs_epi32(level[2], level[3])), in_order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.levels.data() + (g * rows + r) * kBlock), packed);
+      __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+      sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
+      const float step = most / 127.0f;
+      q.step[g * rows + r] = step;
+      q.step_sum[g * rows + r] = step * static_cast<float>(_mm_cvtsi128_si32(sum));
+    }
+  }
+  return q;
+}
+
+// w4a8 weights, tile-major (models.quantize.pack_w4a8): for each 8 consecutive outputs and block of 32 inputs
+// 160 bytes: the 8 outputs' levels (16 bytes each; byte i: input i in its low nibble, input i + 16 in its
+// high one), their 8 bf16 steps, their 8 bf16 zeros; a weight is level * step + (zero - 8 step) in fp32.
+// The same levels, steps and zeros as llama.cpp's Q4_1 blocks, 8 rows' blocks side by side.
+constexpr int kW4a8Outputs = 8;
+constexpr int64_t kW4a8Tile = kW4a8Outputs * (kBlock / 2 + 4);
+
+// The 32 levels (0..15) of a block, in input order, from its 16 bytes.
+HSPEC_AVX2 inline __m256i nibbles(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1),
+                          _mm256_set1_epi8(0xF));
+}
+
+// 8 bf16 -> 8 fp32.
+HSPEC_AVX2 inline __m256 bf16x8(const uint8_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// Lane j = the sum of the 8 int32 lanes of d[j] (exact): d transposed by unpacking and added up.
+HSPEC_AVX2 inline __m256i lane_sums(const __m256i* d) {
+  __m256i a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(d[2 * i], d[2 * i + 1]), _mm256_unpackhi_epi32(d[2 * i], d[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    b[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+  // b[0], in each half: d[0..3]'s sums over that half; b[1]: d[4..7]'s
+  return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20), _mm256_permute2x128_si256(b[0], b[1], 0x31));
+}
+
+// One tile: MT int8 rows (`quantize_rows`) times the 8 w4a8 outputs from n0, lane j of each accumulator
+// being output n0 + j. Per block, each output's 32 products of levels (0..15 times -127..127) are summed
+// exactly in integers (maddubs, madd, then across lanes), converted once and scaled by the weight's step
+// times the row's; the offset term (the weight's offset times the row's d * sum(q)) is summed apart and
+// added at the end. Every output's sums run in block order whatever MT, n0 or the thread.
+template <int MT, typename Out>
+HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out, int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[MT], offsets[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps(), offsets[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
+  for (int64_t g = 0; g < blocks; ++g) {
+    const uint8_t* tile = tiles + g * kW4a8Tile;
+    __m256i w[kW4a8Outputs];
+    for (int j = 0; j < kW4a8Outputs; ++j) w[j] = nibbles(tile + 16 * j);
+    const __m256 step = bf16x8(tile + 128);
+    const __m256 offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), step, bf16x8(tile + 144));
+    for (int m = 0; m < MT; ++m) {
+      const __m256i xm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.levels.data() + (g * MT + m) * kBlock));
+      __m256i d[kW4a8Outputs];
+      for (int j = 0; j < kW4a8Outputs; ++j) d[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xm), ones);
+      const __m256 scale = _mm256_mul_ps(step, _mm256_set1_ps(x.step[g * MT + m]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_sums(d)), scale, acc[m]);
+      offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float sums[kW4a8Outputs];
+    _mm256_store_ps(sums, _mm256_add_ps(acc[m], offsets[m]));
+    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, sums[j]);
+  }
+}
+
+// One tile: MT int8 rows (`quantize_rows`) times the 8 int8 outputs from n0 of a weight stored tile-major
+// (N / 8, K / 32, 8 x 32: each block of 32 inputs of 8 consecutive outputs side by side,
+// models.quantize.pack_w8a8), lane j of each accumulator being output n0 + j. Per block, each output's 32
+// products (-127..127 both; maddubs takes |w| and x with w's sign) are summed exactly in integers, converted
+// once and scaled by the row's step; the weight's scale multiplies the sum at the end. Every output's sums
+// run in block order whatever MT, n0 or the thread.
+template <int MT, typename Out, typename Scale>
+HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0,
+                          Out* out, int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* tiles = weight + n0 * k;
+  for (int64_t g = 0; g < blocks; ++g) {
+    const __m256i* tile = reinterpret_cast<const __m256i*>(tiles + g * kBlock * kW4a8Outputs);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i xm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.levels.data() + (g * MT + m) * kBlock));
+      __m256i d[kW4a8Outputs];
+      for (int j = 0; j < kW4a8Outputs; ++j) {
+        const __m256i w = _mm256_loadu_si256(tile + j);
+        d[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xm, w)), ones);
+      }
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_sums(d)), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
+    }
+  }
+  alignas(32) float scales[kW4a8Outputs];
+  for (int j = 0; j < kW4a8Outputs; ++j) scales[j] = read(scale + n0 + j);
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float sums[kW4a8Outputs];
+    _mm256_store_ps(sums, _mm256_mul_ps(acc[m], _mm256_load_ps(scales)));
+    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, sums[j]);
+  }
+}
+
 // One tile: MT rows times NT consecutive int8 output rows from n0, each scaled once summed.
 template <int MT, int NT, typename Out, typename Scale>
 HSPEC_AVX2 void int8_tile(const float* x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0, Out* out,
@@ -170,6 +326,19 @@ void tiled_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, const
     const std::vector<float> packed = pack_rows(x, k, row0, decltype(rows)::value);
     for_each_tile<decltype(rows)::value>(n, [&](auto outputs, int64_t n0) {
       tile(rows, outputs, packed.data(), n0, out + row0 * n);
+    });
+  });
+}
+
+// Every output of x's m rows times w4a8 weights: tiles of up to 8 rows, each quantized once (`quantize_rows`)
+// and multiplied into every 8 outputs by tile(rows, quantized, n0, out), rows the tile's size as an integral
+// constant, out the tile's first output row.
+template <typename In, typename Out, typename Tile>
+void quantized_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, const Tile& tile) {
+  for_each_row_tile(m, [&](auto rows, int64_t row0) {
+    const Int8Rows quantized = quantize_rows(x, k, row0, decltype(rows)::value);
+    at::parallel_for(0, n / kW4a8Outputs, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) tile(rows, quantized, t * kW4a8Outputs, out + row0 * n);
     });
   });
 }
@@ -472,6 +641,58 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& levels, const at::
 #endif
 }
 
+// x (M, K), each row quantized to int8 blocks of 32, times w4a8 weights (N / 8, K / 32, 160) uint8 (N outputs)
+// -> (M, N) in x's dtype: llama.cpp's Q4_1 x Q8_1 product, integer dot products per block.
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
+#ifdef HSPEC_X86
+  check_rows(x, "w4a8_linear");
+  const int64_t blocks = x.size(1) / kBlock;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 3 && weight.size(1) == blocks &&
+                  weight.size(2) == kW4a8Tile && weight.is_contiguous(),
+              "hspec::w4a8_linear: weight must be contiguous uint8 (N / 8, ", blocks, ", ", kW4a8Tile, "), got ",
+              weight.scalar_type(), " ", weight.sizes());
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0) * kW4a8Outputs;
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  return product_of_rows(x, n, [&](const auto* in, auto* out) {
+    quantized_product(in, m, k, n, out, [&](auto rows, const Int8Rows& q, int64_t n0, auto* o) {
+      w4a8_tile<decltype(rows)::value>(q, k, w, n0, o, n);
+    });
+  });
+#else
+  TORCH_CHECK(false, "hspec::w4a8_linear runs on x86-64 CPUs only");
+#endif
+}
+
+// x (M, K), each row quantized to int8 blocks of 32, times an int8 weight stored tile-major (N / 8, K / 32,
+// 256) with one scale per output (N,) -> (M, N) in x's dtype: integer dot products per block.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+#ifdef HSPEC_X86
+  check_rows(x, "w8a8_linear");
+  const int64_t blocks = x.size(1) / kBlock;
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 3 && weight.size(1) == blocks &&
+                  weight.size(2) == kBlock * kW4a8Outputs && weight.is_contiguous(),
+              "hspec::w8a8_linear: weight must be contiguous int8 (N / 8, ", blocks, ", ", kBlock * kW4a8Outputs,
+              "), got ", weight.scalar_type(), " ", weight.sizes());
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0) * kW4a8Outputs;
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() &&
+                  (scale.scalar_type() == at::kBFloat16 || scale.scalar_type() == at::kFloat),
+              "hspec::w8a8_linear: scale must be a contiguous bf16 or fp32 (", n, ",), got ", scale.scalar_type(), " ",
+              scale.sizes());
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const auto rows_with = [&](const auto* scales) {
+    return product_of_rows(x, n, [&](const auto* in, auto* out) {
+      quantized_product(in, m, k, n, out, [&](auto rows, const Int8Rows& q, int64_t n0, auto* o) {
+        w8a8_tile<decltype(rows)::value>(q, k, w, scales, n0, o, n);
+      });
+    });
+  };
+  return scale.scalar_type() == at::kFloat ? rows_with(scale.data_ptr<float>())
+                                           : rows_with(scale.data_ptr<c10::BFloat16>());
+#else
+  TORCH_CHECK(false, "hspec::w8a8_linear runs on x86-64 CPUs only");
+#endif
+}
+
 // Attention of the rows q (B, T, Hq, D) over the first s keys of k and v (B, S', Hkv, D), fp32; mask
 // (B, 1, T, S') True where a row may see a key, or none (every row sees all s). Returns (B, T, Hq D) in q's
 // dtype. Each row's numbers are its own: its scores (`key_scores`), scaled by D^-1/2, a softmax over its
@@ -621,6 +842,8 @@ TORCH_LIBRARY(hspec, library) {
   library.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   library.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   library.def("int4_linear(Tensor x, Tensor levels, Tensor step_offset) -> Tensor");
+  library.def("w4a8_linear(Tensor x, Tensor weight) -> Tensor");
+  library.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   library.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, int s) -> Tensor");
   library.def("rope_and_write(Tensor projected, Tensor cos, Tensor sin, Tensor(a!) pool_k, Tensor(b!) pool_v, "
               "Tensor slots, int hq, int hkv) -> Tensor");
@@ -630,6 +853,8 @@ TORCH_LIBRARY_IMPL(hspec, CPU, library) {
   library.impl("rms_norm", &hspec::rms_norm);
   library.impl("int8_linear", &hspec::int8_linear);
   library.impl("int4_linear", &hspec::int4_linear);
+  library.impl("w4a8_linear", &hspec::w4a8_linear);
+  library.impl("w8a8_linear", &hspec::w8a8_linear);
   library.impl("attention", &hspec::attention);
   library.impl("rope_and_write", &hspec::rope_and_write);
 }

@@ -26,17 +26,31 @@ namespace {
 // The weights of one decoder layer, in the order `NativeDecoderStack` lists them; a None of Python is
 // std::nullopt (no bias, a floating weight's missing scale, an unpacked weight).
 constexpr int64_t kTensorsPerLayer = 15;
+// layers.W4A8_TILE_BYTES: the last dim of a w4a8 weight's tiles.
+constexpr int64_t kW4a8TileBytes = 160;
 
 struct LinearWeights {
   Tensor weight;          // (N, K): floating, int8, or an int4 weight's floating values
   OptionalTensor bias;    // (N,)
   OptionalTensor scale;   // int8 (N,), int4 (K / group, N, 2)
-  OptionalTensor packed;  // oneDNN's prepacked bf16 copy, the int4 levels (uint8), or hspec's int8 kernel's matrix
+  OptionalTensor packed;  // oneDNN's prepacked bf16 copy, the int4 levels or w4a8 tiles (uint8), or an int8 kernel's matrix
 };
 
 // layers._product: one product of at most layers._ROW_BLOCK rows, flat (M, K) -> (M, N).
 Tensor product(const Tensor& flat, const LinearWeights& w) {
   using Kernel = Tensor(const Tensor&, const Tensor&, const Tensor&);
+  using Tiles = Tensor(const Tensor&, const Tensor&);
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte && w.packed->dim() == 3 &&
+      w.packed->size(2) == kW4a8TileBytes) {  // w4a8, hspec's kernel
+    static auto w4a8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::w4a8_linear", "").typed<Tiles>();
+    Tensor out = w4a8_linear.call(flat, *w.packed);
+    return w.bias.has_value() ? out + *w.bias : out;
+  }
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kChar && w.packed->dim() == 3) {  // w4a8's int8 weights
+    static auto w8a8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::w8a8_linear", "").typed<Kernel>();
+    Tensor out = w8a8_linear.call(flat, *w.packed, *w.scale);
+    return w.bias.has_value() ? out + *w.bias : out;
+  }
   if (w.packed.has_value() && w.packed->scalar_type() == at::kByte && w.packed->dim() == 3) {  // int4, hspec's kernel
     static auto int4_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::int4_linear", "").typed<Kernel>();
     Tensor out = int4_linear.call(flat, *w.packed, *w.scale);

@@ -12,7 +12,10 @@
 `--dtype int8` and `--dtype int4` are never picked by auto: they store the target's linear weights as
 int8 (one scale per output row) or its decoder layers' as int4 (groups of 32, the LM head int8;
 `models.quantize`) and compute in bfloat16. They read a half or about a quarter of bf16's bytes per token
-and decode fastest on a CPU, but change the model's numbers, so a user asks for them.
+and decode fastest on a CPU, but change the model's numbers, so a user asks for them. `--dtype w4a8` stores
+the weights as int4 does and also rounds each product's input rows to int8 blocks of 32 (llama.cpp's
+Q4_1 x Q8_1 and Q8_0 x Q8_1 products): integer dot products, about twice as fast again for one row,
+another model again (`models.quantize`). It needs hspec's CPU kernels (x86-64 with AVX2 and FMA).
 
 Greedy speculative decoding stays lossless in every dtype: the target verifies in the dtype it decodes in,
 and the decoding loop compares the two within one runtime and dtype (see docs/fast-path.md for where
@@ -26,9 +29,11 @@ from pathlib import Path
 
 import torch
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")
-# `--dtype` names that store the target's linear weights quantized and compute in bfloat16.
-QUANTIZED_DTYPES = ("int8", "int4")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")
+# `--dtype` names that store the target's linear weights quantized (bfloat16 between the products).
+QUANTIZED_DTYPES = ("int8", "int4", "w4a8")
+# `--dtype` names that only hspec's CPU kernels compute (torch has no kernel for them).
+KERNEL_ONLY_DTYPES = ("w4a8",)
 _NAMED = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 # /proc/cpuinfo flags of instructions that compute bf16 dot products natively.
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -65,7 +70,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device | str = "cpu",
         if name not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {name} is not a floating dtype the runtime runs in; use float32 or bfloat16")
         return name
-    if quantized_weights(name):  # int8 or int4 weights, bf16 activations
+    if quantized_weights(name):  # int8, int4 or w4a8 weights, bf16 between the products
         return torch.bfloat16
     if name == "auto":
         if torch.device(device).type == "cuda":
@@ -94,7 +99,7 @@ def slow_dtype_note(name: str | torch.dtype, device: torch.device | str = "cpu",
 
 
 def quantized_weights(name: str | torch.dtype) -> bool:
-    """True when `--dtype` asks for int8 or int4 weight-only linears (`models.quantize`)."""
+    """True when `--dtype` asks for quantized linear weights: int8, int4 or w4a8 (`models.quantize`)."""
     return name in QUANTIZED_DTYPES
 
 

@@ -83,6 +83,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
       oneDNN's opaque tensors (inductor picks its own kernel);
     - int8 (N, K), `scale` (N,) in x's dtype: weight ~= int8 * scale[:, None]; `packed` that int8 matrix
       again where hspec's int8 kernel multiplies it (`models/cpu_kernels.cpp`), None where torch's does;
+    - w4a8 (`--dtype w4a8`): an int4 weight whose `packed` holds the w4a8 kernel's tiles instead (N/8, K/G,
+      `W4A8_TILE_BYTES`) uint8, and an int8 one whose `packed` holds the w8a8 kernel's (N/8, K/G, 8 G) int8:
+      those kernels round each row of x to int8 blocks of G (models.quantize.pack_w4a8, pack_w8a8);
     - int4: `packed` the 4-bit levels (uint8, `int4_packed`) and `weight` (N, K) their weights in x's
       dtype (`models.quantize.dequantize_groups`). For hspec's kernel the levels are (N, K/G, G/2) and
       `scale` (N, K/G, 2) the fp32 step and offset of every group of G inputs of a row (a weight is
@@ -126,9 +129,13 @@ def _emulated_bf16(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_has_native_bf16()
 
 
+# Bytes per 8 outputs and 32 inputs of a w4a8 weight (levels, bf16 steps and zeros; models.quantize.pack_w4a8).
+W4A8_TILE_BYTES = 160
+
+
 def int4_packed(packed: torch.Tensor | None) -> bool:
-    """Whether `packed` holds int4 levels (uint8: hspec's (N, K/32, 16) or torch's (N, K/2)), rather than a
-    oneDNN bf16 copy or the int8 matrix of hspec's int8 kernel."""
+    """Whether `packed` holds int4 levels (uint8: hspec's (N, K/32, 16), torch's (N, K/2) or the w4a8 kernel's
+    tiles), rather than a oneDNN bf16 copy or an int8 kernel's matrix."""
     return packed is not None and packed.dtype == torch.uint8
 
 
@@ -138,18 +145,22 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     floating weight is computed as the first of two (oneDNN's one-row kernel rounds otherwise); the int8
     and int4 kernels give one row alone the bits it gets among others, so it goes as it is (padding cost
     them ~15-30% of a decode's products: 30 layers' int4 products 5.6 ms for one row, 7.4 for two)."""
-    if int4_packed(packed) or (scale is not None and weight.is_floating_point()):  # int4 (see `linear`)
+    if int4_packed(packed) or (scale is not None and weight.is_floating_point()):  # int4 or w4a8 (see `linear`)
         if scale is None or not int4_packed(packed):
             raise ValueError("an int4 weight needs its packed levels and their steps and zeros "
                              "(models.quantize.quantize_int4)")
-        if packed.dim() == 3:  # hspec's kernel (models/cpu_kernels.cpp)
+        if packed.dim() == 3 and packed.shape[2] == W4A8_TILE_BYTES:  # w4a8 (models/cpu_kernels.cpp)
+            out = torch.ops.hspec.w4a8_linear(flat, packed)
+        elif packed.dim() == 3:  # hspec's int4 kernel (models/cpu_kernels.cpp)
             out = torch.ops.hspec.int4_linear(flat, packed, scale)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), packed,
                                                               weight.shape[1] // scale.shape[0], scale)
         return out if bias is None else out + bias
     if scale is not None:  # int8
-        if packed is not None and not torch.compiler.is_compiling():  # hspec's kernel (models/cpu_kernels.cpp)
+        if packed is not None and packed.dim() == 3:  # w4a8's int8 weights, int8 activations (models/cpu_kernels.cpp)
+            out = torch.ops.hspec.w8a8_linear(flat, packed, scale)
+        elif packed is not None and not torch.compiler.is_compiling():  # hspec's kernel (models/cpu_kernels.cpp)
             out = torch.ops.hspec.int8_linear(flat, packed, scale)
         else:
             out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)

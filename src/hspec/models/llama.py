@@ -22,6 +22,7 @@ from hspec.cache.paged_pool import PagedKVPool, SlotTable
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import dtype_name
 from hspec.models.layers import (
+    W4A8_TILE_BYTES,
     Linear,
     QKVProjection,
     RMSNorm,
@@ -131,10 +132,13 @@ class TargetModel(nn.Module):
 
     @property
     def dtype_name(self) -> str:
-        """The `--dtype` this model runs in: 'int4' or 'int8' once `models.quantize` stored its linears
-        that way (an int4 model keeps an int8 LM head), else its weights' floating dtype ('float32',
-        'bfloat16')."""
-        if any(int4_packed(buffer) for buffer in self.layers.buffers()):
+        """The `--dtype` this model runs in: 'w4a8', 'int4' or 'int8' once `models.quantize` stored its
+        linears that way (an int4 or w4a8 model keeps an int8 LM head), else its weights' floating dtype
+        ('float32', 'bfloat16')."""
+        packed = [buffer for buffer in self.layers.buffers() if int4_packed(buffer)]
+        if any(buffer.dim() == 3 and buffer.shape[2] == W4A8_TILE_BYTES for buffer in packed):
+            return "w4a8"
+        if packed:
             return "int4"
         if self.lm_head.weight.dtype == torch.int8:
             return "int8"

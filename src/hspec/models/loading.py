@@ -23,12 +23,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
-from hspec.models.dtype import quantized_weights, resolve_dtype, slow_dtype_note
+from hspec.models.dtype import KERNEL_ONLY_DTYPES, quantized_weights, resolve_dtype, slow_dtype_note
 from hspec.models.layers import RMSNorm
 from hspec.models.llama import Attention, TargetModel
 from hspec.models.native import NativeDecoderStack, build_extension, load_kernels
 from hspec.models.prepack import prepack_bf16
-from hspec.models.quantize import quantize_int4, quantize_int8
+from hspec.models.quantize import quantize_int4, quantize_int8, quantize_w4a8
 from hspec.models.tokenizer import ChatTokenizer
 from hspec.models.weight_layout import fuse_projections, store_linear_weights_in_fast_layout
 
@@ -148,7 +148,8 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     """Build on the meta device, then adopt the checkpoint's tensors (no double allocation).
 
     `dtype`: a torch dtype or a `--dtype` name; "int8" stores the linears as int8, "int4" the decoder
-    layers' as int4 and the LM head as int8 (`models.quantize`).
+    layers' as int4 and the LM head as int8, "w4a8" the same weights for hspec's integer kernels, which
+    round the activations to int8 too (`models.quantize`; ValueError where those kernels cannot run).
     `native`: run decodes and verifies through the C++ decoder stack (`models.native`;
     built on first use, the same bits) where the model is row-invariant (bf16, int8, int4 on the CPU);
     False keeps the Python layers (for comparing the two).
@@ -192,11 +193,16 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     model.eval().requires_grad_(False)
     fuse_projections(model)  # q/k/v and gate/up as one GEMM each (the named weights become views)
     use_kernels = kernels and model.row_invariant_attention and load_kernels()
-    if dtype == "int4" and not quantize_int4(model.layers, compute_dtype, use_kernels):
+    if dtype in KERNEL_ONLY_DTYPES and not use_kernels:
+        raise ValueError("--dtype w4a8 runs only in hspec's CPU kernels (an x86-64 CPU with AVX2 and FMA, a C++ "
+                         "compiler; kernels not disabled); use --dtype int4, the same weights with bf16 activations")
+    if dtype == "w4a8":
+        quantize_w4a8(model, compute_dtype)
+    elif dtype == "int4" and not quantize_int4(model.layers, compute_dtype, use_kernels):
         warnings.warn(f"--dtype int4: no linear of this {config.architecture} fits the int4 kernel (inputs a "
                       "multiple of 32, outputs of 16); it runs as int8", stacklevel=2)
-    if quantized_weights(dtype):
-        quantize_int8(model, compute_dtype, use_kernels)  # int4 leaves the LM head, and what its kernel cannot take
+    if quantized_weights(dtype):  # int4 and w4a8 leave the LM head, and what their kernels cannot take
+        quantize_int8(model, compute_dtype, use_kernels)
     else:
         prepack_bf16(model)  # bf16 on a CPU: oneDNN's packed copies, F.linear's bits faster (else a no-op)
     if use_kernels:

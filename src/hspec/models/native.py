@@ -9,7 +9,7 @@ interpreter out. It is built once per machine with torch's C++ extension loader 
 row-invariant target loads. If it cannot be built, a warning says why and the Python layers run: the same
 outputs, slower. docs/fast-path.md ("The native decoder stack") has the measurements.
 
-hspec's CPU kernels (`cpu_kernels.cpp`: int8 and int4 products, the bf16 RMSNorm, attention, RoPE with
+hspec's CPU kernels (`cpu_kernels.cpp`: int8, int4 and w4a8 products, the bf16 RMSNorm, attention, RoPE with
 the KV writes) are a library of their own, loaded by `load_kernels` and called as torch.ops.hspec.* by the
 Python layers and the stack alike (docs/fast-path.md, "hspec's CPU kernels").
 

@@ -1,4 +1,5 @@
-"""Weight-only storage of the target's linear weights in int8 (`--dtype int8`) or int4 (`--dtype int4`).
+"""Quantized storage of the target's linear weights: int8 (`--dtype int8`), int4 (`--dtype int4`) or int4
+with int8 activations (`--dtype w4a8`).
 
 Plain decoding of a small model on a CPU is bound by reading the weights: every token streams all of
 them once (SmolLM2-135M in bf16: 212 MB of layer weights and a 56 MB LM head). Fewer bytes per weight
@@ -18,8 +19,15 @@ are fewer bytes to read; activations, the KV pool, norms, attention and every dr
   weights in Q4_1 blocks of 32: requantized, they give back the GGUF's own 4-bit levels, so int4 runs the
   checkpoint's numbers with its steps and zeros rounded to bf16 (docs/fast-path.md#int4-weight-only).
 
-The weights change (each row or group is rounded to 255 or 16 levels), so int8 and int4 are runtimes of
-their own: a greedy output is compared with plain decoding of the same dtype, never with bf16's. Both
+- w4a8: int4's levels, steps and zeros (the same weights), stored for hspec's w4a8 kernel (`pack_w4a8`, 8
+  outputs' blocks side by side), and an int8 LM head stored for its w8a8 kernel (`pack_w8a8`); both kernels
+  round each input row to int8 blocks of 32 (a step max|x| / 127 per block, as llama.cpp's Q8_1) and
+  multiply in integers (`maddubs`: 32 products summed exactly per block), about twice as fast as the
+  weight-only kernels for a decode's one row. The input rounding changes the numbers again (the rounding
+  of one row never depends on the other rows). Only with hspec's kernels (x86-64, AVX2 and FMA).
+
+The weights change (each row or group is rounded to 255 or 16 levels), so int8, int4 and w4a8 are runtimes
+of their own: a greedy output is compared with plain decoding of the same dtype, never with bf16's. Both
 kernels compute each row the same way however many rows share the call (checked by the losslessness
 tests and `scripts/check_row_invariance.py`), so a verify and a 1-token decode agree bit for bit. A
 prompt's prefill is the one exception: it multiplies floating weights in one product, which is
@@ -49,6 +57,8 @@ _K_MULTIPLE = 16
 # Inputs per int4 group: Q4_1's block, and the smallest group the kernel takes (32, 64, 128 or 256).
 INT4_GROUP = 32
 _INT4_N_MULTIPLE = 16
+# Outputs whose blocks the w4a8 and w8a8 kernels read side by side (a multiple of it divides _INT4_N_MULTIPLE).
+_W4A8_OUTPUTS = 8
 
 # A weight (N, K), its compute dtype and whether hspec's kernels run it -> what `linear` takes: the stored
 # weight, its scales, and the copy its kernel reads (None where torch's kernel reads the stored weight).
@@ -126,6 +136,49 @@ def pack_int4(levels: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.stack((step, zero - 8 * step), dim=-1).contiguous(), packed.contiguous()
 
 
+def _w4a8(weight: torch.Tensor, compute_dtype: torch.dtype, kernels: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor]:
+    """`Quantizer` of `quantize_w4a8`: int4's floating values and hspec step/offset pairs (`_int4`), and the
+    w4a8 kernel's tiles (`pack_w4a8`) as the copy it reads."""
+    levels, scale = quantize_groups(weight, compute_dtype)
+    step_offset, _ = pack_int4(levels, scale)
+    return dequantize_groups(levels, scale, compute_dtype), step_offset, pack_w4a8(levels, scale)
+
+
+def pack_w4a8(levels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Levels (N, K) and bf16 steps and zeros (K/G, N, 2) (`quantize_groups`) -> the w4a8 kernel's tiles
+    (N/8, K/G, 160) uint8: for each 8 consecutive outputs and group, the 8 outputs' 16 bytes of levels (byte i:
+    input i in its low nibble, input i + G/2 in its high one), then their 8 bf16 steps, then their 8 bf16
+    zeros (models/cpu_kernels.cpp, `w4a8_tile`)."""
+    n, k = levels.shape
+    groups, half = k // INT4_GROUP, INT4_GROUP // 2
+    grouped = levels.view(n, groups, INT4_GROUP)
+    nibbles = grouped[..., :half] | (grouped[..., half:] << 4)  # (N, K/G, 16)
+    nibbles = nibbles.view(n // _W4A8_OUTPUTS, _W4A8_OUTPUTS, groups, half).transpose(1, 2)
+    step_zero = scale.to(torch.bfloat16).permute(1, 2, 0).contiguous().view(torch.uint8)  # (N, 2, K/G x 2 bytes)
+    step_zero = step_zero.view(n // _W4A8_OUTPUTS, _W4A8_OUTPUTS, 2, groups, 2).permute(0, 3, 2, 1, 4)
+    return torch.cat([nibbles.reshape(n // _W4A8_OUTPUTS, groups, _W4A8_OUTPUTS * half),
+                      step_zero.reshape(n // _W4A8_OUTPUTS, groups, 4 * _W4A8_OUTPUTS)], dim=-1).contiguous()
+
+
+def _w8a8(weight: torch.Tensor, compute_dtype: torch.dtype, kernels: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor | None]:
+    """`Quantizer` of `quantize_w4a8`'s int8 weights (the LM head): int8 rows and their scales, and the w8a8
+    kernel's tiles (`pack_w8a8`) where it takes them (N a multiple of 8, K of G), else `_int8`'s copy."""
+    if not (kernels and weight.shape[0] % _W4A8_OUTPUTS == 0 and weight.shape[1] % INT4_GROUP == 0):
+        return _int8(weight, compute_dtype, kernels)
+    q, scale = quantize_rows(weight, compute_dtype)
+    return q, scale, pack_w8a8(q)
+
+
+def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
+    """int8 rows (N, K) -> the w8a8 kernel's tiles (N/8, K/G, 8 G): each group of G inputs of 8 consecutive
+    outputs side by side (models/cpu_kernels.cpp, `w8a8_tile`)."""
+    n, k = q.shape
+    tiles = q.view(n // _W4A8_OUTPUTS, _W4A8_OUTPUTS, k // INT4_GROUP, INT4_GROUP).transpose(1, 2)
+    return tiles.reshape(n // _W4A8_OUTPUTS, k // INT4_GROUP, _W4A8_OUTPUTS * INT4_GROUP).contiguous()
+
+
 def int8_kernel_fits(weight: torch.Tensor) -> bool:
     """Whether the int8 kernel takes this (N, K) weight's input width K (see the module doc)."""
     return weight.shape[1] % _K_MULTIPLE == 0
@@ -157,6 +210,15 @@ def quantize_int4(layers: nn.Module, compute_dtype: torch.dtype = torch.bfloat16
     Returns how many weights became int4; `quantize_int8` stores the others (and the LM head) afterwards.
     `kernels`: hspec's int4 kernel multiplies them (`pack_int4`), else torch's."""
     return _quantize(layers, _int4, int4_kernel_fits, compute_dtype, kernels)
+
+
+def quantize_w4a8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+    """`--dtype w4a8`: the decoder layers' linears that the int4 kernel takes as int4 groups stored for the
+    w4a8 kernel (`pack_w4a8`, each weight replaced by its levels' floating values for prefills, as int4),
+    then every other linear, the LM head among them, as int8 rows for the w8a8 kernel (`pack_w8a8`). Needs
+    hspec's CPU kernels loaded (`models.native.load_kernels`)."""
+    _quantize(model.layers, _w4a8, int4_kernel_fits, compute_dtype, True)
+    _quantize(model, _w8a8, int8_kernel_fits, compute_dtype, True)
 
 
 def _quantize(model: nn.Module, quantizer: Quantizer, fits: Callable[[torch.Tensor], bool],
