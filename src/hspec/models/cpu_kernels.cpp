@@ -160,18 +160,13 @@ HSPEC_AVX2 Int8Rows quantize_rows(const In* x, int64_t k, int64_t row0, int64_t 
 }
 
 // w4a8 weights, tile-major (models.quantize.pack_w4a8): for each 8 consecutive outputs and block of 32 inputs
-// 160 bytes: the 8 outputs' levels (16 bytes each; byte i: input i in its low nibble, input i + 16 in its
-// high one), their 8 bf16 steps, their 8 bf16 zeros; a weight is level * step + (zero - 8 step) in fp32.
-// The same levels, steps and zeros as llama.cpp's Q4_1 blocks, 8 rows' blocks side by side.
+// 160 bytes: 128 bytes of levels, then the 8 outputs' bf16 steps and their 8 bf16 zeros; a weight is
+// level * step + (zero - 8 step) in fp32 (the same levels, steps and zeros as llama.cpp's Q4_1 blocks).
+// The levels are laid out for products whose lanes are outputs: 8 vectors of 32 levels, vector q holding
+// inputs 4q .. 4q + 3 of output j in bytes 4j .. 4j + 3; 32-byte chunk c holds vector 2c in its low
+// nibbles and vector 2c + 1 in its high ones.
 constexpr int kW4a8Outputs = 8;
 constexpr int64_t kW4a8Tile = kW4a8Outputs * (kBlock / 2 + 4);
-
-// The 32 levels (0..15) of a block, in input order, from its 16 bytes.
-HSPEC_AVX2 inline __m256i nibbles(const uint8_t* p) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1),
-                          _mm256_set1_epi8(0xF));
-}
 
 // 8 bf16 -> 8 fp32.
 HSPEC_AVX2 inline __m256 bf16x8(const uint8_t* p) {
@@ -179,41 +174,44 @@ HSPEC_AVX2 inline __m256 bf16x8(const uint8_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-// Lane j = the sum of the 8 int32 lanes of d[j] (exact): d transposed by unpacking and added up.
-HSPEC_AVX2 inline __m256i lane_sums(const __m256i* d) {
-  __m256i a[4], b[2];
-  for (int i = 0; i < 4; ++i)
-    a[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(d[2 * i], d[2 * i + 1]), _mm256_unpackhi_epi32(d[2 * i], d[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)
-    b[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
-  // b[0], in each half: d[0..3]'s sums over that half; b[1]: d[4..7]'s
-  return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20), _mm256_permute2x128_si256(b[0], b[1], 0x31));
+// 4 bytes of a row's int8 block, inputs 4q .. 4q + 3, in every 32-bit lane.
+HSPEC_AVX2 inline __m256i inputs_in_every_lane(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof(four));
+  return _mm256_set1_epi32(four);
 }
 
-// One tile: MT int8 rows (`quantize_rows`) times the 8 w4a8 outputs from n0, lane j of each accumulator
-// being output n0 + j. Per block, each output's 32 products of levels (0..15 times -127..127) are summed
-// exactly in integers (maddubs, madd, then across lanes), converted once and scaled by the weight's step
-// times the row's; the offset term (the weight's offset times the row's d * sum(q)) is summed apart and
-// added at the end. Every output's sums run in block order whatever MT, n0 or the thread.
+// One tile: MT int8 rows (`quantize_rows`) times the 8 w4a8 outputs from n0, lane j of each vector being
+// output n0 + j. Per block and row, maddubs multiplies vector q's levels (0..15) by the row's inputs
+// 4q .. 4q + 3 (-127..127) and adds them in pairs; the 8 vectors' pair sums add up in int16 (at most 8 x 2
+// x 15 x 127 = 30,480, no overflow) and madd adds each output's two: every output's 32 products summed
+// exactly, converted once and scaled by the weight's step times the row's. The offset term (the weight's
+// offset times the row's d * sum(q)) is summed apart and added at the end. Every output's sums run in
+// block order whatever MT, n0 or the thread.
 template <int MT, typename Out>
 HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out, int64_t ldo) {
   const int64_t blocks = k / kBlock;
   __m256 acc[MT], offsets[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps(), offsets[m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0xF);
   const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
   for (int64_t g = 0; g < blocks; ++g) {
     const uint8_t* tile = tiles + g * kW4a8Tile;
-    __m256i w[kW4a8Outputs];
-    for (int j = 0; j < kW4a8Outputs; ++j) w[j] = nibbles(tile + 16 * j);
+    __m256i w[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c));
+      w[2 * c] = _mm256_and_si256(chunk, nibble);
+      w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
+    }
     const __m256 step = bf16x8(tile + 128);
     const __m256 offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), step, bf16x8(tile + 144));
     for (int m = 0; m < MT; ++m) {
-      const __m256i xm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.levels.data() + (g * MT + m) * kBlock));
-      __m256i d[kW4a8Outputs];
-      for (int j = 0; j < kW4a8Outputs; ++j) d[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xm), ones);
+      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
+      __m256i pairs = _mm256_maddubs_epi16(w[0], inputs_in_every_lane(xm));
+      for (int q = 1; q < 8; ++q) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[q], inputs_in_every_lane(xm + 4 * q)));
       const __m256 scale = _mm256_mul_ps(step, _mm256_set1_ps(x.step[g * MT + m]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_sums(d)), scale, acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[m]);
       offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
     }
   }
@@ -225,11 +223,12 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
 }
 
 // One tile: MT int8 rows (`quantize_rows`) times the 8 int8 outputs from n0 of a weight stored tile-major
-// (N / 8, K / 32, 8 x 32: each block of 32 inputs of 8 consecutive outputs side by side,
-// models.quantize.pack_w8a8), lane j of each accumulator being output n0 + j. Per block, each output's 32
-// products (-127..127 both; maddubs takes |w| and x with w's sign) are summed exactly in integers, converted
-// once and scaled by the row's step; the weight's scale multiplies the sum at the end. Every output's sums
-// run in block order whatever MT, n0 or the thread.
+// (N / 8, K / 32, 256, models.quantize.pack_w8a8: per block 8 vectors, vector q holding inputs 4q .. 4q + 3
+// of output j in bytes 4j .. 4j + 3), lane j of each vector being output n0 + j. Per vector, maddubs takes
+// |w| and the row's inputs with w's signs (both within -127..127: a pair sum fits int16) and madd adds each
+// output's pairs into int32; the 8 vectors add up to every output's 32 products, exactly, converted once
+// and scaled by the row's step. The weight's scale multiplies the sum at the end. Every output's sums run
+// in block order whatever MT, n0 or the thread.
 template <int MT, typename Out, typename Scale>
 HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0,
                           Out* out, int64_t ldo) {
@@ -240,22 +239,27 @@ HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, const int8_t* weight, co
   const int8_t* tiles = weight + n0 * k;
   for (int64_t g = 0; g < blocks; ++g) {
     const __m256i* tile = reinterpret_cast<const __m256i*>(tiles + g * kBlock * kW4a8Outputs);
+    __m256i w[8], magnitude[8];
+    for (int q = 0; q < 8; ++q) {
+      w[q] = _mm256_loadu_si256(tile + q);
+      magnitude[q] = _mm256_abs_epi8(w[q]);
+    }
     for (int m = 0; m < MT; ++m) {
-      const __m256i xm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.levels.data() + (g * MT + m) * kBlock));
-      __m256i d[kW4a8Outputs];
-      for (int j = 0; j < kW4a8Outputs; ++j) {
-        const __m256i w = _mm256_loadu_si256(tile + j);
-        d[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xm, w)), ones);
+      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
+      __m256i sums = _mm256_setzero_si256();
+      for (int q = 0; q < 8; ++q) {
+        const __m256i signed_inputs = _mm256_sign_epi8(inputs_in_every_lane(xm + 4 * q), w[q]);
+        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[q], signed_inputs), ones));
       }
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_sums(d)), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
     }
   }
   alignas(32) float scales[kW4a8Outputs];
   for (int j = 0; j < kW4a8Outputs; ++j) scales[j] = read(scale + n0 + j);
   for (int m = 0; m < MT; ++m) {
-    alignas(32) float sums[kW4a8Outputs];
-    _mm256_store_ps(sums, _mm256_mul_ps(acc[m], _mm256_load_ps(scales)));
-    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, sums[j]);
+    alignas(32) float result[kW4a8Outputs];
+    _mm256_store_ps(result, _mm256_mul_ps(acc[m], _mm256_load_ps(scales)));
+    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, result[j]);
   }
 }
 

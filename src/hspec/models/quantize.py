@@ -147,18 +147,28 @@ def _w4a8(weight: torch.Tensor, compute_dtype: torch.dtype, kernels: bool) -> tu
 
 def pack_w4a8(levels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Levels (N, K) and bf16 steps and zeros (K/G, N, 2) (`quantize_groups`) -> the w4a8 kernel's tiles
-    (N/8, K/G, 160) uint8: for each 8 consecutive outputs and group, the 8 outputs' 16 bytes of levels (byte i:
-    input i in its low nibble, input i + G/2 in its high one), then their 8 bf16 steps, then their 8 bf16
-    zeros (models/cpu_kernels.cpp, `w4a8_tile`)."""
+    (N/8, K/G, 160) uint8: for each 8 consecutive outputs and group, 128 bytes of levels (`_output_vectors`:
+    4-byte input runs of the 8 outputs side by side; 32-byte chunk c holds vector 2c in its low nibbles and
+    vector 2c + 1 in its high ones), then the 8 outputs' bf16 steps, then their bf16 zeros
+    (models/cpu_kernels.cpp, `w4a8_tile`)."""
     n, k = levels.shape
-    groups, half = k // INT4_GROUP, INT4_GROUP // 2
-    grouped = levels.view(n, groups, INT4_GROUP)
-    nibbles = grouped[..., :half] | (grouped[..., half:] << 4)  # (N, K/G, 16)
-    nibbles = nibbles.view(n // _W4A8_OUTPUTS, _W4A8_OUTPUTS, groups, half).transpose(1, 2)
+    groups = k // INT4_GROUP
+    vectors = _output_vectors(levels)  # (N/8, K/G, 8, 32)
+    nibbles = vectors[:, :, 0::2] | (vectors[:, :, 1::2] << 4)  # (N/8, K/G, 4, 32)
     step_zero = scale.to(torch.bfloat16).permute(1, 2, 0).contiguous().view(torch.uint8)  # (N, 2, K/G x 2 bytes)
     step_zero = step_zero.view(n // _W4A8_OUTPUTS, _W4A8_OUTPUTS, 2, groups, 2).permute(0, 3, 2, 1, 4)
-    return torch.cat([nibbles.reshape(n // _W4A8_OUTPUTS, groups, _W4A8_OUTPUTS * half),
+    return torch.cat([nibbles.reshape(n // _W4A8_OUTPUTS, groups, 128),
                       step_zero.reshape(n // _W4A8_OUTPUTS, groups, 4 * _W4A8_OUTPUTS)], dim=-1).contiguous()
+
+
+def _output_vectors(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) bytes -> (N/8, K/G, 8, 32): for each 8 outputs and group of G inputs, 8 vectors, vector q
+    holding inputs 4q .. 4q + 3 of output j in bytes 4j .. 4j + 3 (the lanes of the w4a8 and w8a8
+    kernels' products are outputs)."""
+    n, k = weight.shape
+    runs = weight.view(n // _W4A8_OUTPUTS, _W4A8_OUTPUTS, k // INT4_GROUP, INT4_GROUP // 4, 4)
+    return runs.permute(0, 2, 3, 1, 4).reshape(n // _W4A8_OUTPUTS, k // INT4_GROUP, INT4_GROUP // 4,
+                                               4 * _W4A8_OUTPUTS)
 
 
 def _w8a8(weight: torch.Tensor, compute_dtype: torch.dtype, kernels: bool) -> tuple[torch.Tensor, torch.Tensor,
@@ -172,11 +182,10 @@ def _w8a8(weight: torch.Tensor, compute_dtype: torch.dtype, kernels: bool) -> tu
 
 
 def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
-    """int8 rows (N, K) -> the w8a8 kernel's tiles (N/8, K/G, 8 G): each group of G inputs of 8 consecutive
-    outputs side by side (models/cpu_kernels.cpp, `w8a8_tile`)."""
+    """int8 rows (N, K) -> the w8a8 kernel's tiles (N/8, K/G, 8 G): per 8 outputs and group, the 8 vectors of
+    `_output_vectors` (models/cpu_kernels.cpp, `w8a8_tile`)."""
     n, k = q.shape
-    tiles = q.view(n // _W4A8_OUTPUTS, _W4A8_OUTPUTS, k // INT4_GROUP, INT4_GROUP).transpose(1, 2)
-    return tiles.reshape(n // _W4A8_OUTPUTS, k // INT4_GROUP, _W4A8_OUTPUTS * INT4_GROUP).contiguous()
+    return _output_vectors(q).reshape(n // _W4A8_OUTPUTS, k // INT4_GROUP, _W4A8_OUTPUTS * INT4_GROUP).contiguous()
 
 
 def int8_kernel_fits(weight: torch.Tensor) -> bool:
