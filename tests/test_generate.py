@@ -178,7 +178,9 @@ def test_batched_equals_one_by_one_when_sampling(tiny_target, kind):
 
 
 def _exact_joint(target, prompt, params, n_tokens):
-    """P(first n_tokens tokens) under the target alone, by enumerating every continuation."""
+    """P(first n_tokens tokens) under the target alone, by enumerating every continuation, computed as
+    plain decoding computes it: the prompt prefilled (`prefill=True`, whose products may round otherwise
+    than a decode's: w4a8's prefill multiplies bf16 rows), then each prefix's tokens in one forward."""
     from hspec.sampling import SamplingBatch
 
     sampling = SamplingBatch.from_params([params])
@@ -188,11 +190,15 @@ def _exact_joint(target, prompt, params, n_tokens):
         new = {}
         prefixes = list(probs)
         pool = target.model.new_pool(num_blocks=len(prefixes) * 4, block_size=8)
-        ids = torch.tensor([prompt + list(p) for p in prefixes])
-        for i in range(len(prefixes)):
+        sequences = list(range(len(prefixes)))
+        for i in sequences:
             pool.add_sequence(i)
         with torch.no_grad():
-            logits = target.model(ids, pool, list(range(len(prefixes))), last_logits_only=True).logits
+            logits = target.model(torch.tensor([prompt] * len(prefixes)), pool, sequences, last_logits_only=True,
+                                  prefill=True).logits
+            if prefixes[0]:
+                logits = target.model(torch.tensor([list(p) for p in prefixes]), pool, sequences,
+                                      last_logits_only=True).logits
         dist = sampling.select([0] * len(prefixes)).probs(logits)[:, -1].double()
         for i, prefix in enumerate(prefixes):
             for t in range(V):
