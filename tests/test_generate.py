@@ -241,7 +241,7 @@ def test_sampled_output_has_target_distribution(tiny_dirs, kind):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "w4a8"])
 def test_sampled_output_has_target_distribution_in_each_reduced_precision(tiny_dirs, dtype):
-    """The chi-square test above for H-Spec on the tiny target in bf16, int8 and int4: rejection sampling
+    """The chi-square test above for H-Spec on the tiny target in bf16, int8, int4 and w4a8: rejection sampling
     reads the verify's probabilities in the runtime's dtype, and the samples must follow that runtime's
     own distribution (enumerated in the same dtype)."""
     from conftest import assert_samples_follow, build_tiny_checkpoint, load_tiny
