@@ -94,3 +94,27 @@ def test_a_compiled_drafter_compiles_once_whatever_the_context_length():
         with torch._dynamo.config.patch(error_on_recompile=True):
             decoder.generate([prompt], SamplingParams(), 120)
     assert drafter.draft_greedy.is_compiled
+
+
+@pytest.mark.slow
+def test_a_compiled_int8_drafter_multiplies_in_hspecs_kernel(tiny_dirs):
+    """Under a bf16 target on a CPU the drafter's linears and head are int8 (`prepare_for_inference`); the
+    compiled forward must call hspec's int8 kernel (torch.compile knows its output shape) rather than
+    torch's `_weight_int8pack_mm`, which takes 2-50x as long on an AVX2-only CPU; the output stays plain's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from conftest import load_tiny
+    from hspec.models.native import kernels_loaded
+
+    target = load_tiny(tiny_dirs["llama"], dtype="bfloat16")
+    if not kernels_loaded():
+        pytest.skip("hspec's CPU kernels do not run here")
+    torch.manual_seed(0)
+    drafter = build_drafter("hspec", target, random_weights=True, compiled=True)
+    plain = _greedy(target, create_drafter("none", target.config), K=1, tokens=24)
+    _greedy(target, drafter, tokens=8)  # compiles
+    with profile(activities=[ProfilerActivity.CPU]) as run:
+        assert _greedy(target, drafter, tokens=24) == plain
+    called = {event.key for event in run.key_averages()}
+    assert drafter.block_logits.is_compiled
+    assert "hspec::int8_linear" in called and "aten::_weight_int8pack_mm" not in called

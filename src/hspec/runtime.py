@@ -24,6 +24,7 @@ from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
 from hspec.models.dtype import drafter_int8
 from hspec.models.loading import Target
+from hspec.models.native import kernels_loaded
 from hspec.models.quantize import quantize_int8
 from hspec.models.weight_layout import store_linear_weights_in_fast_layout
 
@@ -94,9 +95,13 @@ def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.dev
     store_linear_weights_in_fast_layout(drafter)
     if drafter_int8(precision, target_dtype, device) and isinstance(drafter, NeuralDrafter):
         drafter.requires_grad_(False)
-        quantize_int8(drafter, compute_dtype=drafter.mask_embedding.dtype)
+        compute_dtype = drafter.mask_embedding.dtype
+        kernels = torch.device(device).type == "cpu" and kernels_loaded()  # the target loaded them
+        quantize_int8(drafter, compute_dtype, kernels)
+        if kernels:
+            drafter.head.store_int8(compute_dtype)
         if drafter.markov is not None:
-            drafter.markov.store_int8(drafter.mask_embedding.dtype)
+            drafter.markov.store_int8(compute_dtype, kernels)
     drafter = drafter.eval()
     if compiled and isinstance(drafter, NeuralDrafter):
         compile_drafter(drafter)

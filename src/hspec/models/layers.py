@@ -160,7 +160,7 @@ def _product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if scale is not None:  # int8
         if packed is not None and packed.dim() == 3:  # w4a8's int8 weights, int8 activations (models/cpu_kernels.cpp)
             out = torch.ops.hspec.w8a8_linear(flat, packed, scale)
-        elif packed is not None and not torch.compiler.is_compiling():  # hspec's kernel (models/cpu_kernels.cpp)
+        elif packed is not None:  # hspec's kernel (models/cpu_kernels.cpp; compiled graphs call it too)
             out = torch.ops.hspec.int8_linear(flat, packed, scale)
         else:
             out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)

@@ -56,7 +56,22 @@ def load_kernels() -> bool:
                        "be built", "torch's kernels run instead, slower", ["-fopenmp"], python_module=False)
         if not built:
             return False
+        _register_int8_linear_shape()
     return bool(torch.ops.hspec.available())
+
+
+def kernels_loaded() -> bool:
+    """Whether this process has loaded hspec's CPU kernels (`load_kernels`) and this CPU runs them; never
+    builds. A drafter under a target that runs them multiplies its int8 weights with them too."""
+    return hasattr(torch.ops.hspec, "available") and bool(torch.ops.hspec.available())
+
+
+def _register_int8_linear_shape() -> None:
+    """Tell torch.compile what `hspec::int8_linear` returns (x (M, K), weight (N, K) -> (M, N) in x's dtype),
+    so that a compiled drafter's int8 products call hspec's kernel rather than leaving the graph."""
+    @torch.library.register_fake("hspec::int8_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def _build(name: str, source: Path, cflags: list[str], failure: str, fallback: str,
