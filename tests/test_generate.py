@@ -134,6 +134,27 @@ def test_int8_drafter_weights_under_a_bf16_target_keep_greedy_output(targets_by_
         assert s.token_ids == e.token_ids and s.finish_reason == e.finish_reason
 
 
+def test_a_drafter_under_a_w4a8_target_multiplies_int8_rows_as_its_target(targets_by_dtype):
+    """Under a w4a8 target the drafter's int8 linears and head run in hspec's w8a8 kernel where it takes their
+    shape (`runtime.int8_kernel`: rows rounded to int8 blocks; hspec's int8 kernel elsewhere), the Markov head
+    too; the output stays plain w4a8 decoding's."""
+    from hspec.models.layers import Linear
+    from hspec.runtime import build_drafter
+
+    if "w4a8" not in targets_by_dtype:
+        pytest.skip("hspec's CPU kernels do not run here")
+    target = targets_by_dtype["w4a8"]
+    torch.manual_seed(0)
+    drafter = build_drafter("hspec", target, random_weights=True)
+    packed = [m.weight_packed for m in drafter.modules() if isinstance(m, Linear) and m.weight.dtype == torch.int8]
+    assert all(p is not None for p in packed) and any(p.dim() == 3 for p in packed)  # pack_w8a8's tiles where they fit
+    assert drafter.head._int8[2].dim() == 3 and drafter.markov._w2_packed.dim() == 3
+    prompts = [target.tokenizer.encode_prompt(p) for p in PROMPTS]
+    plain = _decoder(target, create_drafter("none", target.config), 1).generate(prompts, SamplingParams(), 32)
+    got = _decoder(target, drafter, 4).generate(prompts, SamplingParams(), 32)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in plain.sequences]
+
+
 def test_eos_inside_a_block_ends_the_sequence(tiny_target):
     """Make the token greedy decoding emits 5th an EOS: speculative output must stop exactly there."""
     prompts = [tiny_target.tokenizer.encode_prompt(p) for p in PROMPTS]

@@ -25,7 +25,7 @@ from hspec.drafters.spec import parse_drafter_spec
 from hspec.models.dtype import drafter_int8
 from hspec.models.loading import Target
 from hspec.models.native import kernels_loaded
-from hspec.models.quantize import quantize_int8
+from hspec.models.quantize import quantize_int8, quantize_w8a8
 from hspec.models.weight_layout import store_linear_weights_in_fast_layout
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -86,6 +86,17 @@ def for_inference(drafter: Drafter, target: Target, compiled: bool = False, prec
                                  compiled, precision)
 
 
+def int8_kernel(target_dtype: str, device: torch.device | str) -> str:
+    """Which kernel multiplies an int8 drafter's weights (`models.quantize.int8_weight`): on a CPU whose target
+    loaded hspec's kernels (`models.native.load_kernels`) its w8a8 one under a w4a8 target (the drafter's rows
+    rounded to int8 blocks, as the target's) and its int8 one otherwise; elsewhere torch's. On an AVX2-only
+    CPU, 7 drafted rows through a (1536, 576) linear took 249 us in torch's kernel, 99 in hspec's int8 one
+    and 70 in its w8a8 one (docs/fast-path.md#int8-drafter)."""
+    if torch.device(device).type != "cpu" or not kernels_loaded():
+        return "torch"
+    return "w8a8" if target_dtype == "w4a8" else "int8"
+
+
 def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.device | str, compiled: bool = False,
                           precision: str = "auto") -> Drafter:
     """Eval mode, linear weights in the layout multi-row CPU forwards prefer (see models/weight_layout),
@@ -96,12 +107,15 @@ def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.dev
     if drafter_int8(precision, target_dtype, device) and isinstance(drafter, NeuralDrafter):
         drafter.requires_grad_(False)
         compute_dtype = drafter.mask_embedding.dtype
-        kernels = torch.device(device).type == "cpu" and kernels_loaded()  # the target loaded them
-        quantize_int8(drafter, compute_dtype, kernels)
-        if kernels:
-            drafter.head.store_int8(compute_dtype)
+        kernel = int8_kernel(target_dtype, device)
+        if kernel == "w8a8":
+            quantize_w8a8(drafter, compute_dtype)
+        else:
+            quantize_int8(drafter, compute_dtype, kernels=kernel == "int8")
+        if kernel != "torch":
+            drafter.head.store_int8(compute_dtype, kernel)
         if drafter.markov is not None:
-            drafter.markov.store_int8(compute_dtype, kernels)
+            drafter.markov.store_int8(compute_dtype, kernel)
     drafter = drafter.eval()
     if compiled and isinstance(drafter, NeuralDrafter):
         compile_drafter(drafter)

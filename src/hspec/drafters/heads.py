@@ -12,7 +12,7 @@ from torch import nn
 
 from hspec.models.layers import linear
 from hspec.models.prepack import pack_weight
-from hspec.models.quantize import int8_kernel_fits, quantize_rows
+from hspec.models.quantize import int8_kernel_fits, int8_weight
 from hspec.models.weight_layout import in_fast_layout
 
 
@@ -27,8 +27,9 @@ class PrunedVocabHead(nn.Module):
     column-major, bf16 row-major, 1.4x faster than column-major for a 7-row bf16 block here). Drafting
     in bf16 on a CPU multiplies with a oneDNN-prepacked copy of those rows (`models.prepack`: the same
     bits, faster), made on the first such call. `store_int8` (inference under hspec's CPU kernels) makes
-    them int8 rows that hspec's int8 kernel multiplies: 7 rows x 8192 took 0.65 ms there against 3.4 ms for
-    the bf16 product on an AVX2-only CPU, whose bf16 is software (docs/fast-path.md#int8-drafter).
+    them int8 rows that one of hspec's kernels multiplies: 7 rows x 8192 took 0.58 ms in its int8 kernel and
+    0.34 in its w8a8 one against 3.4 ms for the bf16 product on an AVX2-only CPU, whose bf16 is software
+    (docs/fast-path.md#int8-drafter).
     """
 
     def __init__(self, vocab_size: int, draft_vocab_size: int) -> None:
@@ -39,8 +40,8 @@ class PrunedVocabHead(nn.Module):
         self._rows: torch.Tensor | None = None  # (Vp, H) cached restricted rows
         self._packed: torch.Tensor | None = None  # `_rows` prepacked for oneDNN, made on first bf16 use
         self._pack_tried = False  # packing is tried once per refresh; None after a try means F.linear
-        self._int8_dtype: torch.dtype | None = None  # compute dtype of the int8 rows, once store_int8 ran
-        self._int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (Vp, H) int8 rows, (Vp,) their scales
+        self._int8_kind: tuple[torch.dtype, str] | None = None  # compute dtype and kernel, once store_int8 ran
+        self._int8: tuple[torch.Tensor, ...] | None = None  # `int8_weight` of the rows: int8, scales, kernel's copy
         self.register_load_state_dict_post_hook(lambda module, _: module._refresh())
 
     def attach(self, lm_head_weight: torch.Tensor) -> None:
@@ -62,17 +63,18 @@ class PrunedVocabHead(nn.Module):
         self.draft_vocab_ids.copy_(ids)
         self._refresh()
 
-    def store_int8(self, compute_dtype: torch.dtype) -> None:
-        """Draft with the restricted rows rounded to int8 (one scale per row) and multiplied by hspec's int8
-        kernel; needs that kernel loaded (`models.native.load_kernels`). The floating rows are kept."""
-        self._int8_dtype = compute_dtype
+    def store_int8(self, compute_dtype: torch.dtype, kernel: str) -> None:
+        """Draft with the restricted rows rounded to int8 (one scale per row), multiplied by hspec's `kernel`
+        ("int8" or "w8a8", `models.quantize.int8_weight`; loaded: `models.native.load_kernels`). The
+        floating rows are kept."""
+        self._int8_kind = (compute_dtype, kernel)
         self._refresh()
 
     def _refresh(self) -> None:
         if self._weight is not None:
             self._rows = in_fast_layout(self._weight[self.draft_vocab_ids.to(self._weight.device)])
-            if self._int8_dtype is not None and int8_kernel_fits(self._rows):
-                self._int8 = quantize_rows(self._rows, self._int8_dtype)
+            if self._int8_kind is not None and int8_kernel_fits(self._rows):
+                self._int8 = int8_weight(self._rows, *self._int8_kind)
         self._packed, self._pack_tried = None, False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -82,8 +84,8 @@ class PrunedVocabHead(nn.Module):
         if hidden.requires_grad or hidden.dtype != self._rows.dtype:  # training (a backward) or autocast
             return F.linear(hidden, self._rows.to(hidden.dtype))  # (N, K, H) x (Vp, H)^T
         if self._int8 is not None and self._int8[1].dtype == hidden.dtype:
-            rows, scale = self._int8
-            return linear(hidden, rows, scale=scale, packed=rows)  # hspec's int8 kernel
+            rows, scale, packed = self._int8
+            return linear(hidden, rows, scale=scale, packed=packed)
         if not self._pack_tried and not torch.compiler.is_compiling():
             self._packed, self._pack_tried = pack_weight(self._rows), True
         return linear(hidden, self._rows, packed=self._packed)
@@ -113,9 +115,8 @@ class MarkovHead(nn.Module):
 
     `store_int8` adds an int8 copy of W2 (inference only, not saved) that drafting multiplies with
     instead: one slot's product reads a quarter of the bytes (bf16 (1, 256) x (256, 8192): 159 us,
-    int8: 41 us here), and greedy drafting runs it K times in sequence. With `kernels` hspec's int8 kernel
-    multiplies it (on an AVX2-only CPU 87 us a slot against torch's 135 with bf16 rows, 108 against 1,752
-    with fp32 ones).
+    int8: 41 us here), and greedy drafting runs it K times in sequence. hspec's kernels can multiply it
+    (on an AVX2-only CPU its int8 kernel took 87 us a slot against torch's 135 with bf16 rows).
     """
 
     def __init__(self, vocab_size: int, rank: int, draft_vocab_size: int) -> None:
@@ -125,17 +126,16 @@ class MarkovHead(nn.Module):
         nn.init.normal_(self.W1.weight, std=rank**-0.5)
         self._w2_int8: torch.Tensor | None = None  # (Vp, r) int8 rows of W2^T, set by store_int8
         self._w2_scale: torch.Tensor | None = None  # (Vp,) their scales in the compute dtype
-        self._w2_packed: torch.Tensor | None = None  # `_w2_int8` again where hspec's int8 kernel multiplies it
+        self._w2_packed: torch.Tensor | None = None  # the copy hspec's kernel reads, where one multiplies it
 
-    def store_int8(self, compute_dtype: torch.dtype, kernels: bool = False) -> None:
+    def store_int8(self, compute_dtype: torch.dtype, kernel: str = "torch") -> None:
         """Draft with W2 rounded to int8 (one scale per draft-vocabulary column); W2 itself is kept.
 
-        A rank the int8 kernel cannot take (`int8_kernel_fits`) keeps drafting with W2. `kernels`: hspec's
-        int8 kernel multiplies it (loaded: `models.native.load_kernels`), else torch's.
+        A rank the int8 kernel cannot take (`int8_kernel_fits`) keeps drafting with W2. `kernel`: which one
+        multiplies it (`models.quantize.int8_weight`: torch, or hspec's int8 or w8a8).
         """
         if int8_kernel_fits(self.W2.t()):
-            self._w2_int8, self._w2_scale = quantize_rows(self.W2.t(), compute_dtype)  # (Vp, r), (Vp,)
-            self._w2_packed = self._w2_int8 if kernels else None
+            self._w2_int8, self._w2_scale, self._w2_packed = int8_weight(self.W2.t(), compute_dtype, kernel)
 
     def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """prev_tokens (N, K) long target ids -> logit corrections (N, K, Vp)."""

@@ -56,7 +56,7 @@ def load_kernels() -> bool:
                        "be built", "torch's kernels run instead, slower", ["-fopenmp"], python_module=False)
         if not built:
             return False
-        _register_int8_linear_shape()
+        _register_product_shapes()
     return bool(torch.ops.hspec.available())
 
 
@@ -66,12 +66,17 @@ def kernels_loaded() -> bool:
     return hasattr(torch.ops.hspec, "available") and bool(torch.ops.hspec.available())
 
 
-def _register_int8_linear_shape() -> None:
-    """Tell torch.compile what `hspec::int8_linear` returns (x (M, K), weight (N, K) -> (M, N) in x's dtype),
-    so that a compiled drafter's int8 products call hspec's kernel rather than leaving the graph."""
+def _register_product_shapes() -> None:
+    """Tell torch.compile what the int8 products a drafter runs return, (M, N) in x's dtype, so that a compiled
+    drafter calls hspec's kernels rather than leaving the graph: `hspec::int8_linear` (x (M, K), weight
+    (N, K)) and `hspec::w8a8_linear` (weight (N / 8, K / 32, 256), models.quantize.pack_w8a8)."""
     @torch.library.register_fake("hspec::int8_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("hspec::w8a8_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0] * 8)
 
 
 def _build(name: str, source: Path, cflags: list[str], failure: str, fallback: str,

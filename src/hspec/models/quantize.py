@@ -224,10 +224,28 @@ def quantize_int4(layers: nn.Module, compute_dtype: torch.dtype = torch.bfloat16
 def quantize_w4a8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> None:
     """`--dtype w4a8`: the decoder layers' linears that the int4 kernel takes as int4 groups stored for the
     w4a8 kernel (`pack_w4a8`, each weight replaced by its levels' floating values for prefills, as int4),
-    then every other linear, the LM head among them, as int8 rows for the w8a8 kernel (`pack_w8a8`). Needs
-    hspec's CPU kernels loaded (`models.native.load_kernels`)."""
+    then every other linear, the LM head among them, as `quantize_w8a8` stores them. Needs hspec's CPU
+    kernels loaded (`models.native.load_kernels`)."""
     _quantize(model.layers, _w4a8, int4_kernel_fits, compute_dtype, True)
+    quantize_w8a8(model, compute_dtype)
+
+
+def quantize_w8a8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+    """Every floating linear weight under `model` (a w4a8 target's, a drafter's under it) as int8 rows for the
+    w8a8 kernel (`pack_w8a8`: each product's input rows rounded to int8 blocks, integer products), or for
+    hspec's int8 kernel where the w8a8 one does not take the shape; stacked matrices as in `quantize_int8`.
+    Needs hspec's CPU kernels loaded (`models.native.load_kernels`)."""
     _quantize(model, _w8a8, int8_kernel_fits, compute_dtype, True)
+
+
+def int8_weight(weight: torch.Tensor, compute_dtype: torch.dtype, kernel: str) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                       torch.Tensor | None]:
+    """One (N, K) floating weight as int8 rows, their scales and the copy a kernel reads (`models.layers.linear`
+    takes all three): `kernel` "torch" (aten._weight_int8pack_mm, no copy), "int8" (hspec's int8 kernel),
+    "w8a8" (hspec's w8a8 kernel where it takes the shape, else its int8 one)."""
+    if kernel not in ("torch", "int8", "w8a8"):
+        raise ValueError(f"unknown int8 kernel {kernel!r}; allowed: torch, int8, w8a8")
+    return (_w8a8 if kernel == "w8a8" else _int8)(weight, compute_dtype, kernel != "torch")
 
 
 def _quantize(model: nn.Module, quantizer: Quantizer, fits: Callable[[torch.Tensor], bool],
