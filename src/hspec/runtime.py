@@ -22,7 +22,7 @@ from hspec.drafters.compile import compile_drafter
 from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
-from hspec.models.dtype import drafter_int8
+from hspec.models.dtype import cpu_has_native_bf16, drafter_int8
 from hspec.models.loading import Target
 from hspec.models.native import kernels_loaded
 from hspec.models.quantize import quantize_int8, quantize_w8a8
@@ -112,7 +112,7 @@ def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.dev
             quantize_w8a8(drafter, compute_dtype)
         else:
             quantize_int8(drafter, compute_dtype, kernels=kernel == "int8")
-        if kernel != "torch":
+        if kernel == "w8a8" or (kernel == "int8" and not cpu_has_native_bf16()):  # else oneDNN's bf16 product
             drafter.head.store_int8(compute_dtype, kernel)
         if drafter.markov is not None:
             drafter.markov.store_int8(compute_dtype, kernel)
