@@ -2,7 +2,7 @@
 
 Builds `scripts/vector_throughput.cpp` with the system C++ compiler (AVX2 and FMA needed) and runs it:
 ns per 256-bit instruction for the instructions hspec's integer and float kernels lean on (8 independent
-chains on one core, so latency does not count), and GB/s of 1..T threads streaming a 256 MiB buffer.
+chains on one core, so latency does not count; the best of 3 timings), and GB/s of 1..T threads streaming a 256 MiB buffer.
 docs/fast-path.md (w4a8) reads a decode's weight streaming and a verify's instruction count against these.
 
     .venv/bin/python scripts/vector_throughput.py [--threads 2] [--rounds 50000000] [--out results/cpu_kernels_avx2]
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="stream with 1..THREADS threads (default 2)")
     parser.add_argument("--rounds", type=int, default=50_000_000,
-                        help="rounds of 8 instructions per kind (default 50,000,000: ~0.1 s each)")
+                        help="rounds of 8 instructions per timing (default 50,000,000: ~0.1 s each)")
     parser.add_argument("--out", default="results/cpu_kernels_avx2", help="folder for vector_throughput.{json,md}")
     args = parser.parse_args(argv)
     if args.threads < 1 or args.rounds < 1:
