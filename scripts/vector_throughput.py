@@ -2,7 +2,8 @@
 
 Builds `scripts/vector_throughput.cpp` with the system C++ compiler (AVX2 and FMA needed) and runs it:
 ns per 256-bit instruction for the instructions hspec's integer and float kernels lean on (8 independent
-chains on one core, so latency does not count; the best of 3 timings), and GB/s of 1..T threads streaming a 256 MiB buffer.
+chains on one core, so latency does not count; the best of 3 timings), and GB/s of 1..T threads
+streaming a 256 MiB buffer.
 docs/fast-path.md (w4a8) reads a decode's weight streaming and a verify's instruction count against these.
 
     .venv/bin/python scripts/vector_throughput.py [--threads 2] [--rounds 50000000] [--out results/cpu_kernels_avx2]
