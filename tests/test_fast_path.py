@@ -420,6 +420,65 @@ def test_w4a8s_kernels_multiply_the_stored_weights_by_the_rows_rounded_to_int8_b
     assert torch.equal(zero_row, torch.zeros(1, 80))
 
 
+_PRODUCTS_ON = """
+import sys, torch
+from hspec.models.native import integer_capability, load_kernels
+assert load_kernels()
+cases = torch.load(sys.argv[1])
+torch.save({"capability": integer_capability(),
+            "outputs": [torch.ops.hspec.w4a8_linear(x, w) if s is None else torch.ops.hspec.w8a8_linear(x, w, s)
+                        for x, w, s in cases]}, sys.argv[2])
+"""
+
+
+def _products_on(capability: str, cases: list, tmp_path) -> dict:
+    """The w4a8 and w8a8 products of `cases` ((x, tiles, scale or None) each) in a process whose
+    HSPEC_CPU_CAPABILITY is `capability` (read once per process): its tiles' name and the outputs."""
+    import os
+    import subprocess
+    import sys
+
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "HSPEC_CPU_CAPABILITY": capability}
+    done = subprocess.run([sys.executable, "-c", _PRODUCTS_ON, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(tmp_path / "out.pt")
+
+
+def test_the_vnni_tiles_give_the_avx2_tiles_bits(tmp_path):
+    """With AVX512-VNNI the w4a8 and w8a8 products take vpdpbusd tiles, 16 outputs at a time where they can
+    (models/cpu_kernels.cpp): every block's integer sum is exact either way and the floating-point steps
+    are the same, so every output must equal the AVX2 tiles' bit for bit: rows 1-13 (two row tiles),
+    N / 8 even and odd (a last tile of 8 beside the wide ones), bf16 and fp32 rows."""
+    from hspec.models.native import integer_capability
+
+    if not load_kernels() or integer_capability() != "avx512_vnni":
+        pytest.skip("this CPU has no AVX512-VNNI (or hspec's kernels do not run here)")
+    torch.manual_seed(5)
+    cases = []
+    for n, k in [(72, 96), (80, 576), (1536, 576)]:
+        original = torch.randn(n, k) * 0.05
+        for storage in ("w4a8 hspec", "w8a8 hspec"):
+            _, scale, tiles = _stored(original, storage)
+            for rows in (1, 3, 8, 13):
+                for dtype in (torch.float32, torch.bfloat16):
+                    cases.append((torch.randn(rows, k).to(dtype), tiles, None if storage == "w4a8 hspec" else scale))
+    avx2 = _products_on("avx2", cases, tmp_path)
+    assert avx2["capability"] == "avx2"
+    for (x, tiles, scale), expected in zip(cases, avx2["outputs"]):
+        got = torch.ops.hspec.w4a8_linear(x, tiles) if scale is None else torch.ops.hspec.w8a8_linear(x, tiles, scale)
+        assert torch.equal(got, expected), (tuple(x.shape), tuple(tiles.shape), x.dtype)
+
+
+def test_an_unknown_cpu_capability_is_named(tmp_path):
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    tiles = _stored(torch.randn(16, 64), "w4a8 hspec")[2]
+    with pytest.raises(AssertionError, match="HSPEC_CPU_CAPABILITY must be avx2 or avx512_vnni, got 'avx3'"):
+        _products_on("avx3", [(torch.randn(1, 64), tiles, None)], tmp_path)
+
+
 def test_hspecs_kernels_name_what_they_were_given():
     if not load_kernels():
         pytest.skip("hspec's CPU kernels do not run here")

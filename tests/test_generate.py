@@ -116,7 +116,7 @@ def test_int8_drafter_weights_under_a_bf16_target_keep_greedy_output(targets_by_
     (`hspec.runtime.prepare_for_inference`): its drafts change, the output must not, for every kind."""
     from hspec.models.dtype import cpu_has_native_bf16
     from hspec.models.layers import Linear
-    from hspec.models.native import kernels_loaded
+    from hspec.models.native import integer_capability, kernels_loaded
     from hspec.runtime import build_drafter
 
     tiny_target = targets_by_dtype["bfloat16"]
@@ -126,7 +126,9 @@ def test_int8_drafter_weights_under_a_bf16_target_keep_greedy_output(targets_by_
     assert int8_linears
     if kernels_loaded():  # the target runs hspec's CPU kernels: the drafter's int8 products run there
         assert all(m.weight_packed is not None for m in int8_linears)
-        assert (drafter.head._int8 is not None) == (not cpu_has_native_bf16())  # its head where bf16 is software
+        vnni = integer_capability() == "avx512_vnni"  # then the w8a8 kernel, head included (`runtime.int8_kernel`)
+        assert (drafter.head._int8 is not None) == (vnni or not cpu_has_native_bf16())  # else where bf16 is software
+        assert any(m.weight_packed.dim() == 3 for m in int8_linears) == vnni  # pack_w8a8's tiles
     prompts = [tiny_target.tokenizer.encode_prompt(p) for p in PROMPTS]
     plain = _decoder(tiny_target, create_drafter("none", tiny_target.config), 1)
     expected = plain.generate(prompts, SamplingParams(), 32)

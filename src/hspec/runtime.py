@@ -24,7 +24,7 @@ from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
 from hspec.models.dtype import cpu_has_native_bf16, drafter_int8
 from hspec.models.loading import Target
-from hspec.models.native import kernels_loaded
+from hspec.models.native import integer_capability, kernels_loaded
 from hspec.models.quantize import quantize_int8, quantize_w8a8
 from hspec.models.weight_layout import store_linear_weights_in_fast_layout
 
@@ -88,13 +88,14 @@ def for_inference(drafter: Drafter, target: Target, compiled: bool = False, prec
 
 def int8_kernel(target_dtype: str, device: torch.device | str) -> str:
     """Which kernel multiplies an int8 drafter's weights (`models.quantize.int8_weight`): on a CPU whose target
-    loaded hspec's kernels (`models.native.load_kernels`) its w8a8 one under a w4a8 target (the drafter's rows
-    rounded to int8 blocks, as the target's) and its int8 one otherwise; elsewhere torch's. On an AVX2-only
-    CPU, 7 drafted rows through a (1536, 576) linear took 249 us in torch's kernel, 99 in hspec's int8 one
-    and 70 in its w8a8 one (docs/fast-path.md#int8-drafter)."""
+    loaded hspec's kernels (`models.native.load_kernels`) its w8a8 one (the drafter's rows rounded to int8
+    blocks) under a w4a8 target or where the CPU has AVX512-VNNI, its int8 one otherwise; elsewhere torch's.
+    On an AVX2-only CPU, 7 drafted rows through a (1536, 576) linear took 249 us in torch's kernel, 99 in
+    hspec's int8 one and 70 in its w8a8 one; with AVX512-VNNI, 115 in the int8 one and 32 in the w8a8 one
+    (docs/fast-path.md#int8-drafter)."""
     if torch.device(device).type != "cpu" or not kernels_loaded():
         return "torch"
-    return "w8a8" if target_dtype == "w4a8" else "int8"
+    return "w8a8" if target_dtype == "w4a8" or integer_capability() == "avx512_vnni" else "int8"
 
 
 def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.device | str, compiled: bool = False,

@@ -25,13 +25,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define HSPEC_X86 1
 #define HSPEC_AVX2 __attribute__((target("avx2,fma")))
+// The integer products' vpdpbusd (AVX512-VNNI on 256-bit vectors: the same tiles, one instruction where AVX2
+// takes maddubs, an int16 add and madd).
+#define HSPEC_VNNI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
 #endif
 
 namespace hspec {
@@ -47,6 +52,25 @@ bool cpu_kernels_available() {
 
 #ifdef HSPEC_X86
 namespace {
+
+// Whether the integer products (w4a8, w8a8) take the VNNI tiles: by default where the CPU has AVX512-VNNI
+// (with VL and BW); HSPEC_CPU_CAPABILITY=avx2 keeps the AVX2 tiles, as torch's ATEN_CPU_CAPABILITY does for
+// its kernels. Both compute every block's integer sum exactly and then the same floating-point steps, so
+// their outputs are equal bit for bit (tests/test_fast_path.py runs both). Read once per process.
+bool vnni_products() {
+  static const bool vnni = [] {
+    const bool supported = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                           __builtin_cpu_supports("avx512bw");
+    const char* asked = std::getenv("HSPEC_CPU_CAPABILITY");
+    if (asked == nullptr || *asked == '\0') return supported;
+    const std::string name(asked);
+    TORCH_CHECK(name == "avx2" || name == "avx512_vnni",
+                "HSPEC_CPU_CAPABILITY must be avx2 or avx512_vnni, got '", name, "'");
+    TORCH_CHECK(name == "avx2" || supported, "HSPEC_CPU_CAPABILITY=avx512_vnni, but this CPU lacks AVX512-VNNI");
+    return name == "avx512_vnni";
+  }();
+  return vnni;
+}
 
 constexpr int64_t kBlock = 32;
 // Most rows one tile keeps in registers; a call of more rows runs tile after tile over the same weights.
@@ -183,6 +207,28 @@ HSPEC_AVX2 inline __m256i inputs_in_every_lane(const int8_t* p) {
   return _mm256_set1_epi32(four);
 }
 
+// A w4a8 tile's block of 32 inputs: its 8 vectors of levels (0..15), `w`, its 8 steps and 8 offsets.
+HSPEC_AVX2 inline void unpack_w4a8_block(const uint8_t* tile, __m256i* w, __m256* step, __m256* offset) {
+  const __m256i nibble = _mm256_set1_epi8(0xF);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c));
+    w[2 * c] = _mm256_and_si256(chunk, nibble);
+    w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
+  }
+  *step = bf16x8(tile + 128);
+  *offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), *step, bf16x8(tile + 144));
+}
+
+// A w4a8 tile's 8 outputs of MT rows, the products and the offset terms summed apart, into out (MT, ldo).
+template <int MT, typename Out>
+HSPEC_AVX2 inline void store_w4a8_rows(const __m256* acc, const __m256* offsets, int64_t n0, Out* out, int64_t ldo) {
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float sums[kW4a8Outputs];
+    _mm256_store_ps(sums, _mm256_add_ps(acc[m], offsets[m]));
+    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, sums[j]);
+  }
+}
+
 // One tile: MT int8 rows (`quantize_rows`) times the 8 w4a8 outputs from n0, lane j of each vector being
 // output n0 + j. Per block and row, maddubs multiplies vector q's levels (0..15) by the row's inputs
 // 4q .. 4q + 3 (-127..127) and adds them in pairs; the 8 vectors' pair sums add up in int16 (at most 8 x 2
@@ -196,18 +242,11 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
   __m256 acc[MT], offsets[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps(), offsets[m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i nibble = _mm256_set1_epi8(0xF);
   const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
   for (int64_t g = 0; g < blocks; ++g) {
-    const uint8_t* tile = tiles + g * kW4a8Tile;
     __m256i w[8];
-    for (int c = 0; c < 4; ++c) {
-      const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c));
-      w[2 * c] = _mm256_and_si256(chunk, nibble);
-      w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
-    }
-    const __m256 step = bf16x8(tile + 128);
-    const __m256 offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), step, bf16x8(tile + 144));
+    __m256 step, offset;
+    unpack_w4a8_block(tiles + g * kW4a8Tile, w, &step, &offset);
     for (int m = 0; m < MT; ++m) {
       const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
       __m256i pairs = _mm256_maddubs_epi16(w[0], inputs_in_every_lane(xm));
@@ -217,10 +256,42 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
       offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
     }
   }
+  store_w4a8_rows<MT>(acc, offsets, n0, out, ldo);
+}
+
+// `w4a8_tile` with vpdpbusd: per row and vector q, one instruction adds the 4 products of each output's
+// levels with the row's inputs 4q .. 4q + 3 to its int32 sum, the same exact sum as maddubs, add and madd.
+template <int MT, typename Out>
+HSPEC_VNNI void w4a8_tile_vnni(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out, int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[MT], offsets[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps(), offsets[m] = _mm256_setzero_ps();
+  const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
+  for (int64_t g = 0; g < blocks; ++g) {
+    __m256i w[8];
+    __m256 step, offset;
+    unpack_w4a8_block(tiles + g * kW4a8Tile, w, &step, &offset);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
+      __m256i sums = _mm256_setzero_si256();
+      for (int q = 0; q < 8; ++q) sums = _mm256_dpbusd_epi32(sums, w[q], inputs_in_every_lane(xm + 4 * q));
+      const __m256 scale = _mm256_mul_ps(step, _mm256_set1_ps(x.step[g * MT + m]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[m]);
+      offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
+    }
+  }
+  store_w4a8_rows<MT>(acc, offsets, n0, out, ldo);
+}
+
+// A w8a8 tile's 8 outputs of MT rows, each sum times its output's scale, into out (MT, ldo).
+template <int MT, typename Out, typename Scale>
+HSPEC_AVX2 inline void store_w8a8_rows(const __m256* acc, const Scale* scale, int64_t n0, Out* out, int64_t ldo) {
+  alignas(32) float scales[kW4a8Outputs];
+  for (int j = 0; j < kW4a8Outputs; ++j) scales[j] = read(scale + n0 + j);
   for (int m = 0; m < MT; ++m) {
-    alignas(32) float sums[kW4a8Outputs];
-    _mm256_store_ps(sums, _mm256_add_ps(acc[m], offsets[m]));
-    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, sums[j]);
+    alignas(32) float result[kW4a8Outputs];
+    _mm256_store_ps(result, _mm256_mul_ps(acc[m], _mm256_load_ps(scales)));
+    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, result[j]);
   }
 }
 
@@ -256,13 +327,143 @@ HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, const int8_t* weight, co
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
     }
   }
-  alignas(32) float scales[kW4a8Outputs];
-  for (int j = 0; j < kW4a8Outputs; ++j) scales[j] = read(scale + n0 + j);
-  for (int m = 0; m < MT; ++m) {
-    alignas(32) float result[kW4a8Outputs];
-    _mm256_store_ps(result, _mm256_mul_ps(acc[m], _mm256_load_ps(scales)));
-    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, result[j]);
+  store_w8a8_rows<MT>(acc, scale, n0, out, ldo);
+}
+
+// `w8a8_tile` with vpdpbusd: per row and vector q, |w| times the row's inputs with w's signs, each output's
+// 4 products added to its int32 sum in one instruction: the same exact sum.
+template <int MT, typename Out, typename Scale>
+HSPEC_VNNI void w8a8_tile_vnni(const Int8Rows& x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0,
+                               Out* out, int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  const int8_t* tiles = weight + n0 * k;
+  for (int64_t g = 0; g < blocks; ++g) {
+    const __m256i* tile = reinterpret_cast<const __m256i*>(tiles + g * kBlock * kW4a8Outputs);
+    __m256i w[8], magnitude[8];
+    for (int q = 0; q < 8; ++q) {
+      w[q] = _mm256_loadu_si256(tile + q);
+      magnitude[q] = _mm256_abs_epi8(w[q]);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
+      __m256i sums = _mm256_setzero_si256();
+      for (int q = 0; q < 8; ++q) {
+        sums = _mm256_dpbusd_epi32(sums, magnitude[q], _mm256_sign_epi8(inputs_in_every_lane(xm + 4 * q), w[q]));
+      }
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
+    }
   }
+  store_w8a8_rows<MT>(acc, scale, n0, out, ldo);
+}
+
+// The wide VNNI tiles: two adjacent tiles of 8 outputs side by side in 512-bit vectors (lanes 0-7 the
+// outputs from n0, 8-15 those from n0 + 8), each lane computing exactly what `w4a8_tile` and `w8a8_tile` do
+// for its output (the same integer sums, then the same floating-point steps), in half the instructions.
+
+// 16 bf16 from two runs of 8 -> 16 fp32.
+HSPEC_VNNI inline __m512 bf16x16(const uint8_t* low, const uint8_t* high) {
+  const __m256i bits = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(high)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+HSPEC_VNNI inline __m512i join(const void* low, const void* high) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)), 1);
+}
+
+// The 16 lanes of each of MT rows into outputs n0 .. n0 + 15 of out (MT, ldo).
+template <int MT, typename Out>
+HSPEC_VNNI inline void store_wide_rows(const __m512* sums, int64_t n0, Out* out, int64_t ldo) {
+  for (int m = 0; m < MT; ++m) {
+    alignas(64) float lanes[2 * kW4a8Outputs];
+    _mm512_store_ps(lanes, sums[m]);
+    for (int j = 0; j < 2 * kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, lanes[j]);
+  }
+}
+
+// `w4a8_tile_vnni` over the 16 outputs from n0 (n0 a multiple of 16).
+template <int MT, typename Out>
+HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out, int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  __m512 acc[MT], offsets[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps(), offsets[m] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0xF);
+  const uint8_t* first = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
+  const uint8_t* second = first + blocks * kW4a8Tile;
+  for (int64_t g = 0; g < blocks; ++g) {
+    const uint8_t* a = first + g * kW4a8Tile;
+    const uint8_t* b = second + g * kW4a8Tile;
+    __m512i w[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i chunk = join(a + 32 * c, b + 32 * c);
+      w[2 * c] = _mm512_and_si512(chunk, nibble);
+      w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), nibble);
+    }
+    const __m512 step = bf16x16(a + 128, b + 128);
+    const __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), step, bf16x16(a + 144, b + 144));
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
+      __m512i sums = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) {
+        int32_t four;
+        std::memcpy(&four, xm + 4 * q, sizeof(four));
+        sums = _mm512_dpbusd_epi32(sums, w[q], _mm512_set1_epi32(four));
+      }
+      const __m512 scale = _mm512_mul_ps(step, _mm512_set1_ps(x.step[g * MT + m]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[m]);
+      offsets[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_add_ps(acc[m], offsets[m]);
+  store_wide_rows<MT>(acc, n0, out, ldo);
+}
+
+// `w8a8_tile_vnni` over the 16 outputs from n0 (n0 a multiple of 16). AVX-512 has no byte sign instruction,
+// so each row's inputs enter vpdpbusd shifted to unsigned, x + 128, against the signed weights, and each
+// output's 128 * sum(w) over the block, computed once per block for all rows, comes off: the same exact sum.
+template <int MT, typename Out, typename Scale>
+HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0,
+                               Out* out, int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* first = weight + n0 * k;
+  const int8_t* second = first + kW4a8Outputs * k;
+  for (int64_t g = 0; g < blocks; ++g) {
+    const int8_t* a = first + g * kBlock * kW4a8Outputs;
+    const int8_t* b = second + g * kBlock * kW4a8Outputs;
+    __m512i w[8];
+    __m512i correction = _mm512_setzero_si512();
+    for (int q = 0; q < 8; ++q) {
+      w[q] = join(a + 32 * q, b + 32 * q);
+      correction = _mm512_dpbusd_epi32(correction, shift, w[q]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
+      __m512i sums = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) {
+        int32_t four;
+        std::memcpy(&four, xm + 4 * q, sizeof(four));
+        sums = _mm512_dpbusd_epi32(sums, _mm512_xor_si512(_mm512_set1_epi32(four), shift), w[q]);
+      }
+      sums = _mm512_sub_epi32(sums, correction);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(x.step[g * MT + m]), acc[m]);
+    }
+  }
+  alignas(64) float scales[2 * kW4a8Outputs];
+  for (int j = 0; j < 2 * kW4a8Outputs; ++j) scales[j] = read(scale + n0 + j);
+  const __m512 weight_scale = _mm512_load_ps(scales);
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_mul_ps(acc[m], weight_scale);
+  store_wide_rows<MT>(acc, n0, out, ldo);
 }
 
 // One tile: MT rows times NT consecutive int8 output rows from n0, each scaled once summed.
@@ -336,16 +537,19 @@ void tiled_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, const
   });
 }
 
-// Every output of x's m rows times w4a8 weights: tiles of up to 8 rows, each quantized once (`quantize_rows`)
-// and multiplied into every 8 outputs by tile(rows, quantized, n0, out), rows the tile's size as an integral
-// constant, out the tile's first output row.
+// Every output of x's m rows times w4a8 or w8a8 weights: tiles of up to 8 rows, each quantized once
+// (`quantize_rows`) and multiplied into `width` outputs at a time (8, or 16 for the wide VNNI tiles; the last
+// 8 alone where N / 8 is odd) by tile(rows, quantized, n0, outputs, out), rows the tile's size as an
+// integral constant, out the tile's first output row.
 template <typename In, typename Out, typename Tile>
-void quantized_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, const Tile& tile) {
+void quantized_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, int64_t width, const Tile& tile) {
   for_each_row_tile(m, [&](auto rows, int64_t row0) {
     const Int8Rows quantized = quantize_rows(x, k, row0, decltype(rows)::value);
-    at::parallel_for(0, n / kW4a8Outputs, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) tile(rows, quantized, t * kW4a8Outputs, out + row0 * n);
+    const int64_t units = n / width;
+    at::parallel_for(0, units, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) tile(rows, quantized, t * width, width, out + row0 * n);
     });
+    if (units * width < n) tile(rows, quantized, units * width, kW4a8Outputs, out + row0 * n);
   });
 }
 
@@ -564,6 +768,17 @@ void check_rows(const at::Tensor& x, const char* op) {
 }  // namespace
 #endif
 
+// Which tiles the integer products take on this CPU: "avx512_vnni" or "avx2" (`vnni_products`), "none" where
+// the kernels do not run. Benchmarks record it next to their numbers.
+std::string integer_capability() {
+#ifdef HSPEC_X86
+  if (!cpu_kernels_available()) return "none";
+  return vnni_products() ? "avx512_vnni" : "avx2";
+#else
+  return "none";
+#endif
+}
+
 // weight * rms_norm(x) for bf16 rows x (..., H) and a bf16 weight (H,), as layers.RMSNorm computes it.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 #ifdef HSPEC_X86
@@ -660,8 +875,17 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0) * kW4a8Outputs;
   const uint8_t* w = weight.data_ptr<uint8_t>();
   return product_of_rows(x, n, [&](const auto* in, auto* out) {
-    quantized_product(in, m, k, n, out, [&](auto rows, const Int8Rows& q, int64_t n0, auto* o) {
-      w4a8_tile<decltype(rows)::value>(q, k, w, n0, o, n);
+    const bool vnni = vnni_products();
+    quantized_product(in, m, k, n, out, vnni ? 2 * kW4a8Outputs : kW4a8Outputs,
+                      [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
+      constexpr int MT = decltype(rows)::value;
+      if (!vnni) {
+        w4a8_tile<MT>(q, k, w, n0, o, n);
+      } else if (outputs == 2 * kW4a8Outputs) {
+        w4a8_tile_wide<MT>(q, k, w, n0, o, n);
+      } else {
+        w4a8_tile_vnni<MT>(q, k, w, n0, o, n);
+      }
     });
   });
 #else
@@ -687,8 +911,17 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const int8_t* w = weight.data_ptr<int8_t>();
   const auto rows_with = [&](const auto* scales) {
     return product_of_rows(x, n, [&](const auto* in, auto* out) {
-      quantized_product(in, m, k, n, out, [&](auto rows, const Int8Rows& q, int64_t n0, auto* o) {
-        w8a8_tile<decltype(rows)::value>(q, k, w, scales, n0, o, n);
+      const bool vnni = vnni_products();
+      quantized_product(in, m, k, n, out, vnni ? 2 * kW4a8Outputs : kW4a8Outputs,
+                        [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
+        constexpr int MT = decltype(rows)::value;
+        if (!vnni) {
+          w8a8_tile<MT>(q, k, w, scales, n0, o, n);
+        } else if (outputs == 2 * kW4a8Outputs) {
+          w8a8_tile_wide<MT>(q, k, w, scales, n0, o, n);
+        } else {
+          w8a8_tile_vnni<MT>(q, k, w, scales, n0, o, n);
+        }
       });
     });
   };
@@ -845,6 +1078,7 @@ at::Tensor rope_and_write(const at::Tensor& projected, const at::Tensor& cos, co
 
 TORCH_LIBRARY(hspec, library) {
   library.def("available() -> bool", &hspec::cpu_kernels_available);
+  library.def("integer_capability() -> str", &hspec::integer_capability);
   library.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   library.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   library.def("int4_linear(Tensor x, Tensor levels, Tensor step_offset) -> Tensor");

@@ -66,6 +66,13 @@ def kernels_loaded() -> bool:
     return hasattr(torch.ops.hspec, "available") and bool(torch.ops.hspec.available())
 
 
+def integer_capability() -> str:
+    """Which tiles hspec's integer products (w4a8, w8a8) take in this process: "avx512_vnni" (vpdpbusd, where
+    the CPU has AVX512-VNNI), "avx2", or "none" where the kernels are not loaded. Both tiles give the same
+    bits; HSPEC_CPU_CAPABILITY=avx2 keeps the AVX2 ones (models/cpu_kernels.cpp, `vnni_products`)."""
+    return str(torch.ops.hspec.integer_capability()) if kernels_loaded() else "none"
+
+
 def _register_product_shapes() -> None:
     """Tell torch.compile what the int8 products a drafter runs return, (M, N) in x's dtype, so that a compiled
     drafter calls hspec's kernels rather than leaving the graph: `hspec::int8_linear` (x (M, K), weight
