@@ -33,6 +33,8 @@ def provenance(command: str, settings: dict[str, Any]) -> dict[str, Any]:
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "cpu_features": _cpu_features(),
+            "hspec_cpu_capability": os.environ.get("HSPEC_CPU_CAPABILITY") or "auto",
         },
         "settings": settings,
     }
@@ -49,8 +51,27 @@ def provenance_markdown(meta: dict[str, Any]) -> str:
             "not reproduce it)\n" if dirty else "- tree_dirty: false\n" if dirty is not None else "")
     resumed = (f"- commits: {', '.join(meta['commits'])} (a resumed run: its items were made at these commits)\n"
                if meta.get("commits") else "")
+    kernels = ""  # files written before these fields existed lack them
+    if m.get("cpu_features") is not None:
+        kernels = f", CPU features {' '.join(m['cpu_features']) or 'none of ' + ' '.join(_FEATURES)}"
+    if m.get("hspec_cpu_capability", "auto") != "auto":
+        kernels += f", HSPEC_CPU_CAPABILITY={m['hspec_cpu_capability']}"
     return (f"- command: `{meta['command']}`\n- date: {meta['date']}\n- commit: {meta['commit']}\n{resumed}{tree}"
-            f"- machine: {device}, {m['platform']}, torch {m['torch']}\n- settings: {settings}\n")
+            f"- machine: {device}, {m['platform']}, torch {m['torch']}{kernels}\n- settings: {settings}\n")
+
+
+# The CPU features that decide which kernels run (models/dtype.py, models/cpu_kernels.cpp).
+_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def _cpu_features() -> list[str] | None:
+    """Which of `_FEATURES` this CPU has (Linux's /proc/cpuinfo flags); None where that cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else [f for f in _FEATURES if f in flags]
 
 
 def write_results(out_dir: Path, stem: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
