@@ -938,7 +938,9 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 // visible keys in fp32 (`exponentiate`: the max, then exp and their sum in the visible keys' order), and
 // the weighted sum of their values (`weighted_values`). Up to 3 query heads of one token that share a KV
 // head run together (`attend_rows`), each key and value loaded once for them, which changes no row's sums.
-// A key a row may not see contributes nothing anywhere, so a verify row, whose call holds more keys,
+// A thread takes the passes of one KV head token after token, so that head's keys and values stay in its
+// core's cache across a verify's tokens (at 2,048 keys one head's are 1 MB; ordered by token, the passes
+// read every head's keys from memory again for each token). A key a row may not see contributes nothing anywhere, so a verify row, whose call holds more keys,
 // computes exactly what its 1-token decode did.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
                      int64_t s) {
@@ -976,9 +978,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     at::parallel_for(0, b * t * hkv * chunks, std::max<int64_t>(1, 16384 / (s * d)), [&](int64_t begin, int64_t end) {
       std::vector<float> scores(static_cast<size_t>(kMaxSharedRows * s)), seen(static_cast<size_t>(s));
       std::vector<float> query(static_cast<size_t>(kMaxSharedRows * d)), result(static_cast<size_t>(kMaxSharedRows * d));
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t bi = item / (t * hkv * chunks), ti = (item / (hkv * chunks)) % t;
-        const int64_t kv = (item / chunks) % hkv, h = kv * g + (item % chunks) * kMaxSharedRows;
+      for (int64_t item = begin; item < end; ++item) {  // (sequence, KV head, token, chunk of query heads)
+        const int64_t bi = item / (hkv * t * chunks), kv = (item / (t * chunks)) % hkv;
+        const int64_t ti = (item / chunks) % t, h = kv * g + (item % chunks) * kMaxSharedRows;
         const int64_t r = (bi * t + ti) * hq + h;  // the first query row
         const int64_t n = std::min<int64_t>(kMaxSharedRows, kv * g + g - h);  // rows in this pass
         const Head head{kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3),
