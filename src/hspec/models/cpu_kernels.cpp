@@ -34,8 +34,8 @@
 #include <immintrin.h>
 #define HSPEC_X86 1
 #define HSPEC_AVX2 __attribute__((target("avx2,fma")))
-// The integer products' vpdpbusd (AVX512-VNNI on 256-bit vectors: the same tiles, one instruction where AVX2
-// takes maddubs, an int16 add and madd).
+// The integer products' vpdpbusd (AVX512-VNNI: one instruction where AVX2 takes maddubs, an int16 add and
+// madd), on 512-bit vectors of 16 outputs.
 #define HSPEC_VNNI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
 #endif
 
@@ -259,30 +259,6 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
   store_w4a8_rows<MT>(acc, offsets, n0, out, ldo);
 }
 
-// `w4a8_tile` with vpdpbusd: per row and vector q, one instruction adds the 4 products of each output's
-// levels with the row's inputs 4q .. 4q + 3 to its int32 sum, the same exact sum as maddubs, add and madd.
-template <int MT, typename Out>
-HSPEC_VNNI void w4a8_tile_vnni(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out, int64_t ldo) {
-  const int64_t blocks = k / kBlock;
-  __m256 acc[MT], offsets[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps(), offsets[m] = _mm256_setzero_ps();
-  const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
-  for (int64_t g = 0; g < blocks; ++g) {
-    __m256i w[8];
-    __m256 step, offset;
-    unpack_w4a8_block(tiles + g * kW4a8Tile, w, &step, &offset);
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
-      __m256i sums = _mm256_setzero_si256();
-      for (int q = 0; q < 8; ++q) sums = _mm256_dpbusd_epi32(sums, w[q], inputs_in_every_lane(xm + 4 * q));
-      const __m256 scale = _mm256_mul_ps(step, _mm256_set1_ps(x.step[g * MT + m]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[m]);
-      offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
-    }
-  }
-  store_w4a8_rows<MT>(acc, offsets, n0, out, ldo);
-}
-
 // A w8a8 tile's 8 outputs of MT rows, each sum times its output's scale, into out (MT, ldo).
 template <int MT, typename Out, typename Scale>
 HSPEC_AVX2 inline void store_w8a8_rows(const __m256* acc, const Scale* scale, int64_t n0, Out* out, int64_t ldo) {
@@ -330,37 +306,11 @@ HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, const int8_t* weight, co
   store_w8a8_rows<MT>(acc, scale, n0, out, ldo);
 }
 
-// `w8a8_tile` with vpdpbusd: per row and vector q, |w| times the row's inputs with w's signs, each output's
-// 4 products added to its int32 sum in one instruction: the same exact sum.
-template <int MT, typename Out, typename Scale>
-HSPEC_VNNI void w8a8_tile_vnni(const Int8Rows& x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0,
-                               Out* out, int64_t ldo) {
-  const int64_t blocks = k / kBlock;
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  const int8_t* tiles = weight + n0 * k;
-  for (int64_t g = 0; g < blocks; ++g) {
-    const __m256i* tile = reinterpret_cast<const __m256i*>(tiles + g * kBlock * kW4a8Outputs);
-    __m256i w[8], magnitude[8];
-    for (int q = 0; q < 8; ++q) {
-      w[q] = _mm256_loadu_si256(tile + q);
-      magnitude[q] = _mm256_abs_epi8(w[q]);
-    }
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
-      __m256i sums = _mm256_setzero_si256();
-      for (int q = 0; q < 8; ++q) {
-        sums = _mm256_dpbusd_epi32(sums, magnitude[q], _mm256_sign_epi8(inputs_in_every_lane(xm + 4 * q), w[q]));
-      }
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
-    }
-  }
-  store_w8a8_rows<MT>(acc, scale, n0, out, ldo);
-}
-
 // The wide VNNI tiles: two adjacent tiles of 8 outputs side by side in 512-bit vectors (lanes 0-7 the
 // outputs from n0, 8-15 those from n0 + 8), each lane computing exactly what `w4a8_tile` and `w8a8_tile` do
-// for its output (the same integer sums, then the same floating-point steps), in half the instructions.
+// for its output (the same integer sums, then the same floating-point steps). Per row and vector q of a
+// block, one vpdpbusd adds the 4 products of each output's weights with the row's inputs 4q .. 4q + 3 to
+// its int32 sum.
 
 // 16 bf16 from two runs of 8 -> 16 fp32.
 HSPEC_VNNI inline __m512 bf16x16(const uint8_t* low, const uint8_t* high) {
@@ -385,7 +335,7 @@ HSPEC_VNNI inline void store_wide_rows(const __m512* sums, int64_t n0, Out* out,
   }
 }
 
-// `w4a8_tile_vnni` over the 16 outputs from n0 (n0 a multiple of 16).
+// `w4a8_tile` over the 16 outputs from n0 (n0 a multiple of 16).
 template <int MT, typename Out>
 HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out, int64_t ldo) {
   const int64_t blocks = k / kBlock;
@@ -424,7 +374,7 @@ HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, const uint8_t* weig
   store_wide_rows<MT>(acc, n0, out, ldo);
 }
 
-// `w8a8_tile_vnni` over the 16 outputs from n0 (n0 a multiple of 16). AVX-512 has no byte sign instruction,
+// `w8a8_tile` over the 16 outputs from n0 (n0 a multiple of 16). AVX-512 has no byte sign instruction,
 // so each row's inputs enter vpdpbusd shifted to unsigned, x + 128, against the signed weights, and each
 // output's 128 * sum(w) over the block, computed once per block for all rows, comes off: the same exact sum.
 template <int MT, typename Out, typename Scale>
@@ -539,8 +489,8 @@ void tiled_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, const
 
 // Every output of x's m rows times w4a8 or w8a8 weights: tiles of up to 8 rows, each quantized once
 // (`quantize_rows`) and multiplied into `width` outputs at a time (8, or 16 for the wide VNNI tiles; the last
-// 8 alone where N / 8 is odd) by tile(rows, quantized, n0, outputs, out), rows the tile's size as an
-// integral constant, out the tile's first output row.
+// 8 alone where N / 8 is odd, by the AVX2 tile, which gives the same bits) by tile(rows, quantized, n0,
+// outputs, out), rows the tile's size as an integral constant, out the tile's first output row.
 template <typename In, typename Out, typename Tile>
 void quantized_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, int64_t width, const Tile& tile) {
   for_each_row_tile(m, [&](auto rows, int64_t row0) {
@@ -885,12 +835,10 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
     quantized_product(in, m, k, n, out, vnni ? 2 * kW4a8Outputs : kW4a8Outputs,
                       [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
       constexpr int MT = decltype(rows)::value;
-      if (!vnni) {
-        w4a8_tile<MT>(q, k, w, n0, o, n);
-      } else if (outputs == 2 * kW4a8Outputs) {
+      if (outputs == 2 * kW4a8Outputs) {
         w4a8_tile_wide<MT>(q, k, w, n0, o, n);
       } else {
-        w4a8_tile_vnni<MT>(q, k, w, n0, o, n);
+        w4a8_tile<MT>(q, k, w, n0, o, n);
       }
     });
   });
@@ -921,12 +869,10 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       quantized_product(in, m, k, n, out, vnni ? 2 * kW4a8Outputs : kW4a8Outputs,
                         [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
         constexpr int MT = decltype(rows)::value;
-        if (!vnni) {
-          w8a8_tile<MT>(q, k, w, scales, n0, o, n);
-        } else if (outputs == 2 * kW4a8Outputs) {
+        if (outputs == 2 * kW4a8Outputs) {
           w8a8_tile_wide<MT>(q, k, w, scales, n0, o, n);
         } else {
-          w8a8_tile_vnni<MT>(q, k, w, scales, n0, o, n);
+          w8a8_tile<MT>(q, k, w, scales, n0, o, n);
         }
       });
     });
