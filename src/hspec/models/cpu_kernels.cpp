@@ -325,6 +325,13 @@ HSPEC_VNNI inline __m512i join(const void* low, const void* high) {
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)), 1);
 }
 
+// 4 bytes of a row's int8 block, inputs 4q .. 4q + 3, in every 32-bit lane of a 512-bit vector.
+HSPEC_VNNI inline __m512i inputs_in_every_wide_lane(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof(four));
+  return _mm512_set1_epi32(four);
+}
+
 // The 16 lanes of each of MT rows into outputs n0 .. n0 + 15 of out (MT, ldo).
 template <int MT, typename Out>
 HSPEC_VNNI inline void store_wide_rows(const __m512* sums, int64_t n0, Out* out, int64_t ldo) {
@@ -361,9 +368,7 @@ HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, const uint8_t* weig
       __m512i sums = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int q = 0; q < 8; ++q) {
-        int32_t four;
-        std::memcpy(&four, xm + 4 * q, sizeof(four));
-        sums = _mm512_dpbusd_epi32(sums, w[q], _mm512_set1_epi32(four));
+        sums = _mm512_dpbusd_epi32(sums, w[q], inputs_in_every_wide_lane(xm + 4 * q));
       }
       const __m512 scale = _mm512_mul_ps(step, _mm512_set1_ps(x.step[g * MT + m]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[m]);
@@ -401,9 +406,7 @@ HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, const int8_t* weigh
       __m512i sums = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int q = 0; q < 8; ++q) {
-        int32_t four;
-        std::memcpy(&four, xm + 4 * q, sizeof(four));
-        sums = _mm512_dpbusd_epi32(sums, _mm512_xor_si512(_mm512_set1_epi32(four), shift), w[q]);
+        sums = _mm512_dpbusd_epi32(sums, _mm512_xor_si512(inputs_in_every_wide_lane(xm + 4 * q), shift), w[q]);
       }
       sums = _mm512_sub_epi32(sums, correction);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(x.step[g * MT + m]), acc[m]);
