@@ -99,12 +99,13 @@ def test_a_compiled_drafter_compiles_once_whatever_the_context_length():
 @pytest.mark.slow
 def test_a_compiled_int8_drafter_multiplies_in_hspecs_kernel(tiny_dirs):
     """Under a bf16 target on a CPU the drafter's linears and head are int8 (`prepare_for_inference`); the
-    compiled forward must call hspec's int8 kernel (torch.compile knows its output shape) rather than
-    torch's `_weight_int8pack_mm`, which takes 2-50x as long on an AVX2-only CPU; the output stays plain's."""
+    compiled forward must call hspec's int8 kernel, or its w8a8 one where the CPU has AVX512-VNNI
+    (`runtime.int8_kernel`; torch.compile knows their output shapes), rather than torch's
+    `_weight_int8pack_mm`, which takes 2-50x as long on an AVX2-only CPU; the output stays plain's."""
     from torch.profiler import ProfilerActivity, profile
 
     from conftest import load_tiny
-    from hspec.models.native import kernels_loaded
+    from hspec.models.native import integer_capability, kernels_loaded
 
     target = load_tiny(tiny_dirs["llama"], dtype="bfloat16")
     if not kernels_loaded():
@@ -117,4 +118,5 @@ def test_a_compiled_int8_drafter_multiplies_in_hspecs_kernel(tiny_dirs):
         assert _greedy(target, drafter, tokens=24) == plain
     called = {event.key for event in run.key_averages()}
     assert drafter.block_logits.is_compiled
-    assert "hspec::int8_linear" in called and "aten::_weight_int8pack_mm" not in called
+    kernel = "hspec::w8a8_linear" if integer_capability() == "avx512_vnni" else "hspec::int8_linear"
+    assert kernel in called and "aten::_weight_int8pack_mm" not in called
