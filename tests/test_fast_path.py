@@ -420,27 +420,26 @@ def test_w4a8s_kernels_multiply_the_stored_weights_by_the_rows_rounded_to_int8_b
     assert torch.equal(zero_row, torch.zeros(1, 80))
 
 
-_PRODUCTS_ON = """
+_OPS_ON = """
 import sys, torch
 from hspec.models.native import integer_capability, load_kernels
 assert load_kernels()
 cases = torch.load(sys.argv[1])
 torch.save({"capability": integer_capability(),
-            "outputs": [torch.ops.hspec.w4a8_linear(x, w) if s is None else torch.ops.hspec.w8a8_linear(x, w, s)
-                        for x, w, s in cases]}, sys.argv[2])
+            "outputs": [getattr(torch.ops.hspec, op)(*args) for op, args in cases]}, sys.argv[2])
 """
 
 
-def _products_on(capability: str, cases: list, tmp_path) -> dict:
-    """The w4a8 and w8a8 products of `cases` ((x, tiles, scale or None) each) in a process whose
-    HSPEC_CPU_CAPABILITY is `capability` (read once per process): its tiles' name and the outputs."""
+def _ops_on(capability: str, cases: list, tmp_path) -> dict:
+    """hspec's operators on `cases` ((name, args) each) in a process whose HSPEC_CPU_CAPABILITY is
+    `capability` (read once per process): what its kernels use there and the outputs."""
     import os
     import subprocess
     import sys
 
     torch.save(cases, tmp_path / "cases.pt")
     env = {**os.environ, "HSPEC_CPU_CAPABILITY": capability}
-    done = subprocess.run([sys.executable, "-c", _PRODUCTS_ON, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+    done = subprocess.run([sys.executable, "-c", _OPS_ON, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return torch.load(tmp_path / "out.pt")
@@ -463,12 +462,35 @@ def test_the_vnni_tiles_give_the_avx2_tiles_bits(tmp_path):
             _, scale, tiles = _stored(original, storage)
             for rows in (1, 3, 8, 13):
                 for dtype in (torch.float32, torch.bfloat16):
-                    cases.append((torch.randn(rows, k).to(dtype), tiles, None if storage == "w4a8 hspec" else scale))
-    avx2 = _products_on("avx2", cases, tmp_path)
+                    x = torch.randn(rows, k).to(dtype)
+                    cases.append(("w4a8_linear", (x, tiles)) if storage == "w4a8 hspec" else
+                                 ("w8a8_linear", (x, tiles, scale)))
+    avx2 = _ops_on("avx2", cases, tmp_path)
     assert avx2["capability"] == "avx2"
-    for (x, tiles, scale), expected in zip(cases, avx2["outputs"]):
-        got = torch.ops.hspec.w4a8_linear(x, tiles) if scale is None else torch.ops.hspec.w8a8_linear(x, tiles, scale)
-        assert torch.equal(got, expected), (tuple(x.shape), tuple(tiles.shape), x.dtype)
+    for (op, args), expected in zip(cases, avx2["outputs"]):
+        assert torch.equal(getattr(torch.ops.hspec, op)(*args), expected), (op, tuple(args[0].shape), args[0].dtype)
+
+
+def test_the_wide_attention_gives_the_avx2_attentions_bits(tmp_path):
+    """Where the integer products take the VNNI tiles, the attention sums a 64-wide head's values in 512-bit
+    vectors (one pass over them instead of two): the same FMA chain per output element, so every output must
+    equal the AVX2 kernel's bit for bit: decodes and verifies with and without a mask, bf16 and fp32 queries,
+    head dims 64 and 80 (80 takes 64 and then 16 outputs)."""
+    from hspec.models.native import integer_capability
+
+    if not load_kernels() or integer_capability() not in ("avx512_vnni", "amx_int8"):
+        pytest.skip("this CPU has no AVX512-VNNI (or hspec's kernels do not run here)")
+    torch.manual_seed(6)
+    cases = []
+    for d, t, s in [(64, 1, 300), (64, 8, 300), (80, 4, 70)]:
+        k, v = torch.randn(2, s + 5, 3, d), torch.randn(2, s + 5, 3, d)
+        mask = torch.ones(2, 1, t, s + 5, dtype=torch.bool).tril(diagonal=s - t)
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(2, t, 9, d).to(dtype)
+            cases += [("attention", (q, k, v, None, s)), ("attention", (q, k, v, mask, s))]
+    avx2 = _ops_on("avx2", cases, tmp_path)
+    for (_, args), expected in zip(cases, avx2["outputs"]):
+        assert torch.equal(torch.ops.hspec.attention(*args), expected), (tuple(args[0].shape), args[0].dtype)
 
 
 def test_an_unknown_cpu_capability_is_named(tmp_path):
@@ -476,7 +498,7 @@ def test_an_unknown_cpu_capability_is_named(tmp_path):
         pytest.skip("hspec's CPU kernels do not run here")
     tiles = _stored(torch.randn(16, 64), "w4a8 hspec")[2]
     with pytest.raises(AssertionError, match="HSPEC_CPU_CAPABILITY must be avx2 or avx512_vnni, got 'avx3'"):
-        _products_on("avx3", [(torch.randn(1, 64), tiles, None)], tmp_path)
+        _ops_on("avx3", [("w4a8_linear", (torch.randn(1, 64), tiles))], tmp_path)
 
 
 def test_hspecs_kernels_name_what_they_were_given():
