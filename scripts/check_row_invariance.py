@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from hspec.bench.decode import row_differences
 from hspec.data.tasks import load_task
-from hspec.models.dtype import cpu_flags
+from hspec.machine import cpu_flags
 from hspec.models.loading import load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
 

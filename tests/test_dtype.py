@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hspec.machine import cpu_flags
 from hspec.models.dtype import (
     DTYPE_CHOICES,
-    cpu_flags,
     cpu_has_native_bf16,
     drafter_int8,
     dtype_name,

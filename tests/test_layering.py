@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hspec"
 
 # Lowest floor first. A new subpackage or top-level module must be given a floor here.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("registry", "metrics", "provenance", "data", "cache"),  # no model code; `data`: task and prompt files
+    ("registry", "metrics", "machine", "provenance", "data", "cache"),  # no model code; `data`: task and prompt files
     ("models", "ssm"),  # the target runtime (over the KV pool) and the Mamba-2 reference
     ("sampling",),  # sampling transforms shared by the target's and the drafters' logits
     ("drafters",),  # the Drafter interface, every kind, drafter checkpoints

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hspec.machine import cpu_flags
+
 
 def provenance(command: str, settings: dict[str, Any]) -> dict[str, Any]:
     """Machine, commit, date, command and settings, recorded with every result.
@@ -65,13 +67,9 @@ _FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_i
 
 
 def _cpu_features() -> list[str] | None:
-    """Which of `_FEATURES` this CPU has (Linux's /proc/cpuinfo flags); None where that cannot be read."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), None)
-    except OSError:
-        return None
-    return None if flags is None else [f for f in _FEATURES if f in flags]
+    """Which of `_FEATURES` this CPU has (`machine.cpu_flags`); None where its flags cannot be read."""
+    flags = cpu_flags()
+    return [f for f in _FEATURES if f in flags] if flags else None
 
 
 def write_results(out_dir: Path, stem: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:

@@ -24,10 +24,9 @@ and the decoding loop compares the two within one runtime and dtype (see docs/fa
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
+
+from hspec.machine import cpu_flags
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")
 # `--dtype` names that store the target's linear weights quantized (bfloat16 between the products).
@@ -37,21 +36,6 @@ KERNEL_ONLY_DTYPES = ("w4a8",)
 _NAMED = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 # /proc/cpuinfo flags of instructions that compute bf16 dot products natively.
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.cache
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist, e.g. macOS).
-    Read once per file: the hardware does not change while a process runs, and `models.layers` asks on
-    every prompt's products."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):  # x86 says flags, ARM says Features
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
