@@ -53,11 +53,12 @@ bool cpu_kernels_available() {
 #ifdef HSPEC_X86
 namespace {
 
-// Whether the integer products (w4a8, w8a8) take the VNNI tiles: by default where the CPU has AVX512-VNNI
-// (with VL and BW); HSPEC_CPU_CAPABILITY=avx2 keeps the AVX2 tiles, as torch's ATEN_CPU_CAPABILITY does for
-// its kernels. Both compute every block's integer sum exactly and then the same floating-point steps, so
-// their outputs are equal bit for bit (tests/test_fast_path.py runs both). Read once per process.
-bool vnni_products() {
+// Whether the kernels take their AVX-512 forms: the w4a8 and w8a8 products' VNNI tiles and the attention's
+// 512-bit value sums. By default where the CPU has AVX512-VNNI (with VL and BW); HSPEC_CPU_CAPABILITY=avx2
+// keeps the AVX2 forms, as torch's ATEN_CPU_CAPABILITY does for its kernels. Each AVX-512 form computes
+// every output with the same integer sums and floating-point steps as its AVX2 form, so the outputs are
+// equal bit for bit (tests/test_fast_path.py runs both). Read once per process.
+bool avx512_kernels() {
   static const bool vnni = [] {
     const bool supported = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                            __builtin_cpu_supports("avx512bw");
@@ -207,28 +208,6 @@ HSPEC_AVX2 inline __m256i inputs_in_every_lane(const int8_t* p) {
   return _mm256_set1_epi32(four);
 }
 
-// A w4a8 tile's block of 32 inputs: its 8 vectors of levels (0..15), `w`, its 8 steps and 8 offsets.
-HSPEC_AVX2 inline void unpack_w4a8_block(const uint8_t* tile, __m256i* w, __m256* step, __m256* offset) {
-  const __m256i nibble = _mm256_set1_epi8(0xF);
-  for (int c = 0; c < 4; ++c) {
-    const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c));
-    w[2 * c] = _mm256_and_si256(chunk, nibble);
-    w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
-  }
-  *step = bf16x8(tile + 128);
-  *offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), *step, bf16x8(tile + 144));
-}
-
-// A w4a8 tile's 8 outputs of MT rows, the products and the offset terms summed apart, into out (MT, ldo).
-template <int MT, typename Out>
-HSPEC_AVX2 inline void store_w4a8_rows(const __m256* acc, const __m256* offsets, int64_t n0, Out* out, int64_t ldo) {
-  for (int m = 0; m < MT; ++m) {
-    alignas(32) float sums[kW4a8Outputs];
-    _mm256_store_ps(sums, _mm256_add_ps(acc[m], offsets[m]));
-    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, sums[j]);
-  }
-}
-
 // One tile: MT int8 rows (`quantize_rows`) times the 8 w4a8 outputs from n0, lane j of each vector being
 // output n0 + j. Per block and row, maddubs multiplies vector q's levels (0..15) by the row's inputs
 // 4q .. 4q + 3 (-127..127) and adds them in pairs; the 8 vectors' pair sums add up in int16 (at most 8 x 2
@@ -242,11 +221,18 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
   __m256 acc[MT], offsets[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps(), offsets[m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0xF);
   const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
   for (int64_t g = 0; g < blocks; ++g) {
+    const uint8_t* tile = tiles + g * kW4a8Tile;
     __m256i w[8];
-    __m256 step, offset;
-    unpack_w4a8_block(tiles + g * kW4a8Tile, w, &step, &offset);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c));
+      w[2 * c] = _mm256_and_si256(chunk, nibble);
+      w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
+    }
+    const __m256 step = bf16x8(tile + 128);
+    const __m256 offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), step, bf16x8(tile + 144));
     for (int m = 0; m < MT; ++m) {
       const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
       __m256i pairs = _mm256_maddubs_epi16(w[0], inputs_in_every_lane(xm));
@@ -256,18 +242,10 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
       offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
     }
   }
-  store_w4a8_rows<MT>(acc, offsets, n0, out, ldo);
-}
-
-// A w8a8 tile's 8 outputs of MT rows, each sum times its output's scale, into out (MT, ldo).
-template <int MT, typename Out, typename Scale>
-HSPEC_AVX2 inline void store_w8a8_rows(const __m256* acc, const Scale* scale, int64_t n0, Out* out, int64_t ldo) {
-  alignas(32) float scales[kW4a8Outputs];
-  for (int j = 0; j < kW4a8Outputs; ++j) scales[j] = read(scale + n0 + j);
   for (int m = 0; m < MT; ++m) {
-    alignas(32) float result[kW4a8Outputs];
-    _mm256_store_ps(result, _mm256_mul_ps(acc[m], _mm256_load_ps(scales)));
-    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, result[j]);
+    alignas(32) float sums[kW4a8Outputs];
+    _mm256_store_ps(sums, _mm256_add_ps(acc[m], offsets[m]));
+    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, sums[j]);
   }
 }
 
@@ -303,7 +281,13 @@ HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, const int8_t* weight, co
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
     }
   }
-  store_w8a8_rows<MT>(acc, scale, n0, out, ldo);
+  alignas(32) float scales[kW4a8Outputs];
+  for (int j = 0; j < kW4a8Outputs; ++j) scales[j] = read(scale + n0 + j);
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float result[kW4a8Outputs];
+    _mm256_store_ps(result, _mm256_mul_ps(acc[m], _mm256_load_ps(scales)));
+    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, result[j]);
+  }
 }
 
 // The wide VNNI tiles: two adjacent tiles of 8 outputs side by side in 512-bit vectors (lanes 0-7 the
@@ -320,6 +304,7 @@ HSPEC_VNNI inline __m512 bf16x16(const uint8_t* low, const uint8_t* high) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// 32 bytes from `low` and 32 from `high` as one 512-bit vector.
 HSPEC_VNNI inline __m512i join(const void* low, const void* high) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)), 1);
@@ -736,7 +721,7 @@ HSPEC_AVX2 void attend_rows(const float* q, const Head& head, const bool* visibl
       }
     }
   }
-  if (d % 16 == 0 && vnni_products()) {
+  if (d % 16 == 0 && avx512_kernels()) {
     weighted_values_wide<R>(scores, s, visible, head.v, head.v_ld, d, s, inverse_total, out);
   } else {
     weighted_values<R>(scores, s, visible, head.v, head.v_ld, d, s, inverse_total, out);
@@ -768,12 +753,12 @@ void check_rows(const at::Tensor& x, const char* op) {
 }  // namespace
 #endif
 
-// Which tiles the integer products take on this CPU: "avx512_vnni" or "avx2" (`vnni_products`), "none" where
-// the kernels do not run. Benchmarks record it next to their numbers.
+// Which forms the kernels take on this CPU: "avx512_vnni" or "avx2" (`avx512_kernels`), "none" where they do
+// not run.
 std::string integer_capability() {
 #ifdef HSPEC_X86
   if (!cpu_kernels_available()) return "none";
-  return vnni_products() ? "avx512_vnni" : "avx2";
+  return avx512_kernels() ? "avx512_vnni" : "avx2";
 #else
   return "none";
 #endif
@@ -875,7 +860,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0) * kW4a8Outputs;
   const uint8_t* w = weight.data_ptr<uint8_t>();
   return product_of_rows(x, n, [&](const auto* in, auto* out) {
-    const bool vnni = vnni_products();
+    const bool vnni = avx512_kernels();
     quantized_product(in, m, k, n, out, vnni ? 2 * kW4a8Outputs : kW4a8Outputs,
                       [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
       constexpr int MT = decltype(rows)::value;
@@ -909,7 +894,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const int8_t* w = weight.data_ptr<int8_t>();
   const auto rows_with = [&](const auto* scales) {
     return product_of_rows(x, n, [&](const auto* in, auto* out) {
-      const bool vnni = vnni_products();
+      const bool vnni = avx512_kernels();
       quantized_product(in, m, k, n, out, vnni ? 2 * kW4a8Outputs : kW4a8Outputs,
                         [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
         constexpr int MT = decltype(rows)::value;

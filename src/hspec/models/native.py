@@ -67,9 +67,10 @@ def kernels_loaded() -> bool:
 
 
 def integer_capability() -> str:
-    """Which tiles hspec's integer products (w4a8, w8a8) take in this process: "avx512_vnni" (vpdpbusd, where
-    the CPU has AVX512-VNNI), "avx2", or "none" where the kernels are not loaded. Both tiles give the same
-    bits; HSPEC_CPU_CAPABILITY=avx2 keeps the AVX2 ones (models/cpu_kernels.cpp, `vnni_products`)."""
+    """Which forms hspec's kernels take in this process: "avx512_vnni" (where the CPU has AVX512-VNNI: the
+    w4a8 and w8a8 products in vpdpbusd tiles, the attention's value sums in 512-bit vectors), "avx2", or
+    "none" where the kernels are not loaded. Both forms give the same bits; HSPEC_CPU_CAPABILITY=avx2 keeps
+    the AVX2 ones (models/cpu_kernels.cpp, `avx512_kernels`)."""
     return str(torch.ops.hspec.integer_capability()) if kernels_loaded() else "none"
 
 
