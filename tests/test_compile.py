@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from hspec.decoding.generate import SpeculativeDecoder
+from hspec.drafters import ahead_of_time, create_drafter
 from hspec.drafters import compile as compile_module
-from hspec.drafters import create_drafter
-from hspec.drafters.compile import CompiledForward, compile_drafter
+from hspec.drafters.ahead_of_time import AheadOfTimeGreedy
+from hspec.drafters.base import DraftBatch
+from hspec.drafters.common import BlockContext
+from hspec.drafters.compile import CompiledForward, CompiledGreedy, compile_drafter
 from hspec.models.loading import load_target
 from hspec.runtime import build_drafter
-from hspec.sampling import SamplingParams
+from hspec.sampling import SamplingBatch, SamplingParams
 
 PROMPT = [1, 5, 9, 14, 5, 9, 3, 7]
 
@@ -29,6 +34,7 @@ def _greedy(target, drafter, K=3, tokens=20):
 
 def test_a_failing_compile_warns_once_and_the_drafter_stays_eager(tiny_target, monkeypatch):
     monkeypatch.setattr(compile_module.torch, "compile", _failing_compile)
+    monkeypatch.setattr(AheadOfTimeGreedy, "covers", staticmethod(lambda ctx: False))  # torch.compile's path only
     drafter = build_drafter("hspec", tiny_target, random_weights=True, compiled=True)
     block, greedy = drafter.block_logits, drafter.draft_greedy
     assert all(isinstance(w, CompiledForward) and w.is_compiled for w in (block, greedy))
@@ -76,6 +82,11 @@ def test_a_compiled_drafter_keeps_greedy_output_equal_to_plain(tiny_target, kind
     drafter = build_drafter(kind, tiny_target, random_weights=True, compiled=True)
     plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1, tokens=32)
     assert _greedy(tiny_target, drafter, tokens=32) == plain
+    prompts = [PROMPT, PROMPT[:5]]  # two sequences: torch.compile's greedy path, not the ahead-of-time one
+    none = SpeculativeDecoder(tiny_target.model, create_drafter("none", tiny_target.config), 1, eos_token_ids=())
+    decoder = SpeculativeDecoder(tiny_target.model, drafter, 3, eos_token_ids=())
+    plain = [s.token_ids for s in none.generate(prompts, SamplingParams(), 24).sequences]
+    assert [s.token_ids for s in decoder.generate(prompts, SamplingParams(), 24).sequences] == plain
     assert drafter.block_logits.is_compiled and drafter.draft_greedy.is_compiled
 
 
@@ -120,3 +131,82 @@ def test_a_compiled_int8_drafter_multiplies_in_hspecs_kernel(tiny_dirs):
     assert drafter.block_logits.is_compiled
     kernel = "hspec::w8a8_linear" if integer_capability() == "avx512_vnni" else "hspec::int8_linear"
     assert kernel in called and "aten::_weight_int8pack_mm" not in called
+
+
+# ---- the ahead-of-time greedy proposal (drafters/ahead_of_time.py) ------------------------------------
+
+
+def _refuse_compile(*_, **__):
+    raise RuntimeError("no C++ compiler")
+
+
+def test_a_failing_ahead_of_time_compile_warns_once_and_torch_compile_takes_over(tiny_target, monkeypatch, tmp_path):
+    monkeypatch.setenv("HSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(compile_module.torch, "compile", lambda fn, **_: fn)
+    monkeypatch.setattr(ahead_of_time.torch._inductor, "aoti_compile_and_package", _refuse_compile)
+    drafter = build_drafter("hspec", tiny_target, random_weights=True, compiled=True)
+    assert isinstance(drafter.draft_greedy, CompiledGreedy) and drafter.draft_greedy.ahead_of_time is not None
+    plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1)
+    with pytest.warns(RuntimeWarning) as warned:
+        assert _greedy(tiny_target, drafter) == plain
+    assert [str(w.message) for w in warned] == [
+        "the ahead-of-time compile failed for drafter 'hspec' (draft_greedy), which runs through torch.compile: "
+        "RuntimeError: no C++ compiler"]  # once, not once per step
+    assert drafter.draft_greedy.ahead_of_time is None and drafter.draft_greedy.is_compiled
+    assert not list(tmp_path.rglob("*.pt2"))  # nothing half-written is left in the cache
+
+
+def test_context_views_are_passed_in_the_layout_of_the_signature():
+    """Windows of a pool of any capacity: K stored keys-innermost (as a row-invariant target's pool stores it)
+    goes keys-innermost, V (rows of Hkv x D) in rows; both are copied contiguous with the same values, since the
+    compiled library does not read strides."""
+    hkv, d, keys = 2, 8, 40
+    for capacity in (64, 96):
+        k = torch.randn(1, hkv, d, capacity).permute(0, 3, 1, 2)[:, 8:8 + keys]  # (1, S, Hkv, D), keys stride 1
+        v = torch.randn(1, capacity, hkv, d)[:, 8:8 + keys]  # (1, S, Hkv, D)
+        ctx = BlockContext(torch.zeros(1, 3, dtype=torch.long), torch.arange(48, 51)[None], torch.zeros(1, 2, 16),
+                           [(k, v)], torch.ones(1, keys, dtype=torch.bool))
+        signature = AheadOfTimeGreedy.signature_of(ctx)
+        assert signature.context == ((torch.float32, True), (torch.float32, False))
+        inputs = AheadOfTimeGreedy._inputs(ctx, torch.zeros(1, dtype=torch.long), signature)
+        assert all(t.is_contiguous() for t in inputs)
+        assert inputs[5].shape == (1, hkv, d, keys) and torch.equal(inputs[5].permute(0, 3, 1, 2), k)
+        assert torch.equal(inputs[6], v)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["hspec", "dflash", "mamba-only"])
+def test_an_ahead_of_time_drafter_keeps_greedy_output_and_loads_from_the_cache(tiny_target, kind, monkeypatch,
+                                                                                tmp_path):
+    """A real AOTInductor compile (~30 s on 2 cores): the output equals plain decoding's, the drafts are
+    (nearly all) the eager drafter's, and a second drafter with the same weights loads the library from the
+    cache instead of compiling; a drafter with other weights gets a library of its own."""
+    monkeypatch.setenv("HSPEC_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    drafter = build_drafter(kind, tiny_target, random_weights=True, compiled=True)
+    plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1, tokens=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        assert _greedy(tiny_target, drafter, tokens=32) == plain
+    assert drafter.draft_greedy.ahead_of_time.runners and len(list(tmp_path.rglob("*.pt2"))) == 1
+    twin = build_drafter(kind, tiny_target, random_weights=True, compiled=True)
+    twin.load_state_dict(drafter.state_dict())
+    monkeypatch.setattr(ahead_of_time.torch._inductor, "aoti_compile_and_package", _refuse_compile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert _greedy(tiny_target, twin, tokens=32) == plain
+    eager = build_drafter(kind, tiny_target, random_weights=True)
+    eager.load_state_dict(drafter.state_dict())
+    pool = tiny_target.model.new_pool(8, 16, drafter.num_drafter_layers)
+    pool.add_sequence(0)
+    pool.extend([0], len(PROMPT))
+    pool.k.normal_()
+    pool.v.normal_()
+    hidden = torch.randn(1, len(PROMPT), len(drafter.target_layers), tiny_target.config.hidden_size)
+    batch = DraftBatch([0], torch.tensor([PROMPT[-1]]), [PROMPT], pool,
+                       SamplingBatch.from_params([SamplingParams()]), [torch.Generator().manual_seed(0)])
+    with torch.inference_mode():
+        for d in (drafter, eager):
+            d.commit(pool, [0], hidden, torch.tensor([len(PROMPT)]))
+        drafts = drafter.propose(batch, 3).draft_tokens
+        assert int((drafts == eager.propose(batch, 3).draft_tokens).sum()) >= drafts.numel() - 1

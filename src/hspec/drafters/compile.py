@@ -6,6 +6,8 @@ Only the drafter is compiled, never the target, and only its two tensor-only met
 * `draft_greedy`, the block forward followed by the K-slot greedy Markov loop (`greedy_block`), what
   an all-greedy proposal runs: one compiled call, so dynamo checks its guards once a step (~0.6 ms a
   call here) and the loop's K small vector-matrix products with their max and softmax fuse as well.
+  For one sequence on a CPU it runs compiled ahead of time instead (`CompiledGreedy`,
+  drafters/ahead_of_time.py): no guards and no Python between the kernels.
 A compiled drafter may round differently from the eager one, so a draft can change; the output
 cannot, because the target verifies every draft with its own forward.
 
@@ -24,7 +26,8 @@ from contextlib import AbstractContextManager
 import torch
 import torch.fx.experimental._config as fx_config
 
-from hspec.drafters.common import NeuralDrafter
+from hspec.drafters.ahead_of_time import AheadOfTimeGreedy
+from hspec.drafters.common import BlockContext, NeuralDrafter
 
 COMPILED_METHODS = ("block_logits", "draft_greedy")
 
@@ -65,13 +68,36 @@ class CompiledForward:
             return result
 
 
+class CompiledGreedy(CompiledForward):
+    """`draft_greedy`: for one sequence on a CPU through an AOTInductor library (`AheadOfTimeGreedy`), else
+    through torch.compile. Where the ahead-of-time path fails (no C++ compiler, an op export cannot trace), it
+    warns once and every later call takes torch.compile's path."""
+
+    def __init__(self, drafter: NeuralDrafter) -> None:
+        super().__init__(drafter, "draft_greedy")
+        self.ahead_of_time: AheadOfTimeGreedy | None = AheadOfTimeGreedy(drafter)
+
+    def __call__(self, *args: object) -> object:
+        ctx = args[0]
+        if self.ahead_of_time is not None and isinstance(ctx, BlockContext) and self.ahead_of_time.covers(ctx):
+            try:
+                return self.ahead_of_time(ctx, args[1])  # type: ignore[arg-type]
+            except Exception as aot_error:
+                self.ahead_of_time = None
+                warnings.warn(f"the ahead-of-time compile failed for drafter {self.kind!r} (draft_greedy), which "
+                              f"runs through torch.compile: {type(aot_error).__name__}: {aot_error}",
+                              RuntimeWarning, stacklevel=2)
+        return super().__call__(*args)
+
+
 def compile_drafter(drafter: NeuralDrafter) -> dict[str, CompiledForward]:
-    """Route `drafter`'s `COMPILED_METHODS` through torch.compile (in place, once); returns the wrappers."""
+    """Route `drafter`'s `COMPILED_METHODS` through torch.compile (in place, once; `draft_greedy` for one CPU
+    sequence ahead of time, `CompiledGreedy`); returns the wrappers."""
     wrappers = {}
     for name in COMPILED_METHODS:
         method = getattr(drafter, name)
         if not isinstance(method, CompiledForward):
-            method = CompiledForward(drafter, name)
+            method = CompiledGreedy(drafter) if name == "draft_greedy" else CompiledForward(drafter, name)
             setattr(drafter, name, method)  # the instance's attribute, not the class's
         wrappers[name] = method
     return wrappers

@@ -1,0 +1,174 @@
+"""The greedy proposal of one sequence on a CPU, compiled ahead of time by AOTInductor
+(docs/fast-path.md#ahead-of-time-drafter).
+
+torch.compile (`drafters/compile.py`) leaves two costs around its kernels on every call: dynamo checks its
+guards (~0.5 ms a call here, one check per weight tensor among them), and inductor's Python wrapper allocates
+buffers and calls ~150 kernels and extern products one interpreted line at a time. For the proposal of a
+single sequence with every row greedy, what `hspec generate` and `hspec eval` run, both go: the drafter's
+`draft_greedy` is exported once (`torch.export`, the context length a dynamic dimension) and compiled by
+AOTInductor into a shared library whose C++ wrapper calls the kernels, with the weights inside it as
+constants. Drafts may round differently from the eager drafter's, as a torch.compile'd one's do; the output
+cannot change, because the target verifies every draft.
+
+The library reads its inputs in the layouts it was compiled for and does not check strides, so every call
+hands it the same layouts: each context K/V either keys-innermost (as the KV pool stores K, so a window of it
+copies as whole rows) or rows of Hkv x D (as the pool stores V, whose window of one sequence already is), the
+choice made from the first call's tensors; a window of the pool is copied into that layout (at 256 keys
+~200 KB a tensor).
+
+Compiling takes ~30-40 s on 2 cores. The library is kept in the hspec cache (`$HSPEC_CACHE/aot_drafters`, by
+default ~/.cache/hspec/aot_drafters, ~110 MB for SmolLM2's H-Spec drafter, whose constants include the
+target's embedding it reads), named by a digest of the exported graph, its weights and torch's version, so a
+later process with the same drafter, code and draft length loads it in about a second.
+
+Legend: K block, S context keys, Hkv KV heads, D head dim, n_sel selected target layers, H hidden.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, NeuralDrafter
+from hspec.models.loading import cache_root
+
+__all__ = ["AheadOfTimeGreedy", "aot_cache_dir"]
+
+# The context length of the example the graph is exported with: a multiple of CONTEXT_MULTIPLE that equals no
+# other size of the drafters (export would otherwise take the two for one dimension and refuse the range).
+_EXAMPLE_KEYS = 5 * CONTEXT_MULTIPLE
+_MAX_KEYS = 1 << 20
+
+
+def aot_cache_dir() -> Path:
+    """Where compiled proposals are kept: $HSPEC_CACHE/aot_drafters (by default ~/.cache/hspec/aot_drafters)."""
+    return cache_root() / "aot_drafters"
+
+
+@dataclass(frozen=True)
+class _Signature:
+    """What one compiled library was built for: the block length K, per context K/V tensor its dtype and
+    whether it is passed keys-innermost, and the dtype of the kept hidden states."""
+
+    K: int
+    context: tuple[tuple[torch.dtype, bool], ...]
+    hidden_dtype: torch.dtype
+
+
+class _GreedyProposal(nn.Module):
+    """`draft_greedy` of one drafter over flat tensors: the function that is exported."""
+
+    def __init__(self, drafter: NeuralDrafter, signature: _Signature) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.keys_last = [keys_last for _, keys_last in signature.context]
+
+    def forward(self, block_tokens: torch.Tensor, positions: torch.Tensor, last_hidden: torch.Tensor,
+                context_mask: torch.Tensor, anchor_tokens: torch.Tensor, *context: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_tokens, positions (1, K) long; last_hidden (1, n_sel, H); context_mask (1, S) bool; anchor_tokens
+        (1,) long; then each context K and V: (1, Hkv, D, S) keys-innermost or (1, S, Hkv, D). Returns the drafts
+        (1, K) and their confidence (1, K)."""
+        views = [t.permute(0, 3, 1, 2) if last else t for t, last in zip(context, self.keys_last)]  # (1, S, Hkv, D)
+        ctx = BlockContext(block_tokens, positions, last_hidden, list(zip(views[0::2], views[1::2])), context_mask)
+        return type(self.drafter).draft_greedy(self.drafter, ctx, anchor_tokens)
+
+
+class AheadOfTimeGreedy:
+    """`drafter.draft_greedy` for one CPU sequence through AOTInductor libraries, one per `_Signature`.
+
+    `covers(ctx)` says whether a call can go here; the first call of a signature exports and compiles it (or
+    loads it from `cache_dir`). Errors propagate: the caller (`drafters.compile.CompiledGreedy`) falls back.
+    """
+
+    def __init__(self, drafter: NeuralDrafter, cache_dir: Path | None = None) -> None:
+        self.drafter = drafter
+        self.cache_dir = cache_dir
+        self.runners: dict[_Signature, object] = {}
+
+    @staticmethod
+    def covers(ctx: BlockContext) -> bool:
+        """One sequence, on the CPU, not under autograd, no token history (DeLS-Spec's, which proposes on its own)."""
+        return ctx.block_tokens.shape[0] == 1 and ctx.block_tokens.device.type == "cpu" \
+            and not torch.is_grad_enabled() and ctx.history is None
+
+    def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts (1, K) as draft-vocabulary indices and their confidence (1, K), as `draft_greedy` returns."""
+        signature = self.signature_of(ctx)
+        runner = self.runners.get(signature)
+        if runner is None:
+            runner = self.runners[signature] = self._build(signature, ctx, anchor_tokens)
+        return tuple(runner(*self._inputs(ctx, anchor_tokens, signature)))  # type: ignore[operator]
+
+    @staticmethod
+    def signature_of(ctx: BlockContext) -> _Signature:
+        """The layouts this call's tensors are passed in: keys-innermost where the key index has stride 1."""
+        context = tuple((t.dtype, t.shape[1] > 1 and t.stride(1) == 1) for pair in ctx.context_kv for t in pair)
+        return _Signature(ctx.K, context, ctx.last_hidden.dtype)
+
+    @staticmethod
+    def _inputs(ctx: BlockContext, anchor_tokens: torch.Tensor, signature: _Signature) -> list[torch.Tensor]:
+        """The flat inputs of `_GreedyProposal.forward`, each contiguous in its signature's layout."""
+        inputs = [ctx.block_tokens.contiguous(), ctx.positions.contiguous(), ctx.last_hidden.contiguous(),
+                  ctx.context_mask.contiguous(), anchor_tokens.contiguous()]
+        tensors = [t for pair in ctx.context_kv for t in pair]
+        inputs += [t.permute(0, 2, 3, 1).contiguous() if last else t.contiguous()
+                   for t, (_, last) in zip(tensors, signature.context)]
+        return inputs
+
+    def _build(self, signature: _Signature, ctx: BlockContext, anchor_tokens: torch.Tensor) -> object:
+        """Export `_GreedyProposal` with the context length dynamic, then load its library from the cache or
+        compile it there."""
+        with torch.inference_mode(False), torch.no_grad():
+            example = _example(ctx, anchor_tokens, signature)
+            keys = torch.export.Dim("context_keys", min=2, max=_MAX_KEYS)
+            context = tuple({3: keys} if last else {1: keys} for _, last in signature.context)
+            dynamic = (None, None, None, {1: keys}, None) + ((context,) if context else ())  # *context: one tuple
+            program = torch.export.export(_GreedyProposal(self.drafter, signature).eval(), tuple(example),
+                                          dynamic_shapes=dynamic, strict=False)
+        directory = self.cache_dir or aot_cache_dir()
+        path = directory / f"{self.drafter.kind}-K{signature.K}-{_digest(program)}.pt2"
+        if not path.exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            handle, partial = tempfile.mkstemp(suffix=".pt2", dir=directory)
+            os.close(handle)
+            try:
+                torch._inductor.aoti_compile_and_package(program, package_path=partial)
+                os.chmod(partial, 0o644)
+                os.replace(partial, path)  # whole or absent: a killed compile leaves no half library behind
+            finally:
+                if os.path.exists(partial):
+                    os.remove(partial)
+        return torch._inductor.aoti_load_package(str(path))
+
+
+def _example(ctx: BlockContext, anchor_tokens: torch.Tensor, signature: _Signature) -> list[torch.Tensor]:
+    """Inputs of the call's shapes but `_EXAMPLE_KEYS` context keys (all visible), outside inference mode."""
+    inputs = [ctx.block_tokens.clone(), ctx.positions.clone(), ctx.last_hidden.clone(),
+              torch.ones(1, _EXAMPLE_KEYS, dtype=torch.bool), anchor_tokens.clone()]
+    tensors = [t for pair in ctx.context_kv for t in pair]
+    for t, (dtype, last) in zip(tensors, signature.context):
+        _, _, hkv, d = t.shape
+        shape = (1, hkv, d, _EXAMPLE_KEYS) if last else (1, _EXAMPLE_KEYS, hkv, d)
+        inputs.append(torch.randn(shape).to(dtype))
+    return inputs
+
+
+def _digest(program: torch.export.ExportedProgram) -> str:
+    """A digest of what a compiled library depends on: torch's version, the graph and every weight's bytes."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    digest.update(program.graph_module.code.encode())
+    weights = {**program.state_dict, **program.constants}
+    for name in sorted(weights):
+        tensor = weights[name]
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        digest.update(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:24]
