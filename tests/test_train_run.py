@@ -49,6 +49,24 @@ def test_bench_draft_with_a_draft_vocabulary(tmp_path, tiny_target):
     assert set(payload["results"][0]["kinds"]) == {"hspec", "ngram"}
 
 
+def test_bench_draft_times_a_compiled_kind_with_and_without_its_ahead_of_time_library(tmp_path, tiny_target,
+                                                                                    monkeypatch):
+    from hspec.drafters import compile as compile_module
+    from hspec.drafters.ahead_of_time import AheadOfTimeGreedy
+
+    monkeypatch.setattr(compile_module.torch, "compile", lambda fn, **_: fn)
+    calls = []
+    monkeypatch.setattr(AheadOfTimeGreedy, "__call__", lambda self, ctx, anchor: calls.append(self) or
+                        type(self.drafter).draft_greedy(self.drafter, ctx, anchor))
+    draft_bench.run_draft_bench("tiny", ["hspec", "ngram"], tmp_path, repeats=2, batch_sizes=(1,), contexts=(16,),
+                                target=tiny_target, compile_drafters=True)
+    payload = json.loads((tmp_path / "draft_cost_cpu_compiled.json").read_text())
+    twin = f"hspec {draft_bench.TORCH_COMPILE_ONLY}"
+    assert set(payload["results"][0]["kinds"]) == {"hspec", "ngram", twin}
+    assert twin in (tmp_path / "draft_cost_cpu_compiled.md").read_text()
+    assert calls and all(a.drafter is calls[0].drafter for a in calls)  # only the first hspec row went there
+
+
 def test_draft_vocabulary_of_a_model_free_kind_is_refused(tiny_target):
     from hspec.drafters import drafter_config
 

@@ -32,6 +32,7 @@ from hspec.cache.paged_pool import blocks_for
 from hspec.drafters import DRAFTERS, create_drafter, drafter_config
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.drafters.common import select_target_layers
+from hspec.drafters.compile import CompiledGreedy
 from hspec.models.llama import TargetModel
 from hspec.models.loading import Target, load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
@@ -39,6 +40,8 @@ from hspec.runtime import drafter_precision_of, for_inference
 from hspec.sampling import SamplingBatch, SamplingParams
 
 GOAL = "hspec T_D(7) / T_T <= 0.15 at B = 1 (issue 17)"
+# The suffix of a compiled kind's second row, whose greedy proposal skips the ahead-of-time library.
+TORCH_COMPILE_ONLY = "(torch.compile only)"
 
 
 class _Setting:
@@ -136,6 +139,11 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
     for kind, drafter in drafters.items():
         if isinstance(drafter, torch.nn.Module):  # as `hspec generate` runs it
             drafters[kind] = for_inference(drafter, target, compile_drafters, drafter_precision)
+    if compile_drafters:  # the same kinds with their greedy proposal through torch.compile, timed alongside
+        for kind in [k for k, d in drafters.items() if isinstance(getattr(d, "draft_greedy", None), CompiledGreedy)]:
+            twin = for_inference(_create(kind, target.config, model, draft_vocab_size), target, True, drafter_precision)
+            twin.draft_greedy.ahead_of_time = None
+            drafters[f"{kind} {TORCH_COMPILE_ONLY}"] = twin
     device = "gpu" if model.embed_tokens.weight.is_cuda else "cpu"
     rows = []
     with torch.inference_mode():
@@ -230,6 +238,11 @@ def _markdown(payload: dict) -> str:
              f"\nGoal: {payload['goal']}. T_T is one K+1 = 8-token target verify; T_D one `propose(K=7)`; "
              "commit is the per-step context update after verifying K+1 tokens (H-Spec: keep one hidden "
              "vector; DFlash-style kinds: write drafter K/V). Ratios per interleaved round, min / median / max.\n"]
+    if any(TORCH_COMPILE_ONLY in kind for row in payload["results"] for kind in row["kinds"]):
+        lines.append(f"A compiled kind runs a one-sequence greedy proposal through its AOTInductor library "
+                     f"(docs/fast-path.md#ahead-of-time-drafter); its row \"{TORCH_COMPILE_ONLY}\", a second "
+                     "drafter of the kind timed in the same rounds, through torch.compile as before (batches take "
+                     "that path in both).\n")
     for row in payload["results"]:
         v = row["verify_ms"]
         lines += [f"\n## B = {row['B']}, context S = {row['S']} (T_T median {v['median']:.1f} ms, "
