@@ -10,10 +10,10 @@ import torch
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import ahead_of_time, create_drafter
 from hspec.drafters import compile as compile_module
-from hspec.drafters.ahead_of_time import AheadOfTimeGreedy
+from hspec.drafters.ahead_of_time import AheadOfTimeForward
 from hspec.drafters.base import DraftBatch
 from hspec.drafters.common import BlockContext
-from hspec.drafters.compile import CompiledForward, CompiledGreedy, compile_drafter
+from hspec.drafters.compile import CompiledForward, compile_drafter
 from hspec.models.loading import load_target
 from hspec.runtime import build_drafter
 from hspec.sampling import SamplingBatch, SamplingParams
@@ -34,7 +34,7 @@ def _greedy(target, drafter, K=3, tokens=20):
 
 def test_a_failing_compile_warns_once_and_the_drafter_stays_eager(tiny_target, monkeypatch):
     monkeypatch.setattr(compile_module.torch, "compile", _failing_compile)
-    monkeypatch.setattr(AheadOfTimeGreedy, "covers", staticmethod(lambda ctx: False))  # torch.compile's path only
+    monkeypatch.setattr(AheadOfTimeForward, "covers", staticmethod(lambda ctx: False))  # torch.compile's path only
     drafter = build_drafter("hspec", tiny_target, random_weights=True, compiled=True)
     block, greedy = drafter.block_logits, drafter.draft_greedy
     assert all(isinstance(w, CompiledForward) and w.is_compiled for w in (block, greedy))
@@ -145,7 +145,7 @@ def test_a_failing_ahead_of_time_compile_warns_once_and_torch_compile_takes_over
     monkeypatch.setattr(compile_module.torch, "compile", lambda fn, **_: fn)
     monkeypatch.setattr(ahead_of_time.torch._inductor, "aoti_compile_and_package", _refuse_compile)
     drafter = build_drafter("hspec", tiny_target, random_weights=True, compiled=True)
-    assert isinstance(drafter.draft_greedy, CompiledGreedy) and drafter.draft_greedy.ahead_of_time is not None
+    assert drafter.draft_greedy.ahead_of_time is not None and drafter.block_logits.ahead_of_time is not None
     plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1)
     with pytest.warns(RuntimeWarning) as warned:
         assert _greedy(tiny_target, drafter) == plain
@@ -166,9 +166,9 @@ def test_context_views_are_passed_in_the_layout_of_the_signature():
         v = torch.randn(1, capacity, hkv, d)[:, 8:8 + keys]  # (1, S, Hkv, D)
         ctx = BlockContext(torch.zeros(1, 3, dtype=torch.long), torch.arange(48, 51)[None], torch.zeros(1, 2, 16),
                            [(k, v)], torch.ones(1, keys, dtype=torch.bool))
-        signature = AheadOfTimeGreedy.signature_of(ctx)
+        signature = AheadOfTimeForward.signature_of(ctx)
         assert signature.context == ((torch.float32, True), (torch.float32, False))
-        inputs = AheadOfTimeGreedy._inputs(ctx, torch.zeros(1, dtype=torch.long), signature)
+        inputs = AheadOfTimeForward._inputs(ctx, torch.zeros(1, dtype=torch.long), signature)
         assert all(t.is_contiguous() for t in inputs)
         assert inputs[5].shape == (1, hkv, d, keys) and torch.equal(inputs[5].permute(0, 3, 1, 2), k)
         assert torch.equal(inputs[6], v)
@@ -210,3 +210,29 @@ def test_an_ahead_of_time_drafter_keeps_greedy_output_and_loads_from_the_cache(t
             d.commit(pool, [0], hidden, torch.tensor([len(PROMPT)]))
         drafts = drafter.propose(batch, 3).draft_tokens
         assert int((drafts == eager.propose(batch, 3).draft_tokens).sum()) >= drafts.numel() - 1
+
+
+@pytest.mark.slow
+def test_a_sampled_row_runs_the_block_forward_ahead_of_time(tiny_target, monkeypatch, tmp_path):
+    """`block_logits` of one sequence through its own library: the eager forward's logits up to rounding, and a
+    sampled decode runs on it without falling back."""
+    monkeypatch.setenv("HSPEC_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    drafter = build_drafter("hspec", tiny_target, random_weights=True, compiled=True)
+    eager = build_drafter("hspec", tiny_target, random_weights=True)
+    eager.load_state_dict(drafter.state_dict())
+    pool = tiny_target.model.new_pool(8, 16, 0)
+    pool.add_sequence(0)
+    pool.extend([0], 40)
+    pool.k.normal_()
+    pool.v.normal_()
+    context, mask = eager.context_kv_from_pool(pool, [0], [40], 32)
+    ctx = BlockContext(torch.tensor([[5, 0, 0]]), torch.arange(40, 43)[None],
+                       torch.randn(1, len(eager.target_layers), tiny_target.config.hidden_size), context, mask)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        torch.testing.assert_close(drafter.block_logits(ctx), eager.block_logits(ctx), atol=1e-4, rtol=1e-4)
+        assert drafter.block_logits.ahead_of_time.runners
+        decoder = SpeculativeDecoder(tiny_target.model, drafter, 3, eos_token_ids=())
+        out = decoder.generate([PROMPT], SamplingParams(temperature=1.0), 16).sequences[0]
+    assert len(out.token_ids) == len(PROMPT) + 16 and not drafter.draft_greedy.ahead_of_time.runners

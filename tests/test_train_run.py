@@ -52,11 +52,11 @@ def test_bench_draft_with_a_draft_vocabulary(tmp_path, tiny_target):
 def test_bench_draft_times_a_compiled_kind_with_and_without_its_ahead_of_time_library(tmp_path, tiny_target,
                                                                                     monkeypatch):
     from hspec.drafters import compile as compile_module
-    from hspec.drafters.ahead_of_time import AheadOfTimeGreedy
+    from hspec.drafters.ahead_of_time import AheadOfTimeForward
 
     monkeypatch.setattr(compile_module.torch, "compile", lambda fn, **_: fn)
     calls = []
-    monkeypatch.setattr(AheadOfTimeGreedy, "__call__", lambda self, ctx, anchor: calls.append(self) or
+    monkeypatch.setattr(AheadOfTimeForward, "__call__", lambda self, ctx, anchor: calls.append(self) or
                         type(self.drafter).draft_greedy(self.drafter, ctx, anchor))
     draft_bench.run_draft_bench("tiny", ["hspec", "ngram"], tmp_path, repeats=2, batch_sizes=(1,), contexts=(16,),
                                 target=tiny_target, compile_drafters=True)

@@ -36,10 +36,11 @@ def _add_dtype(p: argparse.ArgumentParser) -> None:
 def _add_compile_drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-drafter", action="store_true",
                    help="run trained drafters' block forward and greedy loop through torch.compile (inductor), "
-                        "and a one-sequence greedy proposal on a CPU through an AOTInductor library (no guards, no "
-                        "Python between kernels; ~30-40 s to compile once, then loaded from ~/.cache/hspec): on a "
-                        "2-core CPU under half the eager drafting time, a quarter less than torch.compile alone; drafts may round differently, the output never "
-                        "changes (docs/fast-path.md#compiled-drafter, #ahead-of-time-drafter)")
+                        "and for one sequence on a CPU through AOTInductor libraries (no guards, no Python between "
+                        "kernels; ~30-40 s to compile once, then loaded from ~/.cache/hspec): on a 2-core CPU under "
+                        "half the eager drafting time, a quarter less than torch.compile alone; drafts may round "
+                        "differently, the output never changes (docs/fast-path.md#compiled-drafter, "
+                        "#ahead-of-time-drafter)")
 
 
 def _add_drafter_precision(p: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ from hspec.cache.paged_pool import blocks_for
 from hspec.drafters import DRAFTERS, create_drafter, drafter_config
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.drafters.common import select_target_layers
-from hspec.drafters.compile import CompiledGreedy
+from hspec.drafters.compile import CompiledForward
 from hspec.models.llama import TargetModel
 from hspec.models.loading import Target, load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
@@ -140,9 +140,9 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
         if isinstance(drafter, torch.nn.Module):  # as `hspec generate` runs it
             drafters[kind] = for_inference(drafter, target, compile_drafters, drafter_precision)
     if compile_drafters:  # the same kinds with their greedy proposal through torch.compile, timed alongside
-        for kind in [k for k, d in drafters.items() if isinstance(getattr(d, "draft_greedy", None), CompiledGreedy)]:
+        for kind in [k for k, d in drafters.items() if isinstance(getattr(d, "draft_greedy", None), CompiledForward)]:
             twin = for_inference(_create(kind, target.config, model, draft_vocab_size), target, True, drafter_precision)
-            twin.draft_greedy.ahead_of_time = None
+            twin.draft_greedy.ahead_of_time = twin.block_logits.ahead_of_time = None
             drafters[f"{kind} {TORCH_COMPILE_ONLY}"] = twin
     device = "gpu" if model.embed_tokens.weight.is_cuda else "cpu"
     rows = []

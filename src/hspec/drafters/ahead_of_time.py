@@ -1,4 +1,4 @@
-"""The greedy proposal of one sequence on a CPU, compiled ahead of time by AOTInductor
+"""A compiled drafter's forwards for one sequence on a CPU, compiled ahead of time by AOTInductor
 (docs/fast-path.md#ahead-of-time-drafter).
 
 torch.compile (`drafters/compile.py`) leaves two costs around its kernels on every call: dynamo checks its
@@ -7,8 +7,9 @@ buffers and calls ~150 kernels and extern products one interpreted line at a tim
 single sequence with every row greedy, what `hspec generate` and `hspec eval` run, both go: the drafter's
 `draft_greedy` is exported once (`torch.export`, the context length a dynamic dimension) and compiled by
 AOTInductor into a shared library whose C++ wrapper calls the kernels, with the weights inside it as
-constants. Drafts may round differently from the eager drafter's, as a torch.compile'd one's do; the output
-cannot change, because the target verifies every draft.
+constants. A sampled row's block forward (`block_logits`) takes the same path, with a library of its own.
+Drafts may round differently from the eager drafter's, as a torch.compile'd one's do; the output cannot change,
+because the target verifies every draft.
 
 The library reads its inputs in the layouts it was compiled for and does not check strides, so every call
 hands it the same layouts: each context K/V either keys-innermost (as the KV pool stores K, so a window of it
@@ -38,7 +39,7 @@ from torch import nn
 from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, NeuralDrafter
 from hspec.models.loading import cache_root
 
-__all__ = ["AheadOfTimeGreedy", "aot_cache_dir"]
+__all__ = ["AheadOfTimeForward", "aot_cache_dir"]
 
 # The context length of the example the graph is exported with: a multiple of CONTEXT_MULTIPLE that equals no
 # other size of the drafters (export would otherwise take the two for one dimension and refuse the range).
@@ -61,34 +62,43 @@ class _Signature:
     hidden_dtype: torch.dtype
 
 
-class _GreedyProposal(nn.Module):
-    """`draft_greedy` of one drafter over flat tensors: the function that is exported."""
+class _FlatForward(nn.Module):
+    """One of a drafter's `METHODS` over flat tensors: the function that is exported."""
 
-    def __init__(self, drafter: NeuralDrafter, signature: _Signature) -> None:
+    def __init__(self, drafter: NeuralDrafter, method: str, signature: _Signature) -> None:
         super().__init__()
         self.drafter = drafter
+        self.method = method
         self.keys_last = [keys_last for _, keys_last in signature.context]
 
     def forward(self, block_tokens: torch.Tensor, positions: torch.Tensor, last_hidden: torch.Tensor,
                 context_mask: torch.Tensor, anchor_tokens: torch.Tensor, *context: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """block_tokens, positions (1, K) long; last_hidden (1, n_sel, H); context_mask (1, S) bool; anchor_tokens
-        (1,) long; then each context K and V: (1, Hkv, D, S) keys-innermost or (1, S, Hkv, D). Returns the drafts
-        (1, K) and their confidence (1, K)."""
+        (1,) long (read by `draft_greedy` only); then each context K and V: (1, Hkv, D, S) keys-innermost or (1, S,
+        Hkv, D). Returns what the method returns: the drafts (1, K) and their confidence (1, K), or the block's
+        logits (1, K, Vp)."""
         views = [t.permute(0, 3, 1, 2) if last else t for t, last in zip(context, self.keys_last)]  # (1, S, Hkv, D)
         ctx = BlockContext(block_tokens, positions, last_hidden, list(zip(views[0::2], views[1::2])), context_mask)
-        return type(self.drafter).draft_greedy(self.drafter, ctx, anchor_tokens)
+        if self.method == "draft_greedy":
+            return type(self.drafter).draft_greedy(self.drafter, ctx, anchor_tokens)
+        return type(self.drafter).block_logits(self.drafter, ctx)
 
 
-class AheadOfTimeGreedy:
-    """`drafter.draft_greedy` for one CPU sequence through AOTInductor libraries, one per `_Signature`.
-
-    `covers(ctx)` says whether a call can go here; the first call of a signature exports and compiles it (or
-    loads it from `cache_dir`). Errors propagate: the caller (`drafters.compile.CompiledGreedy`) falls back.
+class AheadOfTimeForward:
+    """`drafter.<method>` (one of `METHODS`) for one CPU sequence through AOTInductor libraries, one per
+    `_Signature`. `covers(ctx)` says whether a call can go here; the first call of a signature exports and
+    compiles it (or loads it from `cache_dir`). Errors propagate: the caller (`drafters.compile.CompiledForward`)
+    falls back to torch.compile.
     """
 
-    def __init__(self, drafter: NeuralDrafter, cache_dir: Path | None = None) -> None:
+    METHODS = ("block_logits", "draft_greedy")
+
+    def __init__(self, drafter: NeuralDrafter, method: str, cache_dir: Path | None = None) -> None:
+        if method not in self.METHODS:
+            raise ValueError(f"no ahead-of-time path for {method!r}; allowed: {', '.join(self.METHODS)}")
         self.drafter = drafter
+        self.method = method
         self.cache_dir = cache_dir
         self.runners: dict[_Signature, object] = {}
 
@@ -98,13 +108,17 @@ class AheadOfTimeGreedy:
         return ctx.block_tokens.shape[0] == 1 and ctx.block_tokens.device.type == "cpu" \
             and not torch.is_grad_enabled() and ctx.history is None
 
-    def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafts (1, K) as draft-vocabulary indices and their confidence (1, K), as `draft_greedy` returns."""
+    def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """What the method returns for `ctx`: `draft_greedy` (which takes `anchor_tokens`) the drafts (1, K) as
+        draft-vocabulary indices and their confidence (1, K), `block_logits` the logits (1, K, Vp)."""
+        anchor = ctx.block_tokens[:, 0] if anchor_tokens is None else anchor_tokens
         signature = self.signature_of(ctx)
         runner = self.runners.get(signature)
         if runner is None:
-            runner = self.runners[signature] = self._build(signature, ctx, anchor_tokens)
-        return tuple(runner(*self._inputs(ctx, anchor_tokens, signature)))  # type: ignore[operator]
+            runner = self.runners[signature] = self._build(signature, ctx, anchor)
+        out = runner(*self._inputs(ctx, anchor, signature))  # type: ignore[operator]
+        return tuple(out) if self.method == "draft_greedy" else out
 
     @staticmethod
     def signature_of(ctx: BlockContext) -> _Signature:
@@ -114,7 +128,7 @@ class AheadOfTimeGreedy:
 
     @staticmethod
     def _inputs(ctx: BlockContext, anchor_tokens: torch.Tensor, signature: _Signature) -> list[torch.Tensor]:
-        """The flat inputs of `_GreedyProposal.forward`, each contiguous in its signature's layout."""
+        """The flat inputs of `_FlatForward.forward`, each contiguous in its signature's layout."""
         inputs = [ctx.block_tokens.contiguous(), ctx.positions.contiguous(), ctx.last_hidden.contiguous(),
                   ctx.context_mask.contiguous(), anchor_tokens.contiguous()]
         tensors = [t for pair in ctx.context_kv for t in pair]
@@ -123,17 +137,17 @@ class AheadOfTimeGreedy:
         return inputs
 
     def _build(self, signature: _Signature, ctx: BlockContext, anchor_tokens: torch.Tensor) -> object:
-        """Export `_GreedyProposal` with the context length dynamic, then load its library from the cache or
+        """Export `_FlatForward` with the context length dynamic, then load its library from the cache or
         compile it there."""
         with torch.inference_mode(False), torch.no_grad():
             example = _example(ctx, anchor_tokens, signature)
             keys = torch.export.Dim("context_keys", min=2, max=_MAX_KEYS)
             context = tuple({3: keys} if last else {1: keys} for _, last in signature.context)
             dynamic = (None, None, None, {1: keys}, None) + ((context,) if context else ())  # *context: one tuple
-            program = torch.export.export(_GreedyProposal(self.drafter, signature).eval(), tuple(example),
+            program = torch.export.export(_FlatForward(self.drafter, self.method, signature).eval(), tuple(example),
                                           dynamic_shapes=dynamic, strict=False)
         directory = self.cache_dir or aot_cache_dir()
-        path = directory / f"{self.drafter.kind}-K{signature.K}-{_digest(program)}.pt2"
+        path = directory / f"{self.drafter.kind}-{self.method}-K{signature.K}-{_digest(program)}.pt2"
         if not path.exists():
             directory.mkdir(parents=True, exist_ok=True)
             handle, partial = tempfile.mkstemp(suffix=".pt2", dir=directory)

@@ -6,10 +6,10 @@ Only the drafter is compiled, never the target, and only its two tensor-only met
 * `draft_greedy`, the block forward followed by the K-slot greedy Markov loop (`greedy_block`), what
   an all-greedy proposal runs: one compiled call, so dynamo checks its guards once a step (~0.6 ms a
   call here) and the loop's K small vector-matrix products with their max and softmax fuse as well.
-  For one sequence on a CPU it runs compiled ahead of time instead (`CompiledGreedy`,
-  drafters/ahead_of_time.py): no guards and no Python between the kernels.
-A compiled drafter may round differently from the eager one, so a draft can change; the output
-cannot, because the target verifies every draft with its own forward.
+
+For one sequence on a CPU both run compiled ahead of time instead (drafters/ahead_of_time.py): no guards and no
+Python between the kernels. A compiled drafter may round differently from the eager one, so a draft can change;
+the output cannot, because the target verifies every draft with its own forward.
 
 Both are compiled with dynamic shapes (the context length changes every step), once per process.
 Inductor keeps what it built in its on-disk cache, so a later process compiles from there (measured
@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.fx.experimental._config as fx_config
 
-from hspec.drafters.ahead_of_time import AheadOfTimeGreedy
+from hspec.drafters.ahead_of_time import AheadOfTimeForward
 from hspec.drafters.common import BlockContext, NeuralDrafter
 
 COMPILED_METHODS = ("block_logits", "draft_greedy")
@@ -41,13 +41,16 @@ def no_duck_shapes() -> AbstractContextManager[None]:
 
 
 class CompiledForward:
-    """Calls one of `drafter`'s methods through torch.compile; falls back to the eager method for good
-    the first time the compiled call fails where the eager one succeeds (a compile failure)."""
+    """Calls one of `drafter`'s methods compiled: for one sequence on a CPU through an AOTInductor library
+    (`AheadOfTimeForward`), else through torch.compile. Where the ahead-of-time path fails (no C++ compiler, an op
+    export cannot trace) it warns once and every later call takes torch.compile's path; where that fails where
+    the eager method succeeds (a compile failure), it warns once and the eager method takes over for good."""
 
     def __init__(self, drafter: NeuralDrafter, name: str) -> None:
         self.kind, self.name = drafter.kind, name
         self.eager: Callable[..., object] = getattr(drafter, name)
         self.compiled: Callable[..., object] | None = torch.compile(self.eager, dynamic=True)
+        self.ahead_of_time: AheadOfTimeForward | None = AheadOfTimeForward(drafter, name)
 
     @property
     def is_compiled(self) -> bool:
@@ -55,6 +58,15 @@ class CompiledForward:
         return self.compiled is not None
 
     def __call__(self, *args: object) -> object:
+        ctx = args[0]
+        if self.ahead_of_time is not None and isinstance(ctx, BlockContext) and self.ahead_of_time.covers(ctx):
+            try:
+                return self.ahead_of_time(ctx, *args[1:])  # type: ignore[arg-type]
+            except Exception as aot_error:
+                self.ahead_of_time = None
+                warnings.warn(f"the ahead-of-time compile failed for drafter {self.kind!r} ({self.name}), which "
+                              f"runs through torch.compile: {type(aot_error).__name__}: {aot_error}",
+                              RuntimeWarning, stacklevel=2)
         if self.compiled is None:
             return self.eager(*args)
         try:
@@ -68,36 +80,14 @@ class CompiledForward:
             return result
 
 
-class CompiledGreedy(CompiledForward):
-    """`draft_greedy`: for one sequence on a CPU through an AOTInductor library (`AheadOfTimeGreedy`), else
-    through torch.compile. Where the ahead-of-time path fails (no C++ compiler, an op export cannot trace), it
-    warns once and every later call takes torch.compile's path."""
-
-    def __init__(self, drafter: NeuralDrafter) -> None:
-        super().__init__(drafter, "draft_greedy")
-        self.ahead_of_time: AheadOfTimeGreedy | None = AheadOfTimeGreedy(drafter)
-
-    def __call__(self, *args: object) -> object:
-        ctx = args[0]
-        if self.ahead_of_time is not None and isinstance(ctx, BlockContext) and self.ahead_of_time.covers(ctx):
-            try:
-                return self.ahead_of_time(ctx, args[1])  # type: ignore[arg-type]
-            except Exception as aot_error:
-                self.ahead_of_time = None
-                warnings.warn(f"the ahead-of-time compile failed for drafter {self.kind!r} (draft_greedy), which "
-                              f"runs through torch.compile: {type(aot_error).__name__}: {aot_error}",
-                              RuntimeWarning, stacklevel=2)
-        return super().__call__(*args)
-
-
 def compile_drafter(drafter: NeuralDrafter) -> dict[str, CompiledForward]:
-    """Route `drafter`'s `COMPILED_METHODS` through torch.compile (in place, once; `draft_greedy` for one CPU
-    sequence ahead of time, `CompiledGreedy`); returns the wrappers."""
+    """Route `drafter`'s `COMPILED_METHODS` through torch.compile, or for one CPU sequence an AOTInductor library
+    (in place, once); returns the wrappers."""
     wrappers = {}
     for name in COMPILED_METHODS:
         method = getattr(drafter, name)
         if not isinstance(method, CompiledForward):
-            method = CompiledGreedy(drafter) if name == "draft_greedy" else CompiledForward(drafter, name)
+            method = CompiledForward(drafter, name)
             setattr(drafter, name, method)  # the instance's attribute, not the class's
         wrappers[name] = method
     return wrappers
