@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -236,3 +237,17 @@ def test_a_sampled_row_runs_the_block_forward_ahead_of_time(tiny_target, monkeyp
         decoder = SpeculativeDecoder(tiny_target.model, drafter, 3, eos_token_ids=())
         out = decoder.generate([PROMPT], SamplingParams(temperature=1.0), 16).sequences[0]
     assert len(out.token_ids) == 16 and not drafter.draft_greedy.ahead_of_time.runners
+
+
+def test_the_cache_keeps_the_most_recently_used_libraries_and_compiles_in_progress(tmp_path):
+    for i in range(5):
+        library = tmp_path / f"hspec-draft_greedy-K7-{i}.pt2"
+        library.write_bytes(b"x")
+        os.utime(library, (1000 + i, 1000 + i))
+    partial = tmp_path / "partial-abc.pt2"
+    partial.write_bytes(b"x")
+    os.utime(partial, (1, 1))
+    deleted = ahead_of_time.prune_cache(tmp_path, keep=3)
+    assert sorted(p.name for p in deleted) == ["hspec-draft_greedy-K7-0.pt2", "hspec-draft_greedy-K7-1.pt2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hspec-draft_greedy-K7-2.pt2", "hspec-draft_greedy-K7-3.pt2", "hspec-draft_greedy-K7-4.pt2", "partial-abc.pt2"]

@@ -20,7 +20,8 @@ choice made from the first call's tensors; a window of the pool is copied into t
 Compiling takes ~30-40 s on 2 cores. The library is kept in the hspec cache (`$HSPEC_CACHE/aot_drafters`, by
 default ~/.cache/hspec/aot_drafters, ~110 MB for SmolLM2's H-Spec drafter, whose constants include the
 target's embedding it reads), named by a digest of the exported graph, its weights and torch's version, so a
-later process with the same drafter, code and draft length loads it in about a second.
+later process with the same drafter, code and draft length loads it in about a second; the 8 most recently
+used libraries are kept, older ones deleted (`prune_cache`).
 
 Legend: K block, S context keys, Hkv KV heads, D head dim, n_sel selected target layers, H hidden.
 """
@@ -39,12 +40,14 @@ from torch import nn
 from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, NeuralDrafter
 from hspec.models.loading import cache_root
 
-__all__ = ["AheadOfTimeForward", "aot_cache_dir"]
+__all__ = ["KEEP_LIBRARIES", "AheadOfTimeForward", "aot_cache_dir", "prune_cache"]
 
 # The context length of the example the graph is exported with: a multiple of CONTEXT_MULTIPLE that equals no
 # other size of the drafters (export would otherwise take the two for one dimension and refuse the range).
 _EXAMPLE_KEYS = 5 * CONTEXT_MULTIPLE
 _MAX_KEYS = 1 << 20
+_PARTIAL = "partial-"  # the name a library has while it compiles
+KEEP_LIBRARIES = 8  # libraries kept in the cache, the most recently used ones (`prune_cache`)
 
 
 def aot_cache_dir() -> Path:
@@ -148,9 +151,11 @@ class AheadOfTimeForward:
                                           dynamic_shapes=dynamic, strict=False)
         directory = self.cache_dir or aot_cache_dir()
         path = directory / f"{self.drafter.kind}-{self.method}-K{signature.K}-{_digest(program)}.pt2"
-        if not path.exists():
+        if path.exists():
+            os.utime(path)  # recently used: pruning goes by modification time
+        else:
             directory.mkdir(parents=True, exist_ok=True)
-            handle, partial = tempfile.mkstemp(suffix=".pt2", dir=directory)
+            handle, partial = tempfile.mkstemp(prefix=_PARTIAL, suffix=".pt2", dir=directory)
             os.close(handle)
             try:
                 torch._inductor.aoti_compile_and_package(program, package_path=partial)
@@ -159,7 +164,24 @@ class AheadOfTimeForward:
             finally:
                 if os.path.exists(partial):
                     os.remove(partial)
+            prune_cache(directory)
         return torch._inductor.aoti_load_package(str(path))
+
+
+def prune_cache(directory: Path, keep: int = KEEP_LIBRARIES) -> list[Path]:
+    """Delete all but the `keep` most recently used libraries in `directory` (each ~110 MB for SmolLM2's H-Spec
+    drafter; every change of code, weights or K makes a new one); returns the deleted paths. Compiles in progress
+    (their partial files) are left alone, and a process that has a deleted library loaded keeps it."""
+    libraries = [p for p in directory.glob("*.pt2") if not p.name.startswith(_PARTIAL)]
+    libraries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    deleted = []
+    for old in libraries[keep:]:
+        try:
+            old.unlink()
+            deleted.append(old)
+        except FileNotFoundError:  # another process pruned it first
+            pass
+    return deleted
 
 
 def _example(ctx: BlockContext, anchor_tokens: torch.Tensor, signature: _Signature) -> list[torch.Tensor]:
