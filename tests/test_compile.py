@@ -159,20 +159,25 @@ def test_a_failing_ahead_of_time_compile_warns_once_and_torch_compile_takes_over
 
 def test_context_views_are_passed_in_the_layout_of_the_signature():
     """Windows of a pool of any capacity: K stored keys-innermost (as a row-invariant target's pool stores it)
-    goes keys-innermost, V (rows of Hkv x D) in rows; both are copied contiguous with the same values, since the
-    compiled library does not read strides."""
+    goes keys-innermost, (1, Hkv, D, W) with the window its first keys: the store itself where its rows fit in the
+    storage (no copy), a contiguous copy where they would run past its end; V (rows of Hkv x D) goes contiguous.
+    The compiled library does not read strides, so every input is contiguous."""
     hkv, d, keys = 2, 8, 40
     for capacity in (64, 96):
-        k = torch.randn(1, hkv, d, capacity).permute(0, 3, 1, 2)[:, 8:8 + keys]  # (1, S, Hkv, D), keys stride 1
+        store = torch.randn(2, hkv, d, capacity)  # two layers of K^T
         v = torch.randn(1, capacity, hkv, d)[:, 8:8 + keys]  # (1, S, Hkv, D)
-        ctx = BlockContext(torch.zeros(1, 3, dtype=torch.long), torch.arange(48, 51)[None], torch.zeros(1, 2, 16),
-                           [(k, v)], torch.ones(1, keys, dtype=torch.bool))
-        signature = AheadOfTimeForward.signature_of(ctx)
-        assert signature.context == ((torch.float32, True), (torch.float32, False))
-        inputs = AheadOfTimeForward._inputs(ctx, torch.zeros(1, dtype=torch.long), signature)
-        assert all(t.is_contiguous() for t in inputs)
-        assert inputs[5].shape == (1, hkv, d, keys) and torch.equal(inputs[5].permute(0, 3, 1, 2), k)
-        assert torch.equal(inputs[6], v)
+        for layer, copied in ((0, False), (1, True)):  # the last layer's rows would run past the storage
+            k = store[layer][None].permute(0, 3, 1, 2)[:, 8:8 + keys]  # (1, S, Hkv, D), keys stride 1
+            ctx = BlockContext(torch.zeros(1, 3, dtype=torch.long), torch.arange(48, 51)[None],
+                               torch.zeros(1, 2, 16), [(k, v)], torch.ones(1, keys, dtype=torch.bool))
+            signature = AheadOfTimeForward.signature_of(ctx)
+            assert signature.context == ((torch.float32, True), (torch.float32, False))
+            inputs = AheadOfTimeForward._inputs(ctx, torch.zeros(1, dtype=torch.long), signature)
+            assert all(t.is_contiguous() for t in inputs)
+            passed = inputs[5]
+            assert passed.shape == (1, hkv, d, keys if copied else capacity)
+            assert (passed.data_ptr() == k.data_ptr()) is not copied
+            assert torch.equal(passed[..., :keys].permute(0, 3, 1, 2), k) and torch.equal(inputs[6], v)
 
 
 @pytest.mark.slow

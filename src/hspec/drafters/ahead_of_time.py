@@ -12,10 +12,11 @@ Drafts may round differently from the eager drafter's, as a torch.compile'd one'
 because the target verifies every draft.
 
 The library reads its inputs in the layouts it was compiled for and does not check strides, so every call
-hands it the same layouts: each context K/V either keys-innermost (as the KV pool stores K, so a window of it
-copies as whole rows) or rows of Hkv x D (as the pool stores V, whose window of one sequence already is), the
-choice made from the first call's tensors; a window of the pool is copied into that layout (at 256 keys
-~200 KB a tensor).
+hands it the same layouts: each context K/V either keys-innermost (as the KV pool stores K) or rows of Hkv x D
+(as the pool stores V, whose window of one sequence already is contiguous), the choice made from the first
+call's tensors. A keys-innermost K goes as (1, Hkv, D, W) with the context its first S keys: the pool layer's K
+itself from the window's first key on where it fits in the storage (no copy), else a copy of the window (W = S;
+1.5 MB a layer at 2,048 keys).
 
 Compiling takes ~30-40 s on 2 cores. The library is kept in the hspec cache (`$HSPEC_CACHE/aot_drafters`, by
 default ~/.cache/hspec/aot_drafters, ~110 MB for SmolLM2's H-Spec drafter, whose constants include the
@@ -78,10 +79,16 @@ class _FlatForward(nn.Module):
                 context_mask: torch.Tensor, anchor_tokens: torch.Tensor, *context: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """block_tokens, positions (1, K) long; last_hidden (1, n_sel, H); context_mask (1, S) bool; anchor_tokens
-        (1,) long (read by `draft_greedy` only); then each context K and V: (1, Hkv, D, S) keys-innermost or (1, S,
-        Hkv, D). Returns what the method returns: the drafts (1, K) and their confidence (1, K), or the block's
-        logits (1, K, Vp)."""
-        views = [t.permute(0, 3, 1, 2) if last else t for t, last in zip(context, self.keys_last)]  # (1, S, Hkv, D)
+        (1,) long (read by `draft_greedy` only); then each context K and V: (1, Hkv, D, W) keys-innermost, of which
+        the first S keys are the context (W >= S: `_keys_innermost`), or (1, S, Hkv, D). Returns what the method
+        returns: the drafts (1, K) and their confidence (1, K), or the block's logits (1, K, Vp)."""
+        keys = context_mask.shape[1]
+        views = []
+        for t, last in zip(context, self.keys_last):
+            if last:
+                torch._check(keys <= t.shape[3])
+                t = t[..., :keys].permute(0, 3, 1, 2)
+            views.append(t)  # (1, S, Hkv, D)
         ctx = BlockContext(block_tokens, positions, last_hidden, list(zip(views[0::2], views[1::2])), context_mask)
         if self.method == "draft_greedy":
             return type(self.drafter).draft_greedy(self.drafter, ctx, anchor_tokens)
@@ -135,8 +142,7 @@ class AheadOfTimeForward:
         inputs = [ctx.block_tokens.contiguous(), ctx.positions.contiguous(), ctx.last_hidden.contiguous(),
                   ctx.context_mask.contiguous(), anchor_tokens.contiguous()]
         tensors = [t for pair in ctx.context_kv for t in pair]
-        inputs += [t.permute(0, 2, 3, 1).contiguous() if last else t.contiguous()
-                   for t, (_, last) in zip(tensors, signature.context)]
+        inputs += [_keys_innermost(t) if last else t.contiguous() for t, (_, last) in zip(tensors, signature.context)]
         return inputs
 
     def _build(self, signature: _Signature, ctx: BlockContext, anchor_tokens: torch.Tensor) -> object:
@@ -145,7 +151,8 @@ class AheadOfTimeForward:
         with torch.inference_mode(False), torch.no_grad():
             example = _example(ctx, anchor_tokens, signature)
             keys = torch.export.Dim("context_keys", min=2, max=_MAX_KEYS)
-            context = tuple({3: keys} if last else {1: keys} for _, last in signature.context)
+            context = tuple({3: torch.export.Dim(f"stored_keys_{i}", min=2, max=_MAX_KEYS)} if last else {1: keys}
+                            for i, (_, last) in enumerate(signature.context))
             dynamic = (None, None, None, {1: keys}, None) + ((context,) if context else ())  # *context: one tuple
             program = torch.export.export(_FlatForward(self.drafter, self.method, signature).eval(), tuple(example),
                                           dynamic_shapes=dynamic, strict=False)
@@ -189,11 +196,26 @@ def _example(ctx: BlockContext, anchor_tokens: torch.Tensor, signature: _Signatu
     inputs = [ctx.block_tokens.clone(), ctx.positions.clone(), ctx.last_hidden.clone(),
               torch.ones(1, _EXAMPLE_KEYS, dtype=torch.bool), anchor_tokens.clone()]
     tensors = [t for pair in ctx.context_kv for t in pair]
-    for t, (dtype, last) in zip(tensors, signature.context):
+    for i, (t, (dtype, last)) in enumerate(zip(tensors, signature.context)):
         _, _, hkv, d = t.shape
-        shape = (1, hkv, d, _EXAMPLE_KEYS) if last else (1, _EXAMPLE_KEYS, hkv, d)
+        # Stored keys W > S, a size of its own per tensor (equal sizes would be taken for one dimension).
+        shape = (1, hkv, d, _EXAMPLE_KEYS + 1 + 2 * i) if last else (1, _EXAMPLE_KEYS, hkv, d)
         inputs.append(torch.randn(shape).to(dtype))
     return inputs
+
+
+def _keys_innermost(t: torch.Tensor) -> torch.Tensor:
+    """A context K (1, S, Hkv, D) whose keys are innermost (t.stride(1) == 1) as a contiguous (1, Hkv, D, W) tensor
+    whose first S keys are t's. Where t is a window of a store laid out (Hkv, D, W) (the KV pool's K of one
+    layer, W its slots), that is the store itself from t's first key on, without a copy: its rows run on past
+    the window into keys the library never reads. Elsewhere, or where those rows would run past the end of the
+    storage, a contiguous copy of t's keys (W = S)."""
+    _, keys, hkv, d = t.shape
+    stored = t.stride(3)
+    fits = t.stride(1) == 1 and t.stride(2) == d * stored and keys <= stored
+    if fits and t.storage_offset() + hkv * d * stored <= t.untyped_storage().nbytes() // t.element_size():
+        return t.as_strided((1, hkv, d, stored), (hkv * d * stored, d * stored, stored, 1))
+    return t.permute(0, 2, 3, 1).contiguous()
 
 
 def _digest(program: torch.export.ExportedProgram) -> str:
