@@ -24,7 +24,8 @@ target's embedding it reads), named by a digest of the exported graph, its weigh
 later process with the same drafter, code and draft length loads it in about a second; the 8 most recently
 used libraries are kept, older ones deleted (`prune_cache`).
 
-Legend: K block, S context keys, Hkv KV heads, D head dim, n_sel selected target layers, H hidden.
+Legend: K block, S context keys, W keys a stored K holds (W >= S), Hkv KV heads, D head dim, n_sel selected
+target layers, H hidden, Vp draft vocabulary.
 """
 
 from __future__ import annotations
