@@ -30,9 +30,13 @@ target layers, H hidden, Vp draft vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import sys
 import tempfile
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,15 +169,27 @@ class AheadOfTimeForward:
             directory.mkdir(parents=True, exist_ok=True)
             handle, partial = tempfile.mkstemp(prefix=_PARTIAL, suffix=".pt2", dir=directory)
             os.close(handle)
+            print(f"[hspec] compiling the {self.drafter.kind} drafter's {self.method} (K = {signature.K}) ahead of "
+                  f"time, once (~30-40 s on 2 cores); kept in {directory}", file=sys.stderr, flush=True)
             try:
-                torch._inductor.aoti_compile_and_package(program, package_path=partial)
+                with _quiet_pytree():
+                    torch._inductor.aoti_compile_and_package(program, package_path=partial)
                 os.chmod(partial, 0o644)
                 os.replace(partial, path)  # whole or absent: a killed compile leaves no half library behind
             finally:
                 if os.path.exists(partial):
                     os.remove(partial)
             prune_cache(directory)
-        return torch._inductor.aoti_load_package(str(path))
+        with _quiet_pytree():
+            return torch._inductor.aoti_load_package(str(path))
+
+
+@contextlib.contextmanager
+def _quiet_pytree() -> Iterator[None]:
+    """Without the FutureWarning torch's own packaging code raises against its pytree module (`LeafSpec`)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        yield
 
 
 def prune_cache(directory: Path, keep: int = KEEP_LIBRARIES) -> list[Path]:
