@@ -82,7 +82,7 @@ class _FlatForward(nn.Module):
 
     def forward(self, block_tokens: torch.Tensor, positions: torch.Tensor, last_hidden: torch.Tensor,
                 context_mask: torch.Tensor, anchor_tokens: torch.Tensor, *context: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """block_tokens, positions (1, K) long; last_hidden (1, n_sel, H); context_mask (1, S) bool; anchor_tokens
         (1,) long (read by `draft_greedy` only); then each context K and V: (1, Hkv, D, W) keys-innermost, of which
         the first S keys are the context (W >= S: `_keys_innermost`), or (1, S, Hkv, D). Returns what the method
