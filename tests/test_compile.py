@@ -249,10 +249,19 @@ def test_the_cache_keeps_the_most_recently_used_libraries_and_compiles_in_progre
         library = tmp_path / f"hspec-draft_greedy-K7-{i}.pt2"
         library.write_bytes(b"x")
         os.utime(library, (1000 + i, 1000 + i))
-    partial = tmp_path / "partial-abc.pt2"
+    partial = tmp_path / "partial-abc.pt2"  # a compile in progress: written to just now
     partial.write_bytes(b"x")
-    os.utime(partial, (1, 1))
     deleted = ahead_of_time.prune_cache(tmp_path, keep=3)
     assert sorted(p.name for p in deleted) == ["hspec-draft_greedy-K7-0.pt2", "hspec-draft_greedy-K7-1.pt2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "hspec-draft_greedy-K7-2.pt2", "hspec-draft_greedy-K7-3.pt2", "hspec-draft_greedy-K7-4.pt2", "partial-abc.pt2"]
+
+
+def test_the_cache_deletes_the_partial_file_of_a_killed_compile(tmp_path):
+    stopped = tmp_path / "partial-killed.pt2"
+    stopped.write_bytes(b"x")
+    os.utime(stopped, (1, 1))  # untouched for far longer than a compile takes
+    running = tmp_path / "partial-running.pt2"
+    running.write_bytes(b"x")
+    assert ahead_of_time.prune_cache(tmp_path) == [stopped]
+    assert [p.name for p in tmp_path.iterdir()] == ["partial-running.pt2"]

@@ -36,6 +36,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ __all__ = ["KEEP_LIBRARIES", "AheadOfTimeForward", "aot_cache_dir", "prune_cache
 _EXAMPLE_KEYS = 5 * CONTEXT_MULTIPLE
 _MAX_KEYS = 1 << 20
 _PARTIAL = "partial-"  # the name a library has while it compiles
+_STALE_PARTIAL_S = 3600  # a partial file untouched this long belongs to a compile that was killed
 KEEP_LIBRARIES = 8  # libraries kept in the cache, the most recently used ones (`prune_cache`)
 
 
@@ -195,12 +197,15 @@ def _quiet_pytree() -> Iterator[None]:
 
 def prune_cache(directory: Path, keep: int = KEEP_LIBRARIES) -> list[Path]:
     """Delete all but the `keep` most recently used libraries in `directory` (each ~110 MB for SmolLM2's H-Spec
-    drafter; every change of code, weights or K makes a new one); returns the deleted paths. Compiles in progress
-    (their partial files) are left alone, and a process that has a deleted library loaded keeps it."""
-    libraries = [p for p in directory.glob("*.pt2") if not p.name.startswith(_PARTIAL)]
-    libraries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    drafter; every change of code, weights or K makes a new one), and the partial files of compiles that stopped
+    (a killed process cannot remove its own: none is written to for `_STALE_PARTIAL_S`); returns the deleted
+    paths. Compiles in progress are left alone, and a process that has a deleted library loaded keeps it."""
+    files = list(directory.glob("*.pt2"))
+    libraries = sorted((p for p in files if not p.name.startswith(_PARTIAL)), key=lambda p: p.stat().st_mtime,
+                       reverse=True)
+    stale = [p for p in files if p.name.startswith(_PARTIAL) and time.time() - p.stat().st_mtime > _STALE_PARTIAL_S]
     deleted = []
-    for old in libraries[keep:]:
+    for old in libraries[keep:] + stale:
         try:
             old.unlink()
             deleted.append(old)
