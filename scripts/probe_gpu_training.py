@@ -1,4 +1,4 @@
-"""How long would the long comparison's training take on one GPU? (docs/gpu-training.md)
+"""How long would the long comparison's training take on one GPU? (results/gpu_training_probe/README.md)
 
 The long comparison (scripts/compare_long.sh) trains 14 drafter kinds for 3,000 steps each with one small
 recipe: 4 sequences x 16 anchors a step, bf16 autocast, features computed by the target. This times that
