@@ -96,21 +96,22 @@ if [ ! -f "$OUT/training.md" ] || [ -n "$(find "${histories[@]}" -newer "$OUT/tr
 fi
 list=$(IFS=,; echo "ngram,${drafters[*]}")
 
-# 3. Evaluations, each skipped when its JSON exists (delete it to rerun), all interleaved item by item
-#    with plain decoding in the same process.
+# 3. Evaluations, all interleaved item by item with plain decoding in the same process. Each is kept where
+#    its JSON was made with the same settings and the same trained drafters (`--keep-current`: the report
+#    records each checkpoint's digest), so a rerun after retraining evaluates the new drafters.
 export OMP_NUM_THREADS=2
 #    Paper Table 2 / Fig. 4 / Fig. 7: every kind and ablation, Spec-Bench subset, K = 7, greedy.
-[ -f "$OUT/eval_spec_bench_k7_greedy.json" ] || $HSPEC eval --dtype "$DTYPE" --drafters "$list" --tasks spec_bench \
+$HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$list" --tasks spec_bench \
   --size "$EVAL_SIZE" --k 7 --max-new-tokens 128 --out "$OUT" --name eval_spec_bench_k7_greedy
 #    Paper Table 3: the same at temperature 1.0 (lossless rejection sampling; tau is the measure).
-[ -f "$OUT/eval_spec_bench_k7_t1.json" ] || $HSPEC eval --dtype "$DTYPE" --drafters "$list" --tasks spec_bench \
+$HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$list" --tasks spec_bench \
   --size "$EVAL_SIZE" --k 7 --max-new-tokens 128 --temperature 1.0 --seed 0 --out "$OUT" --name eval_spec_bench_k7_t1
 #    Paper Table 4: draft-length sensitivity of H-Spec and the parallel baselines.
 sweep="hspec=$RUNS/hspec/drafter,dspark=$RUNS/dspark/drafter,dflash=$RUNS/dflash/drafter,peagle=$RUNS/peagle/drafter"
-[ -f "$OUT/eval_spec_bench_k_sweep_greedy.json" ] || $HSPEC eval --dtype "$DTYPE" --drafters "$sweep" \
+$HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$sweep" \
   --tasks spec_bench --size "$EVAL_SIZE" --k 3,5,7 --max-new-tokens 128 --out "$OUT" --name eval_spec_bench_k_sweep_greedy
 #    The paper's other suites at K = 7, greedy.
-[ -f "$OUT/eval_tasks_k7_greedy.json" ] || $HSPEC eval --dtype "$DTYPE" --drafters "$list" \
+$HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$list" \
   --tasks mt_bench,humaneval,gsm8k --size "$TASK_SIZE" --k 7 --max-new-tokens 128 --out "$OUT" --name eval_tasks_k7_greedy
 #    The paper's claims, each with its paired bootstrap CI (docs/claims.md).
 $HSPEC claims "$OUT"

@@ -59,12 +59,12 @@ if [[ " $KINDS " == *" dels "* ]]; then
 fi
 $HSPEC train-report "${runs[@]}" --out "$OUT/training.md" --title "All kinds, one recipe, SmolLM2-135M-Instruct"
 
-# 2. (Skipped when its JSON exists: delete it to rerun.) Every kind against plain decoding, greedy, K = 7, interleaved item by item (tau, speedup, CIs,
+# 2. (Kept where its JSON was made with the same settings and drafters: --keep-current.) Every kind against plain decoding, greedy, K = 7, interleaved item by item (tau, speedup, CIs,
 #    acceptance per position, the ablation plot).
 list=$(IFS=,; echo "ngram,${drafters[*]}")
-[ -f "$OUT/eval_spec_bench_k7_greedy.json" ] || $HSPEC eval --drafters "$list" --tasks spec_bench --size "$EVAL_SIZE" --k 7 --max-new-tokens 128 --out "$OUT" \
+$HSPEC eval --keep-current --drafters "$list" --tasks spec_bench --size "$EVAL_SIZE" --k 7 --max-new-tokens 128 --out "$OUT" \
   --name eval_spec_bench_k7_greedy
 
 # 3. Draft-length sensitivity of H-Spec and the baselines (paper Table 4).
-[ -f "$OUT/eval_spec_bench_k_sweep_greedy.json" ] || $HSPEC eval --drafters "hspec=runs/compare/hspec/drafter,dspark=runs/compare/dspark/drafter,dflash=runs/compare/dflash/drafter" \
+$HSPEC eval --keep-current --drafters "hspec=runs/compare/hspec/drafter,dspark=runs/compare/dspark/drafter,dflash=runs/compare/dflash/drafter" \
   --tasks spec_bench --size "$SWEEP_SIZE" --k 3,5,7 --max-new-tokens 128 --out "$OUT" --name eval_spec_bench_k_sweep_greedy

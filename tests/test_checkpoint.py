@@ -413,3 +413,18 @@ def test_stale_temporaries_are_cleared_and_a_moved_aside_checkpoint_comes_back(t
     assert_same_state(drafter, load_drafter(moved, tiny_target.model))
     assert remove_stale_temporaries(tmp_path) == [] and remove_stale_temporaries(tmp_path / "none") == []
     assert kept.is_dir()
+
+
+def test_a_checkpoints_digest_follows_its_weights_and_config_not_its_directory(tmp_path, tiny_target):
+    import shutil
+
+    from hspec.drafters.checkpoint import checkpoint_digest
+
+    save_drafter(random_drafter("hspec", tiny_target), tmp_path / "a", VERIFIER)
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    assert checkpoint_digest(tmp_path / "copy") == checkpoint_digest(tmp_path / "a")
+    save_drafter(random_drafter("hspec", tiny_target, seed=1), tmp_path / "b", VERIFIER)
+    assert checkpoint_digest(tmp_path / "b") != checkpoint_digest(tmp_path / "a")
+    (tmp_path / "a" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        checkpoint_digest(tmp_path / "a")

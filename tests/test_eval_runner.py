@@ -258,3 +258,52 @@ def test_an_item_log_drops_a_line_cut_short_and_names_every_commit_that_wrote_to
     assert [r["item"] for r in third.records] == ["t/0", "t/1"]
     third.finish()
     assert not path.exists()
+
+
+def test_a_report_names_the_weights_it_evaluated_and_keep_current_keeps_it_only_for_those(tmp_path, tiny_target,
+                                                                                          monkeypatch):
+    """The settings record each checkpoint's digest: `keep_current` returns a report made with the same
+    weights without decoding, decodes again once the drafter is retrained in place, and a partial log of
+    the old weights is refused rather than mixed with the new ones."""
+    import torch
+
+    from hspec.decoding.generate import SpeculativeDecoder
+    from hspec.drafters import create_drafter
+    from hspec.drafters.checkpoint import checkpoint_digest, save_drafter
+    from hspec.eval.runner import MethodSpec, run_eval
+    from hspec.sampling import SamplingParams
+
+    target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
+    checkpoint = tmp_path / "run" / "drafter"
+
+    def train(seed):  # "training": weights that differ with the seed
+        drafter = create_drafter("hspec", target.config, target_model=target.model)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in drafter.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        save_drafter(drafter, checkpoint, "tiny")
+
+    train(0)
+    args = ("tiny", [MethodSpec("hspec", str(checkpoint))], ["mt_bench"], 2, 3, SamplingParams(), 8, tmp_path / "out")
+    first = run_eval(*args, "e", target=target)
+    digest = checkpoint_digest(checkpoint)
+    assert first["provenance"]["settings"]["checkpoints"] == {"hspec@run": digest}
+    generate = SpeculativeDecoder.generate
+    calls = []
+
+    def counted(self, prompts, *a, **kw):
+        calls.append(prompts[0])
+        if len(calls) == 2 + 4 + 1:  # warm-ups, item 1 (2 methods x 2 turns), then the first call of item 2
+            raise KeyboardInterrupt
+        return generate(self, prompts, *a, **kw)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", counted)
+    assert run_eval(*args, "e", target=target, keep_current=True) == first and calls == []
+    train(1)
+    assert checkpoint_digest(checkpoint) != digest
+    with pytest.raises(KeyboardInterrupt):  # retrained: decoded again, and cut short in its second item
+        run_eval(*args, "e", target=target, keep_current=True)
+    train(0)  # other weights in place than the half-finished log's (the retrained ones): it is refused
+    with pytest.raises(ValueError, match="settings that differ: checkpoints"):
+        run_eval(*args, "e", target=target)

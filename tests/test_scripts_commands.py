@@ -154,6 +154,7 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
             assert c[c.index("--features") + 1] == "runs/features/part1,runs/features/part2"
     order = [c[0] for c in calls]
     assert order.count("eval") == 4 and order[-1] == "claims"
+    assert all("--keep-current" in c for c in calls if c[0] == "eval")  # a retrained drafter is evaluated again
     assert order.index("train-report") > max(i for i, w in enumerate(order) if w == "train")
 
 

@@ -386,6 +386,9 @@ def _add_eval(sub) -> None:
     _add_sampling(ev)
     ev.add_argument("--out", default="results", help="output directory")
     ev.add_argument("--name", default=None, help="file stem (default eval_<tasks>_k<K>_<greedy|sampled>)")
+    ev.add_argument("--keep-current", action="store_true",
+                    help="where OUT/NAME.json was made with these settings and the same checkpoints (by the "
+                         "digest of their weights, which the report records), keep it and decode nothing")
     _add_data_dir(ev)
     ev.set_defaults(handler=_cmd_eval)
 
@@ -407,8 +410,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     stem = args.name or f"eval_{args.tasks.replace(',', '+')}_k{'+'.join(map(str, ks))}_{mode}"
     run_eval(args.target, methods, args.tasks.split(","), args.size, ks if len(ks) > 1 else ks[0], sampling,
              args.max_new_tokens, Path(args.out), stem, args.seed, args.command_line, data_dir=args.data_dir,
-             dtype=args.dtype, compile_drafters=args.compile_drafter, drafter_precision=args.drafter_precision)
-    print(f"wrote {Path(args.out) / stem}.json and .md")
+             dtype=args.dtype, compile_drafters=args.compile_drafter, drafter_precision=args.drafter_precision,
+             keep_current=args.keep_current)
+    print(f"report: {Path(args.out) / stem}.json and .md")
     return 0
 
 

@@ -25,6 +25,7 @@ Every write goes to a hidden temporary directory in the same parent and is renam
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -253,6 +254,24 @@ def read_checkpoint(path: str | Path) -> CheckpointInfo:
     verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
     return CheckpointInfo(path, kind, drafter_config, verifier.get("name_or_path"),
                           tuple(verifier.get("architectures") or ()), raw)
+
+
+def checkpoint_digest(path: str | Path) -> str:
+    """A short sha256 of what makes the drafter at `path`: its weights file and its `DrafterConfig`.
+
+    Two checkpoints with the same digest draft alike, whatever their directory names; a retrained drafter
+    gets another one (evaluations record it, `hspec.eval.runner`). Fields of config.json that do not change
+    the drafter (the hspec version that wrote it) are left out.
+    """
+    info = read_checkpoint(path)
+    digest = hashlib.sha256(json.dumps(info.raw[DRAFTER_CONFIG_KEY], sort_keys=True).encode())
+    weights = info.path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(_missing_message(info.path, weights))
+    with weights.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def load_drafter(path: str | Path, target_model: nn.Module, device: torch.device | str | None = None,

@@ -8,8 +8,8 @@ written. Items are the unit because a multi-turn item's later turns need its ear
 
 Every line records the commit it was made at, so a report assembled over several commits says so
 (`commits`). A file whose settings differ from the new run's is never mixed in: the run stops and names
-the settings that differ. The settings name each checkpoint by its label, not its contents: after
-retraining a drafter, delete the log.
+the settings that differ. The settings record each checkpoint's digest (`runner.run_eval`), so a log
+made with a drafter since retrained is refused too.
 """
 
 from __future__ import annotations

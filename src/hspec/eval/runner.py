@@ -12,6 +12,7 @@ command run again after a kill resumes with the first unfinished item.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
+from hspec.drafters.checkpoint import checkpoint_digest
 from hspec.eval.bootstrap import paired_bootstrap_relative_diff
 from hspec.eval.findings import evaluate_claims, itl_ratio, render_findings, tau_ratio
 from hspec.eval.partial import ItemLog
@@ -55,7 +57,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
              K: int | Sequence[int], sampling: SamplingParams, max_new_tokens: int, out_dir: Path, stem: str,
              seed: int = 0, command: str = "hspec eval", data_dir: str | Path | None = None,
              dtype: str = "auto", target: Target | None = None, compile_drafters: bool = False,
-             drafter_precision: str = "auto") -> dict[str, Any]:
+             drafter_precision: str = "auto", keep_current: bool = False) -> dict[str, Any]:
     """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
 
     Every method first decodes WARM_UP_TOKENS untimed (first-call dispatch, and with `compile_drafters`
@@ -67,6 +69,10 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
 
     With several K (the draft-length sensitivity, paper Table 4) each drafter runs once per K on
     every item, labelled "<method> k=<K>"; plain decoding runs once per item.
+
+    The settings record each given checkpoint's digest (`checkpoint_digest`), so a retrained drafter is
+    never mixed with items of its earlier weights. `keep_current`: where `<out_dir>/<stem>.json` was made
+    with these very settings (the same checkpoints by content), return it instead of decoding again.
     """
     ks = [K] if isinstance(K, int) else list(K)
     if not ks or any(k < 1 for k in ks):
@@ -76,8 +82,22 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a label in {labels}; give their checkpoints distinct directory names")
     tasks = [load_task(name, size, data_dir) for name in task_names]  # a missing file fails before loading
+    checkpoints = {m.label: checkpoint_digest(m.path) for m in specs if m.path is not None}
     if target is None:
         target = load_target(target_name, dtype=dtype)  # dtype: --dtype (auto, float32, bfloat16)
+    settings = {"target": target.name, "dtype": target.model.dtype_name,
+                "K": ks[0] if len(ks) == 1 else ks, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": max_new_tokens,
+                "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,
+                "methods": ",".join(m.label for m in specs), "compile_drafters": compile_drafters,
+                "drafter_precision": drafter_precision_of(drafter_precision, target),
+                **({} if data_dir is None else {"data_dir": str(data_dir)}),
+                **({"checkpoints": checkpoints} if checkpoints else {})}
+    if keep_current:
+        current = current_report(out_dir / f"{stem}.json", settings)
+        if current is not None:
+            print(f"[eval] {out_dir / stem}.json was made with these settings and checkpoints; kept", flush=True)
+            return current
     drafters = {m.label: build_drafter(m.kind, target, m.path, compiled=compile_drafters,
                                           precision=drafter_precision) for m in specs}
     runs: dict[str, tuple[SpeculativeDecoder, int]] = {}  # label -> (decoder, K)
@@ -88,13 +108,6 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     warm_up = target.tokenizer.encode_chat([{"role": "user", "content": tasks[0].items[0].turns[0]}])
     for dec, _ in runs.values():
         dec.generate([warm_up], sampling, WARM_UP_TOKENS, seeds=[seed])
-    settings = {"target": target.name, "dtype": target.model.dtype_name,
-                "K": ks[0] if len(ks) == 1 else ks, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": max_new_tokens,
-                "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,
-                "methods": ",".join(m.label for m in specs), "compile_drafters": compile_drafters,
-                "drafter_precision": drafter_precision_of(drafter_precision, target),
-                **({} if data_dir is None else {"data_dir": str(data_dir)})}
     meta = provenance(command, settings)
     log = ItemLog(out_dir / f"{stem}.partial.jsonl", settings, meta["commit"])  # finished items, kept on disk
     total_turns = sum(len(item.turns) for task in tasks for item in task.items)
@@ -142,6 +155,18 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     write_report(payload, out_dir, stem)
     log.finish()
     return payload
+
+
+def current_report(path: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The report at `path` if it was made with `settings` (compared as JSON reads them back), else None."""
+    if not path.is_file():
+        return None
+    try:
+        payload = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    made_with = payload.get("provenance", {}).get("settings") if isinstance(payload, dict) else None
+    return payload if made_with == json.loads(json.dumps(settings)) else None
 
 
 def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[str, Any]:
