@@ -27,6 +27,13 @@ KINDS=${KINDS:-"hspec dflash peagle dspark dflash-kvreuse hspec-lasttoken-only h
 OUT=${OUT:-results/comparison_long}
 RUNS=${RUNS:-runs/compare_long}
 mkdir -p "$OUT" "$RUNS" runs/features
+# One run at a time: a second one started while this one lives (a resumed session that finds the first still
+# going) would train the same run directories. The lock goes with this process.
+exec 9> "$RUNS/.lock"
+if ! flock -n 9; then
+  echo "[compare_long] another run holds $RUNS/.lock; not starting a second one" >&2
+  exit 1
+fi
 
 # 1. Target features of every committed corpus part (5 tapped layers' hidden states, their K/V, the final
 #    hidden state and the teacher's summary), computed once in fp32 and cached; a part already complete

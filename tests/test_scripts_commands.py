@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,21 @@ def test_describe_drafters_reproduces_the_committed_tables(tmp_path):
     subprocess.run(["bash", str(SCRIPTS / "describe_drafters.sh")], env=env, check=True, capture_output=True)
     for name in ("drafters_describe.md", "drafters_describe.json"):
         assert (tmp_path / name).read_text() == (ROOT / "results" / name).read_text(), name
+
+
+def test_a_second_long_comparison_refuses_to_start_while_one_runs(tmp_path):
+    """Two runs of scripts/compare_long.sh would train the same run directories: the second one exits at once."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    env = {**os.environ, "HSPEC": "false", "RUNS": str(runs), "OUT": str(tmp_path / "out")}
+    holder = subprocess.Popen(["flock", str(runs / ".lock"), "sleep", "30"])
+    try:
+        for _ in range(100):  # until the stand-in holds the lock
+            if subprocess.run(["flock", "-n", str(runs / ".lock"), "true"]).returncode != 0:
+                break
+            time.sleep(0.05)
+        second = subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True,
+                                cwd=ROOT, timeout=60)
+    finally:
+        holder.kill()
+    assert second.returncode == 1 and "holds" in second.stderr
