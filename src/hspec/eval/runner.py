@@ -82,7 +82,6 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a label in {labels}; give their checkpoints distinct directory names")
     tasks = [load_task(name, size, data_dir) for name in task_names]  # a missing file fails before loading
-    checkpoints = {m.label: checkpoint_digest(m.path) for m in specs if m.path is not None}
     if target is None:
         target = load_target(target_name, dtype=dtype)  # dtype: --dtype (auto, float32, bfloat16)
     settings = {"target": target.name, "dtype": target.model.dtype_name,
@@ -91,15 +90,18 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 "tasks": ",".join(task_names), "size_per_task": size, "seed": seed,
                 "methods": ",".join(m.label for m in specs), "compile_drafters": compile_drafters,
                 "drafter_precision": drafter_precision_of(drafter_precision, target),
-                **({} if data_dir is None else {"data_dir": str(data_dir)}),
-                **({"checkpoints": checkpoints} if checkpoints else {})}
+                **({} if data_dir is None else {"data_dir": str(data_dir)})}
+    # Built first, so a bad checkpoint path gets build_drafter's error; compiling waits for the first call.
+    drafters = {m.label: build_drafter(m.kind, target, m.path, compiled=compile_drafters,
+                                          precision=drafter_precision) for m in specs}
+    checkpoints = {m.label: checkpoint_digest(m.path) for m in specs if m.path is not None}
+    if checkpoints:
+        settings["checkpoints"] = checkpoints
     if keep_current:
         current = current_report(out_dir / f"{stem}.json", settings)
         if current is not None:
             print(f"[eval] {out_dir / stem}.json was made with these settings and checkpoints; kept", flush=True)
             return current
-    drafters = {m.label: build_drafter(m.kind, target, m.path, compiled=compile_drafters,
-                                          precision=drafter_precision) for m in specs}
     runs: dict[str, tuple[SpeculativeDecoder, int]] = {}  # label -> (decoder, K)
     for m in specs:
         for k in ([ks[0]] if m.kind == "none" else ks):
