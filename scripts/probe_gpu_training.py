@@ -200,7 +200,6 @@ def main() -> int:
     p.add_argument("--child-timeout", type=float, default=100, help="seconds a side-by-side process may take")
     p.add_argument("--out", type=Path, default=ROOT / "results/gpu_training_probe")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--cached", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = sorted(set(kinds) - set(KINDS))
@@ -210,7 +209,7 @@ def main() -> int:
         p.error(f"--steps must be >= 1, got {args.steps}")
     device = torch.device(args.device)
     if args.child:
-        print(json.dumps(time_kinds(kinds, args.steps, args.cached, args.corpus, device)), flush=True)
+        print(json.dumps(time_kinds(kinds, args.steps, False, args.corpus, device)), flush=True)
         return 0
     corpus = str(args.corpus.relative_to(ROOT)) if args.corpus.is_relative_to(ROOT) else str(args.corpus)
     meta = provenance(" ".join(["python", "scripts/probe_gpu_training.py", *sys.argv[1:]]),
