@@ -3,13 +3,22 @@
 # on the whole committed corpus (results/train_data/corpus_part1-15, 5,173 responses of the target), then
 # evaluated interleaved with plain decoding. Results go to results/comparison_long/.
 #
-# Resumable at every step and across machines: rerun the script after a kill and it continues where it
-# stopped (feature files, training checkpoints every 10 minutes, finished evaluation items are kept). On
-# a 2-core AVX-512 host it takes about a day (features ~1 h, training ~50 min per kind per core with bf16
-# autocast, evaluations ~3 h); on a 2-core AVX2 host about two (fp32: features ~4 h, ~2 h per kind per
-# core), so it runs in the background over several sessions; on a CUDA GPU run it unchanged (training
-# then takes minutes per kind). The defaults are the settings of the committed results/comparison_long/;
-# LANES only sets how many processes run side by side (one torch thread each), which changes no result.
+# Shards. The trained drafters (tens of MB each) do not travel between machines, and a 2-core CPU needs
+# about 13 hours for all of them, more than one machine has been kept. So the comparison runs in shards:
+# `KINDS="hspec dflash" bash scripts/compare_long.sh` trains those kinds and at once evaluates them into
+# $OUT/shards/<kinds joined by +>/ (SHARD names it otherwise); only those small JSONs have to be kept.
+# Then every shard present is merged into $OUT (`hspec eval-merge`: each drafter's speedup over its own
+# shard's plain decoding, drafters paired only where their shards' plain outputs agree) and the claims
+# are tested on the merged files. A shard needs ~20 min of features, its kinds' training (~50-120 min a
+# kind on one core; LANES kinds side by side) and its evaluations (~25 min a kind on 2 threads). With
+# KINDS unset every kind trains and evaluates in one shard, "all". `ngram` (model-free) is a kind that
+# trains nothing; DeLS-Spec trains over the DFlash of its own shard, so `dels` needs `dflash` beside it.
+#
+# Resumable at every step: rerun the same command after a kill and it continues where it stopped
+# (feature files, training checkpoints every 10 minutes, finished evaluation items are kept). On a CUDA
+# GPU run it unchanged (training then takes minutes per kind). The defaults are the settings of the
+# committed results/comparison_long/; LANES only sets how many processes run side by side (one torch
+# thread each), which changes no result.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HSPEC=${HSPEC:-.venv/bin/hspec}
@@ -23,10 +32,26 @@ PARTS=${PARTS:-"1 2 3 4 5 6 7 8 9 10 11 12 13 14 15"}
 # Order matters only for what finishes first: H-Spec and the baselines vLLM can serve (DFlash, P-Eagle),
 # then the other baselines, the ablations and the round-2 kinds (a kind trains in lane INDEX % LANES, so
 # with 2 lanes DFlash-2 and SpecBlock run side by side). DeLS-Spec trains last, over DFlash.
-KINDS=${KINDS:-"hspec dflash peagle dspark dflash-kvreuse hspec-lasttoken-only hspec-kvreuse-only mamba-only attention-only hspec-nomarkov dflash2 dfly dels specblock"}
+ALL_KINDS="ngram hspec dflash peagle dspark dflash-kvreuse hspec-lasttoken-only hspec-kvreuse-only mamba-only attention-only hspec-nomarkov dflash2 dfly dels specblock"
+if [ -z "${KINDS:-}" ]; then
+  KINDS=$ALL_KINDS
+  SHARD=${SHARD:-all}
+fi
+SHARD=${SHARD:-$(echo $KINDS | tr ' ' '+')}
+for kind in $KINDS; do
+  if [[ " $ALL_KINDS " != *" $kind "* ]]; then
+    echo "[compare_long] unknown kind '$kind' in KINDS; the comparison's kinds are: $ALL_KINDS" >&2
+    exit 2
+  fi
+done
+if [[ " $KINDS " == *" dels "* && " $KINDS " != *" dflash "* ]]; then
+  echo "[compare_long] dels trains over the DFlash of its own shard: put dflash in KINDS beside it" >&2
+  exit 2
+fi
 OUT=${OUT:-results/comparison_long}
+SHARD_OUT=$OUT/shards/$SHARD
 RUNS=${RUNS:-runs/compare_long}
-mkdir -p "$OUT" "$RUNS" runs/features
+mkdir -p "$OUT" "$SHARD_OUT" "$RUNS" runs/features
 # One run at a time: a second one started while this one lives (a resumed session that finds the first still
 # going) would train the same run directories. The lock goes with this process.
 exec 9> "$RUNS/.lock"
@@ -78,8 +103,9 @@ train_kind() {  # train_kind KIND [extra train args...]
     --val-every "$VAL_EVERY" --draft-vocab 8192 "$@" >> "$RUNS/$kind/train.log" 2>&1
   echo "[compare_long] $kind: $(tail -n 1 "$RUNS/$kind/train.log")"
 }
+TRAINED=$(for kind in $KINDS; do if [ "$kind" != ngram ]; then echo "$kind"; fi; done)
 train_lane() {  # train_lane INDEX: this lane's kinds (dels waits for dflash below)
-  for kind in $(lane_share "$1" $KINDS); do
+  for kind in $(lane_share "$1" $TRAINED); do
     if [ "$kind" != dels ]; then OMP_NUM_THREADS=1 train_kind "$kind"; fi
   done
 }
@@ -90,7 +116,7 @@ if [[ " $KINDS " == *" dels "* ]]; then
 fi
 runs=()
 drafters=()
-for kind in $KINDS; do
+for kind in $TRAINED; do
   runs+=("$RUNS/$kind")
   drafters+=("$kind=$RUNS/$kind/drafter")
 done
@@ -98,10 +124,12 @@ done
 # leaves the tree clean for the evaluations' provenance.
 histories=()
 for run in "${runs[@]}"; do histories+=("$run/history.jsonl"); done
-if [ ! -f "$OUT/training.md" ] || [ -n "$(find "${histories[@]}" -newer "$OUT/training.md" 2>/dev/null)" ]; then
-  $HSPEC train-report "${runs[@]}" --out "$OUT/training.md" --title "All kinds, one recipe, $STEPS steps, SmolLM2-135M-Instruct"
+if (( ${#runs[@]} )) && { [ ! -f "$SHARD_OUT/training.md" ] \
+    || [ -n "$(find "${histories[@]}" -newer "$SHARD_OUT/training.md" 2>/dev/null)" ]; }; then
+  $HSPEC train-report "${runs[@]}" --out "$SHARD_OUT/training.md" --title "Shard $SHARD: one recipe, $STEPS steps, SmolLM2-135M-Instruct"
 fi
-list=$(IFS=,; echo "ngram,${drafters[*]}")
+if [[ " $KINDS " == *" ngram "* ]]; then drafters=(ngram "${drafters[@]}"); fi
+list=$(IFS=,; echo "${drafters[*]}")
 
 # 3. Evaluations, all interleaved item by item with plain decoding in the same process. Each is kept where
 #    its JSON was made with the same settings and the same trained drafters (`--keep-current`: the report
@@ -109,17 +137,23 @@ list=$(IFS=,; echo "ngram,${drafters[*]}")
 export OMP_NUM_THREADS=2
 #    Paper Table 2 / Fig. 4 / Fig. 7: every kind and ablation, Spec-Bench subset, K = 7, greedy.
 $HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$list" --tasks spec_bench \
-  --size "$EVAL_SIZE" --k 7 --max-new-tokens 128 --out "$OUT" --name eval_spec_bench_k7_greedy
+  --size "$EVAL_SIZE" --k 7 --max-new-tokens 128 --out "$SHARD_OUT" --name eval_spec_bench_k7_greedy
 #    Paper Table 3: the same at temperature 1.0 (lossless rejection sampling; tau is the measure).
 $HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$list" --tasks spec_bench \
-  --size "$EVAL_SIZE" --k 7 --max-new-tokens 128 --temperature 1.0 --seed 0 --out "$OUT" --name eval_spec_bench_k7_t1
+  --size "$EVAL_SIZE" --k 7 --max-new-tokens 128 --temperature 1.0 --seed 0 --out "$SHARD_OUT" --name eval_spec_bench_k7_t1
 #    Paper Table 4: draft-length sensitivity of H-Spec and the parallel baselines.
-sweep="hspec=$RUNS/hspec/drafter,dspark=$RUNS/dspark/drafter,dflash=$RUNS/dflash/drafter,peagle=$RUNS/peagle/drafter"
-$HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$sweep" \
-  --tasks spec_bench --size "$EVAL_SIZE" --k 3,5,7 --max-new-tokens 128 --out "$OUT" --name eval_spec_bench_k_sweep_greedy
+sweep=$(for kind in hspec dspark dflash peagle; do
+  if [[ " $KINDS " == *" $kind "* ]]; then echo "$kind=$RUNS/$kind/drafter"; fi
+done | paste -sd, -)
+if [ -n "$sweep" ]; then
+  $HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$sweep" \
+    --tasks spec_bench --size "$EVAL_SIZE" --k 3,5,7 --max-new-tokens 128 --out "$SHARD_OUT" --name eval_spec_bench_k_sweep_greedy
+fi
 #    The paper's other suites at K = 7, greedy.
 $HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$list" \
-  --tasks mt_bench,humaneval,gsm8k --size "$TASK_SIZE" --k 7 --max-new-tokens 128 --out "$OUT" --name eval_tasks_k7_greedy
-#    The paper's claims, each with its paired bootstrap CI (docs/claims.md).
+  --tasks mt_bench,humaneval,gsm8k --size "$TASK_SIZE" --k 7 --max-new-tokens 128 --out "$SHARD_OUT" --name eval_tasks_k7_greedy
+# 4. Every shard evaluated so far, merged into one file per evaluation, and the paper's claims, each with its
+#    paired bootstrap CI (docs/claims.md), tested on them.
+$HSPEC eval-merge "$OUT"/shards/*/ --out "$OUT"
 $HSPEC claims "$OUT"
 echo "[compare_long] done: $OUT"

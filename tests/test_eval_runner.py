@@ -127,6 +127,10 @@ def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
                        "sweep", target=target)
     methods = [r["method"] for r in payload["records"]]
     assert methods.count("none") == 4 and methods.count("ngram k=2") == 4 and methods.count("ngram k=4") == 4
+    for plain in (r for r in payload["records"] if r["method"] == "none"):  # each record keeps its plain decoding
+        turn = [r for r in payload["records"] if (r["item"], r["turn"]) == (plain["item"], plain["turn"])]
+        assert {(r["plain_decode_s"], r["plain_tokens"], r["plain_digest"]) for r in turn} == {
+            (plain["decode_s"], plain["tokens"], plain["plain_digest"])}
     assert payload["summary"]["K"] == {"ngram k=2": 2, "ngram k=4": 4}
     import torch
 
@@ -235,7 +239,7 @@ def test_a_killed_eval_resumes_with_its_first_unfinished_item(tmp_path, tiny_tar
     assert len(calls) == 2 + 2 * 4  # the warm-ups and items 1 and 2 only
     assert not log.exists() and "commits" not in resumed["provenance"]
     whole = run_eval(*args, "whole", target=target)
-    timing = {"decode_s", "load_1min"}  # what a rerun measures anew
+    timing = {"decode_s", "plain_decode_s", "load_1min"}  # what a rerun measures anew
     strip = [{k: v for k, v in r.items() if k not in timing} for r in resumed["records"]]
     assert strip == [{k: v for k, v in r.items() if k not in timing} for r in whole["records"]]
     tau = [p["summary"]["tasks"]["all"]["ngram"]["mean_accepted_length"] for p in (resumed, whole)]

@@ -154,9 +154,52 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
             assert c[c.index("--steps") + 1] == "3000" and c[c.index("--draft-vocab") + 1] == "8192"
             assert c[c.index("--features") + 1] == "runs/features/part1,runs/features/part2"
     order = [c[0] for c in calls]
-    assert order.count("eval") == 4 and order[-1] == "claims"
+    assert order.count("eval") == 4 and order[-2:] == ["eval-merge", "claims"]
     assert all("--keep-current" in c for c in calls if c[0] == "eval")  # a retrained drafter is evaluated again
+    assert all(c[c.index("--out") + 1] == str(tmp_path / "out" / "shards" / "all") for c in calls if c[0] == "eval")
     assert order.index("train-report") > max(i for i, w in enumerate(order) if w == "train")
+
+
+def test_a_shard_of_the_long_comparison_trains_and_evaluates_only_its_kinds_then_merges_every_shard(tmp_path):
+    """KINDS="ngram hspec dflash dels": those kinds train (dels over this shard's DFlash) and are evaluated into
+    their shard's folder, the K sweep only for the parallel drafters among them; the merge reads every shard."""
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "hspec"
+    fake.write_text(f'#!/usr/bin/env bash\nline=$(printf "%q " "$@")\necho "$line" >> {log}\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    (out / "shards" / "dspark+peagle").mkdir(parents=True)  # a shard evaluated earlier, perhaps elsewhere
+    env = {**os.environ, "HSPEC": str(fake), "RUNS": str(tmp_path / "runs"), "OUT": str(out), "PARTS": "1",
+           "LANES": "2", "KINDS": "ngram hspec dflash dels"}
+    subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True, check=True,
+                   cwd=ROOT)
+    calls = [shlex.split(line) for line in log.read_text().splitlines() if line.strip()]
+    parser = build_parser()
+    for words in calls:
+        parser.parse_args(words)
+    trained = [c[c.index("--drafter") + 1] for c in calls if c[0] == "train"]
+    assert sorted(trained[:2]) == ["dflash", "hspec"] and trained[2:] == ["dels"]
+    evals = {c[c.index("--name") + 1]: c for c in calls if c[0] == "eval"}
+    shard = str(out / "shards" / "ngram+hspec+dflash+dels")
+    assert all(c[c.index("--out") + 1] == shard for c in evals.values())
+    runs = tmp_path / "runs"
+    assert evals["eval_spec_bench_k7_greedy"][evals["eval_spec_bench_k7_greedy"].index("--drafters") + 1] == (
+        f"ngram,hspec={runs}/hspec/drafter,dflash={runs}/dflash/drafter,dels={runs}/dels/drafter")
+    sweep = evals["eval_spec_bench_k_sweep_greedy"]
+    assert sweep[sweep.index("--drafters") + 1] == f"hspec={runs}/hspec/drafter,dflash={runs}/dflash/drafter"
+    merge = next(c for c in calls if c[0] == "eval-merge")
+    assert sorted(merge[1:-2]) == [f"{out}/shards/dspark+peagle/", f"{out}/shards/ngram+hspec+dflash+dels/"]
+    assert calls[-1][0] == "claims"
+
+
+@pytest.mark.parametrize(("kinds", "message"), [("hspec dels", "put dflash in KINDS"),
+                                                ("hspec eagle3", "unknown kind 'eagle3'")])
+def test_a_shard_with_a_kind_it_cannot_train_is_refused_before_anything_runs(tmp_path, kinds, message):
+    env = {**os.environ, "HSPEC": "false", "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"),
+           "KINDS": kinds}
+    result = subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True,
+                            cwd=ROOT)
+    assert result.returncode == 2 and message in result.stderr and not (tmp_path / "runs").exists()
 
 
 def test_the_dflash2_diagnostic_trains_the_variant_with_the_long_recipe_then_validates_three(tmp_path):

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hspec", description="Lossless speculative decoding with the H-Spec drafter and its baselines.")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_generate, _add_demo, _add_data, _add_train, _add_eval, _add_export_drafter, _add_eval_report,
-                _add_claims, _add_train_report, _add_validate, _add_bench, _add_serve, _add_kv_table, _add_drafters):
+                _add_eval_merge, _add_claims, _add_train_report, _add_validate, _add_bench, _add_serve, _add_kv_table,
+                _add_drafters):
         add(sub)
     return parser
 
@@ -460,6 +461,31 @@ def _cmd_eval_report(args: argparse.Namespace) -> int:
     payload["provenance"]["report_command"] = f"hspec eval-report {path}"
     write_report(payload, path.parent, path.stem)
     print(f"wrote {path.with_suffix('.md')} and plots")
+    return 0
+
+
+def _add_eval_merge(sub) -> None:
+    merge = sub.add_parser("eval-merge", help="one evaluation from shards evaluated apart (scripts/compare_long.sh)",
+                           description="Merges, file stem by file stem, the `hspec eval` JSONs of shard directories "
+                                       "(the same evaluation run for different drafters, possibly on other machines) "
+                                       "into OUT, as one run would have written them. Shards must share every "
+                                       "setting but their drafters; each drafter's speedup stays over its own "
+                                       "shard's plain decoding, and drafters are paired only on turns where their "
+                                       "shards' plain outputs agree (docs/claims.md#shards).")
+    merge.add_argument("shards", nargs="+", help="shard directories, each holding eval JSONs; the first one's plain "
+                                                 "decoding records are kept")
+    merge.add_argument("--out", required=True, help="output directory of the merged JSONs, markdown and plots")
+    merge.set_defaults(handler=_cmd_eval_merge)
+
+
+def _cmd_eval_merge(args: argparse.Namespace) -> int:
+    """Merge shard evaluations into one per file stem."""
+    from pathlib import Path
+
+    from hspec.eval.merge import merge_shards
+
+    for path in merge_shards([Path(d) for d in args.shards], Path(args.out), args.command_line):
+        print(f"wrote {path} and its markdown")
     return 0
 
 

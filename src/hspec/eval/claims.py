@@ -8,13 +8,14 @@ metric on which it does. For every pair, every file and every draft length K in 
 bootstrap (`eval/bootstrap.py`) gives a 95% CI of the difference, oriented so the paper predicts > 0:
 
 - tau: tau(ahead) / tau(behind) - 1, tau a ratio of sums (tokens emitted by drafted steps / steps);
-- speedup: speedup(ahead) / speedup(behind) - 1 = ITL(behind) / ITL(ahead) - 1 (plain decoding's ITL,
-  the same for both, cancels);
+- speedup: speedup(ahead) / speedup(behind) - 1, each over the plain decoding its records ran beside
+  (= ITL(behind) / ITL(ahead) - 1 when both ran beside the same one: plain decoding's ITL cancels);
 - late acceptance: conditional acceptance of `behind` subtracted from that of `ahead`, pooled over
   block positions FIRST_LATE_POSITION..K (in points of probability; per position as a detail).
 
 The unit resampled is the item: the turns of a multi-turn item share a conversation, so they move
-together. Only items both drafters ran, on the same turns, are paired.
+together. Only items both drafters ran, on the same turns after the same plain outputs, are paired (a
+folder merged from shards run on other CPUs, `eval/merge.py`, may hold items whose plain decoding parted).
 
 A comparison is `reproduced` when its CI lies above 0, `contradicted` when it lies below 0, else
 `unresolved`. A claim is `contradicted` when any of its comparisons is, `reproduced` when all are,
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from hspec.eval.bootstrap import BootstrapCI, RatioOfSums, paired_bootstrap, paired_bootstrap_relative_diff
-from hspec.eval.findings import itl_ratio, tau_ratio
+from hspec.eval.findings import same_plain, speed_pair, tau_ratio
 from hspec.metrics import acceptance_stats
 from hspec.provenance import provenance, provenance_markdown, write_results
 
@@ -282,8 +283,9 @@ def _compare_in_file(ctx: _Context, stem: str, runs: Runs) -> None:
 
 
 def _paired(a: Mapping[tuple, dict], b: Mapping[tuple, dict]) -> tuple[list[dict], list[dict], np.ndarray]:
-    """The two runs' records on the items both ran on the same turns, in one order, and each record's
-    item index (R,) into those items."""
+    """The two runs' records on the items both ran on the same turns after the same plain outputs (`same_plain`:
+    shards merged from other CPUs may have parted), in one order, and each record's item index (R,) into
+    those items."""
     def turns(run: Mapping[tuple, dict]) -> dict[tuple[str, str], set[int]]:
         out: dict[tuple[str, str], set[int]] = {}
         for task, item, turn in run:
@@ -291,7 +293,8 @@ def _paired(a: Mapping[tuple, dict], b: Mapping[tuple, dict]) -> tuple[list[dict
         return out
 
     turns_a, turns_b = turns(a), turns(b)
-    items = sorted(i for i in turns_a if turns_b.get(i) == turns_a[i])
+    items = sorted(i for i in turns_a if turns_b.get(i) == turns_a[i]
+                   and all(same_plain(a[(*i, turn)], b[(*i, turn)]) for turn in turns_a[i]))
     keys = [(*item, turn) for item in items for turn in sorted(turns_a[item])]
     index = {item: n for n, item in enumerate(items)}
     return [a[k] for k in keys], [b[k] for k in keys], np.array([index[k[:2]] for k in keys], dtype=np.int64)
@@ -312,12 +315,13 @@ def _tau(ctx: _Context, units_a: list[dict], units_b: list[dict], item_index: np
 
 
 def _speedup(ctx: _Context, units_a: list[dict], units_b: list[dict], item_index: np.ndarray, K: int) -> _Result:
-    """ITL(b) / ITL(a) - 1 over paired items: how much faster a decodes than b; not run on timings taken
-    on a shared CPU (`shared_cpu`)."""
+    """speedup(a) / speedup(b) - 1 over paired items (`speed_pair`; ITL(b) / ITL(a) - 1 beside one plain
+    decoding): how much faster a decodes than b; not run on timings taken on a shared CPU (`shared_cpu`)."""
     shared = shared_cpu(units_a + units_b)
     if shared is not None:
         return shared
-    return _relative(ctx, _per_item(itl_ratio(units_b), item_index), _per_item(itl_ratio(units_a), item_index))
+    ahead, behind = speed_pair(units_a, units_b)
+    return _relative(ctx, _per_item(ahead, item_index), _per_item(behind, item_index))
 
 
 def shared_cpu(records: Sequence[dict]) -> str | None:

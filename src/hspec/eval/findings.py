@@ -55,20 +55,20 @@ class Finding:
 
 def evaluate_claims(records: Sequence[dict[str, Any]], K: int, seed: int = 0) -> list[Finding]:
     """Every claim whose methods are among the records' labels (K: the draft length of the run)."""
-    per_method = _steps_by_prompt(records)
+    per_method = records_by_prompt(records)
     present = set(per_method)
     findings: list[Finding] = []
     if "hspec" in present:
         for baseline in (b for b in BASELINES if b in present):
-            ours, theirs = _paired_units(per_method, ["hspec", baseline])
+            ours, theirs = paired_records(per_method, ["hspec", baseline])
             tau = paired_bootstrap_relative_diff(tau_ratio(ours), tau_ratio(theirs), seed=seed)
-            speed = paired_bootstrap_relative_diff(itl_ratio(theirs), itl_ratio(ours), seed=seed)
+            speed = paired_bootstrap_relative_diff(*speed_pair(ours, theirs), seed=seed)
             findings.append(Finding("H-Spec leads", f"hspec vs {baseline}", "tau, relative difference", tau,
                                     len(ours), +1))
             findings.append(Finding("H-Spec leads", f"hspec vs {baseline}",
-                                    "decode speed (baseline ITL / hspec ITL - 1)", speed, len(ours), +1))
+                                    "decode speed (hspec speedup / baseline speedup - 1)", speed, len(ours), +1))
         for ablation in (a for a in SINGLE_SOURCE_ABLATIONS if a in present):
-            ours, theirs = _paired_units(per_method, ["hspec", ablation])
+            ours, theirs = paired_records(per_method, ["hspec", ablation])
             tau = paired_bootstrap_relative_diff(tau_ratio(ours), tau_ratio(theirs), seed=seed)
             findings.append(Finding("both context sources needed", f"hspec vs {ablation}",
                                     "tau, relative difference", tau, len(ours), +1))
@@ -76,7 +76,7 @@ def evaluate_claims(records: Sequence[dict[str, Any]], K: int, seed: int = 0) ->
         late = range(FIRST_LATE_POSITION, K + 1)
         for reuse, reference in ((r, f) for r, f in KV_REUSE_PAIRS if r in present and f in present):
             columns = np.array([[c for record in prompt for c in _acceptance_columns(record, late)]
-                                for prompt in zip(*_paired_units(per_method, [reuse, reference]))])  # (N, 8)
+                                for prompt in zip(*paired_records(per_method, [reuse, reference]))])  # (N, 8)
             reached_all = (columns[:, 1::2] > 0).all(axis=1)  # every pooled acceptance has a denominator
             columns = columns[reached_all]
             if len(columns) < 2:
@@ -103,7 +103,7 @@ def render_findings(findings: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _steps_by_prompt(records: Sequence[dict[str, Any]]) -> dict[str, dict[tuple, dict[str, Any]]]:
+def records_by_prompt(records: Sequence[dict[str, Any]]) -> dict[str, dict[tuple, dict[str, Any]]]:
     """method -> (task, item, turn) -> record."""
     out: dict[str, dict[tuple, dict[str, Any]]] = {}
     for r in records:
@@ -125,9 +125,41 @@ def itl_ratio(units: Sequence[dict[str, Any]]) -> RatioOfSums:
                        np.array([max(u["tokens"] - 1, 1) for u in units], dtype=float))
 
 
-def _paired_units(per_method, methods: list[str]) -> list[list[dict[str, Any]]]:
-    """Each method's records on the prompts every one of them ran, in one prompt order."""
-    keys = sorted(set.intersection(*(set(per_method[m]) for m in methods)))
+def speedup_ratio(units: Sequence[dict[str, Any]]) -> RatioOfSums:
+    """Speedup over the plain decoding each record was interleaved with, as a ratio of sums: the time plain
+    decoding's ITL gives the record's tokens / the record's decode seconds. Needs the records' own plain
+    timing (`plain_decode_s`, `plain_tokens`, which `hspec eval` records), so records of evaluations run
+    apart (the shards of a merged evaluation, `eval/merge.py`) compare by their own plain decoding."""
+    plain_itl = np.array([u["plain_decode_s"] / max(u["plain_tokens"] - 1, 1) for u in units], dtype=float)
+    tokens = np.array([max(u["tokens"] - 1, 1) for u in units], dtype=float)
+    return RatioOfSums(plain_itl * tokens, np.array([u["decode_s"] for u in units], dtype=float))
+
+
+def speed_pair(ahead: Sequence[dict[str, Any]], behind: Sequence[dict[str, Any]]) -> tuple[RatioOfSums, RatioOfSums]:
+    """Two ratios whose relative difference is speedup(ahead) / speedup(behind) - 1 on paired records.
+
+    With every record's own plain timing, each side's speedup over its own plain decoding; without it
+    (records made before `hspec eval` kept it), ITL(behind) / ITL(ahead), which is the same number when
+    both ran beside one plain decoding and emitted the same tokens.
+    """
+    if all("plain_decode_s" in u for u in (*ahead, *behind)):
+        return speedup_ratio(ahead), speedup_ratio(behind)
+    return itl_ratio(behind), itl_ratio(ahead)
+
+
+def same_plain(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two records decoded after the same plain output: `plain_digest` (of plain decoding's tokens on
+    the record's turn) equal, or absent from either. Under greedy decoding a drafter's output is plain's, and a
+    later turn's prompt holds the earlier turns' plain answers, so two shards whose plain decoding parted on a
+    prompt (another CPU's kernels) ran their drafters on other text there, and are not paired on it."""
+    return a.get("plain_digest") is None or b.get("plain_digest") is None or a["plain_digest"] == b["plain_digest"]
+
+
+def paired_records(per_method, methods: list[str]) -> list[list[dict[str, Any]]]:
+    """Each method's records on the prompts every one of them ran after the same plain output (`same_plain`),
+    in one prompt order."""
+    keys = sorted(key for key in set.intersection(*(set(per_method[m]) for m in methods))
+                  if all(same_plain(per_method[methods[0]][key], per_method[m][key]) for m in methods[1:]))
     return [[per_method[m][key] for key in keys] for m in methods]
 
 

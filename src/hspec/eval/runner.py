@@ -12,6 +12,7 @@ command run again after a kill resumes with the first unfinished item.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -26,7 +27,15 @@ from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters.checkpoint import checkpoint_digest
 from hspec.eval.bootstrap import paired_bootstrap_relative_diff
-from hspec.eval.findings import evaluate_claims, itl_ratio, render_findings, tau_ratio
+from hspec.eval.findings import (
+    evaluate_claims,
+    paired_records,
+    records_by_prompt,
+    render_findings,
+    speed_pair,
+    speedup_ratio,
+    tau_ratio,
+)
 from hspec.eval.partial import ItemLog
 from hspec.metrics import acceptance_stats, merge_stats
 from hspec.models.loading import Target, load_target
@@ -131,6 +140,10 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                     if looked_up is not None:  # KIND+ngram: the steps prompt lookup drafted
                         lookup_steps[label] = dec.drafter.lookup_rows - looked_up  # type: ignore[operator]
                 reference = outputs["none"].sequences[0].token_ids
+                # Each record keeps the plain decoding it ran beside, so records of evaluations run apart still
+                # compare by their own plain timing and are paired only on the same text (`eval/merge.py`).
+                plain = {"plain_decode_s": outputs["none"].decode_s, "plain_tokens": len(reference),
+                         "plain_digest": tokens_digest(reference)}
                 # How busy the CPU was while the turn's methods ran (its 1-minute load average, the eval's own
                 # threads included): timings from a shared CPU are not evidence (`eval.claims`, SHARED_LOAD).
                 busy = {"load_1min": round(os.getloadavg()[0], 2), "threads": torch.get_num_threads()}
@@ -141,7 +154,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                     item_records.append({"task": task.name, "category": item.category, "item": item.id,
                                          "turn": turn_index, "method": label, "K": runs[label][1],
                                          "tokens": len(seq.token_ids), "decode_s": out.decode_s,
-                                         "num_accepted": seq.num_accepted, **busy,
+                                         "num_accepted": seq.num_accepted, **busy, **plain,
                                          **({"num_drafted": seq.num_drafted}
                                             if any(n < runs[label][1] for n in seq.num_drafted) else {}),
                                          **({"lookup_steps": lookup_steps[label]}
@@ -157,6 +170,11 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     write_report(payload, out_dir, stem)
     log.finish()
     return payload
+
+
+def tokens_digest(token_ids: Sequence[int]) -> str:
+    """16 hex digits of the sha256 of a token sequence: equal outputs, equal digests."""
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
 
 
 def current_report(path: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
@@ -187,7 +205,10 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
             units = _per_unit(rows, label)
             itl = sum(u["decode_s"] for u in units) / max(sum(u["tokens"] - 1 for u in units), 1)
             plain_itl = sum(u["decode_s"] for u in plain) / max(sum(u["tokens"] - 1 for u in plain), 1)
-            entry = {"itl_ms": 1000 * itl, "speedup": plain_itl / itl, "units": len(units)}
+            # over its own plain decoding where the records keep it (a merged evaluation's shards ran apart)
+            speedup = (speedup_ratio(units).value if units and all("plain_decode_s" in u for u in units)
+                       else plain_itl / itl)
+            entry = {"itl_ms": 1000 * itl, "speedup": speedup, "units": len(units)}
             if label != "none":
                 stats = merge_stats([acceptance_stats(u["num_accepted"], k_of[label], u.get("num_drafted"))
                                      for u in units])
@@ -197,28 +218,24 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
                                          / max(sum(len(u["num_accepted"]) for u in units), 1))
             per_method[label] = entry
         out["tasks"][task] = per_method
+    by_prompt = records_by_prompt(records)
     for k in sorted(set(out["K"].values())):
         drafters = [label for label, lk in out["K"].items() if lk == k]
         if len(drafters) < 2 or len(_per_unit(records, drafters[0])) < 2:  # a bootstrap needs 2+ prompts
             continue
-        units = {label: _per_unit(records, label) for label in drafters}
         best = max(drafters, key=lambda d: out["tasks"]["all"][d]["mean_accepted_length"])
-        for label in drafters:
-            if label == best:
-                continue
-            tau = paired_bootstrap_relative_diff(tau_ratio(units[best]), tau_ratio(units[label]), seed=0)
-            speed = paired_bootstrap_relative_diff(itl_ratio(units[label]), itl_ratio(units[best]), seed=0)
-            out["ci"][f"{best} vs {label}"] = {"tau_relative_diff": tau.to_dict(),
-                                                "speedup_relative_diff": speed.to_dict()}
+        pairs = [(best, label) for label in drafters if label != best]
         for label in drafters:  # a kind's default checkpoint against its other checkpoints (kind@name)
             kind = label.split("@", 1)[0]
-            compared = {f"{kind} vs {label}", f"{label} vs {kind}"} & set(out["ci"])
-            if "@" not in label or kind not in drafters or compared:
+            if "@" in label and kind in drafters and {(kind, label), (label, kind)}.isdisjoint(pairs):
+                pairs.append((kind, label))
+        for a, b in pairs:
+            units_a, units_b = paired_records(by_prompt, [a, b])
+            if len(units_a) < 2:
                 continue
-            tau = paired_bootstrap_relative_diff(tau_ratio(units[kind]), tau_ratio(units[label]), seed=0)
-            speed = paired_bootstrap_relative_diff(itl_ratio(units[label]), itl_ratio(units[kind]), seed=0)
-            out["ci"][f"{kind} vs {label}"] = {"tau_relative_diff": tau.to_dict(),
-                                               "speedup_relative_diff": speed.to_dict()}
+            tau = paired_bootstrap_relative_diff(tau_ratio(units_a), tau_ratio(units_b), seed=0)
+            speed = paired_bootstrap_relative_diff(*speed_pair(units_a, units_b), seed=0)
+            out["ci"][f"{a} vs {b}"] = {"tau_relative_diff": tau.to_dict(), "speedup_relative_diff": speed.to_dict()}
     ks = set(out["K"].values())
     if len(ks) == 1 and len({(r["task"], r["item"], r["turn"]) for r in records}) >= 2:
         out["findings"] = [f.to_dict() for f in evaluate_claims(records, ks.pop())]
@@ -262,6 +279,7 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
     rerendered = payload["provenance"].get("report_command")
     lines = ["# Speculative decoding evaluation\n", provenance_markdown(payload["provenance"]),
              f"- tables and plots re-rendered from the saved records by `{rerendered}`\n" if rerendered else "",
+             *_shard_lines(payload["provenance"].get("shards", [])),
              "\n## MAL tau and decode speedup over plain decoding (same runtime, interleaved)\n",
              "| task | " + " | ".join(f"{m} tau | {m} speedup" for m in labels) + " |",
              "|---|" + "---|---|" * len(labels)]
@@ -294,6 +312,20 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
                          f"{s['estimate']:+.1%} [{s['low']:+.1%}, {s['high']:+.1%}] |")
     lines += render_findings(summary.get("findings", []))
     return "\n".join(lines) + "\n"
+
+
+def _shard_lines(shards: Sequence[dict[str, Any]]) -> list[str]:
+    """For a merged evaluation (`eval/merge.py`): where each shard's drafters were evaluated."""
+    if not shards:
+        return []
+    lines = ["\nMerged from evaluations run apart (each drafter's speedup is over the plain decoding of its own "
+             "shard; drafters are paired only on turns where their shards' plain outputs agree):\n",
+             "| shard | drafters | commit | date | machine | plain turns differing from the first shard's |",
+             "|---|---|---|---|---|---|"]
+    for shard in shards:
+        lines.append(f"| `{shard['file']}` | {shard['methods']} | {shard['commit']} | {shard['date']} | "
+                     f"{shard['machine'].get('platform')} | {shard['plain_turns_differing']} |")
+    return lines
 
 
 def _lookup_share_table(summary: dict[str, Any]) -> list[str]:
