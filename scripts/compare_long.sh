@@ -114,20 +114,27 @@ run_lanes train_lane
 if [[ " $KINDS " == *" dels "* ]]; then
   OMP_NUM_THREADS=$LANES train_kind dels --init-from "$RUNS/dflash/drafter"
 fi
-runs=()
 drafters=()
+for kind in $TRAINED; do drafters+=("$kind=$RUNS/$kind/drafter"); done
+# Each run's history (its loss and validation log, ~100 KB) is kept in the shard beside its evaluations,
+# so the training report of every shard can be redrawn after the runs themselves are gone. Reports are
+# rewritten only when a history changed since (a rerun of a finished run writes nothing), so a resumed
+# script leaves the tree clean for the evaluations' provenance.
+kept=()
 for kind in $TRAINED; do
-  runs+=("$RUNS/$kind")
-  drafters+=("$kind=$RUNS/$kind/drafter")
+  mkdir -p "$SHARD_OUT/runs/$kind"
+  cmp -s "$RUNS/$kind/history.jsonl" "$SHARD_OUT/runs/$kind/history.jsonl" \
+    || cp "$RUNS/$kind/history.jsonl" "$SHARD_OUT/runs/$kind/history.jsonl"
+  kept+=("$SHARD_OUT/runs/$kind")
 done
-# Rewritten only when a run changed since (a rerun of a finished run writes nothing), so a resumed script
-# leaves the tree clean for the evaluations' provenance.
-histories=()
-for run in "${runs[@]}"; do histories+=("$run/history.jsonl"); done
-if (( ${#runs[@]} )) && { [ ! -f "$SHARD_OUT/training.md" ] \
-    || [ -n "$(find "${histories[@]}" -newer "$SHARD_OUT/training.md" 2>/dev/null)" ]; }; then
-  $HSPEC train-report "${runs[@]}" --out "$SHARD_OUT/training.md" --title "Shard $SHARD: one recipe, $STEPS steps, SmolLM2-135M-Instruct"
-fi
+report_if_newer() {  # report_if_newer REPORT TITLE RUN_DIR...: hspec train-report when a history is newer
+  local report=$1 title=$2
+  shift 2
+  if (( $# )) && { [ ! -f "$report" ] || [ -n "$(find "${@/%//history.jsonl}" -newer "$report")" ]; }; then
+    $HSPEC train-report "$@" --out "$report" --title "$title"
+  fi
+}
+report_if_newer "$SHARD_OUT/training.md" "Shard $SHARD: one recipe, $STEPS steps, SmolLM2-135M-Instruct" "${kept[@]}"
 if [[ " $KINDS " == *" ngram "* ]]; then drafters=(ngram "${drafters[@]}"); fi
 list=$(IFS=,; echo "${drafters[*]}")
 
@@ -155,5 +162,8 @@ $HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$list" \
 # 4. Every shard evaluated so far, merged into one file per evaluation, and the paper's claims, each with its
 #    paired bootstrap CI (docs/claims.md), tested on them.
 $HSPEC eval-merge "$OUT"/shards/*/ --out "$OUT"
+shopt -s nullglob
+every_run=("$OUT"/shards/*/runs/*/)
+report_if_newer "$OUT/training.md" "All kinds, one recipe, $STEPS steps, SmolLM2-135M-Instruct" "${every_run[@]%/}"
 $HSPEC claims "$OUT"
 echo "[compare_long] done: $OUT"

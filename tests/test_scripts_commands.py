@@ -125,15 +125,22 @@ def test_group_by_match_counts_what_trimmed_verification_would_keep():
     assert rows[1]["share_none_accepted"] == 0.5
 
 
+def _recording_hspec(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in for `hspec` that appends each call to calls.txt (one write per call: the two training lanes
+    call it at once, and two-part writes interleaved) and, as `hspec train` does, writes OUT/history.jsonl."""
+    log, fake = tmp_path / "calls.txt", tmp_path / "hspec"
+    fake.write_text(f'#!/usr/bin/env bash\nline=$(printf "%q " "$@")\necho "$line" >> {log}\n'
+                    'if [ "$1" = train ]; then while [ "$1" != --out ]; do shift; done; '
+                    "echo '{\"event\": \"config\"}' > \"$2/history.jsonl\"; fi\n")
+    fake.chmod(0o755)
+    return log, fake
+
+
 def test_long_comparison_runs_todays_cli_in_order(tmp_path):
     """scripts/compare_long.sh end to end with a recording stand-in for `hspec`: every command parses,
     every kind trains with the one recipe, DeLS-Spec trains last over the trained DFlash, and the claims
     come after the evaluations they read."""
-    log = tmp_path / "calls.txt"
-    fake = tmp_path / "hspec"
-    # One write per call: the two training lanes call it at once, and two-part writes interleaved.
-    fake.write_text(f'#!/usr/bin/env bash\nline=$(printf "%q " "$@")\necho "$line" >> {log}\n')
-    fake.chmod(0o755)
+    log, fake = _recording_hspec(tmp_path)
     env = {**os.environ, "HSPEC": str(fake), "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"),
            "PARTS": "1 2", "LANES": "2"}
     subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True, check=True,
@@ -154,7 +161,7 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
             assert c[c.index("--steps") + 1] == "3000" and c[c.index("--draft-vocab") + 1] == "8192"
             assert c[c.index("--features") + 1] == "runs/features/part1,runs/features/part2"
     order = [c[0] for c in calls]
-    assert order.count("eval") == 4 and order[-2:] == ["eval-merge", "claims"]
+    assert order.count("eval") == 4 and order[-3:] == ["eval-merge", "train-report", "claims"]
     assert all("--keep-current" in c for c in calls if c[0] == "eval")  # a retrained drafter is evaluated again
     assert all(c[c.index("--out") + 1] == str(tmp_path / "out" / "shards" / "all") for c in calls if c[0] == "eval")
     assert order.index("train-report") > max(i for i, w in enumerate(order) if w == "train")
@@ -163,10 +170,7 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
 def test_a_shard_of_the_long_comparison_trains_and_evaluates_only_its_kinds_then_merges_every_shard(tmp_path):
     """KINDS="ngram hspec dflash dels": those kinds train (dels over this shard's DFlash) and are evaluated into
     their shard's folder, the K sweep only for the parallel drafters among them; the merge reads every shard."""
-    log = tmp_path / "calls.txt"
-    fake = tmp_path / "hspec"
-    fake.write_text(f'#!/usr/bin/env bash\nline=$(printf "%q " "$@")\necho "$line" >> {log}\n')
-    fake.chmod(0o755)
+    log, fake = _recording_hspec(tmp_path)
     out = tmp_path / "out"
     (out / "shards" / "dspark+peagle").mkdir(parents=True)  # a shard evaluated earlier, perhaps elsewhere
     env = {**os.environ, "HSPEC": str(fake), "RUNS": str(tmp_path / "runs"), "OUT": str(out), "PARTS": "1",
@@ -190,6 +194,10 @@ def test_a_shard_of_the_long_comparison_trains_and_evaluates_only_its_kinds_then
     merge = next(c for c in calls if c[0] == "eval-merge")
     assert sorted(merge[1:-2]) == [f"{out}/shards/dspark+peagle/", f"{out}/shards/ngram+hspec+dflash+dels/"]
     assert calls[-1][0] == "claims"
+    reports = [c for c in calls if c[0] == "train-report"]  # the shard's, then every kept run's
+    assert [r[r.index("--out") + 1] for r in reports] == [f"{shard}/training.md", f"{out}/training.md"]
+    assert reports[0][1:4] == [f"{shard}/runs/hspec", f"{shard}/runs/dflash", f"{shard}/runs/dels"]
+    assert (out / "shards" / "ngram+hspec+dflash+dels" / "runs" / "dels" / "history.jsonl").is_file()
 
 
 @pytest.mark.parametrize(("kinds", "message"), [("hspec dels", "put dflash in KINDS"),
