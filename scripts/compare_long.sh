@@ -27,7 +27,8 @@ VAL_EVERY=${VAL_EVERY:-500}
 LANES=${LANES:-2}
 EVAL_SIZE=${EVAL_SIZE:-24}
 TASK_SIZE=${TASK_SIZE:-16}
-DTYPE=${DTYPE:-auto}  # bfloat16 on a CPU with native bf16, else float32 (hspec eval records which)
+DTYPE=${DTYPE:-bfloat16}  # the evaluations' runtime: one for every shard, so shards made on other CPUs merge (bf16 is
+                          # emulated, slower, where a CPU lacks AVX512-BF16; the training picks its own precision)
 PARTS=${PARTS:-"1 2 3 4 5 6 7 8 9 10 11 12 13 14 15"}
 # Order matters only for what finishes first: H-Spec and the baselines vLLM can serve (DFlash, P-Eagle),
 # then the other baselines, the ablations and the round-2 kinds (a kind trains in lane INDEX % LANES, so

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Why does DFlash-2 train below DFlash in the long comparison (results/comparison_long/training.md)?
+# Why does DFlash-2 train below DFlash in the long comparison (results/comparison_long/second_run/training.md)?
 # docs/drafters.md (its dflash2 section): drafting by the backbone's U alone scored as the selector did, so the backbone
 # is what lags. This trains DFlash-2 again with the long comparison's recipe, data and steps, once with the
 # selector's loss kept off the backbone (`--drafter-option selector_trains_backbone=false`), then validates
