@@ -12,7 +12,8 @@
 # are tested on the merged files. A shard needs ~20 min of features, its kinds' training (~50-120 min a
 # kind on one core; LANES kinds side by side) and its evaluations (~25 min a kind on 2 threads). With
 # KINDS unset every kind trains and evaluates in one shard, "all". `ngram` (model-free) is a kind that
-# trains nothing; DeLS-Spec trains over the DFlash of its own shard, so `dels` needs `dflash` beside it.
+# trains nothing. DeLS-Spec trains over a DFlash of its own shard: where `dflash` is not in KINDS (it was
+# evaluated in another shard), a DFlash is trained as its base only and kept as the shard's `dels-base` run.
 #
 # Resumable at every step: rerun the same command after a kill and it continues where it stopped
 # (feature files, training checkpoints every 10 minutes, finished evaluation items are kept). On a CUDA
@@ -45,10 +46,8 @@ for kind in $KINDS; do
     exit 2
   fi
 done
-if [[ " $KINDS " == *" dels "* && " $KINDS " != *" dflash "* ]]; then
-  echo "[compare_long] dels trains over the DFlash of its own shard: put dflash in KINDS beside it" >&2
-  exit 2
-fi
+BASE=""  # a kind trained only for another to build on, not evaluated here
+if [[ " $KINDS " == *" dels "* && " $KINDS " != *" dflash "* ]]; then BASE=dflash; fi
 OUT=${OUT:-results/comparison_long}
 SHARD_OUT=$OUT/shards/$SHARD
 RUNS=${RUNS:-runs/compare_long}
@@ -104,7 +103,7 @@ train_kind() {  # train_kind KIND [extra train args...]
     --val-every "$VAL_EVERY" --draft-vocab 8192 "$@" >> "$RUNS/$kind/train.log" 2>&1
   echo "[compare_long] $kind: $(tail -n 1 "$RUNS/$kind/train.log")"
 }
-TRAINED=$(for kind in $KINDS; do if [ "$kind" != ngram ]; then echo "$kind"; fi; done)
+TRAINED=$(for kind in $BASE $KINDS; do if [ "$kind" != ngram ]; then echo "$kind"; fi; done)
 train_lane() {  # train_lane INDEX: this lane's kinds (dels waits for dflash below)
   for kind in $(lane_share "$1" $TRAINED); do
     if [ "$kind" != dels ]; then OMP_NUM_THREADS=1 train_kind "$kind"; fi
@@ -116,17 +115,21 @@ if [[ " $KINDS " == *" dels "* ]]; then
   OMP_NUM_THREADS=$LANES train_kind dels --init-from "$RUNS/dflash/drafter"
 fi
 drafters=()
-for kind in $TRAINED; do drafters+=("$kind=$RUNS/$kind/drafter"); done
+for kind in $TRAINED; do
+  if [ "$kind" != "$BASE" ]; then drafters+=("$kind=$RUNS/$kind/drafter"); fi
+done
 # Each run's history (its loss and validation log, ~100 KB) is kept in the shard beside its evaluations,
 # so the training report of every shard can be redrawn after the runs themselves are gone. Reports are
 # rewritten only when a history changed since (a rerun of a finished run writes nothing), so a resumed
 # script leaves the tree clean for the evaluations' provenance.
 kept=()
 for kind in $TRAINED; do
-  mkdir -p "$SHARD_OUT/runs/$kind"
-  cmp -s "$RUNS/$kind/history.jsonl" "$SHARD_OUT/runs/$kind/history.jsonl" \
-    || cp "$RUNS/$kind/history.jsonl" "$SHARD_OUT/runs/$kind/history.jsonl"
-  kept+=("$SHARD_OUT/runs/$kind")
+  name=$kind
+  if [ "$kind" = "$BASE" ]; then name=dels-base; fi  # the kind's own name belongs to its evaluated run
+  mkdir -p "$SHARD_OUT/runs/$name"
+  cmp -s "$RUNS/$kind/history.jsonl" "$SHARD_OUT/runs/$name/history.jsonl" \
+    || cp "$RUNS/$kind/history.jsonl" "$SHARD_OUT/runs/$name/history.jsonl"
+  kept+=("$SHARD_OUT/runs/$name")
 done
 report_if_newer() {  # report_if_newer REPORT TITLE RUN_DIR...: hspec train-report when a history is newer
   local report=$1 title=$2

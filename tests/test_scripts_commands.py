@@ -200,14 +200,30 @@ def test_a_shard_of_the_long_comparison_trains_and_evaluates_only_its_kinds_then
     assert (out / "shards" / "ngram+hspec+dflash+dels" / "runs" / "dels" / "history.jsonl").is_file()
 
 
-@pytest.mark.parametrize(("kinds", "message"), [("hspec dels", "put dflash in KINDS"),
-                                                ("hspec eagle3", "unknown kind 'eagle3'")])
-def test_a_shard_with_a_kind_it_cannot_train_is_refused_before_anything_runs(tmp_path, kinds, message):
+def test_a_shard_of_dels_without_dflash_trains_its_base_dflash_without_evaluating_it(tmp_path):
+    """DFlash was evaluated in another shard: DeLS-Spec's shard trains a DFlash to build on, keeps its history
+    as `dels-base` (the name `dflash` belongs to the evaluated run) and evaluates dels only."""
+    log, fake = _recording_hspec(tmp_path)
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    env = {**os.environ, "HSPEC": str(fake), "RUNS": str(runs), "OUT": str(out), "PARTS": "1", "KINDS": "dels"}
+    subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True, check=True,
+                   cwd=ROOT)
+    calls = [shlex.split(line) for line in log.read_text().splitlines() if line.strip()]
+    trained = [c for c in calls if c[0] == "train"]
+    assert [c[c.index("--drafter") + 1] for c in trained] == ["dflash", "dels"]
+    assert trained[1][trained[1].index("--init-from") + 1] == f"{runs}/dflash/drafter"
+    evals = [c for c in calls if c[0] == "eval"]
+    assert {c[c.index("--drafters") + 1] for c in evals} == {f"dels={runs}/dels/drafter"}
+    assert len(evals) == 3  # no K sweep: no parallel drafter of the paper's Table 4 in the shard
+    assert sorted(p.name for p in (out / "shards" / "dels" / "runs").iterdir()) == ["dels", "dels-base"]
+
+
+def test_a_shard_with_an_unknown_kind_is_refused_before_anything_runs(tmp_path):
     env = {**os.environ, "HSPEC": "false", "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"),
-           "KINDS": kinds}
+           "KINDS": "hspec eagle3"}
     result = subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True,
                             cwd=ROOT)
-    assert result.returncode == 2 and message in result.stderr and not (tmp_path / "runs").exists()
+    assert result.returncode == 2 and "unknown kind 'eagle3'" in result.stderr and not (tmp_path / "runs").exists()
 
 
 def test_the_dflash2_diagnostic_trains_the_variant_with_the_long_recipe_then_validates_three(tmp_path):
