@@ -31,9 +31,9 @@ TASK_SIZE=${TASK_SIZE:-16}
 DTYPE=${DTYPE:-bfloat16}  # the evaluations' runtime: one for every shard, so shards made on other CPUs merge (bf16 is
                           # emulated, slower, where a CPU lacks AVX512-BF16; the training picks its own precision)
 PARTS=${PARTS:-"1 2 3 4 5 6 7 8 9 10 11 12 13 14 15"}
-# Order matters only for what finishes first: H-Spec and the baselines vLLM can serve (DFlash, P-Eagle),
-# then the other baselines, the ablations and the round-2 kinds (a kind trains in lane INDEX % LANES, so
-# with 2 lanes DFlash-2 and SpecBlock run side by side). DeLS-Spec trains last, over DFlash.
+# Order matters only for what finishes first: the trained kinds take lanes in turn (the INDEX-th trained
+# kind, DeLS-Spec left out, in lane INDEX % LANES); DeLS-Spec trains last, over DFlash, with every thread.
+# A shard's KINDS in the same way: "dflash-kvreuse dspark attention-only" puts DSpark alone in lane 1.
 ALL_KINDS="ngram hspec dflash peagle dspark dflash-kvreuse hspec-lasttoken-only hspec-kvreuse-only mamba-only attention-only hspec-nomarkov dflash2 dfly dels specblock"
 if [ -z "${KINDS:-}" ]; then
   KINDS=$ALL_KINDS
@@ -104,9 +104,9 @@ train_kind() {  # train_kind KIND [extra train args...]
   echo "[compare_long] $kind: $(tail -n 1 "$RUNS/$kind/train.log")"
 }
 TRAINED=$(for kind in $BASE $KINDS; do if [ "$kind" != ngram ]; then echo "$kind"; fi; done)
-train_lane() {  # train_lane INDEX: this lane's kinds (dels waits for dflash below)
-  for kind in $(lane_share "$1" $TRAINED); do
-    if [ "$kind" != dels ]; then OMP_NUM_THREADS=1 train_kind "$kind"; fi
+train_lane() {  # train_lane INDEX: this lane's kinds, in KINDS order (dels waits for dflash below)
+  for kind in $(lane_share "$1" $(echo "$TRAINED" | grep -vx dels)); do
+    OMP_NUM_THREADS=1 train_kind "$kind"
   done
 }
 run_lanes train_lane
