@@ -18,8 +18,9 @@ together. Only items both drafters ran, on the same turns after the same plain o
 folder merged from shards run on other CPUs, `eval/merge.py`, may hold items whose plain decoding parted).
 
 A comparison is `reproduced` when its CI lies above 0, `contradicted` when it lies below 0, else
-`unresolved`. A claim is `contradicted` when any of its comparisons is, `reproduced` when all are,
-`unresolved` otherwise, and `skipped` when none could run. Whatever could not run (a file missing from
+`unresolved`. A claim is `contradicted` when any of its comparisons is, `reproduced` when all are and
+every pair it names was compared (`reproduced in part` when some pair was in no file: a kind not yet
+evaluated), `unresolved` otherwise, and `skipped` when none could run. Whatever could not run (a file missing from
 the folder, a kind missing from a run, too few items) is listed with its reason. Kinds are matched by
 their eval label, which is the kind itself when a checkpoint lives in `<runs>/<kind>/drafter`.
 """
@@ -54,7 +55,7 @@ TAU, SPEEDUP, LATE_ACCEPTANCE = "tau", "speedup", "late acceptance"
 # Load above the eval's own threads beyond which its timings are not used (`shared_cpu`): a quiet machine
 # reads about its thread count; one more busy process adds about 1.
 SHARED_LOAD = 0.5
-VERDICTS = ("reproduced", "contradicted", "unresolved")  # of a comparison; a claim may also be "skipped"
+VERDICTS = ("reproduced", "contradicted", "unresolved")  # of a comparison; a claim also "reproduced in part", "skipped"
 STEM = "claims"  # the files written: claims.json, claims.md
 CONFIDENCE = 0.95  # nominal coverage of every CI
 
@@ -159,7 +160,16 @@ class ClaimResult:
             return "skipped"
         if "contradicted" in verdicts:
             return "contradicted"
-        return "reproduced" if verdicts == {"reproduced"} else "unresolved"
+        if verdicts != {"reproduced"}:
+            return "unresolved"
+        return "reproduced in part" if self.untested_pairs else "reproduced"
+
+    @property
+    def untested_pairs(self) -> tuple[tuple[str, str], ...]:
+        """The claim's pairs compared in no file (a kind not evaluated yet, as in a comparison still being
+        sharded): a claim is `reproduced` only when every pair it names was."""
+        tested = {(c.ahead, c.behind) for c in self.comparisons}
+        return tuple(pair for pair in self.claim.pairs if pair not in tested)
 
     def to_dict(self) -> dict[str, Any]:
         c = self.claim
