@@ -136,19 +136,25 @@ def _recording_hspec(tmp_path: Path) -> tuple[Path, Path]:
     return log, fake
 
 
-def test_long_comparison_runs_todays_cli_in_order(tmp_path):
-    """scripts/compare_long.sh end to end with a recording stand-in for `hspec`: every command parses,
-    every kind trains with the one recipe, DeLS-Spec trains last over the trained DFlash, and the claims
-    come after the evaluations they read."""
+def _run_compare_long(tmp_path: Path, **env: str) -> list[list[str]]:
+    """scripts/compare_long.sh run with the recording stand-in and `env` (RUNS and OUT under tmp_path); its
+    calls, each checked to parse with today's CLI."""
     log, fake = _recording_hspec(tmp_path)
-    env = {**os.environ, "HSPEC": str(fake), "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"),
-           "PARTS": "1 2", "LANES": "2"}
+    env = {**os.environ, "HSPEC": str(fake), "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"), **env}
     subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True, check=True,
                    cwd=ROOT)
     calls = [shlex.split(line) for line in log.read_text().splitlines() if line.strip()]
     parser = build_parser()
     for words in calls:
         parser.parse_args(words)
+    return calls
+
+
+def test_long_comparison_runs_todays_cli_in_order(tmp_path):
+    """scripts/compare_long.sh end to end with a recording stand-in for `hspec`: every command parses,
+    every kind trains with the one recipe, DeLS-Spec trains last over the trained DFlash, and the claims
+    come after the evaluations they read."""
+    calls = _run_compare_long(tmp_path, PARTS="1 2", LANES="2")
     trained = [c[c.index("--drafter") + 1] for c in calls if c[0] == "train"]
     assert sorted(trained) == sorted(["hspec", "dflash", "peagle", "dspark", "dflash-kvreuse", "hspec-lasttoken-only",
                                       "hspec-kvreuse-only", "mamba-only", "attention-only", "hspec-nomarkov",
@@ -170,17 +176,9 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
 def test_a_shard_of_the_long_comparison_trains_and_evaluates_only_its_kinds_then_merges_every_shard(tmp_path):
     """KINDS="ngram hspec dflash dels": those kinds train (dels over this shard's DFlash) and are evaluated into
     their shard's folder, the K sweep only for the parallel drafters among them; the merge reads every shard."""
-    log, fake = _recording_hspec(tmp_path)
     out = tmp_path / "out"
     (out / "shards" / "dspark+peagle").mkdir(parents=True)  # a shard evaluated earlier, perhaps elsewhere
-    env = {**os.environ, "HSPEC": str(fake), "RUNS": str(tmp_path / "runs"), "OUT": str(out), "PARTS": "1",
-           "LANES": "2", "KINDS": "ngram hspec dflash dels"}
-    subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True, check=True,
-                   cwd=ROOT)
-    calls = [shlex.split(line) for line in log.read_text().splitlines() if line.strip()]
-    parser = build_parser()
-    for words in calls:
-        parser.parse_args(words)
+    calls = _run_compare_long(tmp_path, PARTS="1", LANES="2", KINDS="ngram hspec dflash dels")
     trained = [c[c.index("--drafter") + 1] for c in calls if c[0] == "train"]
     assert sorted(trained[:2]) == ["dflash", "hspec"] and trained[2:] == ["dels"]
     evals = {c[c.index("--name") + 1]: c for c in calls if c[0] == "eval"}
@@ -203,12 +201,8 @@ def test_a_shard_of_the_long_comparison_trains_and_evaluates_only_its_kinds_then
 def test_a_shard_of_dels_without_dflash_trains_its_base_dflash_without_evaluating_it(tmp_path):
     """DFlash was evaluated in another shard: DeLS-Spec's shard trains a DFlash to build on, keeps its history
     as `dels-base` (the name `dflash` belongs to the evaluated run) and evaluates dels only."""
-    log, fake = _recording_hspec(tmp_path)
     out, runs = tmp_path / "out", tmp_path / "runs"
-    env = {**os.environ, "HSPEC": str(fake), "RUNS": str(runs), "OUT": str(out), "PARTS": "1", "KINDS": "dels"}
-    subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True, check=True,
-                   cwd=ROOT)
-    calls = [shlex.split(line) for line in log.read_text().splitlines() if line.strip()]
+    calls = _run_compare_long(tmp_path, PARTS="1", KINDS="dels")
     trained = [c for c in calls if c[0] == "train"]
     assert [c[c.index("--drafter") + 1] for c in trained] == ["dflash", "dels"]
     assert trained[1][trained[1].index("--init-from") + 1] == f"{runs}/dflash/drafter"

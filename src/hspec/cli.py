@@ -494,7 +494,8 @@ def _add_claims(sub) -> None:
                             description="Reads the `hspec eval` JSONs of a results folder (as scripts/compare_long.sh "
                                         "names them) and, per claim of the H-Spec paper (Tables 2-4, Fig. 4, Fig. 7, "
                                         "the Markov head), gives paired bootstrap 95% CIs over items and a verdict: "
-                                        "reproduced, contradicted or unresolved; a claim whose file or drafter is "
+                                        "reproduced (in part, while a pair it names is in no file), contradicted or "
+                                        "unresolved; a claim whose file or drafter is "
                                         "missing is skipped, saying why. Writes claims.json and claims.md.")
     claims.add_argument("folder", help="results folder holding the eval JSONs, e.g. results/comparison_long")
     claims.add_argument("--out", default=None, help="output directory (default: the folder itself)")
