@@ -100,3 +100,13 @@ def test_the_command_merges_each_stem_of_the_shard_folders_and_claims_read_the_r
     assert cli.main(["claims", str(out)]) == 0
     with pytest.raises(FileNotFoundError, match="does not exist"):
         merge_shards([tmp_path / "nowhere"], out)
+
+
+def test_drafters_keep_the_order_their_shards_ran_them_in():
+    shard = _shard("zeta", 2.0, [3], 2.0)  # "zeta" then "alpha" on every turn, as `--drafters zeta,alpha` runs them
+    shard["records"] = [row for r in shard["records"] for row in
+                        ([r, {**r, "method": "alpha"}] if r["method"] == "zeta" else [r])]
+    merged = merge_payloads([("a.json", shard), ("b.json", _shard("beta", 2.0, [3], 2.0))], "test")
+    assert merged["provenance"]["settings"]["methods"] == "none,zeta,alpha,beta"
+    assert list(merged["summary"]["tasks"]["all"]) == ["none", "zeta", "alpha", "beta"]
+    assert merged["provenance"]["shards"][0]["methods"] == "zeta,alpha"

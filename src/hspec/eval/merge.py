@@ -63,8 +63,8 @@ def merge_payloads(shards: Sequence[tuple[str, dict[str, Any]]], command: str) -
                 raise ValueError(f"{name}: the record of {r['method']} on {r['item']} lacks {', '.join(missing)} "
                                  "(made before `hspec eval` recorded the plain decoding beside each drafter); "
                                  "evaluate that shard again")
-        labels = {r["method"] for r in payload["records"]} - {PLAIN}
-        for label in sorted(labels):
+        labels = _drafter_labels(payload)
+        for label in labels:
             if label in owner:
                 raise ValueError(f"{label} is in two shards, {owner[label]} and {name}; a drafter belongs to one")
             owner[label] = name
@@ -82,7 +82,7 @@ def merge_payloads(shards: Sequence[tuple[str, dict[str, Any]]], command: str) -
                    for label, digest in p["provenance"]["settings"].get("checkpoints", {}).items()}
     settings = {**common, "methods": ",".join([PLAIN, *owner]), **({"checkpoints": checkpoints} if checkpoints else {})}
     meta = provenance(command, settings)
-    meta["shards"] = [{"file": name, "methods": ",".join(sorted({r["method"] for r in p["records"]} - {PLAIN})),
+    meta["shards"] = [{"file": name, "methods": ",".join(_drafter_labels(p)),
                        "plain_turns_differing": differing_turns[name],
                        **{key: p["provenance"].get(key) for key in ("command", "date", "commit", "tree_dirty",
                                                                      "machine")}}
@@ -122,6 +122,11 @@ def _eval_payload(path: Path) -> dict[str, Any] | None:
     if not isinstance(payload, dict) or not {"provenance", "records"} <= set(payload):
         return None
     return payload
+
+
+def _drafter_labels(payload: dict[str, Any]) -> list[str]:
+    """A shard's drafter labels in the order it ran them (its records' order: the order of `--drafters`)."""
+    return [label for label in dict.fromkeys(r["method"] for r in payload["records"]) if label != PLAIN]
 
 
 def _common_settings(payload: dict[str, Any]) -> dict[str, Any]:
