@@ -6,7 +6,8 @@
 # Shards. The trained drafters (tens of MB each) do not travel between machines, and a 2-core CPU needs
 # about 13 hours for all of them, more than one machine has been kept. So the comparison runs in shards:
 # `KINDS="hspec dflash" bash scripts/compare_long.sh` trains those kinds and at once evaluates them into
-# $OUT/shards/<kinds joined by +>/ (SHARD names it otherwise); only those small JSONs have to be kept.
+# $OUT/shards/<kinds joined by +>/ (SHARD names it otherwise); only those small JSONs and the runs'
+# histories kept beside them have to be kept.
 # Then every shard present is merged into $OUT (`hspec eval-merge`: each drafter's speedup over its own
 # shard's plain decoding, drafters paired only where their shards' plain outputs agree) and the claims
 # are tested on the merged files. A shard needs ~20 min of features, its kinds' training (~50-120 min a

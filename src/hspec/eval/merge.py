@@ -45,11 +45,10 @@ def merge_payloads(shards: Sequence[tuple[str, dict[str, Any]]], command: str) -
     first_name, first = shards[0]
     common = _common_settings(first)
     for name, payload in shards[1:]:
-        differing = sorted(k for k in set(common) | set(_common_settings(payload))
-                           if common.get(k) != _common_settings(payload).get(k))
+        theirs = _common_settings(payload)
+        differing = sorted(k for k in set(common) | set(theirs) if common.get(k) != theirs.get(k))
         if differing:
-            detail = "; ".join(f"{k}: {common.get(k)!r} in {first_name}, {_common_settings(payload).get(k)!r}"
-                               for k in differing)
+            detail = "; ".join(f"{k}: {common.get(k)!r} in {first_name}, {theirs.get(k)!r}" for k in differing)
             raise ValueError(f"{name} was evaluated with other settings than {first_name} ({detail}); shards of one "
                              "evaluation need the same settings (pin --dtype where CPUs differ)")
     owner: dict[str, str] = {}  # drafter label -> shard that ran it

@@ -204,10 +204,10 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
         for label in labels:
             units = _per_unit(rows, label)
             itl = sum(u["decode_s"] for u in units) / max(sum(u["tokens"] - 1 for u in units), 1)
-            plain_itl = sum(u["decode_s"] for u in plain) / max(sum(u["tokens"] - 1 for u in plain), 1)
-            # over its own plain decoding where the records keep it (a merged evaluation's shards ran apart)
-            speedup = (speedup_ratio(units).value if units and all("plain_decode_s" in u for u in units)
-                       else plain_itl / itl)
+            if units and all("plain_decode_s" in u for u in units):  # each over its own plain decoding (shards)
+                speedup = speedup_ratio(units).value
+            else:
+                speedup = sum(u["decode_s"] for u in plain) / max(sum(u["tokens"] - 1 for u in plain), 1) / itl
             entry = {"itl_ms": 1000 * itl, "speedup": speedup, "units": len(units)}
             if label != "none":
                 stats = merge_stats([acceptance_stats(u["num_accepted"], k_of[label], u.get("num_drafted"))
