@@ -6,41 +6,16 @@ import json
 
 import pytest
 
+from eval_helpers import shard_payload
 from hspec import cli
 from hspec.eval.claims import GREEDY_K7, SPEEDUP, TAU, check_claims
 from hspec.eval.merge import merge_payloads, merge_shards
 
 
-def _record(method: str, item: int, num_accepted: list[int], decode_s: float, plain_s: float,
-            plain_digest: str = "p", turn: int = 0) -> dict:
-    tokens = 1 + sum(n + 1 for n in num_accepted) if num_accepted else 13
-    return {"task": "spec_bench", "category": "qa", "item": f"spec_bench/{item}", "turn": turn, "method": method,
-            "K": 7, "tokens": tokens, "decode_s": decode_s, "num_accepted": num_accepted,
-            "plain_decode_s": plain_s, "plain_tokens": tokens, "plain_digest": f"{plain_digest}{item}/{turn}"}
-
-
-def _shard(drafter: str, plain_s: float, num_accepted: list[int], speedup: float, items: int = 6,
-           dtype: str = "bfloat16", **plain_digest) -> dict:
-    """A shard: plain decoding taking `plain_s` a turn, and `drafter` `speedup` times faster than it."""
-    records = []
-    for i in range(items):
-        accepted = [*num_accepted, i % 2]  # items differ, so the CIs have width
-        digest = plain_digest.get(str(i), "p")
-        records.append(_record("none", i, [], plain_s, plain_s, digest))
-        records.append(_record(drafter, i, accepted, plain_s / speedup, plain_s, digest))
-    settings = {"target": "tiny", "dtype": dtype, "K": 7, "temperature": 0.0, "max_new_tokens": 128,
-                "tasks": "spec_bench", "size_per_task": items, "seed": 0, "methods": f"none,{drafter}",
-                "checkpoints": {drafter: f"digest-of-{drafter}"}}
-    provenance = {"command": "hspec eval (test)", "date": "d", "commit": "c", "tree_dirty": False,
-                  "machine": {"platform": f"host-of-{drafter}", "cuda": None, "processor": "x", "cpu_count": 2,
-                              "torch_threads": 2, "torch": "t"}, "settings": settings}
-    return {"provenance": provenance, "summary": {}, "records": records}
-
-
 def test_each_drafter_keeps_its_speedup_over_its_own_shards_plain_decoding():
     # dflash's shard ran on a machine twice as slow: its ITL is higher, its speedup over its own plain the same
-    fast = _shard("hspec", 2.0, [3, 4], speedup=2.0)
-    slow = _shard("dflash", 4.0, [1, 2], speedup=2.0)
+    fast = shard_payload("hspec", 2.0, [3, 4], speedup=2.0)
+    slow = shard_payload("dflash", 4.0, [1, 2], speedup=2.0)
     merged = merge_payloads([("fast.json", fast), ("slow.json", slow)], "hspec eval-merge (test)")
     overall = merged["summary"]["tasks"]["all"]
     assert overall["hspec"]["speedup"] == pytest.approx(2.0) and overall["dflash"]["speedup"] == pytest.approx(2.0)
@@ -58,8 +33,8 @@ def test_each_drafter_keeps_its_speedup_over_its_own_shards_plain_decoding():
 
 
 def test_turns_whose_plain_outputs_parted_between_shards_are_counted_and_not_paired():
-    first = _shard("hspec", 2.0, [3, 4], speedup=2.0)
-    other = _shard("dflash", 2.0, [1, 2], speedup=1.5, **{"2": "q", "4": "q"})  # another CPU's plain text there
+    first = shard_payload("hspec", 2.0, [3, 4], speedup=2.0)
+    other = shard_payload("dflash", 2.0, [1, 2], speedup=1.5, **{"2": "q", "4": "q"})  # another CPU's plain text there
     merged = merge_payloads([("a.json", first), ("b.json", other)], "test")
     assert [s["plain_turns_differing"] for s in merged["provenance"]["shards"]] == [0, 2]
     table2 = next(r for r in check_claims({GREEDY_K7: merged}, num_resamples=500) if r.claim.name == "table2")
@@ -71,12 +46,12 @@ def test_turns_whose_plain_outputs_parted_between_shards_are_counted_and_not_pai
 
 def test_shards_that_cannot_be_one_evaluation_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="dtype: 'bfloat16' in a.json, 'float32'.*pin --dtype"):
-        merge_payloads([("a.json", _shard("hspec", 2.0, [3], 2.0)),
-                        ("b.json", _shard("dflash", 2.0, [3], 2.0, dtype="float32"))], "test")
+        merge_payloads([("a.json", shard_payload("hspec", 2.0, [3], 2.0)),
+                        ("b.json", shard_payload("dflash", 2.0, [3], 2.0, dtype="float32"))], "test")
     with pytest.raises(ValueError, match="hspec is in two shards, a.json and b.json"):
-        merge_payloads([("a.json", _shard("hspec", 2.0, [3], 2.0)), ("b.json", _shard("hspec", 2.0, [3], 2.0))],
-                       "test")
-    old = _shard("hspec", 2.0, [3], 2.0)
+        merge_payloads([("a.json", shard_payload("hspec", 2.0, [3], 2.0)),
+                        ("b.json", shard_payload("hspec", 2.0, [3], 2.0))], "test")
+    old = shard_payload("hspec", 2.0, [3], 2.0)
     for r in old["records"]:
         del r["plain_decode_s"], r["plain_tokens"], r["plain_digest"]
     with pytest.raises(ValueError, match="old.json: the record of none on spec_bench/0 lacks plain_decode_s"):
@@ -84,7 +59,8 @@ def test_shards_that_cannot_be_one_evaluation_are_refused_with_the_reason():
 
 
 def test_the_command_merges_each_stem_of_the_shard_folders_and_claims_read_the_result(tmp_path, capsys):
-    for name, shard in (("h", _shard("hspec", 2.0, [3, 4], 2.0)), ("d", _shard("dflash", 3.0, [1, 2], 1.5))):
+    for name, shard in (("h", shard_payload("hspec", 2.0, [3, 4], 2.0)),
+                        ("d", shard_payload("dflash", 3.0, [1, 2], 1.5))):
         (tmp_path / "shards" / name).mkdir(parents=True)
         (tmp_path / "shards" / name / f"{GREEDY_K7}.json").write_text(json.dumps(shard))
         (tmp_path / "shards" / name / "not_an_eval.json").write_text(json.dumps({"rows": []}))
@@ -103,10 +79,10 @@ def test_the_command_merges_each_stem_of_the_shard_folders_and_claims_read_the_r
 
 
 def test_drafters_keep_the_order_their_shards_ran_them_in():
-    shard = _shard("zeta", 2.0, [3], 2.0)  # "zeta" then "alpha" on every turn, as `--drafters zeta,alpha` runs them
+    shard = shard_payload("zeta", 2.0, [3], 2.0)  # "zeta" then "alpha" each turn, as `--drafters zeta,alpha` runs
     shard["records"] = [row for r in shard["records"] for row in
                         ([r, {**r, "method": "alpha"}] if r["method"] == "zeta" else [r])]
-    merged = merge_payloads([("a.json", shard), ("b.json", _shard("beta", 2.0, [3], 2.0))], "test")
+    merged = merge_payloads([("a.json", shard), ("b.json", shard_payload("beta", 2.0, [3], 2.0))], "test")
     assert merged["provenance"]["settings"]["methods"] == "none,zeta,alpha,beta"
     assert list(merged["summary"]["tasks"]["all"]) == ["none", "zeta", "alpha", "beta"]
     assert merged["provenance"]["shards"][0]["methods"] == "zeta,alpha"

@@ -167,7 +167,7 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
             assert c[c.index("--steps") + 1] == "3000" and c[c.index("--draft-vocab") + 1] == "8192"
             assert c[c.index("--features") + 1] == "runs/features/part1,runs/features/part2"
     order = [c[0] for c in calls]
-    assert order.count("eval") == 4 and order[-3:] == ["eval-merge", "train-report", "claims"]
+    assert order.count("eval") == 4 and order[-4:] == ["eval-merge", "train-report", "claims", "eval-table"]
     assert all("--keep-current" in c for c in calls if c[0] == "eval")  # a retrained drafter is evaluated again
     assert all(c[c.index("--out") + 1] == str(tmp_path / "out" / "shards" / "all") for c in calls if c[0] == "eval")
     assert order.index("train-report") > max(i for i, w in enumerate(order) if w == "train")
@@ -191,7 +191,7 @@ def test_a_shard_of_the_long_comparison_trains_and_evaluates_only_its_kinds_then
     assert sweep[sweep.index("--drafters") + 1] == f"hspec={runs}/hspec/drafter,dflash={runs}/dflash/drafter"
     merge = next(c for c in calls if c[0] == "eval-merge")
     assert sorted(merge[1:-2]) == [f"{out}/shards/dspark+peagle/", f"{out}/shards/ngram+hspec+dflash+dels/"]
-    assert calls[-1][0] == "claims"
+    assert [c[0] for c in calls[-2:]] == ["claims", "eval-table"] and calls[-1][1] == str(out)
     reports = [c for c in calls if c[0] == "train-report"]  # the shard's, then every kept run's
     assert [r[r.index("--out") + 1] for r in reports] == [f"{shard}/training.md", f"{out}/training.md"]
     assert reports[0][1:4] == [f"{shard}/runs/hspec", f"{shard}/runs/dflash", f"{shard}/runs/dels"]

@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hspec", description="Lossless speculative decoding with the H-Spec drafter and its baselines.")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_generate, _add_demo, _add_data, _add_train, _add_eval, _add_export_drafter, _add_eval_report,
-                _add_eval_merge, _add_claims, _add_train_report, _add_validate, _add_bench, _add_serve, _add_kv_table,
-                _add_drafters):
+                _add_eval_merge, _add_claims, _add_eval_table, _add_train_report, _add_validate, _add_bench,
+                _add_serve, _add_kv_table, _add_drafters):
         add(sub)
     return parser
 
@@ -513,6 +513,30 @@ def _cmd_claims(args: argparse.Namespace) -> int:
                                       args.command_line, seed=args.seed)
     for claim in json.loads(json_path.read_text())["claims"]:
         print(f"{claim['name']} ({claim['source']}): {claim['verdict']}")
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def _add_eval_table(sub) -> None:
+    table = sub.add_parser("eval-table", help="every drafter of a comparison folder on one row, across its evaluations",
+                           description="Reads the eval JSONs of a results folder (the files `hspec claims` reads) and "
+                                       "the training histories its shards kept (shards/*/runs/*/history.jsonl), and "
+                                       "writes eval_table.json and eval_table.md: per drafter kind its shard, its "
+                                       "last validation tau and, per evaluation, its tau and speedup over plain "
+                                       "decoding as that evaluation states them. The README quotes this table.")
+    table.add_argument("folder", help="results folder, e.g. results/comparison_long")
+    table.add_argument("--out", default=None, help="output directory (default: the folder itself)")
+    table.set_defaults(handler=_cmd_eval_table)
+
+
+def _cmd_eval_table(args: argparse.Namespace) -> int:
+    """Write one table of every drafter across a folder's evaluations."""
+    from pathlib import Path
+
+    from hspec.eval.table import write_table
+
+    json_path, md_path = write_table(Path(args.folder), None if args.out is None else Path(args.out),
+                                     args.command_line)
     print(f"wrote {json_path} and {md_path}")
     return 0
 
