@@ -86,3 +86,18 @@ def test_drafters_keep_the_order_their_shards_ran_them_in():
     assert merged["provenance"]["settings"]["methods"] == "none,zeta,alpha,beta"
     assert list(merged["summary"]["tasks"]["all"]) == ["none", "zeta", "alpha", "beta"]
     assert merged["provenance"]["shards"][0]["methods"] == "zeta,alpha"
+
+
+def test_shard_folders_merge_in_the_order_they_were_evaluated_whatever_their_names(tmp_path):
+    """The later shard sorts first by name; the earlier one still gives plain decoding and comes first."""
+    for name, drafter, date in (("a-later", "dflash", "2026-12-05T01:00:00+00:00"),
+                                ("z-earlier", "hspec", "2026-12-04T22:00:00+00:00")):
+        payload = shard_payload(drafter, 2.0, [3], 2.0)
+        payload["provenance"]["date"] = date
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{GREEDY_K7}.json").write_text(json.dumps(payload))
+    (path,) = merge_shards(sorted(tmp_path.iterdir()), tmp_path / "merged")
+    merged = json.loads(path.read_text())
+    assert merged["provenance"]["settings"]["methods"] == "none,hspec,dflash"
+    assert [s["file"] for s in merged["provenance"]["shards"]] == [str(tmp_path / "z-earlier" / f"{GREEDY_K7}.json"),
+                                                                   str(tmp_path / "a-later" / f"{GREEDY_K7}.json")]

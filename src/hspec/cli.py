@@ -472,8 +472,8 @@ def _add_eval_merge(sub) -> None:
                                        "setting but their drafters; each drafter's speedup stays over its own "
                                        "shard's plain decoding, and drafters are paired only on turns where their "
                                        "shards' plain outputs agree (docs/claims.md#shards).")
-    merge.add_argument("shards", nargs="+", help="shard directories, each holding eval JSONs; the first one's plain "
-                                                 "decoding records are kept")
+    merge.add_argument("shards", nargs="+", help="shard directories, each holding eval JSONs; merged in the order "
+                                                 "they were evaluated, the first one's plain decoding kept")
     merge.add_argument("--out", required=True, help="output directory of the merged JSONs, markdown and plots")
     merge.set_defaults(handler=_cmd_eval_merge)
 

@@ -15,8 +15,8 @@ What makes shards comparable, checked here:
   (`plain_decode_s`, `plain_tokens`, `plain_digest`, which `hspec eval` records), so each drafter's
   speedup is over its own shard's plain decoding (`findings.speedup_ratio`) and two drafters are paired
   only on turns where their shards' plain decoding emitted the same tokens (`findings.same_plain`).
-Plain decoding's own records ("none") are kept from the first shard; on how many turns each other
-shard's plain output differs from them is recorded (`plain_turns_differing`).
+Plain decoding's own records ("none") are kept from the first shard (`merge_shards`: the first evaluated);
+on how many turns each other shard's plain output differs from them is recorded (`plain_turns_differing`).
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ def merge_payloads(shards: Sequence[tuple[str, dict[str, Any]]], command: str) -
 
 def merge_shards(shard_dirs: Sequence[Path], out_dir: Path, command: str = "hspec eval-merge") -> list[Path]:
     """Merge, stem by stem, the `hspec eval` JSONs of `shard_dirs` into `out_dir` (JSON, markdown and plots
-    as `hspec eval` writes them). A stem merges the shards that hold it, in the order given. Returns the
-    merged JSONs' paths."""
+    as `hspec eval` writes them). A stem merges the shards that hold it in the order they were evaluated
+    (the dates their files record; where dates tie, the order given), so the first shard evaluated gives
+    the plain decoding records and the drafters keep the order they ran in. Returns the merged JSONs' paths."""
     stems: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for directory in shard_dirs:
         if not directory.is_dir():
@@ -107,6 +108,7 @@ def merge_shards(shard_dirs: Sequence[Path], out_dir: Path, command: str = "hspe
         raise FileNotFoundError(f"no `hspec eval` JSONs in {', '.join(map(str, shard_dirs))}")
     written = []
     for stem, shards in stems.items():
+        shards.sort(key=lambda shard: str(shard[1]["provenance"].get("date", "")))
         write_report(merge_payloads(shards, command), out_dir, stem)
         written.append(out_dir / f"{stem}.json")
     return written

@@ -133,7 +133,7 @@ def render_table(payload: Mapping[str, Any]) -> str:
              "Cells: MAL tau / speedup over the plain decoding each drafter ran beside (its own shard's), as each "
              "evaluation's summary states them; tau counts the tokens each verify step emits. val tau: the last "
              "validation of the drafter's training run, teacher-forced on the held-out responses (in decode order "
-             "in brackets). Plain decoding's ms/token is the first shard's. Claims and their CIs: claims.md."]
+             "in brackets). Plain decoding's ms/token is the first evaluated shard's. Claims and their CIs: claims.md."]
     return "\n".join(lines) + "\n"
 
 
