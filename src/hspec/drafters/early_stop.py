@@ -21,13 +21,10 @@ a block of n (see `decoding/verify.py`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from hspec.cache.paged_pool import PagedKVPool
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
-from hspec.models.config import TargetConfig
+from hspec.drafters.wrapping import WrappingDrafter
 
 CONFIDENCE_SEPARATOR = ":"
 
@@ -38,24 +35,17 @@ def leading_confident(confidence: torch.Tensor, floor: float) -> torch.Tensor:
     return sure.clamp(min=1)
 
 
-class EarlyStopDrafter(Drafter):
+class EarlyStopDrafter(WrappingDrafter):
     """`model`'s proposals, each row cut after its leading drafts of confidence >= `floor`."""
-
-    needs_target_model = True
 
     def __init__(self, model: Drafter, floor: float) -> None:
         if not model.drafts:
             raise ValueError(f"drafter {model.kind!r} drafts nothing; there are no drafts to stop early")
         if not 0.0 < floor < 1.0:
             raise ValueError(f"confidence floor must be in (0, 1), got {floor}")
-        self.model = model
+        super().__init__(model)
         self.floor = floor
         self.kind = f"{model.kind}{CONFIDENCE_SEPARATOR}{floor:g}"
-        self.target_layers = model.target_layers
-        self.num_drafter_layers = model.num_drafter_layers
-
-    def check_target(self, config: TargetConfig) -> None:
-        self.model.check_target(config)
 
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         proposal = self.model.propose(batch, K)
@@ -65,16 +55,3 @@ class EarlyStopDrafter(Drafter):
         if proposal.num_drafts is not None:
             num_drafts = torch.minimum(num_drafts, proposal.num_drafts)
         return Proposal(proposal.draft_tokens, proposal.draft_probs, num_drafts, proposal.confidence)
-
-    def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
-               num_committed: torch.Tensor) -> None:
-        self.model.commit(pool, seq_ids, hidden, num_committed)
-
-    def release(self, seq_id: int) -> None:
-        self.model.release(seq_id)
-
-    def carried_state(self, seq_id: int) -> object | None:
-        return self.model.carried_state(seq_id)
-
-    def restore_carried_state(self, seq_id: int, state: object | None) -> None:
-        self.model.restore_carried_state(seq_id, state)

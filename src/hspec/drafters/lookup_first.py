@@ -26,20 +26,17 @@ drafts. Choosing a row depends only on that row's history, so a row drafts the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from hspec.cache.paged_pool import PagedKVPool
 from hspec.drafters.base import DraftBatch, Drafter, Proposal, one_hot_probs
 from hspec.drafters.early_stop import CONFIDENCE_SEPARATOR, EarlyStopDrafter
 from hspec.drafters.ngram.drafter import longest_suffix_match
-from hspec.models.config import TargetConfig
+from hspec.drafters.wrapping import WrappingDrafter
 
 LOOKUP_SUFFIX = "+ngram"
 
 
-class LookupFirstDrafter(Drafter):
+class LookupFirstDrafter(WrappingDrafter):
     """Prompt lookup for rows whose last >= min_match tokens recur in their history, `model` for the rest.
 
     min_match: shortest suffix match that makes a row use lookup (1: whenever the last token occurred
@@ -47,15 +44,13 @@ class LookupFirstDrafter(Drafter):
     trim_lookup: a lookup row after an m-token match verifies only min(K, 2m+1) drafts.
     """
 
-    needs_target_model = True
-
     def __init__(self, model: Drafter, vocab_size: int, min_match: int = 1, max_ngram: int = 8,
                  trim_lookup: bool = False) -> None:
         if not model.drafts:
             raise ValueError(f"drafter {model.kind!r} drafts nothing; lookup needs a drafter to fall back on")
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"need 1 <= min_match <= max_ngram, got min_match {min_match}, max_ngram {max_ngram}")
-        self.model = model
+        super().__init__(model)
         self.vocab_size = vocab_size
         self.min_match, self.max_ngram = min_match, max_ngram
         self.trim_lookup = trim_lookup
@@ -63,13 +58,8 @@ class LookupFirstDrafter(Drafter):
             self.kind = f"{model.model.kind}{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}{model.floor:g}"
         else:
             self.kind = model.kind + LOOKUP_SUFFIX
-        self.target_layers = model.target_layers
-        self.num_drafter_layers = model.num_drafter_layers
         self.lookup_rows = 0  # rows drafted by lookup so far (with model_rows: how often each drafted)
         self.model_rows = 0
-
-    def check_target(self, config: TargetConfig) -> None:
-        self.model.check_target(config)
 
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         B = len(batch.seq_ids)
@@ -103,19 +93,6 @@ class LookupFirstDrafter(Drafter):
                     num_drafts[row] = n
         stops = any(n < K for n in num_drafts)
         return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device) if stops else None)
-
-    def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
-               num_committed: torch.Tensor) -> None:
-        self.model.commit(pool, seq_ids, hidden, num_committed)
-
-    def release(self, seq_id: int) -> None:
-        self.model.release(seq_id)
-
-    def carried_state(self, seq_id: int) -> object | None:
-        return self.model.carried_state(seq_id)
-
-    def restore_carried_state(self, seq_id: int, state: object | None) -> None:
-        self.model.restore_carried_state(seq_id, state)
 
     def lookup_share(self) -> float:
         """Fraction of row-steps drafted by lookup so far (0 before any proposal)."""
