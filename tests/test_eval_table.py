@@ -10,7 +10,8 @@ import pytest
 from eval_helpers import shard_payload
 from hspec import cli
 from hspec.eval.claims import GREEDY_K7
-from hspec.eval.table import build_table, column_title, kind_of
+from hspec.eval.labels import split_sweep_label as kind_of
+from hspec.eval.table import build_table, column_title
 
 
 def _history(run_dir: Path, taus: list[float]) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 
 from hspec.eval.bootstrap import BootstrapCI, RatioOfSums, paired_bootstrap, paired_bootstrap_relative_diff
 from hspec.eval.findings import same_plain, speed_pair, tau_ratio
+from hspec.eval.labels import split_sweep_label
 from hspec.metrics import acceptance_stats
 from hspec.provenance import provenance, provenance_markdown, write_results
 
@@ -262,8 +263,7 @@ def _runs(payload: Mapping[str, Any]) -> Runs:
     for r in payload["records"]:
         if r["method"] == "none":
             continue
-        kind, sep, k_text = r["method"].rpartition(" k=")
-        kind = kind if sep and k_text.isdigit() else r["method"]
+        kind, _ = split_sweep_label(r["method"])
         K = r.get("K", setting)
         if not isinstance(K, int):
             raise ValueError(f"the record of {r['method']} on {r['item']} names no K, and the run's K setting "

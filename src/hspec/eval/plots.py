@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hspec.eval.labels import split_sweep_label
+
 
 def plot_eval(summary: dict[str, Any], out_prefix: Path, title: str) -> list[Path]:
     """Write `<prefix>_acceptance.png` and `<prefix>_tau_speedup.png`; returns their paths."""
@@ -74,7 +76,7 @@ ABLATION_GROUPS = {
 
 def _kind_of(label: str) -> str:
     """'hspec@run k=5' -> 'hspec'."""
-    return label.split(" k=")[0].split("@")[0]
+    return split_sweep_label(label)[0].split("@")[0]
 
 
 def plot_ablations(summary: dict[str, Any], out_prefix: Path, title: str) -> list[Path]:
@@ -120,7 +122,7 @@ def plot_k_sensitivity(summary: dict[str, Any], out_prefix: Path, title: str) ->
     overall = summary["tasks"]["all"]
     methods: dict[str, list[tuple[int, str]]] = {}
     for label, k in k_of.items():
-        methods.setdefault(label.rsplit(" k=", 1)[0], []).append((k, label))
+        methods.setdefault(split_sweep_label(label)[0], []).append((k, label))
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
     for name, points in methods.items():
         points.sort()

@@ -36,6 +36,7 @@ from hspec.eval.findings import (
     speedup_ratio,
     tau_ratio,
 )
+from hspec.eval.labels import split_sweep_label, sweep_label
 from hspec.eval.partial import ItemLog
 from hspec.metrics import acceptance_stats, merge_stats
 from hspec.models.loading import Target, load_target
@@ -114,7 +115,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     runs: dict[str, tuple[SpeculativeDecoder, int]] = {}  # label -> (decoder, K)
     for m in specs:
         for k in ([ks[0]] if m.kind == "none" else ks):
-            label = m.label if (len(ks) == 1 or m.kind == "none") else f"{m.label} k={k}"
+            label = m.label if (len(ks) == 1 or m.kind == "none") else sweep_label(m.label, k)
             runs[label] = (SpeculativeDecoder(target.model, drafters[m.label], k, target.tokenizer.eos_token_ids), k)
     warm_up = target.tokenizer.encode_chat([{"role": "user", "content": tasks[0].items[0].turns[0]}])
     for dec, _ in runs.values():
@@ -349,14 +350,14 @@ def _k_sensitivity_table(summary: dict[str, Any]) -> list[str]:
     ks = sorted(set(summary.get("K", {}).values()))
     if len(ks) < 2:
         return []
-    methods = list(dict.fromkeys(label.rsplit(" k=", 1)[0] for label in summary["K"]))
+    methods = list(dict.fromkeys(split_sweep_label(label)[0] for label in summary["K"]))
     lines = ["\n## Draft-length sensitivity (all tasks): tau / speedup per inference-time K\n",
              "| method | " + " | ".join(f"K={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
     overall = summary["tasks"]["all"]
     for m in methods:
         cells = []
         for k in ks:
-            entry = overall.get(f"{m} k={k}")
+            entry = overall.get(sweep_label(m, k))
             cells.append("-" if entry is None else f"{entry['mean_accepted_length']:.2f} / {entry['speedup']:.2f}x")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines

@@ -20,17 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from hspec.eval.claims import load_evals
+from hspec.eval.labels import split_sweep_label
 from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.training.report import read_history
 
 STEM = "eval_table"
 PLAIN = "none"
-
-
-def kind_of(label: str) -> tuple[str, int | None]:
-    """An evaluation's method label -> (drafter kind, K of a sweep or None): "hspec k=5" -> ("hspec", 5)."""
-    kind, sep, k = label.partition(" k=")
-    return (kind, int(k)) if sep else (kind, None)
 
 
 def column_title(settings: Mapping[str, Any]) -> str:
@@ -60,7 +55,7 @@ def build_table(folder: Path) -> dict[str, Any]:
         for label, entry in payload["summary"]["tasks"]["all"].items():
             if label == PLAIN:
                 continue
-            kind, k = kind_of(label)
+            kind, k = split_sweep_label(label)
             row = rows.setdefault(kind, {"drafter": kind, "shard": None, "evals": {}})
             row["shard"] = row["shard"] or shard_of.get(label)
             row["evals"].setdefault(stem, []).append({"K": k if k is not None else payload["summary"]["K"].get(label),
