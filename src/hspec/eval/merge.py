@@ -55,6 +55,7 @@ def merge_payloads(shards: Sequence[tuple[str, dict[str, Any]]], command: str) -
     plain: dict[tuple[str, str, int], str] = {}  # (task, item, turn) -> the first shard's plain digest
     records: list[dict[str, Any]] = []
     differing_turns: dict[str, int] = {}
+    labels_of: dict[str, list[str]] = {}  # shard -> its drafter labels, in run order
     for index, (name, payload) in enumerate(shards):
         for r in payload["records"]:
             missing = [f for f in PLAIN_FIELDS if f not in r]
@@ -62,8 +63,8 @@ def merge_payloads(shards: Sequence[tuple[str, dict[str, Any]]], command: str) -
                 raise ValueError(f"{name}: the record of {r['method']} on {r['item']} lacks {', '.join(missing)} "
                                  "(made before `hspec eval` recorded the plain decoding beside each drafter); "
                                  "evaluate that shard again")
-        labels = _drafter_labels(payload)
-        for label in labels:
+        labels_of[name] = _drafter_labels(payload)
+        for label in labels_of[name]:
             if label in owner:
                 raise ValueError(f"{label} is in two shards, {owner[label]} and {name}; a drafter belongs to one")
             owner[label] = name
@@ -81,7 +82,7 @@ def merge_payloads(shards: Sequence[tuple[str, dict[str, Any]]], command: str) -
                    for label, digest in p["provenance"]["settings"].get("checkpoints", {}).items()}
     settings = {**common, "methods": ",".join([PLAIN, *owner]), **({"checkpoints": checkpoints} if checkpoints else {})}
     meta = provenance(command, settings)
-    meta["shards"] = [{"file": name, "methods": ",".join(_drafter_labels(p)),
+    meta["shards"] = [{"file": name, "methods": ",".join(labels_of[name]),
                        "plain_turns_differing": differing_turns[name],
                        **{key: p["provenance"].get(key) for key in ("command", "date", "commit", "tree_dirty",
                                                                      "machine")}}
