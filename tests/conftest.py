@@ -107,6 +107,37 @@ def assert_samples_follow(samples, exact: dict[tuple, float], min_p_value: float
     assert p_value > min_p_value, f"chi2={chi2:.1f}, dof={dof}, p={p_value:.2e}"
 
 
+def exact_joint(target, prompt, params, n_tokens):
+    """P(first n_tokens tokens) under the target alone, by enumerating every continuation, computed as
+    plain decoding computes it: the prompt prefilled (`prefill=True`, whose products may round otherwise
+    than a decode's: w4a8's prefill multiplies bf16 rows), then each prefix's tokens in one forward."""
+    from hspec.sampling import SamplingBatch
+
+    sampling = SamplingBatch.from_params([params])
+    V = target.config.vocab_size
+    probs = {(): 1.0}
+    for _ in range(n_tokens):
+        new = {}
+        prefixes = list(probs)
+        pool = target.model.new_pool(num_blocks=len(prefixes) * 4, block_size=8)
+        sequences = list(range(len(prefixes)))
+        for i in sequences:
+            pool.add_sequence(i)
+        with torch.no_grad():
+            logits = target.model(torch.tensor([prompt] * len(prefixes)), pool, sequences, last_logits_only=True,
+                                  prefill=True).logits
+            if prefixes[0]:
+                logits = target.model(torch.tensor([list(p) for p in prefixes]), pool, sequences,
+                                      last_logits_only=True).logits
+        dist = sampling.select([0] * len(prefixes)).probs(logits)[:, -1].double()
+        for i, prefix in enumerate(prefixes):
+            for t in range(V):
+                if dist[i, t] > 0:
+                    new[prefix + (t,)] = probs[prefix] * float(dist[i, t])
+        probs = new
+    return probs
+
+
 def load_tiny(directory: Path, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
               native: bool = True) -> Target:
     """Load a tiny checkpoint through the real loader, without a HF tokenizer. `dtype` may also be
@@ -143,6 +174,13 @@ def _single_thread():
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_targets")
     return {f: build_tiny_checkpoint(root / f, f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def vocab8_dir(tiny_dirs) -> Path:
+    """A tiny Llama-family target with an 8-token vocabulary, small enough to enumerate every 3-token
+    continuation (the sampled-distribution tests)."""
+    return build_tiny_checkpoint(tiny_dirs["llama"].parent / "tiny_vocab8", "llama", seed=5, vocab_size=8)
 
 
 @pytest.fixture(scope="session")

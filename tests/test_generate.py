@@ -206,37 +206,6 @@ def test_batched_equals_one_by_one_when_sampling(tiny_target, kind):
     assert [s.token_ids for s in batched] == [s.token_ids for s in singles]
 
 
-def _exact_joint(target, prompt, params, n_tokens):
-    """P(first n_tokens tokens) under the target alone, by enumerating every continuation, computed as
-    plain decoding computes it: the prompt prefilled (`prefill=True`, whose products may round otherwise
-    than a decode's: w4a8's prefill multiplies bf16 rows), then each prefix's tokens in one forward."""
-    from hspec.sampling import SamplingBatch
-
-    sampling = SamplingBatch.from_params([params])
-    V = target.config.vocab_size
-    probs = {(): 1.0}
-    for _ in range(n_tokens):
-        new = {}
-        prefixes = list(probs)
-        pool = target.model.new_pool(num_blocks=len(prefixes) * 4, block_size=8)
-        sequences = list(range(len(prefixes)))
-        for i in sequences:
-            pool.add_sequence(i)
-        with torch.no_grad():
-            logits = target.model(torch.tensor([prompt] * len(prefixes)), pool, sequences, last_logits_only=True,
-                                  prefill=True).logits
-            if prefixes[0]:
-                logits = target.model(torch.tensor([list(p) for p in prefixes]), pool, sequences,
-                                      last_logits_only=True).logits
-        dist = sampling.select([0] * len(prefixes)).probs(logits)[:, -1].double()
-        for i, prefix in enumerate(prefixes):
-            for t in range(V):
-                if dist[i, t] > 0:
-                    new[prefix + (t,)] = probs[prefix] * float(dist[i, t])
-        probs = new
-    return probs
-
-
 # The sampled-distribution test costs 12-45 s a kind here. The ablations and the wrappers' second settings
 # share every sampling path with a kind in the default suite; they and the costliest kinds (dels, dfly, dspark,
 # dflash2: 23-45 s each) run with `-m slow`, which CI runs too, so that the default suite stays under 15 minutes.
@@ -249,21 +218,18 @@ SAMPLED_IN_SLOW = (*ABLATIONS, "peagle+ngram", "hspec+ngram:0.1", "dflash:0.07",
 
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SAMPLED_IN_SLOW else k
                                   for k in ALL_KINDS])
-def test_sampled_output_has_target_distribution(tiny_dirs, kind):
+def test_sampled_output_has_target_distribution(vocab8_dir, kind):
     """Chi-square goodness of fit of 3-token continuations (4,000 samples, K = 2).
 
     Cells with expected count < 5 are pooled. The test fails when the p-value < 1e-4, so a correct
     implementation fails with probability 1e-4 per kind; the seeds are fixed, there are no reruns.
     """
-    from conftest import assert_samples_follow, build_tiny_checkpoint, load_tiny
+    from conftest import assert_samples_follow, exact_joint, load_tiny
 
-    directory = tiny_dirs["llama"].parent / "tiny_vocab8"
-    if not directory.exists():
-        build_tiny_checkpoint(directory, "llama", seed=5, vocab_size=8)
-    target = load_tiny(directory)
+    target = load_tiny(vocab8_dir)
     params = SamplingParams(temperature=1.3, top_k=6)
     prompt = [1, 4, 5, 6, 3]
-    exact = _exact_joint(target, prompt, params, 3)
+    exact = exact_joint(target, prompt, params, 3)
     N = 4000
     decoder = SpeculativeDecoder(target.model, _make(kind, target), 2, eos_token_ids=())
     out = decoder.generate([prompt] * N, params, 3, seeds=range(1000, 1000 + N))
@@ -272,19 +238,16 @@ def test_sampled_output_has_target_distribution(tiny_dirs, kind):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "w4a8"])
-def test_sampled_output_has_target_distribution_in_each_reduced_precision(tiny_dirs, dtype):
+def test_sampled_output_has_target_distribution_in_each_reduced_precision(vocab8_dir, dtype):
     """The chi-square test above for H-Spec on the tiny target in bf16, int8, int4 and w4a8: rejection sampling
     reads the verify's probabilities in the runtime's dtype, and the samples must follow that runtime's
     own distribution (enumerated in the same dtype)."""
-    from conftest import assert_samples_follow, build_tiny_checkpoint, load_tiny
+    from conftest import assert_samples_follow, exact_joint, load_tiny
 
-    directory = tiny_dirs["llama"].parent / "tiny_vocab8"
-    if not directory.exists():
-        build_tiny_checkpoint(directory, "llama", seed=5, vocab_size=8)
-    target = load_tiny(directory, dtype=dtype)
+    target = load_tiny(vocab8_dir, dtype=dtype)
     params = SamplingParams(temperature=1.3, top_k=6)
     prompt = [1, 4, 5, 6, 3]
-    exact = _exact_joint(target, prompt, params, 3)
+    exact = exact_joint(target, prompt, params, 3)
     N = 4000
     decoder = SpeculativeDecoder(target.model, _make("hspec", target), 2, eos_token_ids=())
     out = decoder.generate([prompt] * N, params, 3, seeds=range(1000, 1000 + N))

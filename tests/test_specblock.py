@@ -193,20 +193,16 @@ def test_greedy_trees_equal_plain_and_branch(tiny_target, K):
         assert any(len(set(step)) > 1 for step in sizes), "every step's rows had trees of one size"
 
 
-def test_sampled_trees_have_the_target_distribution(tiny_dirs):
+def test_sampled_trees_have_the_target_distribution(vocab8_dir):
     """Chi-square goodness of fit of 3-token continuations with branching trees (4,000 samples, K = 2,
     node budget 6). Fails when p < 1e-4: a correct implementation fails with probability 1e-4 (fixed
     seeds, no reruns)."""
-    from conftest import assert_samples_follow, build_tiny_checkpoint, load_tiny
-    from test_generate import _exact_joint
+    from conftest import assert_samples_follow, exact_joint, load_tiny
 
-    directory = tiny_dirs["llama"].parent / "tiny_vocab8"
-    if not directory.exists():
-        build_tiny_checkpoint(directory, "llama", seed=5, vocab_size=8)
-    target = load_tiny(directory)
+    target = load_tiny(vocab8_dir)
     params = SamplingParams(temperature=1.3, top_k=6)
     prompt = [1, 4, 5, 6, 3]
-    exact = _exact_joint(target, prompt, params, 3)
+    exact = exact_joint(target, prompt, params, 3)
     N = 4000
     drafter = randomised(target, seed=5, node_budget=6, max_branch=3, draft_vocab_size=8)
     decoder = SpeculativeDecoder(target.model, drafter, 2, eos_token_ids=())

@@ -156,18 +156,15 @@ def tree_generate(target, prompts, params, max_new_tokens, seeds, branching=(3, 
     return [o[:max_new_tokens] for o in outputs], depths, pool, outputs
 
 
-def test_greedy_tree_decoding_equals_plain(tiny_dirs):
+def test_greedy_tree_decoding_equals_plain(vocab8_dir):
     """Greedy: tree steps (3 x 2 random i.i.d. children, vocab 8 so that paths of 1 and 2 are accepted)
     emit exactly the plain greedy tokens; the KV of accepted paths is moved into place each step."""
-    from conftest import build_tiny_checkpoint, load_tiny
+    from conftest import load_tiny
     from hspec.decoding.generate import SpeculativeDecoder
     from hspec.drafters import create_drafter
     from hspec.sampling import SamplingParams
 
-    directory = tiny_dirs["llama"].parent / "tiny_vocab8"
-    if not directory.exists():
-        build_tiny_checkpoint(directory, "llama", seed=5, vocab_size=8)
-    target = load_tiny(directory)
+    target = load_tiny(vocab8_dir)
     prompts = [[1, 4, 5, 6, 3], [1, 2, 7, 7, 3], [1, 3, 3, 5, 6]]
     plain = SpeculativeDecoder(target.model, create_drafter("none", target.config), 1, eos_token_ids=())
     expected = [s.token_ids for s in plain.generate(prompts, SamplingParams(), 30).sequences]
@@ -189,33 +186,17 @@ def test_greedy_tree_decoding_equals_plain(tiny_dirs):
             torch.testing.assert_close(v, fv, atol=1e-5, rtol=1e-4)
 
 
-def test_sampled_tree_decoding_has_the_target_distribution(tiny_dirs):
+def test_sampled_tree_decoding_has_the_target_distribution(vocab8_dir):
     """Chi-square goodness of fit of 3-token continuations (4,000 samples, temperature 1.3, top-k 6),
     as for the chain case (test_generate.py): fails when p < 1e-4, so a correct implementation fails
     with probability 1e-4; fixed seeds, no reruns."""
-    from conftest import assert_samples_follow, build_tiny_checkpoint, load_tiny
-    from hspec.sampling import SamplingBatch, SamplingParams
+    from conftest import assert_samples_follow, exact_joint, load_tiny
+    from hspec.sampling import SamplingParams
 
-    directory = tiny_dirs["llama"].parent / "tiny_vocab8"
-    if not directory.exists():
-        build_tiny_checkpoint(directory, "llama", seed=5, vocab_size=8)
-    target = load_tiny(directory)
+    target = load_tiny(vocab8_dir)
     params = SamplingParams(temperature=1.3, top_k=6)
     prompt = [1, 4, 5, 6, 3]
-    # The exact joint of the first 3 tokens under the target alone, by enumeration.
-    sampling = SamplingBatch.from_params([params])
-    exact = {(): 1.0}
-    for _ in range(3):
-        prefixes = list(exact)
-        pool = target.model.new_pool(num_blocks=len(prefixes) * 4, block_size=8)
-        for i in range(len(prefixes)):
-            pool.add_sequence(i)
-        with torch.no_grad():
-            logits = target.model(torch.tensor([prompt + list(p) for p in prefixes]), pool,
-                                  list(range(len(prefixes))), last_logits_only=True).logits
-        dist = sampling.select([0] * len(prefixes)).probs(logits)[:, -1].double()
-        exact = {prefix + (t,): exact[prefix] * float(dist[i, t]) for i, prefix in enumerate(prefixes)
-                 for t in range(8) if dist[i, t] > 0}
+    exact = exact_joint(target, prompt, params, 3)
     N = 4000
     samples, depths, _, _ = tree_generate(target, [prompt] * N, params, 3, seeds=range(1000, 1000 + N))
     assert_samples_follow([tuple(s) for s in samples], exact)
