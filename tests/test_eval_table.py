@@ -15,9 +15,11 @@ from hspec.eval.table import build_table, column_title
 
 
 def _history(run_dir: Path, taus: list[float]) -> None:
-    """A training run's history.jsonl: its config, one step, a validation per tau (the last one counts)."""
+    """A training run's history.jsonl: its config, two of its 10 steps logged (60 s and 180 s: 20 min for the
+    10 steps), a validation per tau (the last one counts)."""
     run_dir.mkdir(parents=True)
-    lines = [{"event": "config", "steps": 10}, {"event": "step", "step": 0, "loss": 1.0, "seconds": 1.0}]
+    lines = [{"event": "config", "steps": 10}, {"event": "step", "step": 0, "loss": 1.0, "seconds": 60.0},
+             {"event": "step", "step": 9, "loss": 0.5, "seconds": 180.0}]
     lines += [{"event": "validation", "step": 5 * (i + 1), "mean_accepted_length": tau,
                "acceptance_by_position": [0.5], "decode_order": {"mean_accepted_length": tau - 0.25}}
               for i, tau in enumerate(taus)]
@@ -45,6 +47,7 @@ def test_each_drafter_gets_its_shard_its_last_validation_and_what_each_evaluatio
     assert list(rows) == ["hspec", "dflash", "dels-base"]  # evaluated in run order, then trained only
     assert rows["hspec"]["shard"] == "h" and rows["dflash"]["shard"] == "d" and rows["dels-base"]["shard"] == "d"
     assert rows["hspec"]["val_tau"] == 2.5 and rows["hspec"]["val_tau_decode_order"] == 2.25
+    assert rows["hspec"]["train_minutes"] == pytest.approx(20.0)
     merged = json.loads((tmp_path / f"{GREEDY_K7}.json").read_text())["summary"]["tasks"]["all"]
     (hspec,) = rows["hspec"]["evals"][GREEDY_K7]
     assert hspec["K"] == 7 and hspec["tau"] == merged["hspec"]["mean_accepted_length"]
@@ -58,9 +61,9 @@ def test_the_command_writes_the_markdown_table(tmp_path, capsys):
     _comparison(tmp_path)
     assert cli.main(["eval-table", str(tmp_path)]) == 0
     text = (tmp_path / "eval_table.md").read_text()
-    assert "| hspec | h | 2.50 (2.25) | " in text and " / 2.00x |" in text
-    assert "| dels-base | d | 1.50 (1.25) | - |" in text
-    assert "| plain decoding | - | - | " in text and "spec_bench, K = 7, greedy (6 items a task)" in text
+    assert "| hspec | h | 20 | 2.50 (2.25) | " in text and " / 2.00x |" in text
+    assert "| dels-base | d | 20 | 1.50 (1.25) | - |" in text
+    assert "| plain decoding | - | - | - | " in text and "spec_bench, K = 7, greedy (6 items a task)" in text
     assert json.loads((tmp_path / "eval_table.json").read_text())["provenance"]["command"].startswith(
         "hspec eval-table ")
 

@@ -5,7 +5,8 @@ A comparison folder (scripts/compare_long.sh) holds the merged evaluations that 
 drafter its shards trained. The table gives each drafter kind:
 
 - the shard that trained and evaluated it (read from the merged files' provenance and the shards' runs);
-- its last validation tau on the held-out responses, teacher-forced and in decode order (from its history);
+- its last validation tau on the held-out responses, teacher-forced and in decode order, and its training
+  time (`training_minutes`), from its history;
 - for each evaluation present, its MAL tau and its speedup over the plain decoding it ran beside (one cell
   per K in a draft-length sweep), as the evaluation's own summary states them.
 
@@ -22,7 +23,7 @@ from typing import Any
 from hspec.eval.claims import load_evals
 from hspec.eval.labels import split_sweep_label
 from hspec.provenance import provenance, provenance_markdown, write_results
-from hspec.training.report import read_history
+from hspec.training.report import read_history, training_minutes
 
 STEM = "eval_table"
 PLAIN = "none"
@@ -68,6 +69,7 @@ def build_table(folder: Path) -> dict[str, Any]:
         row["val_tau"] = last.get("mean_accepted_length")
         row["val_tau_decode_order"] = last.get("decode_order", {}).get("mean_accepted_length")
         row["val_step"] = last.get("step")
+        row["train_minutes"] = training_minutes(history)
     return {"columns": columns, "plain_ms_per_token": plain_ms, "rows": list(rows.values())}
 
 
@@ -96,15 +98,18 @@ def _shard_of_labels(payload: Mapping[str, Any]) -> dict[str, str]:
 def render_rows(table: Mapping[str, Any]) -> list[str]:
     """The markdown table itself (header, rule, one line per drafter, plain decoding last)."""
     stems = list(table["columns"])
-    lines = ["| drafter | shard | val tau (decode order) | " + " | ".join(table["columns"][s] for s in stems) + " |",
-             "|---|---|---|" + "---|" * len(stems)]
+    lines = ["| drafter | shard | trained (min) | val tau (decode order) | "
+             + " | ".join(table["columns"][s] for s in stems) + " |",
+             "|---|---|---|---|" + "---|" * len(stems)]
     for row in table["rows"]:
         tau = row.get("val_tau")
         val = "-" if tau is None else f"{tau:.2f} ({_num(row.get('val_tau_decode_order'))})"
         cells = [_cell(row["evals"].get(stem, [])) for stem in stems]
-        lines.append(f"| {row['drafter']} | {row['shard'] or '-'} | {val} | " + " | ".join(cells) + " |")
+        minutes = row.get("train_minutes")
+        trained = "-" if minutes is None else f"{minutes:.0f}"
+        lines.append(f"| {row['drafter']} | {row['shard'] or '-'} | {trained} | {val} | " + " | ".join(cells) + " |")
     plain = [f"{ms:.1f} ms/token" if ms is not None else "-" for ms in (table["plain_ms_per_token"][s] for s in stems)]
-    lines.append("| plain decoding | - | - | " + " | ".join(plain) + " |")
+    lines.append("| plain decoding | - | - | - | " + " | ".join(plain) + " |")
     return lines
 
 
@@ -128,7 +133,9 @@ def render_table(payload: Mapping[str, Any]) -> str:
              "Cells: MAL tau / speedup over the plain decoding each drafter ran beside (its own shard's), as each "
              "evaluation's summary states them; tau counts the tokens each verify step emits. val tau: the last "
              "validation of the drafter's training run, teacher-forced on the held-out responses (in decode order "
-             "in brackets). Plain decoding's ms/token is the first evaluated shard's. Claims and their CIs: claims.md."]
+             "in brackets); trained: its training time, the mean logged step time x steps (as training.md states it, "
+             "without validations and pauses). Plain decoding's ms/token is the first evaluated shard's. Claims and "
+             "their CIs: claims.md."]
     return "\n".join(lines) + "\n"
 
 

@@ -30,6 +30,18 @@ def read_history(run_dir: Path) -> dict[str, Any]:
     return {"config": config, "steps": steps, "validations": validations}
 
 
+def steps_run(run: dict[str, Any]) -> int:
+    """How many optimizer steps a read history (`read_history`) ran, by its last step log or validation."""
+    return max([s["step"] + 1 for s in run["steps"][-1:]] + [v["step"] for v in run["validations"][-1:]] + [0])
+
+
+def training_minutes(run: dict[str, Any]) -> float:
+    """Training time of a read history in minutes, estimated as the mean logged step time x steps run (the
+    history logs every `log_every`-th step; validations, checkpoints and a resumed run's pauses are left out)."""
+    durations = [s["seconds"] for s in run["steps"]]
+    return sum(durations) / max(len(durations), 1) * steps_run(run) / 60
+
+
 def _steps_before(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> int:
     """Steps of the shown run whose `drafter/` this run started from (`--init-from`), else 0."""
     init_from = run["config"].get("init_from")
@@ -91,15 +103,13 @@ def write_training_report(run_dirs: list[Path], out_md: Path, title: str, extra:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, run in runs.items():
         c, steps, vals = run["config"], run["steps"], run["validations"]
-        steps_run = max([s["step"] + 1 for s in steps[-1:]] + [v["step"] for v in vals[-1:]] + [0])
-        wall = sum(s["seconds"] for s in steps) / max(len(steps), 1) * steps_run / 60
         final = vals[-1] if vals else {}
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in final.get("acceptance_by_position", []))
         tau = final.get("mean_accepted_length")
         in_order = final.get("decode_order", {}).get("mean_accepted_length")
         lines.append(f"| {name} | {c.get('train_sequences')} | {c.get('train_tokens', '-')} | "
-                     f"{c.get('val_sequences')} | {steps_run} / {c.get('steps')} | "
-                     f"{wall:.1f} | {c.get('trainable_params', 0):,} | "
+                     f"{c.get('val_sequences')} | {steps_run(run)} / {c.get('steps')} | "
+                     f"{training_minutes(run):.1f} | {c.get('trainable_params', 0):,} | "
                      f"{steps[-1]['loss'] if steps else float('nan'):.3f} | "
                      f"{'-' if tau is None else f'{tau:.2f}'} | {'-' if in_order is None else f'{in_order:.2f}'} | "
                      f"{acc} |")
