@@ -6,11 +6,12 @@
 # DFlash, DFlash-2 and the variant on the same held-out sequences (`hspec validate`, both validations).
 # Run after scripts/compare_long.sh has trained (it reads its runs and features). Resumable: rerun after a
 # kill and training continues from its last checkpoint. About 50 min on one core of a 2-core AVX-512 host.
-# Writes results/comparison_long/dflash2_diagnostic.{json,md}.
+# Writes $OUT/dflash2_diagnostic.{json,md} (OUT: results/comparison_long).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HSPEC=${HSPEC:-.venv/bin/hspec}
 RUNS=${RUNS:-runs/compare_long}
+OUT=${OUT:-results/comparison_long}
 STEPS=${STEPS:-3000}
 VAL_EVERY=${VAL_EVERY:-500}
 PARTS=${PARTS:-"1 2 3 4 5 6 7 8 9 10 11 12 13 14 15"}
@@ -25,4 +26,4 @@ $HSPEC train --drafter dflash2 --features "$features" --out "$variant" --steps "
   --draft-vocab 8192 --drafter-option selector_trains_backbone=false >> "$variant/train.log" 2>&1
 echo "[dflash2_diagnostic] $(tail -n 1 "$variant/train.log")"
 $HSPEC validate "$RUNS/dflash/drafter" "$RUNS/dflash2/drafter" "$variant/drafter" --features "$features" \
-  --out results/comparison_long --name dflash2_diagnostic
+  --out "$OUT" --name dflash2_diagnostic

@@ -244,6 +244,50 @@ def test_the_dflash2_diagnostic_trains_the_variant_with_the_long_recipe_then_val
                              str(runs / "dflash2-selector-detached/drafter")]
 
 
+def _run_plan(tmp_path: Path, *shards: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """scripts/compare_long_shards.sh SHARDS... with the recording stand-in (one corpus part, RUNS and OUT
+    under tmp_path): the finished process and its `hspec` calls, each checked to parse with today's CLI."""
+    log, fake = _recording_hspec(tmp_path)
+    env = {**os.environ, "HSPEC": str(fake), "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"),
+           "PARTS": "1"}
+    done = subprocess.run(["bash", str(SCRIPTS / "compare_long_shards.sh"), *shards], env=env, capture_output=True,
+                          text=True, cwd=ROOT)
+    calls = [shlex.split(line) for line in log.read_text().splitlines()] if log.exists() else []
+    parser = build_parser()
+    for words in calls:
+        parser.parse_args(words)
+    return done, calls
+
+
+def test_the_plan_runs_a_shard_then_the_dflash2_diagnostic_beside_shard_1s_dflash(tmp_path):
+    (tmp_path / "runs" / "dflash" / "drafter").mkdir(parents=True)  # shard 1 ran on this host
+    done, calls = _run_plan(tmp_path, "4")
+    assert done.returncode == 0, done.stderr
+    trained = [(c[c.index("--drafter") + 1], "--drafter-option" in c) for c in calls if c[0] == "train"]
+    assert sorted(trained[:2]) == [("dflash2", False), ("specblock", False)] and trained[2:] == [("dflash2", True)]
+    assert [c[0] for c in calls][-1] == "validate" and calls[-1][calls[-1].index("--out") + 1] == str(tmp_path / "out")
+    evals = [c for c in calls if c[0] == "eval"]
+    assert {c[c.index("--out") + 1] for c in evals} == {str(tmp_path / "out" / "shards" / "dflash2+specblock")}
+
+
+def test_the_plan_skips_the_diagnostic_where_shard_1s_dflash_is_missing_and_refuses_unknown_shards(tmp_path):
+    done, calls = _run_plan(tmp_path, "4")
+    assert done.returncode == 0 and "diagnostic" in done.stderr and "skipped" in done.stderr
+    assert "validate" not in [c[0] for c in calls]
+    (tmp_path / "other").mkdir()
+    done, calls = _run_plan(tmp_path / "other", "3", "7")
+    assert done.returncode == 2 and "no shard '7'" in done.stderr and calls == []
+
+
+def test_the_readme_plan_is_the_scripts_plan():
+    """The README's shard table lists the shards scripts/compare_long_shards.sh runs, in its order."""
+    script = (SCRIPTS / "compare_long_shards.sh").read_text()
+    plan = re.findall(r'^  "([a-z0-9 -]+)"$', script.split("SHARDS=(")[1].split(")")[0], re.M)
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| (\d) \| `([a-z0-9 -]+)` \|", readme, re.M)
+    assert len(plan) == 6 and rows == [(str(i), kinds) for i, kinds in enumerate(plan, 1)]
+
+
 @pytest.mark.slow
 def test_describe_drafters_reproduces_the_committed_tables(tmp_path):
     """Every registered kind has its row in results/drafters_describe.{md,json}: rerun
