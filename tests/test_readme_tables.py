@@ -1,48 +1,57 @@
-"""The README's copies of result tables are the tables of the committed result files, line for line.
-
-A block of the README between `<!-- table from results/PATH.md -->` and `<!-- end of table -->` must
-hold exactly the markdown table lines (those starting with "|") of results/PATH.md; with
-`results/PATH.md#heading`, those under that heading of the file (up to its next heading). So a table
-the README shows was written by the command that file names, never typed by hand or left behind.
-"""
+"""The README's copies of result tables are the tables of the committed result files, line for line
+(scripts/quote_result_tables.py: what a block holds, and the command that copies them again), so a table the
+README shows was written by the command its file names, never typed by hand or left behind."""
 
 from __future__ import annotations
 
-import re
+import importlib.util
 from pathlib import Path
 
-from test_docs import github_anchor
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"<!-- table from (\S+\.md)(?:#([\w-]+))? -->\n(.*?)<!-- end of table -->", re.S)
 
 
-def table_lines(text: str, heading: str = "") -> list[str]:
-    """The lines of `text` that are table rows; with `heading`, only those in that section (its anchor)."""
-    if heading:
-        sections = re.split(r"^#+ (.*)$", text, flags=re.M)  # [preamble, title, body, title, body, ...]
-        bodies = [body for title, body in zip(sections[1::2], sections[2::2]) if github_anchor(title) == heading]
-        assert bodies, f"no heading with the anchor '{heading}'"
-        text = bodies[0]
-    return [line for line in text.splitlines() if line.startswith("|")]
+def _quoting():
+    spec = importlib.util.spec_from_file_location("quote_result_tables", ROOT / "scripts" / "quote_result_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+quoting = _quoting()
 
 
 def test_every_table_block_of_the_readme_equals_its_result_file():
-    blocks = BLOCK.findall((ROOT / "README.md").read_text())
-    assert blocks, "the README quotes no result table (expected at least results/comparison_long/eval_table.md)"
-    for path, heading, body in blocks:
-        source = ROOT / path
-        where = f"{path}#{heading}" if heading else path
-        assert source.is_file(), f"the README quotes a table from {path}, which does not exist"
-        assert table_lines(body) == table_lines(source.read_text(), heading), \
-            f"the README's copy of {where} differs from the file: copy its table lines again"
-        assert body.strip() and all(line.startswith("|") for line in body.strip().splitlines()), \
-            f"the README's block for {where} holds lines that are not its table"
+    readme = (ROOT / "README.md").read_text()
+    assert quoting.BLOCK.findall(readme), "the README quotes no result table (expected results/comparison_long/...)"
+    assert quoting.stale_blocks(readme) == [], "the README's copies differ from their files: run " \
+                                              "`python scripts/quote_result_tables.py`"
 
 
 def test_the_block_pattern_finds_a_table_its_section_and_its_end():
     text = "x\n<!-- table from results/a.md#verdicts -->\n| a |\n|---|\n<!-- end of table -->\ny"
-    assert BLOCK.findall(text) == [("results/a.md", "verdicts", "| a |\n|---|\n")]
+    assert [m[1:4] for m in quoting.BLOCK.findall(text)] == [("results/a.md", "verdicts", "| a |\n|---|\n")]
     doc = "# T\n| top |\n## Verdicts\n| v |\n|---|\n## Comparisons\n| c |\n"
-    assert table_lines(doc, "verdicts") == ["| v |", "|---|"]
-    assert table_lines(doc) == ["| top |", "| v |", "|---|", "| c |"]
+    assert quoting.table_lines(doc, "verdicts") == ["| v |", "|---|"]
+    assert quoting.table_lines(doc) == ["| top |", "| v |", "|---|", "| c |"]
+    with pytest.raises(ValueError, match="anchor 'missing'"):
+        quoting.table_lines(doc, "missing")
+
+
+def test_requoting_copies_a_changed_file_and_leaves_the_rest_of_the_readme(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "a.md").write_text("# A\n\n| x |\n|---|\n| 2 |\n\nnote\n")
+    readme = "intro\n<!-- table from results/a.md -->\n| x |\n|---|\n| 1 |\n<!-- end of table -->\nrest\n"
+    assert quoting.stale_blocks(readme, tmp_path) == ["results/a.md"]
+    fixed = quoting.requote(readme, tmp_path)
+    assert fixed == "intro\n<!-- table from results/a.md -->\n| x |\n|---|\n| 2 |\n<!-- end of table -->\nrest\n"
+    assert quoting.stale_blocks(fixed, tmp_path) == []
+    with pytest.raises(FileNotFoundError, match="results/b.md"):
+        quoting.requote(readme.replace("a.md", "b.md"), tmp_path)
+
+
+def test_github_anchor():
+    assert quoting.github_anchor(" The KV pool") == "the-kv-pool"
+    assert quoting.github_anchor("DFlash family") == "dflash-family"
+    assert quoting.github_anchor("H-Spec") == "h-spec"
