@@ -55,3 +55,17 @@ def test_github_anchor():
     assert quoting.github_anchor(" The KV pool") == "the-kv-pool"
     assert quoting.github_anchor("DFlash family") == "dflash-family"
     assert quoting.github_anchor("H-Spec") == "h-spec"
+
+
+def test_every_ci_the_readme_quotes_from_the_claims_is_in_claims_md():
+    """The README's claim-by-claim list types its estimates into prose; each "estimate [low, high]" it names must
+    stand in results/comparison_long/claims.md, so the prose cannot keep a number the claims no longer give."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("Claim by claim"):readme.index("The second run's numbers")]
+    quoted = re.findall(r"[+-]\d+\.\d%? \[[+-]\d+\.\d%?, [+-]\d+\.\d%?\]", section)
+    claims = (ROOT / "results" / "comparison_long" / "claims.md").read_text()
+    assert quoted, "the README's claim-by-claim list quotes no CI"
+    missing = [ci for ci in quoted if ci not in claims]
+    assert not missing, f"the README quotes CIs that results/comparison_long/claims.md does not give: {missing}"
