@@ -5,6 +5,7 @@ README shows was written by the command its file names, never typed by hand or l
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,6 @@ def test_github_anchor():
 def test_every_ci_the_readme_quotes_from_the_claims_is_in_claims_md():
     """The README's claim-by-claim list types its estimates into prose; each "estimate [low, high]" it names must
     stand in results/comparison_long/claims.md, so the prose cannot keep a number the claims no longer give."""
-    import re
-
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("Claim by claim"):readme.index("The second run's numbers")]
     quoted = re.findall(r"[+-]\d+\.\d%? \[[+-]\d+\.\d%?, [+-]\d+\.\d%?\]", section)
