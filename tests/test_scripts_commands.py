@@ -244,6 +244,31 @@ def test_the_dflash2_diagnostic_trains_the_variant_with_the_long_recipe_then_val
                              str(runs / "dflash2-selector-detached/drafter")]
 
 
+def test_merging_the_comparison_reads_every_shard_and_redraws_the_report_only_when_a_history_is_newer(tmp_path):
+    """scripts/merge_comparison.sh (compare_long.sh's last step, alone): every shard folder merged, the training
+    report of every kept run, then the claims and the table of the merged files; no shard: refused, saying so."""
+    log, fake = _recording_hspec(tmp_path)
+    out = tmp_path / "out"
+    env = {**os.environ, "HSPEC": str(fake), "OUT": str(out)}
+    script = ["bash", str(SCRIPTS / "merge_comparison.sh")]
+    empty = subprocess.run(script, env=env, capture_output=True, text=True, cwd=ROOT)
+    assert empty.returncode == 2 and "no shard folder" in empty.stderr and not log.exists()
+    for shard, run in (("a", "hspec"), ("b", "dflash")):
+        (out / "shards" / shard / "runs" / run).mkdir(parents=True)
+        (out / "shards" / shard / "runs" / run / "history.jsonl").write_text("{}\n")
+    subprocess.run(script, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+    calls = [shlex.split(line) for line in log.read_text().splitlines()]
+    for words in calls:
+        build_parser().parse_args(words)
+    assert [c[0] for c in calls] == ["eval-merge", "train-report", "claims", "eval-table"]
+    assert calls[0][1:3] == [f"{out}/shards/a/", f"{out}/shards/b/"] and calls[0][-1] == str(out)
+    assert calls[1][1:3] == [f"{out}/shards/a/runs/hspec", f"{out}/shards/b/runs/dflash"]
+    (out / "training.md").write_text("a report newer than every history\n")
+    log.unlink()
+    subprocess.run(script, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+    assert [shlex.split(line)[0] for line in log.read_text().splitlines()] == ["eval-merge", "claims", "eval-table"]
+
+
 def _run_plan(tmp_path: Path, *shards: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
     """scripts/compare_long_shards.sh SHARDS... with the recording stand-in (one corpus part, RUNS and OUT
     under tmp_path): the finished process and its `hspec` calls, each checked to parse with today's CLI."""
