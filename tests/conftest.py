@@ -3,7 +3,10 @@ and runs the training tests share, and the live server the serving tests share."
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -36,6 +39,22 @@ def hf_config(family: str, vocab_size: int = 96, max_positions: int = 512):
     if family == "mistral":
         return MistralConfig(**common, rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False)
     raise ValueError(family)
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """The module scripts/NAME.py, imported by path (scripts/ is no package), with scripts/ importable while
+    it loads so that a script may import its siblings."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return module
 
 
 def build_tiny_checkpoint(directory: Path, family: str, seed: int = 0, vocab_size: int = 96,

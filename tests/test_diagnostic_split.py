@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
+from conftest import load_script
 from hspec.data.tasks import default_data_dir, load_task
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_split_leaves_out_the_evaluated_and_the_tuning_items(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))
-    split = _load_script("build_spec_bench_diagnostic_split")
+    split = load_script("build_spec_bench_diagnostic_split")
     out = tmp_path / "split.jsonl"
     monkeypatch.setattr(sys, "argv", ["build_spec_bench_diagnostic_split.py", str(out)])
     assert split.main() == 0

@@ -4,9 +4,10 @@ is not in the repository."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
@@ -14,15 +15,7 @@ DOCS = ROOT / "docs"
 CITED = re.compile(r"docs/([\w-]+)\.md#([a-z0-9-]+)")
 
 
-def _github_anchor():
-    """The anchor rule of scripts/quote_result_tables.py (the one place it is written)."""
-    spec = importlib.util.spec_from_file_location("quote_result_tables", ROOT / "scripts" / "quote_result_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.github_anchor
-
-
-github_anchor = _github_anchor()
+github_anchor = load_script("quote_result_tables").github_anchor  # the one place the anchor rule is written
 
 
 def anchors(doc: Path = DESIGN) -> set[str]:

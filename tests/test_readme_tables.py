@@ -4,23 +4,17 @@ README shows was written by the command its file names, never typed by hand or l
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _quoting():
-    spec = importlib.util.spec_from_file_location("quote_result_tables", ROOT / "scripts" / "quote_result_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-quoting = _quoting()
+quoting = load_script("quote_result_tables")
 
 
 def test_every_table_block_of_the_readme_equals_its_result_file():

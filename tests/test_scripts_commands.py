@@ -3,7 +3,6 @@ statistics replay the steps they measure exactly."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -14,22 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from hspec.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 TRAINING_SCRIPTS = ["train_v9_questions.sh", "train_spec_bench_diag.sh"]
-
-
-def _load_script(name: str):
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return module
 
 
 def _dry_run(script: str, tmp_path: Path, regenerate: bool = True) -> list[list[str]]:
@@ -105,7 +94,7 @@ def test_training_stages_print_the_committed_settings(tmp_path):
 
 
 def test_match_lengths_replay_the_history_each_step_drafted_from():
-    stats = _load_script("lookup_match_stats")
+    stats = load_script("lookup_match_stats")
     # Step 0 drafts from [5, 6, 7, 5, 6, 7]: its suffix 5 6 7 occurred before (m = 3); it commits 3 drafts
     # and a new token (5 6 7 8), so step 1 drafts from a history ending in 8, new (m = 0).
     assert stats.match_lengths([5, 6, 7, 5, 6], [7, 5, 6, 7, 8, 9], [3, 0], max_ngram=8) == [3, 0]
@@ -116,7 +105,7 @@ def test_match_lengths_replay_the_history_each_step_drafted_from():
 
 
 def test_group_by_match_counts_what_trimmed_verification_would_keep():
-    stats = _load_script("lookup_match_stats")
+    stats = load_script("lookup_match_stats")
     rows = stats.group_by_match([(0, 1), (1, 0), (1, 5), (2, 4), (3, 7)], K=7)
     assert [(r["match_length"], r["steps"], r["mean_accepted"]) for r in rows] == [(0, 1, 1.0), (1, 2, 2.5),
                                                                                   (2, 1, 4.0), (3, 1, 7.0)]
