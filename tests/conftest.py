@@ -158,16 +158,17 @@ def exact_joint(target, prompt, params, n_tokens):
 
 
 def load_tiny(directory: Path, device: str = "cpu", dtype: torch.dtype | str = torch.float32,
-              native: bool = True) -> Target:
+              native: bool = True, kernels: bool = True) -> Target:
     """Load a tiny checkpoint through the real loader, without a HF tokenizer. `dtype` may also be
-    a `--dtype` name, "int8" included; `native` as in `build_model`. --dtype w4a8 skips the test where
-    hspec's CPU kernels do not run (it has no other kernels)."""
+    a `--dtype` name, "int8" included; `native` and `kernels` as in `build_model`. --dtype w4a8 skips the
+    test where hspec's CPU kernels do not run (it has no other kernels)."""
     from hspec.models import loading
 
     skip_without_kernels(dtype)
 
     config = loading.read_config(directory)
-    model = loading.build_model(config, loading.read_state_dict(directory), dtype, device, native)
+    model = loading.build_model(config, loading.read_state_dict(directory), dtype, device, native,
+                                kernels)
     return Target(directory.name, directory, config, model, _ByteTokenizer(config.vocab_size))  # type: ignore[arg-type]
 
 

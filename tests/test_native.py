@@ -51,7 +51,8 @@ def test_the_native_stack_gives_the_python_layers_bits(tiny_dirs, family, dtype)
     pools = [_prefilled(model, prompt, 80) for model in (fast, slow)]
     generator = torch.Generator().manual_seed(0)
     group = fast.config.num_heads // fast.config.num_kv_heads
-    widths = (1, 4, 1, 8, 32 // group, 32 // group + 1, 1, 3)  # the last rows the stack covers, and one beyond
+    # the last rows one product takes, and one beyond (the stack covers it only with hspec's attention)
+    widths = (1, 4, 1, 8, 32 // group, 32 // group + 1, 1, 3)
     with torch.inference_mode():
         for width in widths:
             ids = torch.randint(3, vocab, (1, width), generator=generator)
@@ -59,7 +60,7 @@ def test_the_native_stack_gives_the_python_layers_bits(tiny_dirs, family, dtype)
             b = slow(ids, pools[1], [0], hidden_layers=(0, 2, slow.config.num_layers))
             assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
             assert torch.equal(pools[0].k, pools[1].k) and torch.equal(pools[0].v, pools[1].v)
-    assert counter.calls == len(widths) - 1  # every forward but the one whose rows exceed a product
+    assert counter.calls == len(widths) - (not fast.native.kernels)
 
 
 def test_batches_of_ragged_sequences_on_scattered_blocks_keep_the_python_layers_bits(tiny_dirs):
@@ -93,22 +94,30 @@ def test_batches_of_ragged_sequences_on_scattered_blocks_keep_the_python_layers_
     assert counter.calls == 6
 
 
-def test_the_stack_leaves_trees_prefills_wide_verifies_and_float32_to_the_python_layers(tiny_dirs):
+@pytest.mark.parametrize("kernels", [True, False])
+def test_what_the_stack_leaves_to_the_python_layers(tiny_dirs, kernels):
+    """Prefills, float32, trees whose nodes read their own key copies, and without hspec's attention kernel
+    verifies wider than one product."""
     from conftest import load_tiny
 
-    model = load_tiny(tiny_dirs["llama"], dtype="bfloat16").model
-    x = torch.zeros(1, 2, model.config.hidden_size, dtype=torch.bfloat16)
+    model = load_tiny(tiny_dirs["llama"], dtype="bfloat16", kernels=kernels).model
     stack = model.native
+    if kernels and not stack.kernels:
+        pytest.skip("hspec's CPU kernels do not run here")
+    x = torch.zeros(1, 2, model.config.hidden_size, dtype=torch.bfloat16)
     group = model.config.num_heads // model.config.num_kv_heads
-    assert not stack.covers(x, tree=False, prefill=False)  # autograd on
+    assert not stack.covers(x, node_tables=False, prefill=False)  # autograd on
     with torch.inference_mode():
-        assert stack.covers(x, tree=False, prefill=False)
-        assert stack.covers(x.expand(3, -1, -1), tree=False, prefill=False)  # a batch
-        assert not stack.covers(x, tree=True, prefill=False)
-        assert not stack.covers(x, tree=False, prefill=True)
-        assert not stack.covers(x.float(), tree=False, prefill=False)
+        assert stack.covers(x, node_tables=False, prefill=False)
+        assert stack.covers(x.expand(3, -1, -1), node_tables=False, prefill=False)  # a batch
+        assert not stack.covers(x, node_tables=False, prefill=True)
+        assert not stack.covers(x.float(), node_tables=False, prefill=False)
+        assert not stack.covers(x, node_tables=True, prefill=False)
+        # hspec's attention computes each query row alone, a tree's under its mask; torch's products take
+        # at most 32 rows, and a tree's nodes then read their own copies of their keys
         wide = torch.zeros(1, 32 // group + 1, model.config.hidden_size, dtype=torch.bfloat16)
-        assert not stack.covers(wide, tree=False, prefill=False)  # its query rows exceed one product
+        assert stack.covers(wide, node_tables=False, prefill=False) == kernels
+        assert model.tree_shares_keys == kernels
     assert load_tiny(tiny_dirs["llama"]).model.native is None  # float32 takes the fused kernels
     assert load_tiny(tiny_dirs["qwen3"], dtype="bfloat16").model.native is None  # per-head q/k norm
 

@@ -123,6 +123,15 @@ class TargetModel(nn.Module):
         return row_invariant(self.embed_tokens.weight)
 
     @property
+    def tree_shares_keys(self) -> bool:
+        """Whether a drafted tree's rows read their sequence's keys as they lie in the pool, other branches'
+        among their own, under a tree mask (`_tree_mask`), rather than each its own gathered copy of its
+        prefix and ancestors (`_tree_table`): where every layer attends with hspec's kernel over the float32
+        pool, which sums a row's visible keys alone, in key order, whatever sits between them
+        (`layers.attend`). At 1,536 keys a 17-token tree's forward then reads the prefix once, not 17 times."""
+        return self.kv_dtype == torch.float32 and all(layer.self_attn.kernel for layer in self.layers)
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         """The dtype of this model's KV pool: float32 where the attention is row-invariant, whose two small
         products per layer then run as fp32 GEMMs (a bf16 K/V value is exact in fp32): oneDNN's bf16
@@ -168,10 +177,12 @@ class TargetModel(nn.Module):
         tree_mask: (B, T, T) bool, or None for a chain. Given, the T new tokens form a drafted tree
         rooted at token 0 (decoding/tree_verify.py): new token i sees the prefix and the new tokens j
         with tree_mask[b, i, j] (itself and its ancestors), at position start + depth(i), depth(i) =
-        the ancestors it sees. Their K/V still fill the next T slots in order, but each token attends
-        as a sequence of its own whose keys are its prefix and ancestors in position order
-        (`_tree_table`), so it sums them as the decode of that path does: a tree row keeps the bits
-        of the chain's row in bf16, int8 and int4 (docs/fast-path.md).
+        the ancestors it sees. Their K/V fill the next T slots in order, so a node's ancestors lie among
+        other branches' keys; a tree row still sums its keys as the decode of its path does, and keeps
+        that row's bits in bf16, int8, int4 and w4a8 (docs/fast-path.md): hspec's attention kernel skips
+        the keys a row may not see (`tree_shares_keys`: all rows read the sequence's keys under a tree
+        mask, `_tree_mask`); elsewhere each token attends as a sequence of its own whose keys are its
+        prefix and ancestors in position order (`_tree_table`).
 
         prefill: the T tokens are a prompt's, never a verify or a decode. An int8 target then multiplies
         with its weights dequantized for the call, an int4 one with its levels' floating values
@@ -194,6 +205,7 @@ class TargetModel(nn.Module):
             )
         write_slots = pool.extend(seq_ids, t)  # (B, T)
         table = pool.slot_table(seq_ids)  # (B, S)
+        node_tables = tree_mask is not None and not self.tree_shares_keys
         if tree_mask is None:
             positions = starts[:, None] + torch.arange(t, device=input_ids.device)  # (B, T)
             mask = _causal_mask(positions, table)
@@ -201,12 +213,15 @@ class TargetModel(nn.Module):
             if tree_mask.shape != (b, t, t):
                 raise ValueError(f"tree_mask must be {(b, t, t)}, got {tuple(tree_mask.shape)}")
             positions = starts[:, None] + tree_mask.sum(-1) - 1  # (B, T) start + depth
-            table, mask = _tree_table(starts, tree_mask, table)
+            if node_tables:
+                table, mask = _tree_table(starts, tree_mask, table)
+            else:
+                mask = _tree_mask(starts, tree_mask, table)
         x = self.embed_tokens(input_ids)  # (B, T, H)
         cos, sin = (angles[:, :, None] for angles in self.rope(positions, x.dtype))  # (B, T, 1, D), all layers
         wanted = set(hidden_layers)
         collected = {0: x} if 0 in wanted else {}
-        if self.native is not None and self.native.covers(x, tree_mask is not None, prefill):
+        if self.native is not None and self.native.covers(x, node_tables, prefill):
             layers = sorted(wanted - {0})
             x, outputs = self.native(x, cos, sin, pool.k, pool.v, pool.capacity_tokens, write_slots, table.slots,
                                      table.contiguous_start, mask, layers)
@@ -221,6 +236,17 @@ class TargetModel(nn.Module):
         logits = self.lm_head(self.norm(x))
         hidden = torch.stack([collected[i] for i in hidden_layers], dim=2) if hidden_layers else None
         return TargetOutput(logits, hidden)
+
+
+def _tree_mask(starts: torch.Tensor, tree_mask: torch.Tensor, table: SlotTable) -> torch.Tensor:
+    """(B, 1, T, S): new token i of sequence b sees the keys of positions 0..start-1 and of the new tokens j
+    with tree_mask[b, i, j] (slots start + j), nothing after its sequence's start + T keys."""
+    b, t, _ = tree_mask.shape
+    key = torch.arange(table.slots.shape[1], device=starts.device)
+    relative = key[None, :] - starts[:, None]  # (B, S) index among the new tokens, < 0 in the prefix
+    among_new = tree_mask.gather(2, relative.clamp(0, t - 1)[:, None, :].expand(b, t, -1))  # (B, T, S)
+    visible = torch.where(relative[:, None, :] < 0, True, among_new & (relative < t)[:, None, :])
+    return visible[:, None]
 
 
 def _tree_table(starts: torch.Tensor, tree_mask: torch.Tensor, table: SlotTable

@@ -163,12 +163,15 @@ class NativeDecoderStack:
                    and layer.self_attn.qkv.q_norm is None and layer.self_attn.o_proj.bias is None
                    and layer.mlp.down_proj.bias is None for layer in layers)
 
-    def covers(self, x: torch.Tensor, tree: bool, prefill: bool) -> bool:
-        """Whether a forward of embeddings x (B, T, H) runs here: a chain of new tokens (not a tree), not a
-        prompt's prefill, each sequence's T * G query rows within one product, no autograd, on the CPU in
-        a row-invariant dtype (the Python layers keep every other case)."""
+    def covers(self, x: torch.Tensor, node_tables: bool, prefill: bool) -> bool:
+        """Whether a forward of embeddings x (B, T, H) runs here: not a prompt's prefill, not a tree whose
+        nodes each read their own copy of their keys (`node_tables`: a table row per node, where the target
+        does not share a tree's keys, `TargetModel.tree_shares_keys`), no autograd, on the CPU in a
+        row-invariant dtype, and either attending with hspec's kernel, which computes each query row alone
+        (any T, a tree under its mask included), or with each sequence's T * G query rows in one product
+        (the Python layers keep every other case)."""
         rows = x.shape[1] * self.num_heads // self.num_kv_heads
-        return (not tree and not prefill and rows <= _ROW_BLOCK and x.device.type == "cpu"
+        return (not prefill and not node_tables and (self.kernels or rows <= _ROW_BLOCK) and x.device.type == "cpu"
                 and x.dtype != torch.float32 and not torch.is_grad_enabled())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor,
