@@ -7,9 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hspec.decoding.tree_verify import accepted_tokens, tree_attention_mask, tree_depths, tree_verify
+from hspec.decoding.tree_verify import (
+    accepted_tokens,
+    tree_attention_mask,
+    tree_depths,
+    tree_verify,
+    tree_verify_greedy,
+)
 from hspec.decoding.verify import verify
-from hspec.sampling import sample_with_uniform
+from hspec.sampling import probs_from_logits, sample_with_uniform
 
 
 def _random_dist(g, *shape):
@@ -50,6 +56,27 @@ def test_greedy_accepts_the_path_of_target_argmaxes():
     p = torch.nn.functional.one_hot(torch.tensor([argmax]), 6).float()
     result = tree_verify(p, q, tokens, parents, torch.rand(1, 5), torch.rand(1))
     assert accepted_tokens(result, tokens) == [[5, 2, 0]]
+
+
+def test_the_greedy_walk_gives_tree_verify_on_one_hot_distributions():
+    """Random trees (padded rows of different sizes) over a vocab of 5, so that many children are the
+    target's argmax, ties in the logits included; q one-hot at the draft's own argmax, as greedy drafts are."""
+    g = torch.Generator().manual_seed(0)
+    B, N, V = 3000, 9, 5
+    parents = torch.full((B, N), -1)
+    for j in range(1, N):
+        parents[:, j] = torch.randint(-1, j, (B,), generator=g)
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    logits = torch.randint(0, 3, (B, N + 1, V), generator=g).float()  # ties: the first maximum wins
+    num_nodes = torch.randint(1, N + 1, (B,), generator=g)
+    greedy = (torch.zeros(B), torch.ones(B), torch.zeros(B, dtype=torch.long))  # temperature, top_p, top_k
+    p = probs_from_logits(logits, *greedy)
+    q = probs_from_logits(torch.randn(B, N + 1, V, generator=g), *greedy)
+    full = tree_verify(p, q, tokens, parents, torch.rand(B, N, generator=g), torch.rand(B, generator=g), num_nodes)
+    walk = tree_verify_greedy(logits, tokens, parents, num_nodes)
+    for field in ("num_accepted", "accepted", "last_node", "next_tokens"):
+        assert torch.equal(getattr(walk, field), getattr(full, field)), field
+    assert set(walk.num_accepted.tolist()) >= {0, 1, 2, 3}
 
 
 def test_depths_mask_and_bad_parents():

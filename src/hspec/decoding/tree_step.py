@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hspec.cache.paged_pool import PagedKVPool
-from hspec.decoding.tree_verify import TreeVerifyResult, tree_attention_mask, tree_verify
+from hspec.decoding.tree_verify import TreeVerifyResult, tree_attention_mask, tree_verify, tree_verify_greedy
 from hspec.drafters.base import TreeDraft
 from hspec.models.llama import TargetModel
 from hspec.sampling import SamplingBatch, draw_uniforms
@@ -60,11 +60,14 @@ def tree_step(model: TargetModel, pool: PagedKVPool, seq_ids: Sequence[int], anc
     parents[:, 1:] = torch.where(draft.parents < 0, 0, parents[:, 1:])
     input_ids = torch.cat([anchor_tokens[:, None].to(device), draft.tokens], 1)  # (B, N+1)
     out = model(input_ids, pool, seq_ids, target_layers, tree_mask=tree_attention_mask(parents))
-    target_probs = sampling.probs(out.logits)  # (B, N+1, V)
     # 2. verification
     uniforms = draw_uniforms(generators, count, device)  # (B, count >= N+1)
-    result = tree_verify(target_probs, draft.draft_probs.to(target_probs.dtype), draft.tokens, draft.parents,
-                         uniforms[:, :n], uniforms[:, count - 1], draft.num_nodes)
+    if sampling.all_greedy:  # the same verdict as `tree_verify` on one-hot distributions, without building them
+        result = tree_verify_greedy(out.logits, draft.tokens, draft.parents, draft.num_nodes)
+    else:
+        target_probs = sampling.probs(out.logits)  # (B, N+1, V)
+        result = tree_verify(target_probs, draft.draft_probs.to(target_probs.dtype), draft.tokens, draft.parents,
+                             uniforms[:, :n], uniforms[:, count - 1], draft.num_nodes)
     # 3. keep the accepted path: node j (position p + 1 + j in slot order) -> position p + 1 + its depth - 1
     table = pool.slot_table(seq_ids)
     layers = pool.num_target_layers

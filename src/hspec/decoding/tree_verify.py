@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from hspec.decoding.verify import residual_dist
-from hspec.sampling import sample_with_uniform
+from hspec.sampling import greedy_tokens, sample_with_uniform
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,36 @@ def tree_verify(target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: t
         accepted[:, j] = take
     next_tokens = sample_with_uniform(p_res, uniform_sample)
     return TreeVerifyResult(accepted.sum(1), accepted, current, next_tokens)
+
+
+def tree_verify_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                       num_nodes: torch.Tensor | None = None) -> TreeVerifyResult:
+    """`tree_verify` for a batch of greedy rows, from the target's logits, without distributions.
+
+    With one-hot p, `tree_verify` accepts a child exactly when it is the target's argmax at its parent
+    (a rejection leaves p' one-hot where it was, whatever q), and the next token is the argmax after the
+    accepted path; this walks the tree on the argmaxes alone, skipping the (B, N+1, V) one-hots and
+    residuals (`decoding.verify.verify_greedy` for a chain).
+
+    target_logits: (B, N+1, V), [:, 0] after x0 and [:, j+1] after node j; tokens, parents (B, N) and
+    num_nodes as in `tree_verify`.
+    """
+    b, n1, _ = target_logits.shape
+    n = n1 - 1
+    if tokens.shape != (b, n) or parents.shape != (b, n):
+        raise ValueError(f"shapes disagree: target_logits {tuple(target_logits.shape)}, tokens "
+                         f"{tuple(tokens.shape)}, parents {tuple(parents.shape)}")
+    check_parents(parents)
+    best = greedy_tokens(target_logits)  # (B, N+1)
+    rows = torch.arange(b, device=best.device)
+    current = torch.full((b,), -1, dtype=torch.long, device=best.device)  # the node we stand at
+    accepted = torch.zeros((b, n), dtype=torch.bool, device=best.device)
+    real = torch.full((b,), n, device=best.device) if num_nodes is None else num_nodes.to(best.device)
+    for j in range(n):
+        take = (parents[:, j] == current) & (j < real) & (tokens[:, j] == best[rows, current + 1])  # (B,)
+        current = torch.where(take, j, current)
+        accepted[:, j] = take
+    return TreeVerifyResult(accepted.sum(1), accepted, current, best[rows, current + 1])
 
 
 def accepted_tokens(result: TreeVerifyResult, tokens: torch.Tensor) -> list[list[int]]:
