@@ -8,6 +8,8 @@ on the tiny target, where the kernels' rounding would show.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -750,8 +752,8 @@ def test_a_prompts_int8_product_is_the_floating_product_of_the_rounded_weight(na
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "w4a8"])
-@pytest.mark.parametrize("path", ["stack", "python layers", "torch's kernels"])
-def test_tiny_target_tree_rows_equal_the_decode_of_their_path_bit_for_bit(tiny_dirs, dtype, path):
+@pytest.mark.parametrize("route", ["stack", "python layers", "torch's kernels"])
+def test_tiny_target_tree_rows_equal_the_decode_of_their_path_bit_for_bit(tiny_dirs, dtype, route):
     """A verified tree's node keeps the logits the decode of its path gives, with other branches' keys
     interleaved among its own in the pool: with hspec's attention kernel (in the C++ stack or the Python
     layers) every node reads the sequence's keys under the tree mask and the kernel skips those it may not
@@ -759,13 +761,18 @@ def test_tiny_target_tree_rows_equal_the_decode_of_their_path_bit_for_bit(tiny_d
     from conftest import load_tiny
     from hspec.decoding.tree_verify import tree_attention_mask
 
-    if dtype == "w4a8" and path == "torch's kernels":
+    if dtype == "w4a8" and route == "torch's kernels":
         pytest.skip("w4a8 runs only in hspec's kernels")
-    kernels = path != "torch's kernels"
-    model = load_tiny(tiny_dirs["llama"], dtype=dtype, native=path == "stack", kernels=kernels).model
+    kernels = route != "torch's kernels"
+    model = load_tiny(tiny_dirs["llama"], dtype=dtype, native=route == "stack", kernels=kernels).model
     if kernels and not model.tree_shares_keys:
         pytest.skip("hspec's CPU kernels do not run here")
-    assert (model.native is not None) == (path == "stack")
+    assert (model.native is not None) == (route == "stack")
+    stack_calls = []
+    if route == "stack":  # count the forwards that reach the compiled stack
+        extension = model.native.extension
+        model.native.extension = SimpleNamespace(
+            decoder_stack=lambda *args: stack_calls.append(1) or extension.decoder_stack(*args))
     vocab = model.config.vocab_size
     prompt = [3 + i % (vocab - 3) for i in range(290)]  # the path crosses a value chunk
     pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 40, 16))
@@ -783,7 +790,9 @@ def test_tiny_target_tree_rows_equal_the_decode_of_their_path_bit_for_bit(tiny_d
         path = [0, 1, 3, 5, 7]
         ids = torch.tensor([[(t * 7 + 5) % vocab for t in range(8)]])
         ids[0, path] = torch.tensor(tokens[:5])
+        before = len(stack_calls)
         tree = model(ids, pool, [0], tree_mask=tree_attention_mask(parents)).logits[0]
+    assert len(stack_calls) - before == (route == "stack")  # the tree ran where the route says
     for depth, node in enumerate(path):
         assert torch.equal(tree[node], decoded[depth]), f"node {node} at depth {depth}"
 
