@@ -83,6 +83,58 @@ def test_history_is_the_window_before_the_anchor(tiny_target, features):
         assert not torch.allclose(drafter.local_logits(changed, prev)[1], base[1])
 
 
+@torch.no_grad()
+def test_int8_local_head_runs_the_gru_equations():
+    """`LocalHead.store_int8`: drafting runs its own recurrence over int8 gate matrices. With weights int8
+    holds exactly (integers times a power-of-two scale per row) it gives nn.GRU's outputs and state, in the
+    gates' order r, z, n; with any weights it stays close; a head that trains keeps nn.GRU."""
+    from hspec.drafters.dels.model import LocalHead
+
+    g = torch.Generator().manual_seed(0)
+
+    def exact(rows: int, cols: int) -> torch.Tensor:  # (rows, cols), each row k / 127 * 2^-e with some |k| = 127
+        levels = torch.randint(-127, 128, (rows, cols), generator=g).float()
+        levels[:, 0] = 127.0
+        return levels * 2.0 ** -torch.randint(5, 9, (rows, 1), generator=g).float()
+
+    head = LocalHead(32, 48, 16, 64).requires_grad_(False)
+    head.gru.weight_ih_l0.copy_(exact(144, 32))
+    head.gru.weight_hh_l0.copy_(exact(144, 48))
+    head.up.copy_(exact(64, 16).t())
+    head.gru.bias_ih_l0.normal_(generator=g)
+    head.gru.bias_hh_l0.normal_(generator=g)
+    x, state = torch.randn(3, 5, 32, generator=g), torch.randn(1, 3, 48, generator=g)
+    expected, expected_state = head(x, state)
+    head.store_int8(torch.float32, "torch")
+    assert head._int8["hh"][0].dtype == torch.int8
+    got, got_state = head(x, state)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_state, expected_state, atol=1e-5, rtol=1e-5)
+    head.gru.weight_hh_l0.add_(torch.randn(144, 48, generator=g) * 1e-3)  # off the int8 grid: close, not equal
+    head.gru.weight_ih_l0.add_(torch.randn(144, 32, generator=g) * 1e-3)
+    floating, _ = head.gru(x, state)
+    head.store_int8(torch.float32, "torch")
+    rounded, _ = head._recurrence_int8(x, state)
+    assert not torch.equal(rounded, floating)
+    torch.testing.assert_close(rounded, floating, atol=0.05, rtol=0.05)
+    head.requires_grad_(True)  # training: nn.GRU, whatever is stored
+    with torch.enable_grad():
+        trained, _ = head(x, state)
+    torch.testing.assert_close(trained, head.gru(x, state)[0] @ head.down.weight.t() @ head.up)
+
+
+def test_drafting_under_a_bf16_target_stores_the_local_head_in_int8(tiny_target):
+    """`runtime.prepare_for_inference` reaches the local head through `NeuralDrafter.store_int8` (the
+    losslessness of int8 drafting is test_generate.py's, for every kind)."""
+    from hspec.runtime import prepare_for_inference
+
+    config = DeLSConfig.from_target("dels", tiny_target.config, local_hidden=32, local_rank=16)
+    drafter = DeLSDrafter(tiny_target.config, tiny_target.model, config=config, dtype=torch.bfloat16)
+    drafter = prepare_for_inference(drafter, "bfloat16", "cpu")
+    assert set(drafter.local._int8) == {"ih", "hh", "up"}  # every width a multiple of the kernel's 16
+    assert drafter.local._int8["up"][1].dtype == torch.bfloat16
+
+
 def test_training_leaves_the_dflash_part_unchanged(tiny_target, features):
     torch.manual_seed(1)
     drafter = small(tiny_target)

@@ -115,8 +115,7 @@ def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.dev
             quantize_int8(drafter, compute_dtype, kernels=kernel == "int8")
         if kernel == "w8a8" or (kernel == "int8" and not cpu_has_native_bf16()):  # else oneDNN's bf16 product
             drafter.head.store_int8(compute_dtype, kernel)
-        if drafter.markov is not None:
-            drafter.markov.store_int8(compute_dtype, kernel)
+        drafter.store_int8(compute_dtype, kernel)
     drafter = drafter.eval()
     if compiled and isinstance(drafter, NeuralDrafter):
         compile_drafter(drafter)

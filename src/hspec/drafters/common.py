@@ -260,6 +260,13 @@ class NeuralDrafter(Drafter, nn.Module):
         """Markov corrections (N, K, Vp) for prev_tokens (N, K), or None without a Markov head."""
         return None if self.markov is None else self.markov(prev_tokens)
 
+    def store_int8(self, compute_dtype: torch.dtype, kernel: str) -> None:
+        """Int8 copies (one scale per row) of the products the kind runs outside `nn.Linear`, which
+        `models.quantize` swaps by itself: here the Markov head's W2; kinds with more add theirs.
+        Inference only (`runtime.prepare_for_inference`); `kernel` as `models.quantize.int8_weight` takes it."""
+        if self.markov is not None:
+            self.markov.store_int8(compute_dtype, kernel)
+
     def teacher_forced_logits(self, ctx: BlockContext, prev_tokens: torch.Tensor) -> torch.Tensor:
         """Training logits (N, K, Vp): U + W2(W1[prev]) with prev = [x0, x_{p+1}, ..., x_{p+K-1}]."""
         logits = self.block_logits(ctx)

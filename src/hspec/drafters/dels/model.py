@@ -29,22 +29,62 @@ from hspec.drafters.dels.config import DeLSConfig
 from hspec.drafters.dflash.model import DFlashDrafter
 from hspec.drafters.sequential import inference_context, sample_slots
 from hspec.models.config import TargetConfig
+from hspec.models.layers import linear
+from hspec.models.quantize import int8_kernel_fits, int8_weight
 
 
 class LocalHead(nn.Module):
-    """GRU over token embeddings, then Hg -> r -> Vp. The last projection starts at zero (l_local = 0)."""
+    """GRU over token embeddings, then Hg -> r -> Vp. The last projection starts at zero (l_local = 0).
+
+    Drafting reads the GRU's weights once a step, 16 + K steps a block one after another (docs/drafters.md,
+    dels): `store_int8` keeps int8 copies of its gate matrices and of U_r, which inference then multiplies
+    in a recurrence of its own (nn.GRU's equations) at half the bytes; training keeps nn.GRU.
+    """
 
     def __init__(self, hidden: int, local_hidden: int, rank: int, draft_vocab_size: int) -> None:
         super().__init__()
         self.gru = nn.GRU(hidden, local_hidden, batch_first=True)
         self.down = nn.Linear(local_hidden, rank, bias=False)
         self.up = nn.Parameter(torch.zeros(rank, draft_vocab_size))  # (r, Vp), stored as the Markov head's W2
+        self._int8: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}  # set by store_int8
+
+    def store_int8(self, compute_dtype: torch.dtype, kernel: str) -> None:
+        """Draft with int8 rows (one scale per row) of W_ih (3Hg, H), W_hh (3Hg, Hg) and U_r^T (Vp, r);
+        the floating weights are kept. Nothing is stored where the int8 kernel cannot take a width."""
+        weights = {"ih": self.gru.weight_ih_l0, "hh": self.gru.weight_hh_l0, "up": self.up.t()}
+        if all(int8_kernel_fits(w) for w in weights.values()):
+            self._int8 = {name: int8_weight(w.detach(), compute_dtype, kernel) for name, w in weights.items()}
 
     def forward(self, embeddings: torch.Tensor, state: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """embeddings (N, T, H), state (1, N, Hg) or None -> logits (N, T, Vp) and the new state."""
+        if self._int8 and not self.up.requires_grad and embeddings.dtype == self._int8["up"][1].dtype:
+            out, state = self._recurrence_int8(embeddings, state)
+            rows, scale, packed = self._int8["up"]
+            return linear(self.down(out), rows, scale=scale, packed=packed), state
         out, state = self.gru(embeddings, state)  # (N, T, Hg), (1, N, Hg)
         return self.down(out) @ self.up, state
+
+    def _recurrence_int8(self, embeddings: torch.Tensor, state: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """nn.GRU's recurrence with the int8 gate matrices: the input gates of all T steps in one product,
+        then per step h W_hh^T (gates r, z, n in that order, as nn.GRU stacks them).
+        embeddings (N, T, H), state (1, N, Hg) or None -> outputs (N, T, Hg) and the last state (1, N, Hg)."""
+        n, steps, _ = embeddings.shape
+        gru = self.gru
+        rows, scale, packed = self._int8["ih"]
+        gates_x = linear(embeddings, rows, gru.bias_ih_l0, scale=scale, packed=packed)  # (N, T, 3Hg)
+        rows, scale, packed = self._int8["hh"]
+        h = (embeddings.new_zeros(n, gru.hidden_size) if state is None else state[0])  # (N, Hg)
+        outputs = []
+        for t in range(steps):
+            r_x, z_x, n_x = gates_x[:, t].chunk(3, dim=-1)  # (N, Hg) each
+            r_h, z_h, n_h = linear(h, rows, gru.bias_hh_l0, scale=scale, packed=packed).chunk(3, dim=-1)
+            r, z = torch.sigmoid(r_x + r_h), torch.sigmoid(z_x + z_h)
+            candidate = torch.tanh(n_x + r * n_h)
+            h = candidate + z * (h - candidate)  # (1 - z) n + z h
+            outputs.append(h)
+        return torch.stack(outputs, dim=1), h[None]
 
 
 @DRAFTERS.register("dels")
@@ -70,6 +110,11 @@ class DeLSDrafter(DFlashDrafter):
         self.local = LocalHead(c.hidden_size, c.local_hidden, c.local_rank, c.draft_vocab_size)
         # l_prior over the draft vocabulary, saved with the drafter; uniform (no effect) until set.
         self.register_buffer("log_prior", torch.zeros(c.draft_vocab_size))
+
+    def store_int8(self, compute_dtype: torch.dtype, kernel: str) -> None:
+        """DFlash's int8 copies and the local head's (`LocalHead.store_int8`)."""
+        super().store_int8(compute_dtype, kernel)
+        self.local.store_int8(compute_dtype, kernel)
 
     def set_log_prior(self, counts: torch.Tensor) -> None:
         """l_prior = log of the add-one unigram frequencies of the draft vocabulary; counts (V,) per target id."""
