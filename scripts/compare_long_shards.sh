@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The long comparison's plan (README, "The long comparison"; docs/claims.md#shards): its six shards in order,
+# The long comparison's plan (README, "The long comparison"; docs/claims.md#shards): its seven shards in order,
 # each one run of scripts/compare_long.sh, and the DFlash-2 diagnostic (scripts/dflash2_diagnostic.sh) after
 # the shard that trains DFlash-2. With the defaults this reproduces results/comparison_long/.
 #
-#   bash scripts/compare_long_shards.sh          all six shards (~13 h of a 2-core CPU)
+#   bash scripts/compare_long_shards.sh          all seven shards (~13.5 h of a 2-core CPU)
 #   bash scripts/compare_long_shards.sh 3 4      shards 3 and 4 only
 #
 # A shard's trained drafters stay on the host that trained them (RUNS), so on a new host name only the
@@ -19,6 +19,7 @@ SHARDS=(
   "dflash2 specblock"
   "hspec-kvreuse-only dels"
   "peagle hspec-lasttoken-only"
+  "dflash2-selector-detached"
 )
 RUNS=${RUNS:-runs/compare_long}
 export RUNS

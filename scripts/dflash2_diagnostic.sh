@@ -4,6 +4,8 @@
 # is what lags. This trains DFlash-2 again with the long comparison's recipe, data and steps, once with the
 # selector's loss kept off the backbone (`--drafter-option selector_trains_backbone=false`), then validates
 # DFlash, DFlash-2 and the variant on the same held-out sequences (`hspec validate`, both validations).
+# The variant's run is the one scripts/compare_long.sh trains as its kind dflash2-selector-detached (same
+# command, same directory), whose shard (the plan's 7th) then only evaluates it.
 # Run after scripts/compare_long.sh has trained (it reads its runs and features). Resumable: rerun after a
 # kill and training continues from its last checkpoint. About 50 min on one core of a 2-core AVX-512 host.
 # Writes $OUT/dflash2_diagnostic.{json,md} (OUT: results/comparison_long).

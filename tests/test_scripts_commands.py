@@ -147,7 +147,10 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
     trained = [c[c.index("--drafter") + 1] for c in calls if c[0] == "train"]
     assert sorted(trained) == sorted(["hspec", "dflash", "peagle", "dspark", "dflash-kvreuse", "hspec-lasttoken-only",
                                       "hspec-kvreuse-only", "mamba-only", "attention-only", "hspec-nomarkov",
-                                      "dflash2", "dfly", "specblock", "dels"])
+                                      "dflash2", "dfly", "specblock", "dels", "dflash2"])
+    variant = [c for c in calls if c[0] == "train" and "--drafter-option" in c]  # hspec's DFlash-2 variant
+    assert [(c[c.index("--out") + 1], c[c.index("--drafter-option") + 1]) for c in variant] == [
+        (str(tmp_path / "runs" / "dflash2-selector-detached"), "selector_trains_backbone=false")]
     assert trained[-1] == "dels"
     dels = [c for c in calls if c[0] == "train"][-1]
     assert dels[dels.index("--init-from") + 1] == str(tmp_path / "runs" / "dflash" / "drafter")
@@ -289,8 +292,8 @@ def test_the_plan_skips_the_diagnostic_where_shard_1s_dflash_is_missing_and_refu
     assert done.returncode == 0 and "diagnostic" in done.stderr and "skipped" in done.stderr
     assert "validate" not in [c[0] for c in calls]
     (tmp_path / "other").mkdir()
-    done, calls = _run_plan(tmp_path / "other", "3", "7")
-    assert done.returncode == 2 and "no shard '7'" in done.stderr and calls == []
+    done, calls = _run_plan(tmp_path / "other", "3", "8")
+    assert done.returncode == 2 and "no shard '8'" in done.stderr and calls == []
 
 
 def test_the_readme_plan_is_the_scripts_plan():
@@ -299,7 +302,7 @@ def test_the_readme_plan_is_the_scripts_plan():
     plan = re.findall(r'^  "([a-z0-9 -]+)"$', script.split("SHARDS=(")[1].split(")")[0], re.M)
     readme = (ROOT / "README.md").read_text()
     rows = re.findall(r"^\| (\d) \| `([a-z0-9 -]+)` \|", readme, re.M)
-    assert len(plan) == 6 and rows == [(str(i), kinds) for i, kinds in enumerate(plan, 1)]
+    assert len(plan) == 7 and rows == [(str(i), kinds) for i, kinds in enumerate(plan, 1)]
 
 
 @pytest.mark.slow
