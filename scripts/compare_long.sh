@@ -100,6 +100,13 @@ features=${features#,}
 
 # 2. One recipe for all: 0.1 CE + 0.9 TV, gamma 4, AdamW 6e-4, 1% warmup + half-cosine, Vp = 8192,
 #    4 sequences x 16 anchors a step, --precision auto (bf16 autocast where the CPU has native bf16).
+kind_of() {  # kind_of KIND: the drafter kind KIND trains (a variant's is another's; hspec eval then labels it
+            # "<kind>@<variant>", after its run directory)
+  case $1 in
+    dflash2-selector-detached) echo dflash2 ;;
+    *) echo "$1" ;;
+  esac
+}
 drafter_args() {  # drafter_args KIND: the train arguments that choose KIND's drafter (a variant: its kind and option)
   case $1 in
     dflash2-selector-detached) echo "--drafter dflash2 --drafter-option selector_trains_backbone=false" ;;
@@ -127,7 +134,7 @@ if [[ " $KINDS " == *" dels "* ]]; then
 fi
 drafters=()
 for kind in $TRAINED; do
-  if [ "$kind" != "$BASE" ]; then drafters+=("$kind=$RUNS/$kind/drafter"); fi
+  if [ "$kind" != "$BASE" ]; then drafters+=("$(kind_of "$kind")=$RUNS/$kind/drafter"); fi
 done
 # Each run's history (its loss and validation log, ~100 KB) is kept in the shard beside its evaluations,
 # so the training report of every shard can be redrawn after the runs themselves are gone. Reports are

@@ -68,6 +68,20 @@ def test_the_command_writes_the_markdown_table(tmp_path, capsys):
         "hspec eval-table ")
 
 
+def test_a_variant_evaluated_from_a_run_of_another_name_shares_one_row_with_that_runs_history(tmp_path):
+    """A dflash2 checkpoint in the run directory "dflash2-selector-detached" is labelled
+    "dflash2@dflash2-selector-detached" by hspec eval; its history joins that row rather than a second one."""
+    label = "dflash2@dflash2-selector-detached"
+    shard = tmp_path / "shards" / "v"
+    shard.mkdir(parents=True)
+    (shard / f"{GREEDY_K7}.json").write_text(json.dumps(shard_payload(label, 3.0, [2, 3], 1.25)))
+    _history(shard / "runs" / "dflash2-selector-detached", [1.5, 1.75])
+    assert cli.main(["eval-merge", str(shard), "--out", str(tmp_path)]) == 0
+    (row,) = build_table(tmp_path)["rows"]
+    assert row["drafter"] == label and row["shard"] == "v" and row["val_tau"] == 1.75
+    assert row["evals"][GREEDY_K7][0]["speedup"] == pytest.approx(1.25)
+
+
 def test_a_run_kept_by_two_shards_is_refused_naming_both(tmp_path):
     _comparison(tmp_path)
     _history(tmp_path / "shards" / "h" / "runs" / "dflash", [1.0])

@@ -152,6 +152,8 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
     assert [(c[c.index("--out") + 1], c[c.index("--drafter-option") + 1]) for c in variant] == [
         (str(tmp_path / "runs" / "dflash2-selector-detached"), "selector_trains_backbone=false")]
     assert trained[-1] == "dels"
+    greedy = next(c for c in calls if c[0] == "eval")  # the variant evaluates as its kind, from its own run
+    assert f"dflash2={tmp_path}/runs/dflash2-selector-detached/drafter" in greedy[greedy.index("--drafters") + 1]
     dels = [c for c in calls if c[0] == "train"][-1]
     assert dels[dels.index("--init-from") + 1] == str(tmp_path / "runs" / "dflash" / "drafter")
     for c in calls:

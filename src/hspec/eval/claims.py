@@ -22,7 +22,8 @@ A comparison is `reproduced` when its CI lies above 0, `contradicted` when it li
 every pair it names was compared (`reproduced in part` when some pair was in no file: a kind not yet
 evaluated), `unresolved` otherwise, and `skipped` when none could run. Whatever could not run (a file missing from
 the folder, a kind missing from a run, too few items) is listed with its reason. Kinds are matched by
-their eval label, which is the kind itself when a checkpoint lives in `<runs>/<kind>/drafter`.
+their eval label, which is the kind itself when a checkpoint lives in `<runs>/<kind>/drafter` and
+"<kind>@<run>" when it lives in another run's directory.
 """
 
 from __future__ import annotations
@@ -98,9 +99,10 @@ CLAIMS = (
     Claim("dflash2", "DFlash-2 blog", "the dynamic convolutions and the path selector raise tau over DFlash "
           "(~+21%) for ~1% more drafting time", (GREEDY_K7, TASKS_K7), (("dflash2", "dflash"),), (TAU, SPEEDUP)),
     # The same claim with hspec's variant: DFlash-2 trained with the selector's loss kept off the backbone, the
-    # change scripts/dflash2_diagnostic.sh found to lift it above DFlash in validation (docs/drafters.md).
+    # change scripts/dflash2_diagnostic.sh found to lift it above DFlash in validation (docs/drafters.md); its
+    # label is hspec eval's for a dflash2 checkpoint in the run directory dflash2-selector-detached.
     Claim("dflash2-detached", "DFlash-2 blog (hspec's variant)", "the same, with the selector's loss kept off "
-          "the backbone in training", (GREEDY_K7, TASKS_K7), (("dflash2-selector-detached", "dflash"),),
+          "the backbone in training", (GREEDY_K7, TASKS_K7), (("dflash2@dflash2-selector-detached", "dflash"),),
           (TAU, SPEEDUP)),
     Claim("dels", "DeLS-Spec abstract", "the local sequential head raises the frozen DFlash drafter's acceptance",
           (GREEDY_K7, TASKS_K7), (("dels", "dflash"),), (TAU, SPEEDUP)),

@@ -4,7 +4,9 @@ A comparison folder (scripts/compare_long.sh) holds the merged evaluations that 
 (`claims.EVAL_FILES`) and, under `shards/<shard>/runs/<run>/history.jsonl`, the training history of every
 drafter its shards trained. The table gives each drafter kind:
 
-- the shard that trained and evaluated it (read from the merged files' provenance and the shards' runs);
+- the shard that trained and evaluated it (read from the merged files' provenance and the shards' runs; a
+  run's history joins the row of the label evaluated from it: its name, or "<kind>@<run>" for a run of
+  another name);
 - its last validation tau on the held-out responses, teacher-forced and in decode order, and its training
   time (`training_minutes`), from its history;
 - for each evaluation present, its MAL tau and its speedup over the plain decoding it ran beside (one cell
@@ -63,7 +65,8 @@ def build_table(folder: Path) -> dict[str, Any]:
                                                       "tau": entry.get("mean_accepted_length"),
                                                       "speedup": entry.get("speedup")})
     for name, (shard, history) in histories.items():
-        row = rows.setdefault(name, {"drafter": name, "shard": shard, "evals": {}})
+        label = name if name in rows else next((label for label in rows if _run_of(label) == name), name)
+        row = rows.setdefault(label, {"drafter": label, "shard": shard, "evals": {}})
         row["shard"] = row["shard"] or shard
         last = history["validations"][-1] if history["validations"] else {}
         row["val_tau"] = last.get("mean_accepted_length")
@@ -71,6 +74,11 @@ def build_table(folder: Path) -> dict[str, Any]:
         row["val_step"] = last.get("step")
         row["train_minutes"] = training_minutes(history)
     return {"columns": columns, "plain_ms_per_token": plain_ms, "rows": list(rows.values())}
+
+
+def _run_of(label: str) -> str:
+    """The run a method label was evaluated from: "<kind>@<run>" names it, a bare kind is its own run."""
+    return label.rsplit("@", 1)[-1]
 
 
 def _histories(folder: Path) -> dict[str, tuple[str, dict[str, Any]]]:
