@@ -20,6 +20,7 @@ from hspec.drafters.base import DraftBatch
 from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.drafters.sequential import inference_context
 from hspec.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, specblock_trainable_params, tree_branching
+from hspec.drafters.specblock.tree_shape import TreeCost, cost_aware_budgets, expected_emitted, tree_nodes
 from hspec.models.kv_accounting import known_target
 from hspec.models.llama import TargetModel
 from hspec.sampling import SamplingBatch, SamplingParams
@@ -67,7 +68,7 @@ def test_params_formula_and_bad_settings():
     assert drafter.num_trainable_params() == specblock_trainable_params(drafter.config)
     assert drafter.proposes_tree and drafter.draft_positions(7) == 16 and drafter.draft_positions(20) == 20
     for field, value in (("max_branch", 0), ("node_budget", 0), ("rank_coverage", 0.0), ("markov_rank", 8),
-                         ("reuse_target_kv", True), ("rank_loss_weight", -1.0)):
+                         ("reuse_target_kv", True), ("rank_loss_weight", -1.0), ("tree_cost_per_node", -0.1)):
         with pytest.raises(ValueError, match=field):
             SpecBlockConfig.from_target("specblock", config, **{field: value})
 
@@ -80,6 +81,31 @@ def test_tree_branching_coverage_and_budget():
     # budget 8: 1 + 2 = 3 nodes, then 2 leaves x 3 would be 9 > 8, so b = (8 - 3) // 2 = 2, then nothing fits
     assert tree_branching(probs, 0.8, 8).tolist() == [[1, 2, 2, 0]]
     assert tree_branching(probs, 0.8, 1).tolist() == [[1, 0, 0, 0]]
+    assert tree_branching(probs.expand(2, -1, -1), 0.8, [100, 8]).tolist() == [[1, 2, 3, 3], [1, 2, 2, 0]]
+    with pytest.raises(ValueError, match="node_budget has 1 entries for 2 rows"):
+        tree_branching(probs.expand(2, -1, -1), 0.8, [8])
+
+
+def test_the_cost_aware_budget_maximises_expected_tokens_per_cost():
+    """E[emitted] = 1 + sum_k prod_{j<=k} c_j(b_j); each row takes the smallest budget of the best ratio."""
+    probs = torch.tensor([[[0.9, 0.05, 0.05, 0.0], [0.5, 0.35, 0.1, 0.05], [0.3, 0.3, 0.3, 0.1],
+                           [0.1, 0.1, 0.1, 0.7]]])  # wanted b = 1, 2, 3, 3 (test above)
+    cover = probs.cumsum(-1)[0, :, :3]
+    assert tree_nodes([1, 2, 2, 0]) == 7 and tree_nodes([1, 0, 2]) == 1
+    assert expected_emitted([1, 2, 0, 0], cover) == pytest.approx(1 + 0.9 + 0.9 * 0.85)
+    free = TreeCost(0.0, 0.0, 0.0)  # free nodes: the whole wanted tree (1 + 2 + 6 + 18 = 27 nodes)
+    assert cost_aware_budgets(probs, 0.8, 100, [0], free) == [27]
+    assert cost_aware_budgets(probs, 0.8, 8, [0], free) == [7]  # the budget-8 tree has 7 nodes: ties go down
+    dear = TreeCost(0.25, 1.0, 0.0)  # a node costs a decode: one node, 1.9 tokens for 2.25
+    assert cost_aware_budgets(probs, 0.8, 16, [0], dear) == [1]
+    # By hand at 0.05 a node (+0.001 a key): budgets 1, 2, 3, 5, 7, 9 give trees of as many nodes (b = 1;
+    # 1, 1; 1, 2; 1, 2, 1; 1, 2, 2; 1, 2, 3) and E = 1.9, 2.35, 2.665, 2.89, 3.12, 3.35. At S = 0 the ratio
+    # grows with the tree (1.46, 1.74, 1.90, 1.93, 1.95, 1.97: 9 wins); at S = 200 a node costs 0.25 and the
+    # ratios are 1.27, 1.34, 1.33, 1.16, 1.04, 0.96: the 2-node chain wins.
+    priced = TreeCost(0.25, 0.05, 0.001)
+    assert cost_aware_budgets(probs.expand(2, -1, -1), 0.8, 9, [0, 200], priced) == [9, 2]
+    with pytest.raises(ValueError, match="keys has 1 entries for 2 rows"):
+        cost_aware_budgets(probs.expand(2, -1, -1), 0.8, 9, [0], priced)
 
 
 # ---- drafting -----------------------------------------------------------------------------------------
@@ -90,7 +116,7 @@ def test_tree_branching_coverage_and_budget():
 def test_propose_tree_draws_from_the_block(tiny_target, features, params):
     """Nodes at depth k are the top-b_k tokens of slot k (greedy) or draws from its transformed q_k,
     each node carries its children's distribution, and the tree fits the budget and depth K."""
-    drafter = randomised(tiny_target, seed=1)
+    drafter = randomised(tiny_target, seed=1, adapt_tree=False)  # the fixed budget: a tree that branches
     tokens, p, K = features.tokens.tolist(), 30, 5
     pool = prefilled(tiny_target, drafter, tokens[:p])
     sampling = SamplingBatch.from_params([params])
@@ -169,11 +195,13 @@ def test_valid_prefix_mask_stops_the_gradient_after_a_miss(tiny_target, features
 
 
 @pytest.mark.parametrize("K", [1, 3, 7])
-def test_greedy_trees_equal_plain_and_branch(tiny_target, K):
-    """Greedy tree-speculative output == plain greedy with trees that branch and differ per row."""
+@pytest.mark.parametrize("adapt", [False, True])
+def test_greedy_trees_equal_plain_and_branch(tiny_target, K, adapt):
+    """Greedy tree-speculative output == plain greedy with trees that branch and differ per row, of the
+    fixed budget and of the cost-aware one (priced so that rows and steps take budgets of several sizes)."""
     prompts = [tiny_target.tokenizer.encode_prompt(p) for p in ("hello world, hello", "abcabcabc", "the fox")]
     plain = SpeculativeDecoder(tiny_target.model, create_drafter("none", tiny_target.config), 1, ())
-    drafter = randomised(tiny_target, seed=4, node_budget=12)
+    drafter = randomised(tiny_target, seed=4, node_budget=12, adapt_tree=adapt, tree_cost_per_node=0.02)
     sizes = []
     propose_tree = drafter.propose_tree
 
@@ -191,12 +219,14 @@ def test_greedy_trees_equal_plain_and_branch(tiny_target, K):
     if K > 1:
         assert max(n for step in sizes for n in step) > K, "no tree ever branched"
         assert any(len(set(step)) > 1 for step in sizes), "every step's rows had trees of one size"
+        smallest = min(n for step in sizes for n in step)
+        assert (smallest < K) == adapt, "only the cost-aware budget cuts trees below a chain of K"
 
 
 def test_sampled_trees_have_the_target_distribution(vocab8_dir):
-    """Chi-square goodness of fit of 3-token continuations with branching trees (4,000 samples, K = 2,
-    node budget 6). Fails when p < 1e-4: a correct implementation fails with probability 1e-4 (fixed
-    seeds, no reruns)."""
+    """Chi-square goodness of fit of 3-token continuations with branching trees of the cost-aware budget
+    (4,000 samples, K = 2, node budget 6, trees of several sizes). Fails when p < 1e-4: a correct
+    implementation fails with probability 1e-4 (fixed seeds, no reruns)."""
     from conftest import assert_samples_follow, exact_joint, load_tiny
 
     target = load_tiny(vocab8_dir)
@@ -204,10 +234,20 @@ def test_sampled_trees_have_the_target_distribution(vocab8_dir):
     prompt = [1, 4, 5, 6, 3]
     exact = exact_joint(target, prompt, params, 3)
     N = 4000
-    drafter = randomised(target, seed=5, node_budget=6, max_branch=3, draft_vocab_size=8)
+    drafter = randomised(target, seed=5, node_budget=6, max_branch=3, draft_vocab_size=8, tree_cost_per_node=0.02)
+    sizes = set()
+    propose_tree = drafter.propose_tree
+
+    def recording(batch, k):
+        tree = propose_tree(batch, k)
+        sizes.update(tree.num_nodes.tolist())
+        return tree
+
+    drafter.propose_tree = recording  # type: ignore[method-assign]
     decoder = SpeculativeDecoder(target.model, drafter, 2, eos_token_ids=())
     out = decoder.generate([prompt] * N, params, 3, seeds=range(2000, 2000 + N))
     assert max(sum(s.num_accepted) for s in out.sequences) >= 1
+    assert len(sizes) > 1 and max(sizes) > 2, "the trees never branched or never changed size"
     assert_samples_follow([tuple(s.token_ids) for s in out.sequences], exact)
 
 

@@ -10,7 +10,9 @@ Ours: the backbone is DFlash's (5 layers over a drafter-side context KV cache, t
 embedding and pruned LM head, no Markov head); the shift is a zero-initialised linear map per layer
 over the RMS-normalised previous input (so an untrained SpecBlock is DFlash); the rank head is a linear
 classifier over the rank of the target's token among the drafter's candidates, and b_k is the smallest
-branching whose predicted coverage reaches `rank_coverage`, cut to fit `node_budget`.
+branching whose predicted coverage reaches `rank_coverage`, cut to fit the row's node budget: `node_budget`,
+or with `adapt_tree` (the abstract's "cost-aware" adaptation, ours in the details) the budget up to it that
+maximises the tokens a step is expected to emit per unit of its cost (tree_shape.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class SpecBlockConfig(DFlashConfig):
     node_budget: int = 16  # most tree nodes one step verifies (the target scores node_budget + 1 tokens)
     rank_coverage: float = 0.8  # b_k = smallest b with P(rank of the target's token < b) >= this
     rank_loss_weight: float = 0.1  # weight of the rank head's cross-entropy beside the drafter loss
+    # The cost-aware tree (tree_shape.py): each row's budget per step, <= node_budget, by expected tokens per
+    # cost; False: node_budget always. The costs, in 1-token decodes, are this CPU's (2-core AVX-512 with AMX,
+    # bf16 SmolLM2-135M): a 17-token tree's verify at 128 / 512 / 1,536 keys costs 1.32 / 1.60 / 2.27 decodes
+    # (results/tree_verify/), 0.020 / 0.038 / 0.079 a node, ~0.015 + 4e-5 per key; SpecBlock's draft 8.3 ms
+    # at 256 keys (results/draft_cost_kinds/) against a 34 ms decode there, ~0.25. On a GPU, where a verify
+    # of 17 tokens costs about one of 1, per-node costs near 0 give every row the full node_budget.
+    adapt_tree: bool = True
+    tree_cost_draft: float = 0.25
+    tree_cost_per_node: float = 0.015
+    tree_cost_per_node_key: float = 4e-5
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,6 +57,9 @@ class SpecBlockConfig(DFlashConfig):
             raise ValueError(f"node_budget must be >= 1, got {self.node_budget}")
         if not 0.0 < self.rank_coverage <= 1.0:
             raise ValueError(f"rank_coverage must be in (0, 1], got {self.rank_coverage}")
+        for name in ("tree_cost_draft", "tree_cost_per_node", "tree_cost_per_node_key"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (a cost in 1-token decodes), got {getattr(self, name)}")
         if self.rank_loss_weight < 0:
             raise ValueError(f"rank_loss_weight must be >= 0, got {self.rank_loss_weight}")
 

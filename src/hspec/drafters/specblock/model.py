@@ -17,7 +17,9 @@ Forward over a block [x0, MASK x (K-1)] at positions p..p+K-1 (`block_states`):
 
 Tree (`propose_tree`): slot k's distribution q_k does not depend on the drafts before it (one parallel
 block), so every node at depth k gets its children from q_{k+1}'s: b_k children per node, b_k from the
-rank head (`tree_branching`), the whole tree within `node_budget` nodes. Greedy rows take the top-b_k
+rank head (`tree_branching`), the whole tree within the row's node budget (at most `node_budget`; with
+`adapt_tree` the one that maximises the tokens a step is expected to emit per unit of its cost:
+tree_shape.py). Greedy rows take the top-b_k
 tokens (any children keep greedy verification exact); sampled rows draw b_k i.i.d. children per node
 from q_k after the target's sampling transform, which is what tree verification needs to be lossless
 (decoding/tree_verify.py).
@@ -45,32 +47,9 @@ from hspec.drafters.common import BlockContext
 from hspec.drafters.dflash.model import DFlashDrafter
 from hspec.drafters.sequential import inference_context
 from hspec.drafters.specblock.config import SpecBlockConfig
+from hspec.drafters.specblock.tree_shape import TreeCost, cost_aware_budgets, tree_branching
 from hspec.models.layers import RMSNorm
 from hspec.sampling import draw_uniforms, sample_with_uniform
-
-
-def tree_branching(rank_probs: torch.Tensor, coverage: float, node_budget: int) -> torch.Tensor:
-    """Children per node at each depth, (N, K) long, from the rank head's distribution (N, K, R).
-
-    rank_probs[n, k, r]: P(the target's token is the r-th likeliest of slot k), the last class "beyond
-    b_max = R - 1". b_k = smallest b in 1..b_max whose coverage P(rank < b) >= `coverage` (b_max if
-    none). Then, depth by depth, b_k is cut so the tree (b_1 + b_1 b_2 + ...) stays within
-    `node_budget`; once a depth cannot get even one child per leaf, the tree ends there (b = 0).
-    """
-    b_max = rank_probs.shape[-1] - 1
-    cover = rank_probs.float().cumsum(-1)[..., :b_max]  # (N, K, b_max): P(rank < b) for b = 1..b_max
-    want = (1 + (cover < coverage).sum(-1)).clamp(max=b_max).tolist()  # (N, K)
-    out = []
-    for row in want:
-        nodes, leaves, shape = 0, 1, []
-        for b in row:
-            b = min(b, (node_budget - nodes) // leaves)
-            if b < 1 or (shape and shape[-1] == 0):
-                b = 0
-            nodes, leaves = nodes + leaves * b, leaves * max(b, 1)
-            shape.append(b)
-        out.append(shape)
-    return torch.tensor(out, dtype=torch.long, device=rank_probs.device)
 
 
 @DRAFTERS.register("specblock")
@@ -224,6 +203,15 @@ class SpecBlockDrafter(DFlashDrafter):
         local, probs, confidence = self.sample_block(logits, batch.anchor_tokens, batch.sampling, batch.generators)
         return Proposal(self.head.to_target_ids(local), self.head.to_full(probs), confidence=confidence)
 
+    def tree_budgets(self, rank_probs: torch.Tensor, batch: DraftBatch) -> list[int]:
+        """Each row's node budget this step: the cost-aware one (tree_shape.py) with `adapt_tree`, else
+        `node_budget`. rank_probs (B, K, R)."""
+        c = self.config
+        if not c.adapt_tree:
+            return [c.node_budget] * rank_probs.shape[0]
+        cost = TreeCost(c.tree_cost_draft, c.tree_cost_per_node, c.tree_cost_per_node_key)
+        return cost_aware_budgets(rank_probs, c.rank_coverage, c.node_budget, batch.pool.lengths(batch.seq_ids), cost)
+
     def propose_tree(self, batch: DraftBatch, K: int) -> TreeDraft:
         """A tree of depth <= K per row, b_k children per node at depth k (module docstring).
 
@@ -235,8 +223,9 @@ class SpecBlockDrafter(DFlashDrafter):
         b = logits.shape[0]
         device = logits.device
         q = batch.sampling.probs(logits)  # (B, K, Vp): one-hot argmax on greedy rows
-        branching = tree_branching(torch.softmax(self.rank_head(h).float(), -1), self.config.rank_coverage,
-                                   self.config.node_budget).tolist()  # (B, K)
+        rank_probs = torch.softmax(self.rank_head(h).float(), -1)  # (B, K, R)
+        branching = tree_branching(rank_probs, self.config.rank_coverage,
+                                   self.tree_budgets(rank_probs, batch)).tolist()  # (B, K)
         greedy = (batch.sampling.temperature == 0).tolist()
         uniforms = None if all(greedy) else draw_uniforms(batch.generators, self.config.node_budget, device)
         top = logits.topk(min(self.config.max_branch, logits.shape[-1]), -1).indices  # (B, K, b_max)
