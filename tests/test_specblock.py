@@ -50,6 +50,20 @@ def randomised(target, seed: int = 0, **overrides) -> SpecBlockDrafter:
     return drafter.eval()
 
 
+def recording_tree_sizes(drafter: SpecBlockDrafter) -> list[list[int]]:
+    """From now on, each `propose_tree` of `drafter` appends its rows' node counts to the returned list."""
+    sizes: list[list[int]] = []
+    propose_tree = drafter.propose_tree
+
+    def recording(batch, k):
+        tree = propose_tree(batch, k)
+        sizes.append(tree.num_nodes.tolist())
+        return tree
+
+    drafter.propose_tree = recording  # type: ignore[method-assign]
+    return sizes
+
+
 def prefilled(target, drafter, tokens: list[int], seq_id: int = 0):
     pool = target.model.new_pool(16, 8, drafter.num_drafter_layers)
     pool.add_sequence(seq_id)
@@ -202,15 +216,7 @@ def test_greedy_trees_equal_plain_and_branch(tiny_target, K, adapt):
     prompts = [tiny_target.tokenizer.encode_prompt(p) for p in ("hello world, hello", "abcabcabc", "the fox")]
     plain = SpeculativeDecoder(tiny_target.model, create_drafter("none", tiny_target.config), 1, ())
     drafter = randomised(tiny_target, seed=4, node_budget=12, adapt_tree=adapt, tree_cost_per_node=0.02)
-    sizes = []
-    propose_tree = drafter.propose_tree
-
-    def recording(batch, k):
-        tree = propose_tree(batch, k)
-        sizes.append(tree.num_nodes.tolist())
-        return tree
-
-    drafter.propose_tree = recording  # type: ignore[method-assign]
+    sizes = recording_tree_sizes(drafter)
     spec = SpeculativeDecoder(tiny_target.model, drafter, K, ())
     expected = plain.generate(prompts, SamplingParams(), 30).sequences
     got = spec.generate(prompts, SamplingParams(), 30).sequences
@@ -235,18 +241,11 @@ def test_sampled_trees_have_the_target_distribution(vocab8_dir):
     exact = exact_joint(target, prompt, params, 3)
     N = 4000
     drafter = randomised(target, seed=5, node_budget=6, max_branch=3, draft_vocab_size=8, tree_cost_per_node=0.02)
-    sizes = set()
-    propose_tree = drafter.propose_tree
-
-    def recording(batch, k):
-        tree = propose_tree(batch, k)
-        sizes.update(tree.num_nodes.tolist())
-        return tree
-
-    drafter.propose_tree = recording  # type: ignore[method-assign]
+    steps = recording_tree_sizes(drafter)
     decoder = SpeculativeDecoder(target.model, drafter, 2, eos_token_ids=())
     out = decoder.generate([prompt] * N, params, 3, seeds=range(2000, 2000 + N))
     assert max(sum(s.num_accepted) for s in out.sequences) >= 1
+    sizes = {n for step in steps for n in step}
     assert len(sizes) > 1 and max(sizes) > 2, "the trees never branched or never changed size"
     assert_samples_follow([tuple(s.token_ids) for s in out.sequences], exact)
 
