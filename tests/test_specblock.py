@@ -10,6 +10,10 @@ test_engine.py: the serving engine with preemption against the single-request lo
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
@@ -120,6 +124,26 @@ def test_the_cost_aware_budget_maximises_expected_tokens_per_cost():
     assert cost_aware_budgets(probs.expand(2, -1, -1), 0.8, 9, [0, 200], priced) == [9, 2]
     with pytest.raises(ValueError, match="keys has 1 entries for 2 rows"):
         cost_aware_budgets(probs.expand(2, -1, -1), 0.8, 9, [0], priced)
+
+
+def test_the_default_tree_costs_are_the_committed_measurements_of_this_cpu():
+    """SpecBlockConfig's tree_cost_* defaults (its comment says whence): the per-node cost of a 17-token tree
+    verify, (decodes - 1) / 16 at each context of results/tree_verify/, fitted by a line in the keys; and
+    SpecBlock's draft over an 8-token verify (results/draft_cost_kinds/) times that verify in decodes."""
+    results = Path(__file__).resolve().parents[1] / "results"
+    rows = json.loads((results / "tree_verify" / "tree_verify.json").read_text())["rows"]
+    keys = np.array([row["S"] for row in rows], dtype=float)
+    ms = [row["median_ms"] for row in rows]
+    per_node = np.array([(m["tree verify (17 tokens), shared keys"] / m["decode (1 token)"] - 1) / 16 for m in ms])
+    slope, intercept = np.polyfit(keys, per_node, 1)
+    config = SpecBlockConfig.from_target("specblock", known_target("qwen3-8b").config)
+    assert config.tree_cost_per_node == pytest.approx(intercept, rel=0.05)  # rounded to one or two digits
+    assert config.tree_cost_per_node_key == pytest.approx(slope, rel=0.05)
+    draft_cost = results / "draft_cost_kinds" / "draft_cost_cpu_vp8192_bfloat16.json"
+    at_256 = json.loads(draft_cost.read_text())["results"][0]
+    chain = ms[0]["chain verify (8 tokens)"] / ms[0]["decode (1 token)"]
+    draft = at_256["kinds"]["specblock"]["propose_ms"]["median"] / at_256["verify_ms"]["median"] * chain
+    assert at_256["S"] == 256 and config.tree_cost_draft == pytest.approx(draft, rel=0.05)
 
 
 # ---- drafting -----------------------------------------------------------------------------------------
