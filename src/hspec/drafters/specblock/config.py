@@ -36,10 +36,10 @@ class SpecBlockConfig(DFlashConfig):
     # cost; False: node_budget always. The costs, in 1-token decodes, are this CPU's (2-core AVX-512 with AMX,
     # bf16 SmolLM2-135M): a 17-token tree's verify at 128 / 512 / 1,536 keys costs 1.32 / 1.60 / 2.27 decodes
     # (results/tree_verify/), 0.020 / 0.038 / 0.079 a node, whose least-squares line is 0.0152 + 4.2e-5 per key
-    # (rounded here to 0.015 and 4e-5);
-    # SpecBlock's draft costs 0.23 of an 8-token verify at 256 keys (results/draft_cost_kinds/), a verify that
-    # costs ~1.1 decodes: ~0.25 (tests/test_specblock.py checks both against those files). On a GPU, where a
-    # verify of 17 tokens costs about one of 1, per-node costs near 0 give every row the full node_budget.
+    # (rounded here to 0.015 and 4e-5); SpecBlock's draft costs 0.23 of an 8-token verify at 256 keys
+    # (results/draft_cost_kinds/), a verify that costs ~1.1 decodes: ~0.25 (tests/test_specblock.py checks both
+    # against those files). On a GPU, where a verify of 17 tokens costs about one of 1, per-node costs near 0
+    # give every row the full node_budget. To set them for another machine: docs/drafters.md (SpecBlock).
     adapt_tree: bool = True
     tree_cost_draft: float = 0.25
     tree_cost_per_node: float = 0.015
