@@ -19,10 +19,9 @@ Tree (`propose_tree`): slot k's distribution q_k does not depend on the drafts b
 block), so every node at depth k gets its children from q_{k+1}'s: b_k children per node, b_k from the
 rank head (`tree_branching`), the whole tree within the row's node budget (at most `node_budget`; with
 `adapt_tree` the one that maximises the tokens a step is expected to emit per unit of its cost:
-tree_shape.py). Greedy rows take the top-b_k
-tokens (any children keep greedy verification exact); sampled rows draw b_k i.i.d. children per node
-from q_k after the target's sampling transform, which is what tree verification needs to be lossless
-(decoding/tree_verify.py).
+tree_shape.py). Greedy rows take the top-b_k tokens (any children keep greedy verification exact);
+sampled rows draw b_k i.i.d. children per node from q_k after the target's sampling transform, which is
+what tree verification needs to be lossless (decoding/tree_verify.py).
 
 Training (`training_logits`): the block's inherited state is computed as decoding would have left it:
 a previous block at anchor p-1-d (d cycles over 0..K-1 across rows) run without gradients, its slot d
