@@ -428,3 +428,26 @@ def test_a_checkpoints_digest_follows_its_weights_and_config_not_its_directory(t
     (tmp_path / "a" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         checkpoint_digest(tmp_path / "a")
+
+
+def test_decoding_options_change_a_loaded_drafters_config_and_no_weight(tiny_target, tmp_path):
+    """A decoding command's --drafter-option: the fields a config names in `decoding_options` are set on the
+    saved config at load (SpecBlock's tree budget and costs), the weights stay the saved ones; any other
+    field, or a kind without decoding options, is refused naming what is allowed."""
+    from hspec.runtime import decoding_options_of
+
+    drafter = random_drafter("specblock", tiny_target)
+    save_drafter(drafter, tmp_path / "sb", VERIFIER, ["LlamaForCausalLM"])
+    options = decoding_options_of(["specblock+ngram:0.4", "dflash"], ["adapt_tree=false", "node_budget=5"])
+    assert options == {"specblock+ngram:0.4": {"adapt_tree": False, "node_budget": 5}, "dflash": {}}
+    loaded = load_drafter(tmp_path / "sb", tiny_target.model, options=options["specblock+ngram:0.4"])
+    assert loaded.config.node_budget == 5 and not loaded.config.adapt_tree
+    assert loaded.config.rank_coverage == drafter.config.rank_coverage
+    assert_same_state(drafter, loaded)
+    with pytest.raises(ValueError, match=r"\['markov_rank'\] cannot be set on a trained specblock drafter; its "
+                                         r"decoding options are \['adapt_tree', 'node_budget'"):
+        load_drafter(tmp_path / "sb", tiny_target.model, options={"markov_rank": 0})
+    with pytest.raises(ValueError, match=r"'node_budget=5': no drafter here takes it; .*'dflash': \[\]"):
+        decoding_options_of(["dflash", "ngram"], ["node_budget=5"])
+    with pytest.raises(ValueError, match="node_budget takes an integer"):
+        decoding_options_of(["specblock"], ["node_budget=wide"])

@@ -16,6 +16,7 @@ def test_each_drafter_keeps_its_speedup_over_its_own_shards_plain_decoding():
     # dflash's shard ran on a machine twice as slow: its ITL is higher, its speedup over its own plain the same
     fast = shard_payload("hspec", 2.0, [3, 4], speedup=2.0)
     slow = shard_payload("dflash", 4.0, [1, 2], speedup=2.0)
+    fast["provenance"]["settings"]["drafter_options"] = {"hspec": {"node_budget": 5}}  # one shard's, as checkpoints
     merged = merge_payloads([("fast.json", fast), ("slow.json", slow)], "hspec eval-merge (test)")
     overall = merged["summary"]["tasks"]["all"]
     assert overall["hspec"]["speedup"] == pytest.approx(2.0) and overall["dflash"]["speedup"] == pytest.approx(2.0)
@@ -23,6 +24,7 @@ def test_each_drafter_keeps_its_speedup_over_its_own_shards_plain_decoding():
     settings = merged["provenance"]["settings"]
     assert settings["methods"] == "none,hspec,dflash"
     assert settings["checkpoints"] == {"hspec": "digest-of-hspec", "dflash": "digest-of-dflash"}
+    assert settings["drafter_options"] == {"hspec": {"node_budget": 5}}
     assert [r["method"] for r in merged["records"]].count("none") == 6  # the first shard's plain decoding
     assert [s["methods"] for s in merged["provenance"]["shards"]] == ["hspec", "dflash"]
     table2 = next(r for r in check_claims({GREEDY_K7: merged}, num_resamples=500) if r.claim.name == "table2")

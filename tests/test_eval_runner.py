@@ -311,3 +311,36 @@ def test_a_report_names_the_weights_it_evaluated_and_keep_current_keeps_it_only_
     train(0)  # other weights in place than the half-finished log's (the retrained ones): it is refused
     with pytest.raises(ValueError, match="settings that differ: checkpoints"):
         run_eval(*args, "e", target=target)
+
+
+def test_decoding_options_reach_the_drafter_and_the_reports_settings(tmp_path, tiny_target, monkeypatch, capsys):
+    """`drafter_options` (hspec eval --drafter-option) are set on each drafter of their kind and recorded per
+    label, so a report made with other options is not kept as current; the CLI refuses an option no drafter
+    of --drafters takes before loading anything."""
+    from hspec import cli
+    from hspec.drafters import create_drafter
+    from hspec.drafters.checkpoint import save_drafter
+    from hspec.eval import runner
+    from hspec.sampling import SamplingParams
+
+    target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
+    save_drafter(create_drafter("specblock", target.config, target_model=target.model), tmp_path / "sb" / "drafter",
+                 "tiny")
+    built = []
+    build = runner.build_drafter
+
+    def recording(kind, *args, **kwargs):
+        drafter = build(kind, *args, **kwargs)
+        built.append((kind, getattr(drafter, "config", None)))
+        return drafter
+
+    monkeypatch.setattr(runner, "build_drafter", recording)
+    methods = [runner.MethodSpec("specblock", str(tmp_path / "sb" / "drafter")), runner.MethodSpec("ngram")]
+    payload = runner.run_eval("tiny", methods, ["mt_bench"], 1, 3, SamplingParams(), 8, tmp_path / "out", "e",
+                              target=target, drafter_options={"specblock": {"node_budget": 5, "adapt_tree": False}})
+    assert payload["provenance"]["settings"]["drafter_options"] == {"specblock@sb": {"node_budget": 5,
+                                                                                   "adapt_tree": False}}
+    (config,) = [c for kind, c in built if kind == "specblock"]
+    assert config.node_budget == 5 and not config.adapt_tree
+    code = cli.main(["eval", "--target", "nowhere", "--drafters", "ngram,dflash", "--drafter-option", "node_budget=5"])
+    assert code == 2 and "'node_budget=5': no drafter here takes it" in capsys.readouterr().err

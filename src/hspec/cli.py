@@ -51,6 +51,14 @@ def _add_drafter_precision(p: argparse.ArgumentParser) -> None:
                         "target's dtype). Drafts may change, the output never does (docs/fast-path.md#int8-drafter)")
 
 
+def _add_decoding_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a decoding option of a trained drafter's saved config (repeatable): a field that "
+                        "changes how it drafts, not its weights, e.g. SpecBlock's tree costs for this machine "
+                        "(tree_cost_per_node=0.0, adapt_tree=false, node_budget=8: docs/drafters.md); it applies "
+                        "to every drafter whose kind has the field, and a key none has lists what each takes")
+
+
 def _add_device(p: argparse.ArgumentParser, default: str = "auto") -> None:
     p.add_argument("--device", default=default,
                    help=f"auto (a CUDA GPU when one is visible, else the CPU), cpu, cuda or cuda:N; under torchrun "
@@ -157,6 +165,7 @@ def _add_generate(sub) -> None:
     _add_drafter(gen, "ngram")
     _add_compile_drafter(gen)
     _add_drafter_precision(gen)
+    _add_decoding_options(gen)
     _add_sampling(gen)
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--stop", action="append", default=[], help="stop string, non-empty (repeatable)")
@@ -170,16 +179,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from hspec.decoding.generate import SpeculativeDecoder
     from hspec.models.loading import load_target
-    from hspec.runtime import build_drafter
+    from hspec.runtime import build_drafter, decoding_options_of
     from hspec.sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)  # validate before loading
     _check_drafter_args(args)
+    options = decoding_options_of([args.drafter], args.drafter_option)[args.drafter]
     if "" in args.stop:  # an empty string is found at once: the text would be cut to nothing
         raise ValueError(f"--stop needs a non-empty string, got {args.stop!r}")
     target = load_target(args.target, dtype=args.dtype)
     drafter = build_drafter(args.drafter, target, args.drafter_path, compiled=args.compile_drafter,
-                            precision=args.drafter_precision)
+                            precision=args.drafter_precision, options=options)
     decoder = SpeculativeDecoder(target.model, drafter, args.k, target.tokenizer.eos_token_ids,
                                  target.tokenizer.decode)
     prompt_ids = target.tokenizer.encode_prompt(args.prompt, raw=args.raw)
@@ -384,6 +394,7 @@ def _add_eval(sub) -> None:
     ev.add_argument("--max-new-tokens", type=int, default=128)
     _add_compile_drafter(ev)
     _add_drafter_precision(ev)
+    _add_decoding_options(ev)
     _add_sampling(ev)
     ev.add_argument("--out", default="results", help="output directory")
     ev.add_argument("--name", default=None, help="file stem (default eval_<tasks>_k<K>_<greedy|sampled>)")
@@ -399,11 +410,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hspec.eval.runner import MethodSpec, run_eval
+    from hspec.runtime import decoding_options_of
     from hspec.sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
     methods = [MethodSpec(*spec.split("=", 1)) if "=" in spec else MethodSpec(spec)
                for spec in args.drafters.split(",") if spec]
+    options = decoding_options_of([m.kind for m in methods], args.drafter_option)
     mode = "greedy" if sampling.greedy else "sampled"
     ks = _ints(args.k)
     for k in ks:
@@ -412,7 +425,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     run_eval(args.target, methods, args.tasks.split(","), args.size, ks if len(ks) > 1 else ks[0], sampling,
              args.max_new_tokens, Path(args.out), stem, args.seed, args.command_line, data_dir=args.data_dir,
              dtype=args.dtype, compile_drafters=args.compile_drafter, drafter_precision=args.drafter_precision,
-             keep_current=args.keep_current)
+             keep_current=args.keep_current, drafter_options=options)
     print(f"report: {Path(args.out) / stem}.json and .md")
     return 0
 

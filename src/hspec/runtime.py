@@ -11,11 +11,14 @@ and behind lookup only 2m+1 drafts after an m-token match (`hspec.drafters.early
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hspec.drafters import DRAFTERS, Drafter, create_drafter
+from hspec.drafters.base import drafter_config, parse_config_options
 from hspec.drafters.checkpoint import load_drafter
 from hspec.drafters.common import NeuralDrafter
 from hspec.drafters.compile import compile_drafter
@@ -37,17 +40,18 @@ def shipped_drafter_path(kind: str, target_name: str) -> Path:
 
 
 def build_drafter(kind: str, target: Target, path: str | Path | None = None, random_weights: bool = False,
-                  compiled: bool = False, precision: str = "auto") -> Drafter:
+                  compiled: bool = False, precision: str = "auto", options: Mapping[str, Any] | None = None) -> Drafter:
     """A drafter of `kind` for `target`: loaded from `path` (or the shipped one), or random for tests/timing.
 
     `KIND+ngram` builds KIND this way and puts prompt lookup in front of it; a `:P` suffix stops
     each row's drafts at the first one of confidence below P (the grammar: `hspec.drafters.spec`).
     `compiled`: a trained kind's block forward runs through torch.compile; `precision` (auto, floating,
-    int8) stores its linear weights (`for_inference`). Model-free kinds ignore both.
+    int8) stores its linear weights (`for_inference`). Model-free kinds ignore both. `options`: decoding
+    options set on the trained kind's config (`decoding_options_of`; none for a model-free kind).
     """
     spec = parse_drafter_spec(kind)
     if spec.lookup or spec.confidence_floor is not None:
-        model = build_drafter(spec.base, target, path, random_weights, compiled, precision)
+        model = build_drafter(spec.base, target, path, random_weights, compiled, precision, options)
         if spec.confidence_floor is not None:
             model = EarlyStopDrafter(model, spec.confidence_floor)
         if spec.lookup:  # behind lookup, `:P` also trims lookup rows to 2m+1 drafts
@@ -55,12 +59,15 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
         return model
     cls = DRAFTERS.get(kind)
     if not cls.needs_target_model:
+        if options:
+            raise ValueError(f"drafter {kind!r} is model-free and takes no drafter options, got {sorted(options)}")
         if path is not None:  # a checkpoint the user expects to be used would be silently ignored
             raise ValueError(f"drafter {kind!r} is model-free and loads no checkpoint, but a path was given "
                              f"({path}); pass a path only with a trained kind, e.g. hspec")
         return create_drafter(kind, target.config)
     if random_weights:
-        drafter = create_drafter(kind, target.config, target_model=target.model)
+        chosen = {"config": drafter_config(kind, target.config, **options)} if options else {}
+        drafter = create_drafter(kind, target.config, target_model=target.model, **chosen)
         return for_inference(drafter, target, compiled, precision)
     checkpoint = Path(path) if path is not None else shipped_drafter_path(kind, target.name)
     if not (checkpoint / "config.json").exists():
@@ -68,10 +75,31 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
             f"no trained {kind!r} drafter at {checkpoint}; pass --drafter-path DIR (a checkpoint from "
             f"`hspec train --drafter {kind}`), or use --drafter ngram / none"
         )
-    drafter = load_drafter(checkpoint, target.model)
+    drafter = load_drafter(checkpoint, target.model, options=options)
     if drafter.kind != kind:
         raise ValueError(f"checkpoint {checkpoint} holds a {drafter.kind!r} drafter, not {kind!r}")
     return for_inference(drafter, target, compiled, precision)
+
+
+def decoding_options_of(kinds: Sequence[str], options: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """A decoding command's `--drafter-option KEY=VALUE` strings -> the options of each kind in `kinds` (a
+    composite KIND+ngram:P counts as KIND): each option goes to every kind whose config names KEY among its
+    `decoding_options`. An option no kind takes raises ValueError naming what each kind takes."""
+    out: dict[str, dict[str, Any]] = {kind: {} for kind in kinds}
+    for option in options:
+        taken = False
+        for kind in kinds:
+            base = parse_drafter_spec(kind).base
+            config_class = DRAFTERS.get(base).config_class
+            if config_class is not None and option.partition("=")[0] in config_class.decoding_options:
+                out[kind].update(parse_config_options(base, [option], decoding=True))
+                taken = True
+        if not taken:
+            offered = {kind: list(getattr(DRAFTERS.get(parse_drafter_spec(kind).base).config_class,
+                                          "decoding_options", ())) for kind in kinds}
+            raise ValueError(f"--drafter-option {option!r}: no drafter here takes it; the decoding options of each "
+                             f"are {offered} (KEY=VALUE)")
+    return out
 
 
 def drafter_precision_of(precision: str, target: Target) -> str:

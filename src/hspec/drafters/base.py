@@ -221,23 +221,28 @@ def drafter_config(kind: str, target_config: TargetConfig, **overrides):
     return config_class.from_target(kind, target_config, **overrides)
 
 
-def parse_config_options(kind: str, options: Sequence[str]) -> dict[str, Any]:
-    """`KEY=VALUE` strings (`hspec train --drafter-option`) -> overrides for `drafter_config(kind, ...)`.
+def parse_config_options(kind: str, options: Sequence[str], decoding: bool = False) -> dict[str, Any]:
+    """`KEY=VALUE` strings (`--drafter-option`) -> overrides for `drafter_config(kind, ...)`.
 
     A key must be a scalar field of the kind's config (bool, int, float or str, as its default is); the
-    value is read as that type (a bool as true/false). Errors name the bad option and what is allowed.
+    value is read as that type (a bool as true/false). `decoding`: only the fields the config names in
+    `decoding_options` (what the decoding commands may change on a trained drafter). Errors name the bad
+    option and what is allowed.
     """
     config_class = DRAFTERS.get(kind).config_class
     if config_class is None:
         raise ValueError(f"drafter kind {kind!r} has no trained configuration, so no --drafter-option applies")
     settable = {f.name: type(f.default) for f in fields(config_class)
-                if f.default is not MISSING and type(f.default) in (bool, int, float, str)}
+                if f.default is not MISSING and type(f.default) in (bool, int, float, str)
+                and (not decoding or f.name in config_class.decoding_options)}
+    what = ("the fields of its config that change how a trained drafter decodes, not its weights" if decoding
+            else "the scalar fields of its config")
     parsed: dict[str, Any] = {}
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or key not in settable:
-            raise ValueError(f"--drafter-option {option!r}: expected KEY=VALUE with KEY one of {sorted(settable)} "
-                             f"(the scalar fields of {kind}'s config)")
+            raise ValueError(f"--drafter-option {option!r} for {kind}: expected KEY=VALUE with KEY one of "
+                             f"{sorted(settable)} ({what})")
         kind_of = settable[key]
         if kind_of is bool:
             if value.lower() not in ("true", "false"):

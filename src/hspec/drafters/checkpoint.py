@@ -25,13 +25,14 @@ Every write goes to a hidden temporary directory in the same parent and is renam
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -275,10 +276,11 @@ def checkpoint_digest(path: str | Path) -> str:
 
 
 def load_drafter(path: str | Path, target_model: nn.Module, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> NeuralDrafter:
+                 dtype: torch.dtype | None = None, options: Mapping[str, Any] | None = None) -> NeuralDrafter:
     """Rebuild the drafter saved at `path` on `target_model` (a `TargetModel`) and load its weights strictly.
 
-    The class comes from the registry by `speculators_model_type`, the config from DRAFTER_CONFIG_KEY.
+    The class comes from the registry by `speculators_model_type`, the config from DRAFTER_CONFIG_KEY, with
+    `options` set on it: fields its config names in `decoding_options` (others raise ValueError naming them).
     The target must have the dimensions the drafter was trained for (V, H, L, Hq, Hkv, D); otherwise a
     ValueError names the checkpoint, the verifier it was trained for and the differing dimensions.
     device/dtype default to the target embedding's.
@@ -286,7 +288,14 @@ def load_drafter(path: str | Path, target_model: nn.Module, device: torch.device
     info = read_checkpoint(path)
     check_target_matches(info, target_model.config)  # type: ignore[arg-type]
     cls = DRAFTERS.get(info.kind)
-    drafter: NeuralDrafter = cls(target_model.config, target_model=target_model, config=info.drafter_config,
+    config = info.drafter_config
+    if options:
+        allowed = type(config).decoding_options
+        if not set(options) <= set(allowed):
+            raise ValueError(f"{path}: {sorted(set(options) - set(allowed))} cannot be set on a trained {info.kind} "
+                             f"drafter; its decoding options are {sorted(allowed)}")
+        config = dataclasses.replace(config, **options)
+    drafter: NeuralDrafter = cls(target_model.config, target_model=target_model, config=config,
                                  device=device, dtype=dtype)
     load_weights(drafter, Path(path) / WEIGHTS_FILE)
     return drafter

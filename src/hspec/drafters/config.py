@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from hspec.models.config import RopeScaling, TargetConfig
 
@@ -68,6 +68,9 @@ class DrafterConfig:
     markov_rank: int = 256  # r of the DSpark Markov head; 0 = no Markov head
     max_draft_len: int = 7  # K_train: the draft length trained for; inference may use any K <= it
     sliding_window: int = 2048  # context keys visible to a block: positions p - window .. p - 1
+    # Fields that change how a trained drafter decodes and none of its weights: the decoding commands'
+    # --drafter-option may set them on a saved checkpoint (`hspec.runtime.build_drafter`).
+    decoding_options: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         L = self.target.num_layers

@@ -8,7 +8,7 @@ one stem) gives the file the comparison would have written in one run, which `hs
 `hspec eval-report` read as they read any `hspec eval` JSON.
 
 What makes shards comparable, checked here:
-- the same settings except the methods and their checkpoints: target, dtype, K, sampling, tasks,
+- the same settings except the methods, their checkpoints and decoding options: target, dtype, K, sampling, tasks,
   items, max_new_tokens, seed, compiling and drafter precision (another dtype, picked by `--dtype auto`
   on another CPU, decodes other text and is refused);
 - each drafter label in one shard only, and every record carrying the plain decoding it ran beside
@@ -31,7 +31,8 @@ from hspec.provenance import provenance
 
 PLAIN = "none"
 PLAIN_FIELDS = ("plain_decode_s", "plain_tokens", "plain_digest")  # what each record must carry
-PER_SHARD_SETTINGS = ("methods", "checkpoints")  # settings in which shards may differ
+PER_DRAFTER_SETTINGS = ("checkpoints", "drafter_options")  # settings keyed by method label
+PER_SHARD_SETTINGS = ("methods", *PER_DRAFTER_SETTINGS)  # settings in which shards may differ
 
 
 def merge_payloads(shards: Sequence[tuple[str, dict[str, Any]]], command: str) -> dict[str, Any]:
@@ -78,9 +79,10 @@ def merge_payloads(shards: Sequence[tuple[str, dict[str, Any]]], command: str) -
                 records.append(r)
             elif plain.get(key) != r["plain_digest"]:
                 differing_turns[name] += 1
-    checkpoints = {label: digest for _, p in shards
-                   for label, digest in p["provenance"]["settings"].get("checkpoints", {}).items()}
-    settings = {**common, "methods": ",".join([PLAIN, *owner]), **({"checkpoints": checkpoints} if checkpoints else {})}
+    per_drafter = {key: {label: value for _, p in shards
+                         for label, value in p["provenance"]["settings"].get(key, {}).items()}
+                   for key in PER_DRAFTER_SETTINGS}
+    settings = {**common, "methods": ",".join([PLAIN, *owner]), **{key: v for key, v in per_drafter.items() if v}}
     meta = provenance(command, settings)
     meta["shards"] = [{"file": name, "methods": ",".join(labels_of[name]),
                        "plain_turns_differing": differing_turns[name],

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,12 +67,15 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
              K: int | Sequence[int], sampling: SamplingParams, max_new_tokens: int, out_dir: Path, stem: str,
              seed: int = 0, command: str = "hspec eval", data_dir: str | Path | None = None,
              dtype: str = "auto", target: Target | None = None, compile_drafters: bool = False,
-             drafter_precision: str = "auto", keep_current: bool = False) -> dict[str, Any]:
+             drafter_precision: str = "auto", keep_current: bool = False,
+             drafter_options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
 
     Every method first decodes WARM_UP_TOKENS untimed (first-call dispatch, and with `compile_drafters`
     the drafters' torch.compile), then the items run interleaved. `drafter_precision`: how trained
-    drafters store their linear weights (`hspec.runtime.for_inference`).
+    drafters store their linear weights (`hspec.runtime.for_inference`). `drafter_options`: per drafter kind,
+    decoding options set on its trained config (`hspec.runtime.decoding_options_of`); the settings record them
+    per label.
 
     The tasks are read from `data_dir` (default: $HSPEC_DATA_DIR, else the data shipped in hspec/data).
     `target`: the target `target_name` names, already loaded (then `dtype` is not used); None loads it.
@@ -102,8 +105,11 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 "drafter_precision": drafter_precision_of(drafter_precision, target),
                 **({} if data_dir is None else {"data_dir": str(data_dir)})}
     # Built first, so a bad checkpoint path gets build_drafter's error; compiling waits for the first call.
+    options = {m.label: dict((drafter_options or {}).get(m.kind, {})) for m in specs}
+    if any(options.values()):
+        settings["drafter_options"] = {label: opts for label, opts in options.items() if opts}
     drafters = {m.label: build_drafter(m.kind, target, m.path, compiled=compile_drafters,
-                                          precision=drafter_precision) for m in specs}
+                                          precision=drafter_precision, options=options[m.label]) for m in specs}
     checkpoints = {m.label: checkpoint_digest(m.path) for m in specs if m.path is not None}
     if checkpoints:
         settings["checkpoints"] = checkpoints

@@ -28,6 +28,9 @@ from hspec.models.config import TargetConfig
 class SpecBlockConfig(DFlashConfig):
     """DFlash sizes plus the tree's shape limits and the rank head's settings."""
 
+    decoding_options = ("node_budget", "rank_coverage", "adapt_tree", "tree_cost_draft", "tree_cost_per_node",
+                        "tree_cost_per_node_key")
+
     max_branch: int = 4  # b_max: most children per tree node; the rank head has b_max + 1 classes
     node_budget: int = 16  # most tree nodes one step verifies (the target scores node_budget + 1 tokens)
     rank_coverage: float = 0.8  # b_k = smallest b with P(rank of the target's token < b) >= this
