@@ -40,6 +40,7 @@ def _cli_error(capsys, *args: str) -> str:
     (("--max-request-bytes", "0"), "--max-request-bytes must be >= 1"),
     (("--threads", "-2"), "--threads must be >= 0"),
     (("--spec-max-batch", "-1"), "--spec-max-batch must be >= 0 (0: never speculate), got -1"),
+    (("--drafter", "ngram", "--drafter-option", "node_budget=5"), "'node_budget=5': no drafter here takes it"),
 ])
 def test_bad_settings_get_one_line_errors_before_loading(capsys, args, expected):
     assert expected in _cli_error(capsys, *args)
@@ -93,6 +94,15 @@ def test_spec_max_batch_reaches_the_engine_and_the_announcement(chat_target):
     sock.close()
     assert app.state.engine.speculate_max_batch == 3
     assert "(K=7, speculating while at most 3 sequences run)" in announcement
+
+
+def test_drafter_options_reach_the_served_drafter(chat_target):
+    settings = ServeSettings(target="tiny", drafter="specblock", kv_blocks=64, port=0, random_drafter_weights=True,
+                             drafter_options=("node_budget=5", "adapt_tree=false"))
+    app, sock, _ = open_server(settings, chat_target)
+    sock.close()
+    config = app.state.engine.stages.drafter.config
+    assert config.node_budget == 5 and not config.adapt_tree
 
 
 def test_a_pool_too_small_is_refused_at_start_and_the_port_freed(chat_target):

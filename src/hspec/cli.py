@@ -892,6 +892,7 @@ def _add_serve(sub) -> None:
                             "in the context and the KV pool (default 256; completions: OpenAI's 16, clamped too)")
     serve.add_argument("--random-drafter-weights", action="store_true",
                        help="serve a trained kind untrained (exact outputs, meaningless acceptance; for timing)")
+    _add_decoding_options(serve)
     serve.add_argument("--threads", type=int, default=0,
                        help="torch CPU threads (default 0 = torch's default; 1 is faster on a busy machine)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -918,7 +919,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_running=args.max_running, speculate_max_batch=args.spec_max_batch, model_name=args.served_model_name,
         default_max_tokens=args.default_max_tokens,
         max_request_bytes=args.max_request_bytes, host=args.host, port=args.port, log_level=args.log_level,
-        threads=args.threads, random_drafter_weights=args.random_drafter_weights, dtype=args.dtype)
+        threads=args.threads, random_drafter_weights=args.random_drafter_weights, dtype=args.dtype,
+        drafter_options=tuple(args.drafter_option))
     try:
         require_serve_extra()
     except ImportError as err:

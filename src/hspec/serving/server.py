@@ -57,8 +57,12 @@ class ServeSettings:
     threads: int = 0  # torch CPU threads; 0 = torch's default
     random_drafter_weights: bool = False  # an untrained drafter: for timing and KV accounting only
     dtype: str = "auto"  # weights, KV pool and drafter: auto, float32 or bfloat16 (hspec.models.dtype)
+    drafter_options: tuple[str, ...] = ()  # --drafter-option KEY=VALUE: decoding options of a trained drafter
 
     def __post_init__(self) -> None:
+        from hspec.runtime import decoding_options_of
+
+        decoding_options_of([self.drafter], self.drafter_options)  # a bad one fails here, naming itself
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.K < 1:
@@ -135,7 +139,7 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
     """
     require_serve_extra()
     from hspec.models.loading import load_target
-    from hspec.runtime import build_drafter
+    from hspec.runtime import build_drafter, decoding_options_of
     from hspec.serving.app import build_engine, create_app
 
     if settings.threads:
@@ -144,7 +148,9 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
     try:
         if target is None:
             target = load_target(settings.target, dtype=settings.dtype)
-        drafter = build_drafter(settings.drafter, target, settings.drafter_path, settings.random_drafter_weights)
+        options = decoding_options_of([settings.drafter], settings.drafter_options)[settings.drafter]
+        drafter = build_drafter(settings.drafter, target, settings.drafter_path, settings.random_drafter_weights,
+                                options=options)
         if settings.random_drafter_weights and drafter.needs_target_model:
             log.warning("serving an untrained %r drafter (random weights): outputs stay exact, acceptance is "
                         "meaningless", settings.drafter)
