@@ -85,20 +85,17 @@ def decoding_options_of(kinds: Sequence[str], options: Sequence[str]) -> dict[st
     """A decoding command's `--drafter-option KEY=VALUE` strings -> the options of each kind in `kinds` (a
     composite KIND+ngram:P counts as KIND): each option goes to every kind whose config names KEY among its
     `decoding_options`. An option no kind takes raises ValueError naming what each kind takes."""
+    bases = {kind: parse_drafter_spec(kind).base for kind in kinds}
+    offered = {kind: getattr(DRAFTERS.get(base).config_class, "decoding_options", ()) for kind, base in bases.items()}
     out: dict[str, dict[str, Any]] = {kind: {} for kind in kinds}
     for option in options:
-        taken = False
-        for kind in kinds:
-            base = parse_drafter_spec(kind).base
-            config_class = DRAFTERS.get(base).config_class
-            if config_class is not None and option.partition("=")[0] in config_class.decoding_options:
-                out[kind].update(parse_config_options(base, [option], decoding=True))
-                taken = True
-        if not taken:
-            offered = {kind: list(getattr(DRAFTERS.get(parse_drafter_spec(kind).base).config_class,
-                                          "decoding_options", ())) for kind in kinds}
+        takers = [kind for kind in kinds if option.partition("=")[0] in offered[kind]]
+        if not takers:
+            listed = {kind: list(fields) for kind, fields in offered.items()}
             raise ValueError(f"--drafter-option {option!r}: no drafter here takes it; the decoding options of each "
-                             f"are {offered} (KEY=VALUE)")
+                             f"are {listed} (KEY=VALUE)")
+        for kind in takers:
+            out[kind].update(parse_config_options(bases[kind], [option], decoding=True))
     return out
 
 
