@@ -87,13 +87,13 @@ def tree_nodes(shape: Sequence[int]) -> int:
     return nodes
 
 
-def expected_emitted(shape: Sequence[int], cover: torch.Tensor) -> float:
+def expected_emitted(shape: Sequence[int], cover: Sequence[Sequence[float]]) -> float:
     """1 + sum_k prod_{j<=k} c_j(b_j): tokens a step emits on average with this shape; cover (K, b_max)."""
     total, reach = 1.0, 1.0
     for k, b in enumerate(shape):
         if b == 0:
             break
-        reach *= float(cover[k, b - 1])
+        reach *= float(cover[k][b - 1])
         total += reach
     return total
 
@@ -106,11 +106,11 @@ def cost_aware_budgets(rank_probs: torch.Tensor, coverage: float, max_budget: in
     if len(keys) != len(want):
         raise ValueError(f"keys has {len(keys)} entries for {len(want)} rows")
     budgets = []
-    for row, (wanted, s) in enumerate(zip(want, keys)):
+    for wanted, row_cover, s in zip(want, cover.tolist(), keys):  # Python lists: this runs every step
         best, best_score = 1, -1.0
         for budget in range(1, max_budget + 1):
             shape = _fit(wanted, budget)
-            score = expected_emitted(shape, cover[row]) / cost.of(tree_nodes(shape), s)
+            score = expected_emitted(shape, row_cover) / cost.of(tree_nodes(shape), s)
             if score > best_score:
                 best, best_score = budget, score
         budgets.append(best)
