@@ -38,12 +38,12 @@ def test_known_configs_are_the_published_values():
         known_target("gpt-5")
 
 
-def test_kv_table_cli(capsys):
+def test_kv_table_cli(capfd):
     assert main(["kv-table", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capfd.readouterr().out)
     assert {"target", "drafter", "kv_inflation", "drafter_kv_bytes_per_token"} <= set(rows[0])
     assert main(["kv-table"]) == 0
-    assert "| qwen3-8b | DFlash (5 layers) |" in capsys.readouterr().out
+    assert "| qwen3-8b | DFlash (5 layers) |" in capfd.readouterr().out
     assert "1.156" in format_kv_table(kv_table())
 
 
@@ -67,9 +67,9 @@ def test_describe_fields_for_a_literal_target():
     assert "| dspark |" in format_descriptions(list(rows.values()))
 
 
-def test_describe_cli_json(capsys):
+def test_describe_cli_json(capfd):
     assert main(["drafters", "describe", "--target", "qwen3-8b", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capfd.readouterr().out)
     by_kind = {r["kind"]: r for r in rows}
     for r in rows:
         assert {"kind", "trainable_params", "total_params", "drafter_kv_bytes_per_token",

@@ -7,6 +7,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from hspec.console import json_stdout
+
 DEMO_PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
     "Summarize in three sentences why the sky is blue.",
@@ -138,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = "hspec " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
+        if getattr(args, "json", None) is True:  # `--json`: stdout carries the JSON alone (`eval-report`'s is a path)
+            with json_stdout() as args.json_out:
+                return args.handler(args)
         return args.handler(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"hspec: error: {err}", file=sys.stderr)
@@ -206,7 +211,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({"text": text, "finish_reason": seq.finish_reason, "drafter": args.drafter,
                           "target": target.name,
                           "dtype": target.model.dtype_name,
-                          **metrics}))
+                          **metrics}), file=args.json_out)
         return 0
     print(text)
     print(f"\n[{args.drafter}, K={metrics['K']}] {metrics['num_tokens']} tokens, finish={seq.finish_reason}, "
@@ -765,7 +770,8 @@ def _add_bench_vllm(bench_sub) -> None:
     bv.add_argument("--threads", type=int, default=2,
                     help="CPU threads of every vLLM engine and of hspec's engine alike (default 2)")
     bv.add_argument("--name", default=None, help="file stem of the results (default vllm_<dtype>)")
-    bv.add_argument("--json", action="store_true", help="print the rows as JSON instead of writing results/vllm/")
+    bv.add_argument("--json", action="store_true",
+                    help="print the rows as JSON on stdout, vLLM's logs on stderr, instead of writing results/vllm/")
     bv.add_argument("--out", default="results/vllm", help="output directory (default results/vllm)")
     _add_data_dir(bv)
     bv.set_defaults(handler=_cmd_bench_vllm)
@@ -778,7 +784,8 @@ def _cmd_bench_vllm(args: argparse.Namespace) -> int:
     _check_draft_len(args.hspec_k, "--hspec-k")
     hspec = HspecSide(args.hspec_dtype, tuple(m for m in args.hspec_methods.split(",") if m), args.hspec_k)
     return run_vllm_bench(args.target, args.drafters, args.prompts_file, args.num_prompts,
-                          args.max_new_tokens, args.dtype, args.k, args.max_model_len, args.out, args.json,
+                          args.max_new_tokens, args.dtype, args.k, args.max_model_len, args.out,
+                          args.json_out if args.json else None,
                           data_dir=args.data_dir, hspec_engine=not args.no_hspec_engine, hspec=hspec, name=args.name,
                           threads=args.threads)
 
@@ -944,7 +951,10 @@ def _cmd_kv_table(args: argparse.Namespace) -> int:
     from hspec.models.kv_accounting import format_kv_table, kv_table
 
     rows = kv_table()
-    print(json.dumps([r.to_dict() for r in rows], indent=1) if args.json else format_kv_table(rows))
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=1), file=args.json_out)
+    else:
+        print(format_kv_table(rows))
     return 0
 
 
@@ -969,8 +979,10 @@ def _cmd_drafters_describe(args: argparse.Namespace) -> int:
     from hspec.drafters.describe import describe_kinds, format_descriptions
 
     described = describe_kinds(args.target, dtype=args.dtype)
-    print(json.dumps([r.to_dict() for r in described], indent=1) if args.json
-          else format_descriptions(described))
+    if args.json:
+        print(json.dumps([r.to_dict() for r in described], indent=1), file=args.json_out)
+    else:
+        print(format_descriptions(described))
     return 0
 
 

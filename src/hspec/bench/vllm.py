@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from hspec.integrations.vllm import engine as vllm_engine
 from hspec.provenance import provenance, provenance_markdown, write_results
@@ -148,21 +148,23 @@ class HspecSide:
 
 
 def run_vllm_bench(target_name: str, drafters: str, prompts_file: str | None, num_prompts: int,
-                   max_new_tokens: int, dtype: str, k: int, max_model_len: int, out_dir: str, as_json: bool,
-                   data_dir: str | None = None, hspec_engine: bool = True, hspec: HspecSide = HspecSide(),
-                   name: str | None = None, threads: int = 2) -> int:
+                   max_new_tokens: int, dtype: str, k: int, max_model_len: int, out_dir: str,
+                   json_out: TextIO | None, data_dir: str | None = None, hspec_engine: bool = True,
+                   hspec: HspecSide = HspecSide(), name: str | None = None, threads: int = 2) -> int:
     """`hspec bench vllm` (module docstring); DFlash exports live in a temporary folder removed at the end.
     `hspec`: the dtype and extra drafters of hspec's engine; `name`: the file stem (default vllm_<dtype>);
-    `threads`: the CPU threads of every vLLM engine and of hspec's engine alike."""
+    `threads`: the CPU threads of every vLLM engine and of hspec's engine alike. `json_out`: print the rows there as
+    JSON instead of writing `out_dir` (the command line's `--json` passes the real stdout of `console.json_stdout`,
+    so vLLM's logs, which go to stdout, reach stderr instead)."""
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     with tempfile.TemporaryDirectory(prefix="hspec-vllm-export-") as root:
         return _run(target_name, drafters, prompts_file, num_prompts, max_new_tokens, dtype, k, max_model_len,
-                    out_dir, as_json, data_dir, hspec_engine, Path(root), hspec, name, threads)
+                    out_dir, json_out, data_dir, hspec_engine, Path(root), hspec, name, threads)
 
 
 def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts: int, max_new_tokens: int,
-         dtype: str, k: int, max_model_len: int, out_dir: str, as_json: bool, data_dir: str | None,
+         dtype: str, k: int, max_model_len: int, out_dir: str, json_out: TextIO | None, data_dir: str | None,
          hspec_engine: bool, export_root: Path, hspec: HspecSide, name: str | None, threads: int) -> int:
     import torch
 
@@ -217,8 +219,8 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
     rows = [summarize(row, engine, r, plain, capacity[row] if engine == "vllm" else None)
             for (row, engine), r in runs.items()]
     del llms
-    if as_json:
-        print(json.dumps(rows, indent=2))
+    if json_out is not None:
+        print(json.dumps(rows, indent=2), file=json_out)
         return 0
     settings = {"target": target.name, "drafters": drafters, "prompts": prompts_file or f"spec_bench[{num_prompts}]",
                 "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype, "K": k,
