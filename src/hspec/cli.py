@@ -903,7 +903,32 @@ def _add_serve(sub) -> None:
     serve.add_argument("--threads", type=int, default=0,
                        help="torch CPU threads (default 0 = torch's default; 1 is faster on a busy machine)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_serve_limits(serve)
     serve.set_defaults(handler=_cmd_serve)
+
+
+def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
+    """`hspec serve`'s access, backpressure, deadline and connection flags (hspec.serving.limits)."""
+    serve.add_argument("--api-key", default=None,
+                       help="clients must send `Authorization: Bearer KEY` on /v1/* (default: the HSPEC_API_KEY "
+                            "environment variable; unset = open, with a warning when --host is not loopback)")
+    serve.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                       help="answer 503 with Retry-After while N requests wait for the engine (default: no bound)")
+    serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                       help="fail a request that has not finished this long after it arrived, queue time "
+                            "included (default: none)")
+    serve.add_argument("--max-failed-steps", type=int, default=3, metavar="N",
+                       help="after N engine steps fail in a row the server answers 503, fails what is queued and "
+                            "exits with status 1 for a supervisor to restart it (default 3)")
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="open connections; more are answered 503 and closed (default 1024)")
+    serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="close a connection that sends no complete request head for this long (default 10)")
+    serve.add_argument("--keep-alive-timeout", type=int, default=5, metavar="SECONDS",
+                       help="close an idle keep-alive connection after this long (default 5)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, requests in flight get this long to finish; then each fails with an "
+                            "error (streams: an error event and [DONE]) (default 30)")
 
 
 def _add_pool_options(p: argparse.ArgumentParser, default_budget_mib: float) -> None:
@@ -917,9 +942,17 @@ def _add_pool_options(p: argparse.ArgumentParser, default_budget_mib: float) -> 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     """Serve the target with a drafter over an OpenAI-compatible HTTP API."""
+    import os
+
+    from hspec.serving.limits import ServingLimits
     from hspec.serving.server import ServeSettings, require_serve_extra, serve
 
     _check_drafter_args(args)
+    limits = ServingLimits(
+        api_key=args.api_key if args.api_key is not None else os.environ.get("HSPEC_API_KEY") or None,
+        max_waiting=args.max_waiting, request_timeout_s=args.request_timeout, max_failed_steps=args.max_failed_steps,
+        max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+        keep_alive_s=args.keep_alive_timeout, drain_timeout_s=args.drain_timeout)
     settings = ServeSettings(  # checks every value, naming its flag, before anything loads
         target=args.target, drafter=args.drafter, K=args.k, drafter_path=args.drafter_path,
         kv_budget_mib=args.kv_budget_mib, kv_blocks=args.kv_blocks, block_size=args.block_size,
@@ -927,14 +960,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
         max_request_bytes=args.max_request_bytes, host=args.host, port=args.port, log_level=args.log_level,
         threads=args.threads, random_drafter_weights=args.random_drafter_weights, dtype=args.dtype,
-        drafter_options=tuple(args.drafter_option))
+        drafter_options=tuple(args.drafter_option), limits=limits)
     try:
         require_serve_extra()
     except ImportError as err:
         print(f"hspec: error: {err}", file=sys.stderr)
         return 2
-    serve(settings)
-    return 0
+    return serve(settings)
 
 
 def _add_kv_table(sub) -> None:

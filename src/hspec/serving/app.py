@@ -11,13 +11,16 @@ updates (streaming.py); a client that goes away, streaming or not, cancels its r
 engine's own design: docs/design.md#the-serving-engine.
 
 Errors: every one is answered in OpenAI's envelope (errors.py): 400 for a body that does not decode,
-parse or validate, or a prompt too long for the target's context or the KV pool; 404 for an unknown
-model; 413 for a body over the limit; the server keeps serving.
+parse or validate, a chat template that refuses the messages, or a prompt too long for the target's
+context or the KV pool; 401 without the API key; 404 for an unknown model; 413 for a body over the
+limit; 415 for a body not sent as JSON; 503 (with Retry-After) when the waiting queue is full, and
+503 once the engine has failed or the server is shutting down; 504 past the request's deadline. The
+guards and their settings: limits.py.
 """
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -37,8 +40,9 @@ from hspec.models.llama import TargetModel
 from hspec.serving import protocol
 from hspec.serving.engine import Engine, Request
 from hspec.serving.errors import APIError, install_error_handlers, parse_body
+from hspec.serving.limits import ServingLimits
 from hspec.serving.metrics import CONTENT_TYPE_LATEST, ServingMetrics
-from hspec.serving.middleware import BodySizeLimit, CountRequests
+from hspec.serving.middleware import BodySizeLimit, CountRequests, RequestGuard
 from hspec.serving.streaming import DISCONNECT_POLL_S, RequestStream, collect, sse_response
 from hspec.serving.worker import EngineWorker
 
@@ -76,18 +80,20 @@ def build_engine(target: TargetModel, drafter: Drafter, tokenizer: ServingTokeni
 
 
 def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, default_max_tokens: int = 256,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, disconnect_poll_s: float = DISCONNECT_POLL_S
-               ) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, disconnect_poll_s: float = DISCONNECT_POLL_S,
+               limits: ServingLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine`; its worker thread starts and stops with the app's lifespan.
 
     default_max_tokens: output limit of chat requests that give none (completions: OpenAI's 16), clamped
     to the room the prompt leaves. max_request_bytes: larger bodies get 413 before they are read.
-    disconnect_poll_s: how often a waiting handler checks that its client is still there.
+    disconnect_poll_s: how often a waiting handler checks that its client is still there. limits: access,
+    backpressure, deadlines and engine failure (the HTTP server reads its connection fields); None: the
+    defaults.
     """
+    limits = limits or ServingLimits()
     metrics = ServingMetrics(model_name, engine.stages.drafter.kind, engine.K, engine.pool.capacity_tokens)
-    worker = EngineWorker(engine, metrics)
+    worker = EngineWorker(engine, metrics, max_failed_steps=limits.max_failed_steps)
     created = int(time.time())
-    seeds = itertools.count()  # default seed of a request that brings none: its arrival number
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,15 +104,17 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
             await anyio.to_thread.run_sync(worker.stop)
 
     app = FastAPI(title="hspec", description="OpenAI-compatible speculative decoding server", lifespan=lifespan)
-    app.state.engine, app.state.worker, app.state.metrics = engine, worker, metrics
+    app.state.engine, app.state.worker, app.state.metrics, app.state.limits = engine, worker, metrics, limits
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
-    app.add_middleware(CountRequests, metrics=metrics)  # added last = outermost: 413s are counted too
+    app.add_middleware(RequestGuard, api_key=limits.api_key, allowed_hosts=limits.allowed_hosts)
+    app.add_middleware(CountRequests, metrics=metrics)  # added last = outermost: refusals are counted too
     install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not worker.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        refusal = worker.refusal
+        if refusal is not None:  # failed, stopped or draining: a balancer or supervisor should look elsewhere
+            return JSONResponse({"status": "unavailable", "reason": refusal}, status_code=503)
         return JSONResponse({"status": "ok", "running": engine.num_running, "waiting": engine.num_waiting})
 
     @app.get("/metrics")
@@ -120,6 +128,16 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
             "drafter": engine.stages.drafter.kind, "K": engine.K,
             "kv_capacity_tokens": engine.pool.capacity_tokens}]}
 
+    def admit() -> None:
+        """APIError 503 unless the engine takes a request now (the queue bound: Retry-After)."""
+        refusal = worker.refusal
+        if refusal is not None:
+            raise APIError(503, refusal, kind="server_error", code="engine_unavailable")
+        if limits.max_waiting is not None and worker.num_waiting >= limits.max_waiting:
+            raise APIError(503, f"{worker.num_waiting} requests are waiting, this server's limit "
+                                f"(hspec serve --max-waiting {limits.max_waiting}); retry later",
+                           kind="server_error", code="queue_full", headers={"Retry-After": str(limits.retry_after_s)})
+
     # ---- body -> engine request, in a worker thread ------------------------------------------------
 
     def check_model(name: str) -> None:
@@ -131,7 +149,8 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
                      default: int) -> Request:
         """The engine request; without `asked` (max_tokens) the default is clamped to the room left."""
         max_tokens = asked if asked is not None else max(1, min(default, engine.room_for_output(len(prompt_ids))))
-        seed = body.seed if body.seed is not None else next(seeds)
+        # Without a seed, an unpredictable one: a sampled answer must not be reproducible by another client.
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
         request = Request(f"{prefix}-{uuid.uuid4().hex}", tuple(prompt_ids), max_tokens, body.sampling(), seed,
                           body.stop_strings())
         try:
@@ -149,8 +168,8 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
                 prompt_ids = tokenizer.encode_prompt(text, raw=True)
             else:
                 prompt_ids = list(body.prompt)
-        except ValueError as err:
-            raise APIError(400, str(err), param="prompt") from err
+        except Exception as err:  # the client's text, refused by the tokenizer
+            raise APIError(400, f"the prompt cannot be tokenised: {err}", param="prompt") from err
         return body, make_request("cmpl", prompt_ids, body, body.max_tokens,
                                   protocol.CompletionRequest.DEFAULT_MAX_TOKENS)
 
@@ -161,6 +180,8 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
             prompt_ids = tokenizer.encode_chat(body.conversation())
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
+        except Exception as err:  # a chat template's own check (jinja2's TemplateError: roles out of order...)
+            raise APIError(400, f"the chat template refused these messages: {err}", param="messages") from err
         return body, make_request("chatcmpl", prompt_ids, body, body.requested_max_tokens(), default_max_tokens)
 
     # ---- generation routes ---------------------------------------------------------------------------
@@ -168,7 +189,8 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Any:
         body, request = await anyio.to_thread.run_sync(prepare_completion, await http.body())
-        stream = RequestStream(worker, request, http.is_disconnected, disconnect_poll_s)
+        admit()
+        stream = RequestStream(worker, request, http.is_disconnected, disconnect_poll_s, limits.request_timeout_s)
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
             return protocol.completion_chunk(request.request_id, created, model_name, text, finish)
@@ -183,7 +205,8 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest) -> Any:
         body, request = await anyio.to_thread.run_sync(prepare_chat, await http.body())
-        stream = RequestStream(worker, request, http.is_disconnected, disconnect_poll_s)
+        admit()
+        stream = RequestStream(worker, request, http.is_disconnected, disconnect_poll_s, limits.request_timeout_s)
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
             delta = {"content": text} if text or finish is None else {}

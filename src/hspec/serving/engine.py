@@ -30,6 +30,7 @@ samples from the target's distribution, and greedy output is unchanged.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ from hspec.cache.paged_pool import PagedKVPool, blocks_for
 from hspec.decoding.step import DecodeStages, SequenceOutput
 from hspec.sampling import SamplingBatch, SamplingParams
 from hspec.serving.scheduler import RunningSeq, WaitingSeq, schedule
+
+log = logging.getLogger(__name__)
+
+# What a client is told when its request failed inside the engine; the exception goes to the server log only.
+PREFILL_FAILED = "the engine failed to prefill this request (the server log has the details)"
+DECODE_FAILED = "the engine failed while decoding this request (the server log has the details)"
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,7 @@ class StepReport:
     num_waiting: int
     kv_usage: float  # pool blocks in use / total, after the step
     duration_s: float
+    num_failed: int = 0  # requests failed by an error in this step (prefill or decoding)
 
 
 @dataclass
@@ -255,8 +263,9 @@ class Engine:
                     token = self.stages.first_token(logits, seq.sampling, seq.generator)
                     seq.history.append(token)
                     self._emit(seq, [token], new_tokens)
-            except Exception as err:  # a bad request must not take the engine down
-                updates.append(self._fail(seq, f"prefill failed: {type(err).__name__}: {err}"))
+            except Exception:  # a bad request must not take the engine down
+                log.exception("prefill of %s failed", request_id)
+                updates.append(self._fail(seq, PREFILL_FAILED))
                 continue
             if seq.output.finish_reason is None:
                 self._running[request_id] = seq
@@ -276,7 +285,8 @@ class Engine:
                 updates.append(RequestUpdate(request_id, tuple(tokens), len(seq.output.token_ids)))
         return StepReport(updates, num_decoded, num_accepted, num_drafted, self.K, num_prefill,
                           sum(len(u.new_token_ids) for u in updates), len(plan.preempt), len(self._running),
-                          len(self._waiting), self.pool.utilization(), time.perf_counter() - start)
+                          len(self._waiting), self.pool.utilization(), time.perf_counter() - start,
+                          sum(u.finish_reason == "error" for u in updates))
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -290,11 +300,11 @@ class Engine:
         try:
             result = step(self.pool, [s.key for s in batch], [s.history for s in batch],
                           _stack_sampling([s.sampling for s in batch]), [s.generator for s in batch])
-        except Exception as err:  # fail this batch's requests, keep serving the rest
-            message = f"decoding step failed: {type(err).__name__}: {err}"
+        except Exception:  # fail this batch's requests, keep serving the rest
+            log.exception("decoding step of %d sequences failed", len(batch))
             for seq in batch:
                 del self._running[seq.request.request_id]
-                updates.append(self._fail(seq, message))
+                updates.append(self._fail(seq, DECODE_FAILED))
             return [], []
         # 5. emit, finish and free.
         for row, seq in enumerate(batch):

@@ -3,7 +3,8 @@
 The `openai` client reads `error.message`, so each message names the bad value and what is allowed.
 Handlers here cover the server's own errors (`APIError`), request bodies that do not parse or
 validate, Starlette's HTTP errors (unknown path, wrong method, body too large) and anything
-unexpected (500), so no answer ever comes in FastAPI's `{"detail": ...}` format.
+unexpected (500, with a generic message: the traceback goes to the log), so no answer ever comes in
+FastAPI's `{"detail": ...}` format.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ class APIError(Exception):
     """An error answered with `status` and OpenAI's error envelope."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
 
 
 class ClientGone(Exception):
@@ -58,6 +60,10 @@ def parse_body(model: type[Body], raw: bytes) -> Body:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise APIError(400, f"malformed JSON body: {err.msg} (line {err.lineno}, column {err.colno})") from None
+    except ValueError as err:  # an integer literal over Python's 4,300-digit limit
+        raise APIError(400, f"malformed JSON body: {err}") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: arrays and objects nested too deeply") from None
     if "\\ud" in text.lower():  # a \uD800-\uDFFF escape: valid only as half of a surrogate pair
         try:
             json.dumps(data, ensure_ascii=False).encode("utf-8")
@@ -69,6 +75,8 @@ def parse_body(model: type[Body], raw: bytes) -> Body:
     except ValidationError as err:
         message, param = validation_message(err.errors())
         raise APIError(400, message, param=param) from None
+    except RecursionError:
+        raise APIError(400, "invalid request: arrays and objects nested too deeply") from None
 
 
 def validation_message(errors: Any) -> tuple[str, str | None]:
@@ -90,7 +98,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return error_response(err.status, err.message, err.kind, err.param, err.code)
+        return error_response(err.status, err.message, err.kind, err.param, err.code, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -115,6 +123,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the request was cancelled
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
-        # Starlette re-raises after this answer, so uvicorn logs the traceback.
-        return error_response(500, f"internal server error: {type(err).__name__}: {err}", "server_error")
+    async def _unexpected(_: Request, __: Exception) -> JSONResponse:
+        # Starlette re-raises after this answer, so uvicorn logs the traceback; the client learns nothing
+        # of the server's internals from it.
+        return error_response(500, "internal server error (the server log has the details)", "server_error")

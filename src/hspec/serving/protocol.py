@@ -3,8 +3,9 @@
 Validation happens here, so a bad body becomes a 400 with a message naming the field. Fields the
 server does not implement are refused when set to anything but their neutral value (`n`, `logprobs`,
 `echo`, penalties), rather than silently ignored; unknown extra fields are ignored, as OpenAI does.
-`top_k` is an extension (vLLM's name; -1 or 0 = off). `max_tokens` left out means "the server's
-default, clamped to the room the prompt leaves"; given, it must fit or the request gets a 400.
+`top_k` is an extension (vLLM's name; -1 or 0 = off); a temperature below 1e-5 is greedy. `max_tokens`
+left out means "the server's default, clamped to the room the prompt leaves"; given, it must fit or the
+request gets a 400.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from hspec.sampling import SamplingParams
 
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_LENGTH = 128  # characters per stop string: bounds the tail a step searches (decoding/step.py)
+GREEDY_BELOW = 1e-5  # a smaller temperature is greedy, as in vLLM (dividing by 1e-40 overflows to NaN)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 MAX_TOP_K = 2**63 - 1  # any k >= the vocabulary keeps every token; beyond this it overflows a long
 
@@ -56,6 +59,9 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        longest = max(stops, key=len, default="")
+        if len(longest) > MAX_STOP_LENGTH:
+            raise ValueError(f"stop strings must have at most {MAX_STOP_LENGTH} characters, got one of {len(longest)}")
         return value
 
     @model_validator(mode="after")
@@ -72,7 +78,8 @@ class SamplingFields(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, max(self.top_k, 0))
+        temperature = self.temperature if self.temperature >= GREEDY_BELOW else 0.0
+        return SamplingParams(temperature, self.top_p, max(self.top_k, 0))
 
     @property
     def include_usage(self) -> bool:

@@ -5,7 +5,9 @@ line can tell a user without the `[serve]` extra what to install (`require_serve
 
 Start-up order: check the settings, bind the socket (a port in use fails in a second, not after the
 model loads; port 0 picks a free one, and the announcement names it), load the target and the drafter,
-build the engine, check that its KV pool can run a request at all, announce, serve.
+build the engine, check that its KV pool can run a request at all, announce, serve. A server bound to
+loopback answers only loopback Host names (limits.py); one bound elsewhere without an API key is
+warned of. `serve` returns the process's exit status: 1 when the engine failed (http_server.py).
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from hspec.cache.paged_pool import blocks_for
 from hspec.models.dtype import DTYPE_CHOICES
+from hspec.serving.limits import LOOPBACK_NAMES, ServingLimits, is_loopback
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -58,6 +61,7 @@ class ServeSettings:
     random_drafter_weights: bool = False  # an untrained drafter: for timing and KV accounting only
     dtype: str = "auto"  # weights, KV pool and drafter: auto, float32 or bfloat16 (hspec.models.dtype)
     drafter_options: tuple[str, ...] = ()  # --drafter-option KEY=VALUE: decoding options of a trained drafter
+    limits: ServingLimits = field(default_factory=ServingLimits)  # access, backpressure, deadlines, connections
 
     def __post_init__(self) -> None:
         from hspec.runtime import decoding_options_of
@@ -163,7 +167,15 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
         if warning:
             print(f"[hspec serve] warning: {warning}", file=sys.stderr, flush=True)
         name = settings.model_name or target.name
-        app = create_app(engine, target.tokenizer, name, settings.default_max_tokens, settings.max_request_bytes)
+        limits = settings.limits
+        if is_loopback(settings.host) and limits.allowed_hosts is None:  # against DNS rebinding
+            limits = replace(limits, allowed_hosts=LOOPBACK_NAMES)
+        if not is_loopback(settings.host) and limits.api_key is None:
+            print(f"[hspec serve] warning: listening on {settings.host}, beyond this machine, without an API key: "
+                  "anyone who can reach the port can use it; give --api-key (or HSPEC_API_KEY)",
+                  file=sys.stderr, flush=True)
+        app = create_app(engine, target.tokenizer, name, settings.default_max_tokens, settings.max_request_bytes,
+                         limits=limits)
     except BaseException:
         sock.close()
         raise
@@ -176,22 +188,24 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
     return app, sock, announcement
 
 
-def serve(settings: ServeSettings) -> None:
-    """Load the target and drafter, build the engine and serve until interrupted."""
+def serve(settings: ServeSettings) -> int:
+    """Load the target and drafter, build the engine and serve until interrupted; the exit status."""
     app, sock, announcement = open_server(settings)
     print(announcement, flush=True)
-    run_server(app, sock, settings.log_level)
+    return run_server(app, sock, settings.log_level)
 
 
-def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
-    """Serve `app` on the bound `sock` until interrupted (Ctrl-C), in this thread."""
-    import uvicorn
+def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> int:
+    """Serve `app` (made by `create_app`) on the bound `sock` until interrupted (Ctrl-C, SIGTERM) or its
+    engine fails, in this thread; returns the exit status: 1 if the engine failed, else 0."""
+    from hspec.serving.http_server import HspecServer
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server = HspecServer(app, log_level)
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
+    return server.exit_code
 
 
 class ServerThread:
@@ -203,12 +217,11 @@ class ServerThread:
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 60.0,
                  sock: socket.socket | None = None) -> None:
-        import uvicorn
+        from hspec.serving.http_server import HspecServer
 
         self._socket = sock if sock is not None else bind_socket(host, port)
         self.host, self.port = self._socket.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+        self.server = HspecServer(app, log_level="warning")
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
                                         name="hspec-http", daemon=True)
         self.start_timeout_s = start_timeout_s
@@ -228,5 +241,10 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
-        self._thread.join(30)
+        self._thread.join(30 + self.server.limits.drain_timeout_s)
         self._socket.close()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until the server has stopped by itself (its engine failed); True if it has."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()

@@ -1,7 +1,10 @@
 """A request's updates from the engine thread to one HTTP response: collected whole, or sent as SSE.
 
 Both ways watch the client while they wait: one that disconnects, streaming or not, cancels its
-request within `poll_s`, which frees its KV blocks and its batch slot before the next step.
+request within `poll_s`, which frees its KV blocks and its batch slot before the next step. Both
+also watch the request's deadline (`hspec serve --request-timeout`): past it the request is
+cancelled and answered with an error, never left hanging. A stream always ends with `data: [DONE]`,
+after an error event when the request failed (engine error, deadline, shutdown).
 """
 
 from __future__ import annotations
@@ -18,40 +21,60 @@ from hspec.decoding.text import TextStream
 from hspec.serving import protocol
 from hspec.serving.engine import Request, RequestUpdate
 from hspec.serving.errors import APIError, ClientGone
-from hspec.serving.worker import EngineWorker
+from hspec.serving.worker import EngineUnavailable, EngineWorker
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still connected
+
+
+class RequestTimeout(Exception):
+    """A request passed its deadline before it finished."""
 
 
 class RequestStream:
     """The updates of one submitted request; cancels it on leaving unless it finished.
 
-    Use as `async with RequestStream(...) as stream: update = await stream.next()`. `next` raises
-    ClientGone once `is_disconnected()` says so; leaving the block then cancels the request.
+    Use as `async with RequestStream(...) as stream: update = await stream.next()`. Entering raises
+    EngineUnavailable when the engine takes no new requests. `next` raises ClientGone once
+    `is_disconnected()` says so, and RequestTimeout `timeout_s` seconds after the request was made
+    (None: never); leaving the block then cancels the request.
     """
 
     def __init__(self, worker: EngineWorker, request: Request, is_disconnected: Callable[[], Awaitable[bool]],
-                 poll_s: float = DISCONNECT_POLL_S) -> None:
+                 poll_s: float = DISCONNECT_POLL_S, timeout_s: float | None = None) -> None:
         self.worker, self.request, self.is_disconnected, self.poll_s = worker, request, is_disconnected, poll_s
+        self.timeout_s = timeout_s
+        self.deadline = float("inf") if timeout_s is None else time.monotonic() + timeout_s
         self.finished = False
         self._sink: asyncio.Queue[RequestUpdate] | None = None
         self._getter: asyncio.Future[RequestUpdate] | None = None
         self._next_check = 0.0  # time.monotonic() of the next look at the connection
 
     async def __aenter__(self) -> RequestStream:
-        self._sink = self.worker.submit(self.request)
+        self.submit()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self) -> None:
+        """Hand the request to the engine (EngineUnavailable if it takes none)."""
+        self._sink = self.worker.submit(self.request)
+
+    def close(self) -> None:
+        """Stop waiting; cancel the request unless it finished."""
         if self._getter is not None:
             self._getter.cancel()
-        if not self.finished:  # the client went away or the handler failed: free the request's blocks
-            self.worker.cancel(self.request.request_id)
+        if self._sink is not None and not self.finished:  # the client went away, the deadline passed or the
+            self.worker.cancel(self.request.request_id)  # handler failed: free the request's blocks
 
     async def next(self) -> RequestUpdate:
-        """The request's next update; raises ClientGone if the client disconnects first."""
+        """The request's next update; raises ClientGone if the client disconnects first, RequestTimeout
+        if the deadline passes first."""
         assert self._sink is not None, "use RequestStream in `async with`"
         while True:
+            if time.monotonic() >= self.deadline:
+                raise RequestTimeout(f"the request did not finish within {self.timeout_s:g} s "
+                                     "(hspec serve --request-timeout)")
             # Checked by the clock, not only when no update came: a running request's updates arrive
             # every step, faster than poll_s.
             if time.monotonic() >= self._next_check:
@@ -64,7 +87,8 @@ class RequestStream:
                 except asyncio.QueueEmpty:
                     self._getter = asyncio.ensure_future(self._sink.get())
             # One pending get survives the polls, so an update that arrives between two polls is never lost.
-            done, _ = await asyncio.wait({self._getter}, timeout=max(0.0, self._next_check - time.monotonic()))
+            wake = min(self._next_check, self.deadline)
+            done, _ = await asyncio.wait({self._getter}, timeout=max(0.0, wake - time.monotonic()))
             if done:
                 update, self._getter = self._getter.result(), None
                 return self._take(update)
@@ -75,16 +99,26 @@ class RequestStream:
 
 
 async def collect(stream: RequestStream) -> tuple[list[int], str | None]:
-    """Await a request's updates to the end: its output tokens and engine finish reason."""
+    """Await a request's updates to the end: its output tokens and engine finish reason.
+
+    APIError 503 when the engine takes no requests (it failed, or the server is shutting down), 504
+    past the deadline, 500 when the engine failed on this request.
+    """
     tokens: list[int] = []
-    async with stream:
-        while True:
-            update = await stream.next()
-            if update.finish_reason == "error":
-                raise APIError(500, update.error or "engine error", kind="server_error")
-            tokens.extend(update.new_token_ids)
-            if update.finished:
-                return tokens, update.finish_reason
+    try:
+        async with stream:
+            while True:
+                update = await stream.next()
+                if update.finish_reason == "error":
+                    status = 503 if stream.worker.refusal is not None else 500
+                    raise APIError(status, update.error or "engine error", kind="server_error")
+                tokens.extend(update.new_token_ids)
+                if update.finished:
+                    return tokens, update.finish_reason
+    except EngineUnavailable as err:
+        raise APIError(503, str(err), kind="server_error", code="engine_unavailable") from None
+    except RequestTimeout as err:
+        raise APIError(504, str(err), kind="server_error", code="timeout") from None
 
 
 def sse_response(stream: RequestStream, decode: Callable[[list[int]], str],
@@ -96,7 +130,13 @@ def sse_response(stream: RequestStream, decode: Callable[[list[int]], str],
     async def events() -> AsyncIterator[str]:
         text = TextStream(decode, request.stop)
         num_tokens = 0
-        async with stream:
+        try:
+            stream.submit()
+        except EngineUnavailable as err:  # refused between the route's check and here
+            yield _event(protocol.error_body(str(err), "server_error", code="engine_unavailable"))
+            yield "data: [DONE]\n\n"
+            return
+        try:
             if first is not None:
                 yield _event(first)
             while True:
@@ -104,6 +144,9 @@ def sse_response(stream: RequestStream, decode: Callable[[list[int]], str],
                     update = await stream.next()
                 except ClientGone:
                     return  # leaving the block cancels the request
+                except RequestTimeout as err:
+                    yield _event(protocol.error_body(str(err), "server_error", code="timeout"))
+                    break
                 if update.finish_reason == "error":
                     yield _event(protocol.error_body(update.error or "engine error", "server_error"))
                     break
@@ -119,6 +162,8 @@ def sse_response(stream: RequestStream, decode: Callable[[list[int]], str],
                         yield _event(body)
                     break
             yield "data: [DONE]\n\n"
+        finally:
+            stream.close()
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
