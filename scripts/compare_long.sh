@@ -183,6 +183,6 @@ $HSPEC eval --keep-current --dtype "$DTYPE" --drafters "$list" \
   --tasks mt_bench,humaneval,gsm8k --size "$TASK_SIZE" --k 7 --max-new-tokens 128 --out "$SHARD_OUT" --name eval_tasks_k7_greedy
 # 4. Every shard evaluated so far, merged into one file per evaluation, and the paper's claims, each with its
 #    paired bootstrap CI (docs/claims.md), tested on them; then one table of every drafter across them
-#    (eval_table.md, which the README quotes): scripts/merge_comparison.sh.
+#    (eval_table.md, which results/comparison_long/README.md quotes): scripts/merge_comparison.sh.
 HSPEC="$HSPEC" OUT="$OUT" STEPS="$STEPS" bash scripts/merge_comparison.sh
 echo "[compare_long] done: $OUT"

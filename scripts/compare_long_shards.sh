@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long comparison's plan (README, "The long comparison"; docs/claims.md#shards): its seven shards in order,
+# The long comparison's plan (results/comparison_long/README.md; docs/claims.md#shards): its seven shards in order,
 # each one run of scripts/compare_long.sh, and the DFlash-2 diagnostic (scripts/dflash2_diagnostic.sh) after
 # the shard that trains DFlash-2. With the defaults this reproduces results/comparison_long/.
 #

@@ -6,7 +6,7 @@
 #
 #   cp -r /elsewhere/results/comparison_long/shards/<shard> results/comparison_long/shards/ && bash scripts/merge_comparison.sh
 #
-# then `python scripts/quote_result_tables.py` copies the new tables into the README.
+# then `python scripts/quote_result_tables.py` copies the new tables into results/comparison_long/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HSPEC=${HSPEC:-.venv/bin/hspec}

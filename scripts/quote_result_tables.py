@@ -1,10 +1,11 @@
-"""Copy the result tables the README quotes from their files again.
+"""Copy the result tables the README and the results folders' READMEs quote from their files again.
 
-A block of the README between `<!-- table from results/PATH.md -->` and `<!-- end of table -->` holds
-exactly the markdown table lines (those starting with "|") of results/PATH.md; with
-`results/PATH.md#heading`, those under that heading of the file (up to its next heading). After a command
-rewrites such a file, `python scripts/quote_result_tables.py` puts its table lines into the README again;
-`--check` only names the blocks that differ (exit status 1). tests/test_readme_tables.py runs the check.
+A block of such a file between `<!-- table from results/PATH.md -->` and `<!-- end of table -->` holds
+exactly the markdown table lines (those starting with "|") of results/PATH.md (a path from the repository's
+root); with `results/PATH.md#heading`, those under that heading of the file (up to its next heading). After a
+command rewrites such a file, `python scripts/quote_result_tables.py` puts its table lines into every quoting
+file (`QUOTING`) again; `--check` only names the blocks that differ (exit status 1).
+tests/test_readme_tables.py runs the check.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The files that quote result tables, from the repository's root: the long comparison's tables and verdicts are
+# quoted in its folder's README.
+QUOTING = ("README.md", "results/comparison_long/README.md")
 BLOCK = re.compile(r"(<!-- table from (\S+\.md)(?:#([\w-]+))? -->\n)(.*?)(<!-- end of table -->)", re.S)
 
 
@@ -66,21 +70,26 @@ def requote(readme: str, root: Path = ROOT) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md",
-                        help="the file to update; its paths are read from its folder (default: README.md)")
+    parser.add_argument("--readme", type=Path, action="append",
+                        help="a file to update (repeatable; default: every file of QUOTING)")
+    parser.add_argument("--root", type=Path, default=ROOT,
+                        help="the folder the quoted paths start from (default: the repository)")
     parser.add_argument("--check", action="store_true", help="only name the blocks that differ from their files")
     args = parser.parse_args(argv)
-    text, root = args.readme.read_text(), args.readme.resolve().parent
-    stale = stale_blocks(text, root)
-    if args.check:
-        for where in stale:
-            print(f"differs from its file: {where}")
-        return 1 if stale else 0
-    if stale:
-        args.readme.write_text(requote(text, root))
-    named = f": {', '.join(stale)}" if stale else ""
-    print(f"{len(stale)} of {len(BLOCK.findall(text))} quoted tables copied again{named}")
-    return 0
+    status = 0
+    for readme in args.readme or [ROOT / name for name in QUOTING]:
+        text = readme.read_text()
+        stale = stale_blocks(text, args.root)
+        if args.check:
+            for where in stale:
+                print(f"{readme}: differs from its file: {where}")
+            status |= 1 if stale else 0
+            continue
+        if stale:
+            readme.write_text(requote(text, args.root))
+        named = f": {', '.join(stale)}" if stale else ""
+        print(f"{readme}: {len(stale)} of {len(BLOCK.findall(text))} quoted tables copied again{named}")
+    return status
 
 
 if __name__ == "__main__":

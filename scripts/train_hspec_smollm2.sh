@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rebuild the shipped H-Spec drafter for the embedded default target (SmolLM2-135M-Instruct) on a CPU,
 # then measure it. Every step resumes if interrupted: rerun the script.
-# Settings are the ones the committed drafter and results/ were made with (see README, "Results").
+# Settings are the ones the committed drafter and results/ were made with (docs/results.md#the-shipped-drafter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HSPEC=.venv/bin/hspec
@@ -62,7 +62,7 @@ for part in $PARTS $TARGETED_PARTS $COPY_PARTS $MORE_PARTS; do
 done
 features=$(for part in $PARTS; do printf 'runs/features/%s,' "$part"; done)
 # 3. The unified recipe: 0.1 CE + 0.9 TV, gamma 4, AdamW 6e-4, 1% warmup + half-cosine; draft vocabulary
-#    of the 8,192 most frequent training tokens (see README: why not the paper's 32,000 on this target).
+#    of the 8,192 most frequent training tokens (docs/results.md#draft-vocabulary: why not the paper's 32,000 on this target).
 OMP_NUM_THREADS=2 $HSPEC train --drafter hspec --features "${features%,}" --out runs/train/hspec_v3 \
   --steps "$STEPS" --val-every 500 --draft-vocab 8192
 # 3b. Continue from that drafter on all nine parts (the same recipe, its schedule started over).

@@ -1,6 +1,7 @@
-"""The README's copies of result tables are the tables of the committed result files, line for line
-(scripts/quote_result_tables.py: what a block holds, and the command that copies them again), so a table the
-README shows was written by the command its file names, never typed by hand or left behind."""
+"""The copies of result tables in the README and the results folders' READMEs are the tables of the committed
+result files, line for line (scripts/quote_result_tables.py: what a block holds, and the command that copies
+them again), so a table they show was written by the command its file names, never typed by hand or left
+behind."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 quoting = load_script("quote_result_tables")
 
 
-def test_every_table_block_of_the_readme_equals_its_result_file():
-    readme = (ROOT / "README.md").read_text()
-    assert quoting.BLOCK.findall(readme), "the README quotes no result table (expected results/comparison_long/...)"
-    assert quoting.stale_blocks(readme) == [], "the README's copies differ from their files: run " \
-                                              "`python scripts/quote_result_tables.py`"
+def test_every_quoted_table_equals_its_result_file():
+    blocks = {name: quoting.BLOCK.findall((ROOT / name).read_text()) for name in quoting.QUOTING}
+    assert blocks["results/comparison_long/README.md"], "the long comparison's README quotes no result table"
+    for name in quoting.QUOTING:
+        assert quoting.stale_blocks((ROOT / name).read_text()) == [], \
+            f"{name}'s copies differ from their files: run `python scripts/quote_result_tables.py`"
 
 
 def test_the_block_pattern_finds_a_table_its_section_and_its_end():
@@ -52,13 +54,14 @@ def test_github_anchor():
     assert quoting.github_anchor("H-Spec") == "h-spec"
 
 
-def test_every_ci_the_readme_quotes_from_the_claims_is_in_claims_md():
-    """The README's claim-by-claim list types its estimates into prose; each "estimate [low, high]" it names must
-    stand in results/comparison_long/claims.md, so the prose cannot keep a number the claims no longer give."""
-    readme = (ROOT / "README.md").read_text()
+def test_every_ci_the_comparison_quotes_from_the_claims_is_in_claims_md():
+    """The long comparison's claim-by-claim list types its estimates into prose; each "estimate [low, high]" it
+    names must stand in results/comparison_long/claims.md, so the prose cannot keep a number the claims no
+    longer give."""
+    readme = (ROOT / "results" / "comparison_long" / "README.md").read_text()
     section = readme[readme.index("Claim by claim"):readme.index("The second run's numbers")]
     quoted = re.findall(r"[+-]\d+\.\d%? \[[+-]\d+\.\d%?, [+-]\d+\.\d%?\]", section)
     claims = (ROOT / "results" / "comparison_long" / "claims.md").read_text()
-    assert quoted, "the README's claim-by-claim list quotes no CI"
+    assert quoted, "the comparison's claim-by-claim list quotes no CI"
     missing = [ci for ci in quoted if ci not in claims]
-    assert not missing, f"the README quotes CIs that results/comparison_long/claims.md does not give: {missing}"
+    assert not missing, f"results/comparison_long/README.md quotes CIs that claims.md does not give: {missing}"
