@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hspec import durable
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import DRAFTERS, checkpoint, create_drafter
 from hspec.drafters.checkpoint import (
@@ -254,14 +255,14 @@ def test_failed_swap_puts_the_previous_checkpoint_back(tiny_target, tmp_path, mo
     """The replace of an existing checkpoint fails after the old one was moved aside: it is restored."""
     first = random_drafter("hspec", tiny_target, seed=0)
     path = save_drafter(first, tmp_path / "ckpt", VERIFIER)
-    real_rename = checkpoint.os.rename
+    real_rename = durable.os.rename
 
     def rename(src, dst):
         if Path(dst) == path and ".tmp-" in Path(src).name:  # moving the new checkpoint in
             raise OSError("disk gone")
         real_rename(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    monkeypatch.setattr(durable.os, "rename", rename)
     with pytest.raises(OSError, match="disk gone"):
         save_drafter(random_drafter("hspec", tiny_target, seed=1), path, VERIFIER)
     monkeypatch.undo()
@@ -397,7 +398,7 @@ def test_training_state_errors(tiny_target, tmp_path):
 
 
 def test_stale_temporaries_are_cleared_and_a_moved_aside_checkpoint_comes_back(tiny_target, tmp_path):
-    from hspec.drafters.checkpoint import remove_stale_temporaries
+    from hspec.durable import remove_stale_temporaries
 
     drafter = random_drafter("hspec", tiny_target)
     kept = save_drafter(drafter, tmp_path / "kept", VERIFIER)

@@ -17,8 +17,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hspec"
 
 # Lowest floor first. A new subpackage or top-level module must be given a floor here.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    # no model code; `data`: task and prompt files; `console`: where a command's output goes (`--json`)
-    ("registry", "metrics", "machine", "provenance", "console", "data", "cache"),
+    # no model code; `data`: task and prompt files; `console`: where a command's output goes (`--json`);
+    # `durable`: writes a kill cannot leave half done
+    ("registry", "metrics", "machine", "provenance", "console", "data", "cache", "durable"),
     ("models", "ssm"),  # the target runtime (over the KV pool) and the Mamba-2 reference
     ("sampling",),  # sampling transforms shared by the target's and the drafters' logits
     ("drafters",),  # the Drafter interface, every kind, drafter checkpoints

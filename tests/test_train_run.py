@@ -210,6 +210,19 @@ def test_start_clears_what_a_killed_save_left(tmp_path, tiny_target, train_tiny,
     load_drafter(run / "drafter", tiny_target.model)
 
 
+def test_resume_after_a_kill_tore_the_last_line_of_the_history(tmp_path, train_tiny):
+    """A kill during an append leaves a torn last line: the resume drops it with a warning and goes on."""
+    run = tmp_path / "run"
+    train_tiny(run)
+    with (run / "history.jsonl").open("a") as f:
+        f.write('{"event": "step", "step": 2, "loss": 0.')
+    with pytest.warns(UserWarning, match="its last line is torn"):
+        train_tiny(run, override=True, steps=3)
+    records = [json.loads(line) for line in (run / "history.jsonl").read_text().split("\n") if line]
+    assert records[0]["event"] == "config"
+    assert [r["step"] for r in records if r["event"] == "step"][-1] == 2  # step 3 of 3, logged whole
+
+
 def test_resume_of_a_run_recorded_before_settings_were(tmp_path, train_tiny):
     """An older history has only the flat config record: its recipe is compared, its measured values not."""
     run = tmp_path / "run"

@@ -60,6 +60,30 @@ def test_d2t_offsets_map_draft_index_to_target_id():
         draft_to_target_offsets(ids[None])
 
 
+@pytest.mark.parametrize("kind", ["dflash", "peagle"])
+def test_export_replaces_only_an_earlier_export(kind, tiny_target, tiny_dirs, tmp_path):
+    """The export replaces its destination whole: an earlier export may go; an hspec checkpoint, a model folder or
+    a folder of notes may not."""
+    torch.manual_seed(0)
+    config_class = DFlashConfig if kind == "dflash" else PEagleConfig
+    config = config_class.from_target(kind, tiny_target.config, draft_vocab_size=48)
+    drafter = create_drafter(kind, tiny_target.config, target_model=tiny_target.model, config=config)
+    drafter.head.set_vocab(torch.randperm(tiny_target.config.vocab_size)[:48])
+    src = save_drafter(drafter, tmp_path / "hspec_ckpt", "tiny")
+    export = export_dflash_for_vllm if kind == "dflash" else export_peagle_for_vllm
+    out = export(src, tmp_path / "vllm", tiny_dirs["llama"], mask_token_id=5)
+    assert export(src, out, tiny_dirs["llama"], mask_token_id=6) == out  # an earlier export: replaced
+    assert json.loads((out / "config.json").read_text())["mask_token_id"] == 6
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    for dst in (src, tiny_dirs["llama"], notes):
+        before = sorted(p.name for p in dst.iterdir())
+        with pytest.raises(FileExistsError, match=f"refusing to replace {dst}: it exists and is not an earlier"):
+            export(src, dst, tiny_dirs["llama"], mask_token_id=5)
+        assert sorted(p.name for p in dst.iterdir()) == before
+
+
 def test_export_layout_matches_what_vllm_dflash_loads(dflash_checkpoint, tiny_dirs, tmp_path):
     path, drafter, ids = dflash_checkpoint
     out = export_dflash_for_vllm(path, tmp_path / "vllm", tiny_dirs["llama"], mask_token_id=5)

@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with json_stdout() as args.json_out:
                 return args.handler(args)
         return args.handler(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:  # FileExistsError: an output that is not ours
         print(f"hspec: error: {err}", file=sys.stderr)
         return 2
 

@@ -19,8 +19,8 @@ results/speculators_compat.md for what its loader does with each of our kinds.
 This module sits beside the drafters so that inference (runtime, serving, eval) loads a drafter without
 importing the trainer; the trainer's own state (optimizer, step) is in `hspec.training.checkpoint`.
 Every write goes to a hidden temporary directory in the same parent and is renamed into place
-(`atomic_directory`), so a killed save never leaves a half checkpoint where a loader would read it;
-`remove_stale_temporaries` clears what such a kill leaves behind.
+(`hspec.durable.atomic_directory`), so a killed save never leaves a half checkpoint where a loader would
+read it; `hspec.durable.remove_stale_temporaries` clears what such a kill leaves behind.
 """
 
 from __future__ import annotations
@@ -28,12 +28,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
-import shutil
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -46,6 +42,7 @@ from torch import nn
 
 from hspec.drafters.base import DRAFTERS
 from hspec.drafters.common import DrafterConfig, NeuralDrafter
+from hspec.durable import OLD_MARK, atomic_directory, check_replaceable
 from hspec.models.config import TargetConfig
 
 CONFIG_FILE = "config.json"
@@ -53,9 +50,7 @@ WEIGHTS_FILE = "model.safetensors"
 DRAFTER_CONFIG_KEY = "hspec_drafter_config"  # our full DrafterConfig inside the Speculators config.json
 # The Speculators release whose config.json layout this writes (checked in results/speculators_compat.md).
 SPECULATORS_FORMAT_VERSION = "0.9.0"
-
-# Hidden siblings `atomic_directory` makes: the directory being written, and the previous one moved aside.
-_TMP_MARK, _OLD_MARK = ".tmp-", ".old-"
+CHECKPOINT_WORDS = "a drafter checkpoint written by hspec"  # what a save may replace, in its refusal
 
 # Target dimensions a drafter is tied to: its weights, the target layers it reads and the K/V it reuses.
 _TARGET_DIMS = (("vocab_size", "V"), ("hidden_size", "H"), ("num_layers", "L"), ("num_heads", "Hq"),
@@ -173,13 +168,13 @@ def save_drafter(drafter: NeuralDrafter, path: str | Path, verifier_name_or_path
     verifier_name_or_path: the target's HF id or path, recorded for whoever loads the drafter.
     verifier_architectures: the target's HF architectures (default: the class the drafter was built for).
     The save is atomic: files go to a temporary sibling directory that replaces `path` only once complete.
-    An existing `path` is replaced only if it is empty or a checkpoint (has a config.json). Returns `path`.
+    An existing `path` is replaced only if it is empty or a drafter checkpoint (`is_drafter_checkpoint`);
+    anything else raises FileExistsError. Returns `path`.
     """
     if not isinstance(drafter, NeuralDrafter):
         raise TypeError(f"only trained drafters have checkpoints; got kind {getattr(drafter, 'kind', drafter)!r}")
     path = Path(path)
-    if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / CONFIG_FILE).is_file())):
-        raise FileExistsError(f"refusing to replace {path}: it is not a drafter checkpoint (no {CONFIG_FILE})")
+    check_replaceable(path, is_drafter_checkpoint, CHECKPOINT_WORDS)
     config = speculators_config(drafter, verifier_name_or_path, verifier_architectures)
     tensors = own_tensors(drafter)
     with atomic_directory(path) as tmp:
@@ -207,6 +202,17 @@ def own_tensors(drafter: NeuralDrafter) -> dict[str, torch.Tensor]:
         # clone: safetensors refuses tensors that share memory with each other (views of one buffer).
         tensors[name] = tensor.detach().to("cpu").contiguous().clone()
     return tensors
+
+
+def is_drafter_checkpoint(path: Path) -> bool:
+    """Whether `path` holds a drafter checkpoint hspec wrote (`save_drafter`, `export_drafter`): a config.json
+    naming a kind and carrying DRAFTER_CONFIG_KEY. What a save may replace; a model folder (a config.json of
+    another kind) is not one."""
+    try:
+        raw = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(raw, dict) and "speculators_model_type" in raw and DRAFTER_CONFIG_KEY in raw
 
 
 @dataclass(frozen=True)
@@ -339,100 +345,9 @@ def load_weights(drafter: NeuralDrafter, weights_path: Path) -> None:
 
 def _missing_message(directory: Path, wanted: Path) -> str:
     """'<file> not found', naming the previous checkpoint if an interrupted save left it aside."""
-    backups = sorted(directory.parent.glob(f".{directory.name}{_OLD_MARK}*")) if directory.parent.exists() else []
+    backups = sorted(directory.parent.glob(f".{directory.name}{OLD_MARK}*")) if directory.parent.exists() else []
     hint = f"; an interrupted save left the previous checkpoint at {backups[-1] / 'checkpoint'}" if backups else ""
     return f"{wanted} not found{hint}"
-
-
-# ---- atomic directories ------------------------------------------------------------------------------
-
-
-@contextmanager
-def atomic_directory(path: Path) -> Iterator[Path]:
-    """Yield an empty temporary directory beside `path`; on success it replaces `path`, else it is removed.
-
-    The temporary directory is hidden (`.<name>.tmp-*`) in the same parent, so the final rename
-    stays on one file system. Replacing an existing `path` takes two renames (old aside, new in); if
-    the second fails, the old one is put back, and if the process dies between them, the previous
-    checkpoint is at `.<name>.old-*` (the loaders name it).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}{_TMP_MARK}", dir=path.parent))
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        _replace_directory(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fsync(path.parent)
-
-
-def _replace_directory(new: Path, path: Path) -> None:
-    """Rename `new` to `path`, replacing a directory that is already there (see `atomic_directory`)."""
-    if not path.exists():
-        os.rename(new, path)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{path.name}{_OLD_MARK}", dir=path.parent))
-    os.rename(path, old / "checkpoint")
-    try:
-        os.rename(new, path)
-    except BaseException:
-        os.rename(old / "checkpoint", path)
-        shutil.rmtree(old, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_tree(directory: Path) -> None:
-    """Flush every file under `directory`, then the directories, so the rename publishes complete data."""
-    for root, _, files in os.walk(directory):
-        for name in files:
-            _fsync(Path(root) / name)
-        _fsync(Path(root))
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems cannot fsync a directory; the data files are already flushed
-        pass
-    finally:
-        os.close(fd)
-
-
-def remove_stale_temporaries(directory: str | Path) -> list[str]:
-    """Clear what killed `atomic_directory` writes left in `directory`; returns one line per thing done.
-
-    Only call this when no save into `directory` is running. A `.<name>.tmp-*` folder was never renamed
-    into place, so it is incomplete: removed. A `.<name>.old-*` folder holds the checkpoint that a
-    replace moved aside: removed if `<name>` is back in place (the replace finished), else moved back
-    to `<name>` (the process died between the two renames, so it is the latest complete checkpoint).
-    """
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    done = []
-    for entry in sorted(directory.iterdir()):
-        if not (entry.is_dir() and entry.name.startswith(".")):
-            continue
-        if _TMP_MARK in entry.name:
-            shutil.rmtree(entry, ignore_errors=True)
-            done.append(f"removed {entry} (an interrupted save's incomplete temporary folder)")
-        elif _OLD_MARK in entry.name:
-            path = directory / entry.name[1:].rpartition(_OLD_MARK)[0]
-            if not path.exists() and (entry / "checkpoint").is_dir():
-                os.rename(entry / "checkpoint", path)
-                shutil.rmtree(entry, ignore_errors=True)
-                done.append(f"restored {path} from {entry} (a save died while replacing it)")
-            else:
-                shutil.rmtree(entry, ignore_errors=True)
-                done.append(f"removed {entry} (the previous checkpoint, already replaced)")
-    return done
 
 
 def export_drafter(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -440,8 +355,11 @@ def export_drafter(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.
 
     Loading casts back to the model's dtype, so a bf16 export of an fp32-trained drafter loses only the
     low mantissa bits of its weights. Integer buffers (the draft vocabulary ids) are kept exactly.
+    An existing `dst` is replaced only if it is empty or a drafter checkpoint (an earlier export); anything
+    else raises FileExistsError before `src` is read.
     """
     src, dst = Path(src), Path(dst)
+    check_replaceable(dst, is_drafter_checkpoint, CHECKPOINT_WORDS)
     info = read_checkpoint(src)
     state = load_file(str(src / "model.safetensors"))
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}

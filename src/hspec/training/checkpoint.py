@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from hspec.drafters.checkpoint import atomic_directory, load_weights, own_tensors
+from hspec.drafters.checkpoint import load_weights, own_tensors
 from hspec.drafters.common import NeuralDrafter
+from hspec.durable import atomic_directory
 
 STATE_WEIGHTS_FILE = "drafter.safetensors"
 STATE_TRAINER_FILE = "trainer_state.pt"

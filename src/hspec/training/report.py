@@ -3,21 +3,18 @@ runs and of saved drafters' validation."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from hspec.provenance import provenance, provenance_markdown, write_results
+from hspec.training.history import HISTORY_FILE, read_records
 
 
 def read_history(run_dir: Path) -> dict[str, Any]:
     """Config, step logs and validations of a run directory's history.jsonl."""
     config: dict[str, Any] = {}
     steps, validations = [], []
-    for line in (run_dir / "history.jsonl").read_text().split("\n"):
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for record in read_records(run_dir / HISTORY_FILE):
         event = record.pop("event")
         if event == "config":
             config, steps, validations = record, [], []  # a restarted-from-scratch run starts over

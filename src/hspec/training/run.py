@@ -2,7 +2,8 @@
 
 Layout of a run directory:
     run_dir/state/          latest training state (weights + optimizer + step), written atomically
-    run_dir/history.jsonl   one line per logged step / validation
+    run_dir/history.jsonl   one line per logged step / validation (`training.history`: fsynced appends,
+                            atomic rewrites, a torn last line dropped)
     run_dir/drafter/        the final drafter in the Speculators format (config.json + model.safetensors)
 Rerunning the same command resumes from `state/` and continues exactly where it stopped. A rerun with
 other settings (another --steps, --lr, ...) is refused with the list of what changed, unless `override`
@@ -25,13 +26,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from hspec.drafters import create_drafter, drafter_config
-from hspec.drafters.checkpoint import load_drafter, read_checkpoint, remove_stale_temporaries, save_drafter
+from hspec.drafters.checkpoint import load_drafter, read_checkpoint, save_drafter
 from hspec.drafters.common import NeuralDrafter, kv_layer_of, select_target_layers
 from hspec.drafters.dels import DeLSDrafter
+from hspec.durable import remove_stale_temporaries
 from hspec.models.loading import Target, load_target, resolve_device
 from hspec.training.checkpoint import load_training_state, save_training_state, training_states
 from hspec.training.datagen import read_corpus
 from hspec.training.features import OnlineFeatures
+from hspec.training.history import append_record, read_records, trim_records, write_records
 from hspec.training.precision import resolve_precision
 from hspec.training.stop import StopRequest
 from hspec.training.store import FeatureStore, FeatureStores
@@ -146,16 +149,16 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         start, _ = load_training_state(run_dir / "state", drafter, trainer.optimizer)
         print(f"[train] resuming {kind} at step {start}/{config.steps}", flush=True)
     if rank == 0 and start > 0 and history.exists():
-        _trim_history(history, start)
+        trim_records(history, start)
     if rank == 0 and start > 0 and changes:
-        _append(history, {"event": "override", "step": start, "changed": changes})
+        append_record(history, {"event": "override", "step": start, "changed": changes})
         print(f"[train] --override: continuing with {_describe(changes)} (recorded in {history})", flush=True)
     if rank == 0:
         print(f"[train] precision {config.precision} on {where}", flush=True)
     if rank == 0 and start == 0:
         coverage = {"train": _vocab_coverage(store, train_ids, drafter.head.draft_vocab_ids),
                     "val": _vocab_coverage(store, val_ids, drafter.head.draft_vocab_ids)}
-        history.write_text(json.dumps({"event": "config", "kind": kind, "target": target.name,
+        write_records(history, [{"event": "config", "kind": kind, "target": target.name,
                                        "train_sequences": len(train_ids), "val_sequences": len(val_ids),
                                        "train_tokens": sum(store.lengths[i] for i in train_ids),
                                        "trainable_params": drafter.num_trainable_params(),
@@ -163,8 +166,7 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                                        "draft_vocab_coverage": coverage,
                                        "init_from": None if init_from is None else str(init_from),
                                        "features": features, "device": str(where),
-                                       "world_size": world, **asdict(config), "settings": settings},
-                                      default=str) + "\n")
+                                       "world_size": world, **asdict(config), "settings": settings}])
     bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
     last_save = time.monotonic()
     with StopRequest() as stop:
@@ -174,11 +176,11 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
             bar.set_postfix(loss=f"{log.loss:.3f}", lr=f"{log.lr:.1e}")
             last = step + 1 == config.steps
             if rank == 0 and (step % log_every == 0 or last):
-                _append(history, {"event": "step", **asdict(log)})
+                append_record(history, {"event": "step", **asdict(log)})
             if rank == 0 and val_ids and ((step + 1) % val_every == 0 or last):
                 stats = trainer.validate(val_ids)
                 in_order = trainer.validate_in_decode_order(val_ids)
-                _append(history, {"event": "validation", "step": step + 1, **stats.to_dict(),
+                append_record(history, {"event": "validation", "step": step + 1, **stats.to_dict(),
                                   "decode_order": in_order.to_dict()})
                 bar.write(f"[train] step {step + 1}: validation tau {stats.mean_accepted_length:.2f} "
                           f"(in decode order {in_order.mean_accepted_length:.2f}), "
@@ -240,10 +242,7 @@ def recorded_settings(history: Path) -> dict[str, Any] | None:
         return None
     as_given = {*asdict(TrainConfig()), "kind", "features", "init_from", "world_size"}
     recorded: dict[str, Any] | None = None
-    for line in history.read_text().split("\n"):
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for record in read_records(history):
         if record.get("event") == "config":
             recorded = record.get("settings") or {k: record[k] for k in as_given if k in record}
         elif record.get("event") == "override" and recorded is not None:
@@ -358,19 +357,3 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return done and (run_dir / "drafter" / "config.json").exists()
 
 
-def _trim_history(path: Path, step: int) -> None:
-    """Drop log records of steps after `step`: a resumed run redoes them (or they were discarded)."""
-    kept = []
-    for line in path.read_text().split("\n"):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        logged_step = record["step"] + 1 if record.get("event") == "step" else record.get("step", 0)
-        if logged_step <= step:
-            kept.append(line)
-    path.write_text("\n".join(kept) + "\n")
-
-
-def _append(path: Path, record: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record, default=str) + "\n")

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from hspec.drafters.checkpoint import CONFIG_FILE, DRAFTER_CONFIG_KEY, WEIGHTS_FILE, atomic_directory, read_checkpoint
+from hspec.drafters.checkpoint import CONFIG_FILE, DRAFTER_CONFIG_KEY, WEIGHTS_FILE, read_checkpoint
+from hspec.durable import atomic_directory, check_replaceable
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 EXPORTABLE_KINDS = ("dflash", "peagle")
@@ -136,9 +137,19 @@ def _mask_id(mask_token_id: int | None, target_dir: Path, target: dict[str, Any]
 
 
 def is_vllm_export(path: str | Path) -> bool:
-    """True for a directory this module wrote (vLLM layout), False for an hspec checkpoint."""
-    config = json.loads((Path(path) / CONFIG_FILE).read_text())
-    return "hspec_source" in config and DRAFTER_CONFIG_KEY not in config
+    """True for a directory this module wrote (vLLM layout); False for an hspec checkpoint, or anything else
+    (no readable config.json)."""
+    try:
+        config = json.loads((Path(path) / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and "hspec_source" in config and DRAFTER_CONFIG_KEY not in config
+
+
+def _check_destination(dst: Path) -> None:
+    """Refuse (FileExistsError) a `dst` that exists and is neither empty nor an earlier export: the export
+    replaces it whole."""
+    check_replaceable(dst, is_vllm_export, "an earlier vLLM export of an hspec drafter")
 
 
 def export_dflash_for_vllm(src: str | Path, dst: str | Path, target_dir: str | Path,
@@ -149,9 +160,11 @@ def export_dflash_for_vllm(src: str | Path, dst: str | Path, target_dir: str | P
     target_dir: the target's HF folder (the one vLLM serves; its LM head rows become the drafter's
     `lm_head.weight`). num_speculative_tokens: drafts per step vLLM proposes (default: the block
     size K - 1, since vLLM adds the anchor slot in front of K - 1 MASK slots). mask_token_id:
-    default `pick_mask_token_id`. Returns `dst`.
+    default `pick_mask_token_id`. An existing `dst` is replaced only if it is empty or an earlier export
+    (`is_vllm_export`); anything else raises FileExistsError. Returns `dst`.
     """
     src, dst, target_dir = Path(src), Path(dst), Path(target_dir)
+    _check_destination(dst)
     info = read_checkpoint(src)
     if info.kind != "dflash":
         raise ValueError(f"{src} holds a {info.kind!r} drafter; export_dflash_for_vllm takes 'dflash' "
@@ -197,9 +210,11 @@ def export_peagle_for_vllm(src: str | Path, dst: str | Path, target_dir: str | P
     """Write hspec's P-Eagle checkpoint `src` as vLLM's parallel EAGLE-3 drafter at `dst` (module docstring).
 
     num_speculative_tokens: K, default the trained draft length (vLLM's parallel EAGLE drafts K tokens
-    from the last verified entry plus K - 1 MASK entries, hspec's block). Returns `dst`.
+    from the last verified entry plus K - 1 MASK entries, hspec's block). `dst` as in `export_dflash_for_vllm`.
+    Returns `dst`.
     """
     src, dst, target_dir = Path(src), Path(dst), Path(target_dir)
+    _check_destination(dst)
     info = read_checkpoint(src)
     if info.kind != "peagle":
         raise ValueError(f"{src} holds a {info.kind!r} drafter; export_peagle_for_vllm takes 'peagle'")
