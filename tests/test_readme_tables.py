@@ -65,3 +65,35 @@ def test_every_ci_the_comparison_quotes_from_the_claims_is_in_claims_md():
     assert quoted, "the comparison's claim-by-claim list quotes no CI"
     missing = [ci for ci in quoted if ci not in claims]
     assert not missing, f"results/comparison_long/README.md quotes CIs that claims.md does not give: {missing}"
+
+
+HEADLINE = re.compile(r"<!-- headline: .*? -->\n(.*?)<!-- end of headline -->", re.S)
+NUMBER = re.compile(r"(?<![\w.:])\d[\d,]*(?:\.\d+)?")  # not the digits of a name: bf16, w4a8, AVX512, hspec:0.4
+
+
+def numbers(text: str) -> set[str]:
+    """The numbers written in `text`, thousands separators dropped: '2,560 rows, 1.70x' -> {'2560', '1.70'}."""
+    return {n.replace(",", "").rstrip(".") for n in NUMBER.findall(text)}
+
+
+def test_numbers_finds_figures_and_leaves_names():
+    assert numbers("tau 2.10, 1.70x; 3,840 B/token; 40-53 tokens") == {"2.10", "1.70", "3840", "40", "53"}
+    assert numbers("bf16 w4a8 AVX512-VNNI hspec+ngram:0.4 SmolLM2") == set()
+
+
+def test_every_number_of_the_readme_headline_stands_in_the_files_its_row_names():
+    """The README's headline table (at most 8 rows, on its first screen) types its numbers by hand; each one must
+    be written in one of the results files its row names, so no figure comes from nowhere or outlives a rerun."""
+    readme = (ROOT / "README.md").read_text()
+    block = HEADLINE.search(readme)
+    assert block, "the README has no headline table between its markers"
+    assert readme[:block.end()].count("\n") < 80, "the headline table must end within the README's first 80 lines"
+    rows = [line for line in block[1].splitlines() if line.startswith("|")][2:]  # header and rule dropped
+    assert 1 <= len(rows) <= 8, f"the headline table has {len(rows)} rows; at most 8"
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        files = re.findall(r"`(results/[^`]+)`", cells[-1])
+        assert files and all((ROOT / f).is_file() for f in files), f"a headline row names no results file: {row}"
+        written = set().union(*(numbers((ROOT / f).read_text()) for f in files))
+        missing = numbers(" ".join(cells[:-1])) - written
+        assert not missing, f"{cells[0]!r}: {sorted(missing)} not written in {files}"
