@@ -39,7 +39,8 @@ from hspec.sampling import SamplingBatch, draw_uniforms, greedy_tokens, sample_w
 @dataclass
 class SequenceOutput:
     """One sequence's result. `num_accepted` and `num_drafted` have one entry per speculative step:
-    drafts accepted (0..num_drafted) and drafts verified (1..K; K unless the drafter stopped early)."""
+    drafts accepted (0..num_drafted) and drafts verified (0..K; K unless the drafter stopped early, 0 for a
+    plain decode step the cost-aware length chose)."""
 
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -53,7 +54,7 @@ class StepResult:
     """What one batched draft -> verify -> commit step produced, one entry per row."""
 
     num_accepted: list[int]  # drafts accepted per row, 0..num_drafted
-    num_drafted: list[int]  # drafts verified per row, 1..K (K for drafters that never stop early)
+    num_drafted: list[int]  # drafts verified per row, 0..K (K for drafters that never stop early)
     new_tokens: list[list[int]]  # accepted drafts + the recovered/bonus token, per row
     draft_s: float  # seconds in the drafter (whole batch)
     verify_s: float  # seconds in the target forward + verification + commit (whole batch)
@@ -133,15 +134,15 @@ class DecodeStages:
         t0 = time.perf_counter()
         anchors = torch.tensor([h[-1] for h in histories], dtype=torch.long, device=self.device)  # (B,)
         # 1. draft: d_1..d_K and the distributions they were drawn from; each row may ask to verify
-        #    only its first n drafts, so the block shrinks to the longest row's L <= K.
+        #    only its first n drafts (0: a plain decode), so the block shrinks to the longest row's L <= K.
         proposal = self.drafter.propose(
             DraftBatch(list(seq_ids), anchors, histories, pool, sampling, list(generators)), self.K)
         num_drafts = proposal.num_drafts
         drafted = [self.K] * len(seq_ids) if num_drafts is None else num_drafts.tolist()
-        if num_drafts is not None and not all(1 <= n <= self.K for n in drafted):
+        if num_drafts is not None and not all(0 <= n <= self.K for n in drafted):
             raise ValueError(f"drafter {self.drafter.kind!r} asked to verify {drafted} drafts per row; "
-                             f"each must be in 1..K = 1..{self.K}")
-        L = max(drafted, default=self.K)
+                             f"each must be in 0..K = 0..{self.K}")
+        L = max(drafted, default=self.K)  # 0: every row decodes plainly this step
         drafts_t, draft_probs = proposal.draft_tokens[:, :L], proposal.draft_probs[:, :L]  # (B, L), (B, L, V)
         t1 = time.perf_counter()
         # 2. verify: the target scores [x0, d_1..d_L] at positions p..p+L in one forward.
@@ -262,17 +263,32 @@ class DecodeStages:
             raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
 
+STOP_CONTEXT_TOKENS = 8  # tokens decoded before a stop string's own: a token's text may depend on the one before
+
+
+def stop_window(stop: Sequence[str]) -> int:
+    """How many trailing tokens are decoded to look for `stop`: a stop string of L characters spans at
+    most 4L tokens (every token adds at least one byte, a character has at most 4), plus
+    STOP_CONTEXT_TOKENS before it (a SentencePiece word's leading space shows only after a token)."""
+    return 4 * max(len(s) for s in stop) + STOP_CONTEXT_TOKENS
+
+
 def stop_prefix_length(token_ids: list[int], checked: int, stop: Sequence[str],
                        decode_text: Callable[[list[int]], str]) -> int | None:
-    """Smallest n > checked such that decode(token_ids[:n]) contains a stop string, or None.
+    """Smallest n > checked such that the text of the last `stop_window(stop)` tokens of token_ids[:n]
+    contains a stop string, or None.
 
-    The first `checked` tokens were already searched, so a new match must end after them. Searching
-    token by token makes the cut independent of how many tokens a step emitted, so plain and
-    speculative decoding stop at the same token.
+    The first `checked` tokens were already searched, so a new match must end after them. The window
+    ends at n and depends on nothing else, so the cut is independent of how many tokens a step emitted
+    (plain and speculative decoding stop at the same token), and a step decodes O(window + new tokens)
+    tokens however long the output grew.
     """
-    if not any(s in decode_text(token_ids) for s in stop):
+    window = stop_window(stop)
+    # 1. One decode covering every window that ends in the new tokens: no stop string there, no match.
+    if not any(s in decode_text(token_ids[max(0, checked + 1 - window):]) for s in stop):
         return None
+    # 2. The first n whose own window holds one.
     for n in range(checked + 1, len(token_ids) + 1):
-        if any(s in decode_text(token_ids[:n]) for s in stop):
+        if any(s in decode_text(token_ids[max(0, n - window):n]) for s in stop):
             return n
     return None
