@@ -541,8 +541,8 @@ def _add_eval_table(sub) -> None:
                                        "the training histories its shards kept (shards/*/runs/*/history.jsonl), and "
                                        "writes eval_table.json and eval_table.md: per drafter kind its shard, its "
                                        "training time, its last validation tau and, per evaluation, its tau and "
-                                       "speedup over plain decoding as that evaluation states them. The README quotes "
-                                       "this table.")
+                                       "speedup over plain decoding as that evaluation states them. The folder's "
+                                       "README.md quotes this table.")
     table.add_argument("folder", help="results folder, e.g. results/comparison_long")
     table.add_argument("--out", default=None, help="output directory (default: the folder itself)")
     table.set_defaults(handler=_cmd_eval_table)

@@ -12,8 +12,8 @@ drafter its shards trained. The table gives each drafter kind:
 - for each evaluation present, its MAL tau and its speedup over the plain decoding it ran beside (one cell
   per K in a draft-length sweep), as the evaluation's own summary states them.
 
-Nothing is recomputed: each number is copied from the file that measured it, so the README's copy of the
-table (tests/test_readme_tables.py) cannot drift from the results.
+Nothing is recomputed: each number is copied from the file that measured it, so the copy of the table in
+results/comparison_long/README.md (tests/test_readme_tables.py) cannot drift from the results.
 """
 
 from __future__ import annotations
