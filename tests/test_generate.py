@@ -14,9 +14,11 @@ import torch
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
+from hspec.drafters.cost_aware import CostAwareDrafter
 from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
+from hspec.drafters.step_cost import StepCost
 from hspec.sampling import SamplingParams
 
 PROMPTS = ["hello world, hello world", "abcabcabcabc", "the quick brown fox"]
@@ -46,6 +48,13 @@ def _decoder(target, drafter, K):
 
 def _make(kind, target):
     spec = parse_drafter_spec(kind)  # the grammar `hspec.runtime.build_drafter` reads
+    if spec.adaptive_length:  # rows verify 0..K drafts and back off drafting, by the costs below
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = CostAwareDrafter(_make(spec.base, target), target.config.vocab_size, ADAPTIVE_COST)
+        if spec.lookup:
+            return LookupFirstDrafter(model, target.config.vocab_size, min_match=2, trim_lookup=True)
+        return model
     if spec.confidence_floor is not None:  # rows verify a varying number of drafts
         with torch.random.fork_rng():  # the same weights in any test order, so the floor keeps mixing
             torch.manual_seed(0)
@@ -66,7 +75,11 @@ LOOKUP_FIRST = {"hspec+ngram": 2, "peagle+ngram": 1}
 # Floors near the median confidence of these random-weight drafters, so stopping points vary. DFlash
 # writes its own context K/V for every verified position, so a shorter block exercises its commit.
 EARLY_STOP = ("hspec:0.1", "hspec+ngram:0.1", "dflash:0.07", "random-test:0.05")
-ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test", *LOOKUP_FIRST, *EARLY_STOP]
+# Costs at which these random-weight drafters' confidences (~0.05-0.15) make some steps verify 0 drafts and
+# back off, and others verify several: a drafted token costs 0.05 decodes, drafting 0.02.
+ADAPTIVE_COST = StepCost(draft=0.02, per_token=0.05, per_token_key=0.0)
+ADAPTIVE = ("hspec:auto", "hspec+ngram:auto", "dflash:auto")
+ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test", *LOOKUP_FIRST, *EARLY_STOP, *ADAPTIVE]
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +226,7 @@ def test_batched_equals_one_by_one_when_sampling(tiny_target, kind):
 ABLATIONS = ("hspec-kvreuse-only", "hspec-lasttoken-only", "hspec-nomarkov", "mamba-only", "attention-only",
              "dflash-kvreuse")
 SAMPLED_IN_SLOW = (*ABLATIONS, "peagle+ngram", "hspec+ngram:0.1", "dflash:0.07", "random-test:0.05", "dels", "dfly",
-                   "dspark", "dflash2")
+                   "dspark", "dflash2", "hspec+ngram:auto", "dflash:auto")
 
 
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SAMPLED_IN_SLOW else k

@@ -24,7 +24,8 @@ from hspec.drafters.base import DraftBatch
 from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.drafters.sequential import inference_context
 from hspec.drafters.specblock import SpecBlockConfig, SpecBlockDrafter, specblock_trainable_params, tree_branching
-from hspec.drafters.specblock.tree_shape import TreeCost, cost_aware_budgets, expected_emitted, tree_nodes
+from hspec.drafters.specblock.tree_shape import cost_aware_budgets, tree_expected_emitted, tree_nodes
+from hspec.drafters.step_cost import StepCost
 from hspec.models.kv_accounting import known_target
 from hspec.models.llama import TargetModel
 from hspec.sampling import SamplingBatch, SamplingParams
@@ -110,17 +111,17 @@ def test_the_cost_aware_budget_maximises_expected_tokens_per_cost():
                            [0.1, 0.1, 0.1, 0.7]]])  # wanted b = 1, 2, 3, 3 (test above)
     cover = probs.cumsum(-1)[0, :, :3]
     assert tree_nodes([1, 2, 2, 0]) == 7 and tree_nodes([1, 0, 2]) == 1
-    assert expected_emitted([1, 2, 0, 0], cover) == pytest.approx(1 + 0.9 + 0.9 * 0.85)
-    free = TreeCost(0.0, 0.0, 0.0)  # free nodes: the whole wanted tree (1 + 2 + 6 + 18 = 27 nodes)
+    assert tree_expected_emitted([1, 2, 0, 0], cover) == pytest.approx(1 + 0.9 + 0.9 * 0.85)
+    free = StepCost(0.0, 0.0, 0.0)  # free nodes: the whole wanted tree (1 + 2 + 6 + 18 = 27 nodes)
     assert cost_aware_budgets(probs, 0.8, 100, [0], free) == [27]
     assert cost_aware_budgets(probs, 0.8, 8, [0], free) == [7]  # the budget-8 tree has 7 nodes: ties go down
-    dear = TreeCost(0.25, 1.0, 0.0)  # a node costs a decode: one node, 1.9 tokens for 2.25
+    dear = StepCost(0.25, 1.0, 0.0)  # a node costs a decode: one node, 1.9 tokens for 2.25
     assert cost_aware_budgets(probs, 0.8, 16, [0], dear) == [1]
     # By hand at 0.05 a node (+0.001 a key): budgets 1, 2, 3, 5, 7, 9 give trees of as many nodes (b = 1;
     # 1, 1; 1, 2; 1, 2, 1; 1, 2, 2; 1, 2, 3) and E = 1.9, 2.35, 2.665, 2.89, 3.12, 3.35. At S = 0 the ratio
     # grows with the tree (1.46, 1.74, 1.90, 1.93, 1.95, 1.97: 9 wins); at S = 200 a node costs 0.25 and the
     # ratios are 1.27, 1.34, 1.33, 1.16, 1.04, 0.96: the 2-node chain wins.
-    priced = TreeCost(0.25, 0.05, 0.001)
+    priced = StepCost(0.25, 0.05, 0.001)
     assert cost_aware_budgets(probs.expand(2, -1, -1), 0.8, 9, [0, 200], priced) == [9, 2]
     with pytest.raises(ValueError, match="keys has 1 entries for 2 rows"):
         cost_aware_budgets(probs.expand(2, -1, -1), 0.8, 9, [0], priced)

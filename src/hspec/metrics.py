@@ -11,7 +11,8 @@ when all K pass; docs/design.md#the-decoding-step). Everything reported about ac
 
 A drafter may verify fewer than K drafts in a step (`Proposal.num_drafts`). A step that verified
 n < K drafts and accepted all n never tried position n+1, so those steps are counted apart
-(`stopped_histogram`) and left out of position n+1's denominator.
+(`stopped_histogram`) and left out of position n+1's denominator; a step that verified none was a
+plain decode and is not a speculative step at all.
 
 Because histograms add, statistics of many sequences or runs merge exactly (`merge_stats`), with
 no loss from averaging averages. The module also holds `summarize_times`, the min/median/max
@@ -133,8 +134,9 @@ def acceptance_stats(num_accepted: Sequence[int] | np.ndarray | torch.Tensor, K:
             (e.g. (S,) for one sequence or (B, S) for a batch); every entry counts as one step.
             A tensor may live on any device; it is copied to the CPU once.
         K: draft block length of every logged step.
-        num_drafted: drafts verified in each step (1..K, same shape as num_accepted); None or empty
-            when every step verified K.
+        num_drafted: drafts verified in each step (0..K, same shape as num_accepted); None or empty
+            when every step verified K. A step that verified none (the cost-aware length's plain decode
+            step) says nothing about acceptance and is left out.
 
     Returns:
         The histogram of the counts, with τ and per-position conditional acceptance derived from it.
@@ -155,15 +157,16 @@ def acceptance_stats(num_accepted: Sequence[int] | np.ndarray | torch.Tensor, K:
             f"num_accepted must lie in 0..K = 0..{K}; got {values[i].item()} at step {i} "
             f"({bad.size} out-of-range step(s) in total)"
         )
-    histogram = np.bincount(values, minlength=K + 1)
     stopped: tuple[int, ...] = ()
     if num_drafted is not None and len(num_drafted):
         drafted = np.asarray(num_drafted).reshape(-1)
-        if drafted.shape != values.shape or np.any((drafted < 1) | (drafted > K) | (values > drafted)):
-            raise ValueError(f"num_drafted must give, for each of the {values.size} steps, a count in 1..K = 1..{K} "
+        if drafted.shape != values.shape or np.any((drafted < 0) | (drafted > K) | (values > drafted)):
+            raise ValueError(f"num_drafted must give, for each of the {values.size} steps, a count in 0..K = 0..{K} "
                              f"no smaller than its num_accepted; got {drafted.tolist()[:10]}")
+        values, drafted = values[drafted > 0], drafted[drafted > 0]  # 0 drafted: a plain decode step
         short = values[(values == drafted) & (drafted < K)]
         stopped = tuple(np.bincount(short, minlength=K + 1).tolist())
+    histogram = np.bincount(values, minlength=K + 1)
     return AcceptanceStats(K=K, accepted_count_histogram=tuple(histogram.tolist()), stopped_histogram=stopped)
 
 

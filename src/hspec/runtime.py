@@ -5,6 +5,8 @@ target under `hspec/assets/<kind>-<target>/`. Model-free kinds (`none`, `ngram`)
 `KIND+ngram` (e.g. `hspec+ngram`) is KIND behind prompt lookup (`hspec.drafters.lookup_first`).
 `SPEC:P` (e.g. `hspec:0.4`, `hspec+ngram:0.4`) verifies only the drafts KIND is at least P sure of,
 and behind lookup only 2m+1 drafts after an m-token match (`hspec.drafters.early_stop`).
+`SPEC:auto` (e.g. `hspec:auto`, `hspec+ngram:auto`) verifies, per row and step, the number of drafts that
+pays most on this machine, 0 included (`hspec.drafters.cost_aware`), from costs measured once and cached.
 `compiled=True` runs a trained drafter's block forward through torch.compile (`hspec.drafters.compile`);
 `precision` stores its linear weights as int8 or floating (`hspec.models.dtype.drafter_int8`).
 """
@@ -17,21 +19,25 @@ from typing import Any
 
 import torch
 
+from hspec.decoding.step_cost import cached_step_cost, measure_step_cost
 from hspec.drafters import DRAFTERS, Drafter, create_drafter
 from hspec.drafters.base import drafter_config, parse_config_options
 from hspec.drafters.checkpoint import load_drafter
 from hspec.drafters.common import NeuralDrafter
 from hspec.drafters.compile import compile_drafter
+from hspec.drafters.cost_aware import CostAwareDrafter
 from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
+from hspec.drafters.step_cost import StepCost
 from hspec.models.dtype import cpu_has_native_bf16, drafter_int8
-from hspec.models.loading import Target
+from hspec.models.loading import Target, cache_root
 from hspec.models.native import integer_capability, kernels_loaded
 from hspec.models.quantize import quantize_int8, quantize_w8a8
 from hspec.models.weight_layout import store_linear_weights_in_fast_layout
 
 ASSETS = Path(__file__).resolve().parent / "assets"
+COST_PROBE_K = 7  # the draft length `:auto` measures a drafter's costs at unless told (the shipped drafters' K)
 
 
 def shipped_drafter_path(kind: str, target_name: str) -> Path:
@@ -40,7 +46,8 @@ def shipped_drafter_path(kind: str, target_name: str) -> Path:
 
 
 def build_drafter(kind: str, target: Target, path: str | Path | None = None, random_weights: bool = False,
-                  compiled: bool = False, precision: str = "auto", options: Mapping[str, Any] | None = None) -> Drafter:
+                  compiled: bool = False, precision: str = "auto", options: Mapping[str, Any] | None = None,
+                  K: int = COST_PROBE_K, step_cost: StepCost | None = None) -> Drafter:
     """A drafter of `kind` for `target`: loaded from `path` (or the shipped one), or random for tests/timing.
 
     `KIND+ngram` builds KIND this way and puts prompt lookup in front of it; a `:P` suffix stops
@@ -48,14 +55,20 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     `compiled`: a trained kind's block forward runs through torch.compile; `precision` (auto, floating,
     int8) stores its linear weights (`for_inference`). Model-free kinds ignore both. `options`: decoding
     options set on the trained kind's config (`decoding_options_of`; none for a model-free kind).
+    `K`, `step_cost`: for `:auto`, the draft length the costs are measured at and the costs themselves
+    (None: this machine's, measured once and cached, `step_cost_of`).
     """
     spec = parse_drafter_spec(kind)
-    if spec.lookup or spec.confidence_floor is not None:
+    if spec.wrapped:
         model = build_drafter(spec.base, target, path, random_weights, compiled, precision, options)
         if spec.confidence_floor is not None:
             model = EarlyStopDrafter(model, spec.confidence_floor)
-        if spec.lookup:  # behind lookup, `:P` also trims lookup rows to 2m+1 drafts
-            model = LookupFirstDrafter(model, target.config.vocab_size, trim_lookup=spec.confidence_floor is not None)
+        if spec.adaptive_length:
+            cost = step_cost or step_cost_of(model, target, K, path, precision, compiled)
+            model = CostAwareDrafter(model, target.config.vocab_size, cost)
+        if spec.lookup:  # behind lookup, `:P` and `:auto` also trim lookup rows to 2m+1 drafts
+            model = LookupFirstDrafter(model, target.config.vocab_size,
+                                       trim_lookup=spec.confidence_floor is not None or spec.adaptive_length)
         return model
     cls = DRAFTERS.get(kind)
     if not cls.needs_target_model:
@@ -79,6 +92,14 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     if drafter.kind != kind:
         raise ValueError(f"checkpoint {checkpoint} holds a {drafter.kind!r} drafter, not {kind!r}")
     return for_inference(drafter, target, compiled, precision)
+
+
+def step_cost_of(drafter: Drafter, target: Target, K: int = COST_PROBE_K, path: str | Path | None = None,
+                 precision: str = "auto", compiled: bool = False) -> StepCost:
+    """This machine's StepCost for `drafter` on `target`, measured once (about ten seconds) and cached under
+    `cache_root()/step_costs/` (`decoding.step_cost`)."""
+    what = (target.name, target.model.dtype_name, drafter.kind, str(path or "shipped"), precision, compiled, K)
+    return cached_step_cost(cache_root() / "step_costs", what, lambda: measure_step_cost(target.model, drafter, K))
 
 
 def decoding_options_of(kinds: Sequence[str], options: Sequence[str]) -> dict[str, dict[str, Any]]:

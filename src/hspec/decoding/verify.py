@@ -41,7 +41,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     the (B, K+1, V) one-hots, gathers and residuals (under a millisecond a step on this CPU at V = 49,152,
     docs/fast-path.md).
 
-    target_logits: (B, K+1, V); draft_tokens: (B, K) long; num_drafts: (B,) long in 1..K or None (all K).
+    target_logits: (B, K+1, V); draft_tokens: (B, K) long; num_drafts: (B,) long in 0..K or None (all K).
     """
     b, k1, _ = target_logits.shape
     k = k1 - 1
@@ -82,7 +82,7 @@ def verify(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: 
     draft_tokens: (B, K) long.
     uniform_accept: (B, K) in [0, 1), one per acceptance test.
     uniform_sample: (B,) in [0, 1), for the recovered or bonus token.
-    num_drafts: (B,) long in 1..K, drafts to verify per row; None verifies all K.
+    num_drafts: (B,) long in 0..K, drafts to verify per row (0: the target's own token only); None verifies all K.
     """
     b, k1, v = target_probs.shape
     k = k1 - 1

@@ -51,17 +51,29 @@ class DraftBatch:
     sampling: SamplingBatch
     generators: Sequence[torch.Generator]
 
+    def select(self, rows: Sequence[int]) -> DraftBatch:
+        """The sub-batch of `rows` (indices into this batch), in that order."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.anchor_tokens.device)
+        return DraftBatch(seq_ids=[self.seq_ids[r] for r in rows], anchor_tokens=self.anchor_tokens[index],
+                          tokens=[self.tokens[r] for r in rows], pool=self.pool, sampling=self.sampling.select(rows),
+                          generators=[self.generators[r] for r in rows])
+
 
 @dataclass(frozen=True)
 class Proposal:
     """draft_tokens: (B, K) long. draft_probs: (B, K, V) the distributions they were drawn from.
 
-    num_drafts: (B,) long in 1..K, how many leading drafts of each row to verify (a drafter that is
-    unsure after d_n saves the target the cost of scoring the rest); None verifies all K. Whatever
-    rule picks n, it must depend only on the row's own history and drafts, never on the target's
-    verdict, so verification stays exact.
-    confidence: (B, K) the drafter's own probability of each draft before the sampling transform
-    (trained kinds); what `EarlyStopDrafter` reads. None for drafters without a distribution.
+    num_drafts: (B,) long in 0..K, how many leading drafts of each row to verify (a drafter that is
+    unsure after d_n saves the target the cost of scoring the rest; 0 makes the row's step a plain
+    decode); None verifies all K. Whatever rule picks n, whether it verifies d_k may depend only on the
+    row's own history and d_1..d_{k-1} (and confidences, which depend on no more), never on d_k or later
+    drafts nor on the target's verdict, so verification stays exact at any temperature.
+    confidence: (B, K) how sure the drafter is at each position before the sampling transform: the
+    largest probability of its distribution there (for a greedy row, its draft's probability); what
+    `KIND:P` and `KIND:auto` read. It must be a function of the row's history and of d_1..d_{k-1} only,
+    never of d_k itself: the choice to verify d_k may then depend on c_1..c_k without biasing sampled
+    output (a rule that verified d_k only when d_k itself was likely would favour likely tokens).
+    None for drafters without a distribution.
     """
 
     draft_tokens: torch.Tensor

@@ -340,8 +340,9 @@ class NeuralDrafter(Drafter, nn.Module):
 
         logits (B, K, Vp) backbone logits; anchor_tokens (B,). The target's sampling transform is
         applied to each l_k; greedy rows take the argmax. Returns the drafts as draft-vocabulary
-        indices (B, K), their distributions (B, K, Vp) fp32, and the confidence (B, K): softmax(l_k) at
-        d_k, the drafter's own probability of each draft before the sampling transform.
+        indices (B, K), their distributions (B, K, Vp) fp32, and the confidence (B, K): the largest
+        probability of softmax(l_k), which for a greedy row is its draft's (`Proposal.confidence`: it must
+        not depend on d_k itself, only on the drafts before it).
         """
         if sampling.all_greedy:
             local, confidence = self.greedy_block(logits, anchor_tokens)
@@ -358,7 +359,7 @@ class NeuralDrafter(Drafter, nn.Module):
             d_k = sample_with_uniform(p_k, uniforms[:, k])
             tokens.append(d_k)
             probs.append(p_k)
-            confidence.append(torch.softmax(l_k.float(), -1).gather(-1, d_k[:, None])[:, 0])
+            confidence.append(torch.softmax(l_k.float(), -1).amax(-1))
             prev = self.head.to_target_ids(d_k)
         return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidence, 1)
 

@@ -80,7 +80,7 @@ class LookupFirstDrafter(WrappingDrafter):
         if not model_rows:  # every row looked up; `lookup` holds them in row order
             tokens, probs = lookup_tokens, one_hot_probs(lookup_tokens, self.vocab_size)
         else:
-            drafted = self.model.propose(_select_rows(batch, model_rows), K)
+            drafted = self.model.propose(batch.select(model_rows), K)
             tokens = torch.empty((B, K), dtype=torch.long, device=device)  # (B, K)
             probs = torch.empty((B, K, self.vocab_size), dtype=drafted.draft_probs.dtype, device=device)  # (B, K, V)
             index = torch.tensor(model_rows, dtype=torch.long, device=device)
@@ -99,10 +99,3 @@ class LookupFirstDrafter(WrappingDrafter):
         total = self.lookup_rows + self.model_rows
         return self.lookup_rows / total if total else 0.0
 
-
-def _select_rows(batch: DraftBatch, rows: list[int]) -> DraftBatch:
-    """The sub-batch of `rows` (indices into batch), in that order."""
-    index = torch.tensor(rows, dtype=torch.long, device=batch.anchor_tokens.device)
-    return DraftBatch(seq_ids=[batch.seq_ids[r] for r in rows], anchor_tokens=batch.anchor_tokens[index],
-                      tokens=[batch.tokens[r] for r in rows], pool=batch.pool, sampling=batch.sampling.select(rows),
-                      generators=[batch.generators[r] for r in rows])

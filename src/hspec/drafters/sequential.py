@@ -52,8 +52,8 @@ def sample_slots(slot_logits: Callable[[int, torch.Tensor], torch.Tensor], K: in
 
     slot_logits returns (B, Vp) logits over the draft vocabulary (-inf where a slot cannot draft);
     to_target_ids maps draft-vocabulary indices to target ids. Returns the drafts as draft-vocabulary
-    indices (B, K), their distributions (B, K, Vp) fp32, and the confidence (B, K): softmax(l_k) at
-    d_k, the drafter's own probability of each draft before the sampling transform.
+    indices (B, K), their distributions (B, K, Vp) fp32, and the confidence (B, K): the largest
+    probability of softmax(l_k) (`Proposal.confidence`: a function of the drafts before d_k, never of d_k).
     """
     all_greedy = sampling.all_greedy
     uniforms = None if all_greedy else draw_uniforms(generators, K, anchor_tokens.device)  # (B, K)
@@ -69,6 +69,6 @@ def sample_slots(slot_logits: Callable[[int, torch.Tensor], torch.Tensor], K: in
             d_k = sample_with_uniform(p_k, uniforms[:, k])
         tokens.append(d_k)
         probs.append(p_k)
-        confidence.append(torch.softmax(l_k, -1).gather(-1, d_k[:, None])[:, 0])
+        confidence.append(torch.softmax(l_k, -1).amax(-1))
         prev = to_target_ids(d_k)
     return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(confidence, 1)

@@ -1,10 +1,13 @@
-"""The drafter names the command line takes: `KIND`, `KIND+ngram`, `KIND:P` and `KIND+ngram:P`.
+"""The drafter names the command line takes: `KIND`, `KIND+ngram`, `KIND:P`, `KIND:auto` and their mixes.
 
 - `KIND`: a registered drafter kind (`hspec`, `dspark`, `ngram`, `none`, ...);
 - `KIND+ngram`: prompt lookup in front of trained KIND (`hspec.drafters.lookup_first`);
 - `KIND:P`: KIND's drafts verified only while its confidence is at least P, 0 < P < 1
   (`hspec.drafters.early_stop`); `KIND+ngram:P` does both, and a lookup row then verifies 2m+1
-  drafts after an m-token match.
+  drafts after an m-token match;
+- `KIND:auto` (and `KIND+ngram:auto`): each row verifies the number of drafts, 0 included, that maximises
+  tokens per step cost on this machine, and backs off drafting where it does not pay
+  (`hspec.drafters.cost_aware`); behind lookup, lookup rows are trimmed to 2m+1 as with `:P`.
 
 This module only reads the name; `hspec.runtime.build_drafter` builds what it describes, and tests
 that build their own variants read names with the same `parse_drafter_spec`.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hspec.drafters.cost_aware import ADAPTIVE_LENGTH
 from hspec.drafters.early_stop import CONFIDENCE_SEPARATOR
 from hspec.drafters.lookup_first import LOOKUP_SUFFIX
 
@@ -29,21 +33,28 @@ class DrafterSpec:
     base: str  # the drafter kind, e.g. "hspec"
     lookup: bool = False  # `+ngram`: prompt lookup first, `base` for rows without a match
     confidence_floor: float | None = None  # `:P`: verify only leading drafts of confidence >= P
+    adaptive_length: bool = False  # `:auto`: the draft length that pays most per step (cost_aware.py)
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether the name asks for more than the bare kind."""
+        return self.lookup or self.confidence_floor is not None or self.adaptive_length
 
 
 def parse_drafter_spec(text: str) -> DrafterSpec:
-    """`KIND[+ngram][:P]` -> DrafterSpec; ValueError naming the bad part and what is allowed."""
+    """`KIND[+ngram][:P|:auto]` -> DrafterSpec; ValueError naming the bad part and what is allowed."""
     spec, separator, floor_text = text.partition(CONFIDENCE_SEPARATOR)
-    floor = _confidence_floor(floor_text, text) if separator else None
+    adaptive = floor_text == ADAPTIVE_LENGTH
+    floor = _confidence_floor(floor_text, text) if separator and not adaptive else None
     base = spec.removesuffix(LOOKUP_SUFFIX)
     lookup = base != spec
-    if floor is not None and base in MODEL_FREE:
-        raise ValueError(f"{text!r}: only trained drafters report a confidence to stop on; use e.g. "
-                         f"hspec{CONFIDENCE_SEPARATOR}{floor_text} or "
-                         f"hspec{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}{floor_text}")
+    if (floor is not None or adaptive) and base in MODEL_FREE:
+        suffix = f"{CONFIDENCE_SEPARATOR}{floor_text}"
+        raise ValueError(f"{text!r}: only trained drafters report the confidence that {suffix} reads; use e.g. "
+                         f"hspec{suffix} or hspec{LOOKUP_SUFFIX}{suffix}")
     if lookup and base in MODEL_FREE:
         raise ValueError(f"{text!r}: put prompt lookup in front of a trained drafter kind, e.g. hspec{LOOKUP_SUFFIX}")
-    return DrafterSpec(base, lookup, floor)
+    return DrafterSpec(base, lookup, floor, adaptive)
 
 
 def _confidence_floor(text: str, name: str) -> float:
@@ -53,6 +64,7 @@ def _confidence_floor(text: str, name: str) -> float:
     except ValueError:
         floor = float("nan")
     if not 0.0 < floor < 1.0:
-        raise ValueError(f"{name!r}: the confidence floor after {CONFIDENCE_SEPARATOR!r} must be a number in (0, 1), "
-                         f"e.g. hspec{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}0.4; got {text!r}")
+        raise ValueError(f"{name!r}: after {CONFIDENCE_SEPARATOR!r} comes a confidence floor, a number in (0, 1) "
+                         f"(e.g. hspec{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}0.4), or {ADAPTIVE_LENGTH!r} for the "
+                         f"cost-aware draft length (e.g. hspec{CONFIDENCE_SEPARATOR}{ADAPTIVE_LENGTH}); got {text!r}")
     return floor

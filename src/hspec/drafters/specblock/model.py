@@ -46,7 +46,8 @@ from hspec.drafters.common import BlockContext
 from hspec.drafters.dflash.model import DFlashDrafter
 from hspec.drafters.sequential import inference_context
 from hspec.drafters.specblock.config import SpecBlockConfig
-from hspec.drafters.specblock.tree_shape import TreeCost, cost_aware_budgets, tree_branching
+from hspec.drafters.specblock.tree_shape import cost_aware_budgets, tree_branching
+from hspec.drafters.step_cost import StepCost
 from hspec.models.layers import RMSNorm
 from hspec.sampling import draw_uniforms, sample_with_uniform
 
@@ -208,7 +209,7 @@ class SpecBlockDrafter(DFlashDrafter):
         c = self.config
         if not c.adapt_tree:
             return [c.node_budget] * rank_probs.shape[0]
-        cost = TreeCost(c.tree_cost_draft, c.tree_cost_per_node, c.tree_cost_per_node_key)
+        cost = StepCost(c.tree_cost_draft, c.tree_cost_per_node, c.tree_cost_per_node_key)
         return cost_aware_budgets(rank_probs, c.rank_coverage, c.node_budget, batch.pool.lengths(batch.seq_ids), cost)
 
     def propose_tree(self, batch: DraftBatch, K: int) -> TreeDraft:

@@ -16,7 +16,8 @@ whose tree maximises the tokens the step is expected to emit per unit of its exp
                                                             so c_k is conditional on slots 1..k-1 being right)
     cost(n)       = draft + 1 + nodes(n) * (per_node + per_node_key * S)   (in 1-token decodes; S: keys)
 
-`TreeCost` holds the three cost coefficients (SpecBlockConfig's tree_cost_* fields).
+`StepCost` (drafters/step_cost.py) holds the three cost coefficients (SpecBlockConfig's tree_cost_* fields),
+with nodes(n) as its verified tokens.
 
 Legend: N rows, K depth (block slots), R rank classes.
 """
@@ -24,21 +25,11 @@ Legend: N rows, K depth (block slots), R rank classes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from itertools import takewhile
 
 import torch
 
-
-@dataclass(frozen=True)
-class TreeCost:
-    """A speculative step's cost in 1-token decodes: draft + 1 + nodes * (per_node + per_node_key * keys)."""
-
-    draft: float  # drafting the block and building its tree
-    per_node: float  # one more token in the verify, at no context
-    per_node_key: float  # its growth with each key of context (the tree's attention over the sequence)
-
-    def of(self, nodes: int, keys: int) -> float:
-        return self.draft + 1.0 + nodes * (self.per_node + self.per_node_key * keys)
+from hspec.drafters.step_cost import StepCost, expected_emitted
 
 
 def _wanted_branching(rank_probs: torch.Tensor, coverage: float) -> tuple[list[list[int]], torch.Tensor]:
@@ -87,19 +78,14 @@ def tree_nodes(shape: Sequence[int]) -> int:
     return nodes
 
 
-def expected_emitted(shape: Sequence[int], cover: Sequence[Sequence[float]]) -> float:
+def tree_expected_emitted(shape: Sequence[int], cover: Sequence[Sequence[float]]) -> float:
     """1 + sum_k prod_{j<=k} c_j(b_j): tokens a step emits on average with this shape; cover (K, b_max)."""
-    total, reach = 1.0, 1.0
-    for k, b in enumerate(shape):
-        if b == 0:
-            break
-        reach *= float(cover[k][b - 1])
-        total += reach
-    return total
+    reached = takewhile(lambda b: b > 0, shape)  # the tree ends at its first 0
+    return expected_emitted([cover[k][b - 1] for k, b in enumerate(reached)])
 
 
 def cost_aware_budgets(rank_probs: torch.Tensor, coverage: float, max_budget: int, keys: Sequence[int],
-                       cost: TreeCost) -> list[int]:
+                       cost: StepCost) -> list[int]:
     """Per row, the node budget in 1..max_budget whose tree maximises E[emitted] / cost (module docstring);
     the smallest such budget on ties. keys: each row's context length S."""
     want, cover = _wanted_branching(rank_probs, coverage)
@@ -110,7 +96,7 @@ def cost_aware_budgets(rank_probs: torch.Tensor, coverage: float, max_budget: in
         best, best_score = 1, -1.0
         for budget in range(1, max_budget + 1):
             shape = _fit(wanted, budget)
-            score = expected_emitted(shape, row_cover) / cost.of(tree_nodes(shape), s)
+            score = tree_expected_emitted(shape, row_cover) / cost.of(tree_nodes(shape), s)
             if score > best_score:
                 best, best_score = budget, score
         budgets.append(best)

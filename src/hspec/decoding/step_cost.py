@@ -1,0 +1,140 @@
+"""This machine's step costs for a target and a drafter (`StepCost`), measured once and cached.
+
+`measure_step_cost` times, on a scratch pool of random keys and values (no prefill needed: a forward's
+cost does not depend on what the keys hold), the target's 1-token decode and its (K+1)-token verify at a
+short and a long context, and the drafter's propose of K tokens at the short one, each the median of a
+few repeats, and fits StepCost's line:
+
+    verify(K, S) / decode(S) - 1 = K * (per_token + per_token_key * S)    (two contexts, two unknowns)
+    draft = propose(K) / decode(S_short)
+
+The costs depend on the CPU, the thread count, the target and its dtype, and the drafter, so
+`cached_step_cost` keys its file by all of them (`cache_root()/step_costs/`); a second run on the same
+machine reads them back instead of timing again, which also keeps that run's draft lengths, and so its
+sampled outputs, the same as the first's.
+
+Legend: K drafted tokens, S context keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hspec.cache.paged_pool import blocks_for
+from hspec.drafters.base import DraftBatch, Drafter
+from hspec.drafters.step_cost import StepCost
+from hspec.machine import cpu_flags
+from hspec.models.llama import TargetModel
+from hspec.sampling import SamplingBatch, SamplingParams
+
+CONTEXTS = (128, 1024)  # the short and the long context the line is fitted through
+REPEATS = 7  # timings per measure; the median is kept
+
+
+def _median_seconds(run: Callable[[], object], repeats: int) -> float:
+    run()  # warm-up: allocations, first-call dispatch
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: tuple[int, int] = CONTEXTS,
+                      repeats: int = REPEATS, seed: int = 0) -> StepCost:
+    """Time decode, verify and propose on this machine and fit StepCost (module docstring)."""
+    short, long = contexts
+    if not 0 < short < long:
+        raise ValueError(f"contexts must be two lengths 0 < short < long, got {contexts}")
+    if K < 1:
+        raise ValueError(f"K must be >= 1 to time a verify of drafted tokens, got {K}")
+    c = target.config
+    device = target.embed_tokens.weight.device
+    g = torch.Generator().manual_seed(seed)
+    block = 16
+    pool = target.new_pool(blocks_for(long + K + 1, block), block, drafter.num_drafter_layers)
+    pool.add_sequence(0)
+    pool.k.normal_(generator=g)
+    pool.v.normal_(generator=g)
+    layers = drafter.target_layers
+    decode_ids = torch.randint(0, c.vocab_size, (1, 1), generator=g).to(device)  # (1, 1)
+    verify_ids = torch.randint(0, c.vocab_size, (1, K + 1), generator=g).to(device)  # (1, K+1)
+
+    def forward(ids: torch.Tensor, length: int) -> Callable[[], object]:
+        def run() -> object:
+            out = target(ids, pool, [0], layers)
+            pool.truncate(0, length)
+            return out
+        return run
+
+    ratios, decode_short = [], 0.0
+    for length in contexts:
+        pool.extend([0], length - pool.length(0))
+        decode_s = _median_seconds(forward(decode_ids, length), repeats)
+        verify_s = _median_seconds(forward(verify_ids, length), repeats)
+        ratios.append((verify_s / decode_s - 1.0) / K)  # per drafted token at this context
+        decode_short = decode_short or decode_s
+    per_token_key = max((ratios[1] - ratios[0]) / (long - short), 0.0)
+    per_token = max(ratios[0] - per_token_key * short, 0.0)
+
+    pool.truncate(0, short)
+    hidden = None
+    if layers:
+        hidden = torch.randn(1, short, len(layers), c.hidden_size, generator=g).to(target.embed_tokens.weight.dtype)
+    drafter.commit(pool, [0], hidden, torch.tensor([short], device=device))
+    history = torch.randint(0, c.vocab_size, (short + 1,), generator=g).tolist()
+    batch = DraftBatch([0], torch.tensor([history[-1]], device=device), [history], pool,
+                       SamplingBatch.from_params([SamplingParams()], device), [torch.Generator().manual_seed(seed)])
+    try:
+        propose_s = _median_seconds(lambda: drafter.propose(batch, K), repeats)
+    finally:
+        drafter.release(0)
+    return StepCost(draft=propose_s / decode_short, per_token=per_token, per_token_key=per_token_key)
+
+
+def machine_key(*parts: object) -> str:
+    """A short digest of this CPU, the thread count, Python and torch, and `parts` (what was measured)."""
+    text = json.dumps([platform.machine(), platform.processor(), _cpu_model(), sorted(cpu_flags()),
+                       torch.get_num_threads(), torch.__version__, sys.version_info[:2], *map(str, parts)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cached_step_cost(cache_dir: Path, key_parts: tuple[object, ...], measure: Callable[[], StepCost]) -> StepCost:
+    """The StepCost cached under `cache_dir` for this machine and `key_parts`, else `measure()` once and
+    cache it (written to a temporary file and renamed, so a reader never sees half a file)."""
+    path = cache_dir / f"{machine_key(*key_parts)}.json"
+    if path.exists():
+        try:
+            return StepCost(**json.loads(path.read_text())["cost"])
+        except (ValueError, KeyError, TypeError):
+            print(f"step costs at {path} are unreadable; measuring again", file=sys.stderr)
+    print(f"measuring this machine's step costs for {', '.join(map(str, key_parts))} (once; cached in {path})",
+          file=sys.stderr)
+    cost = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"what": [str(p) for p in key_parts], "cost": cost.to_dict()}, indent=1))
+    os.replace(tmp, path)
+    return cost

@@ -1,0 +1,55 @@
+"""What a speculative step costs and what it is expected to emit, in units of one 1-token decode.
+
+A step drafts (once, whatever it verifies) and then verifies x0 and n drafted tokens in one target
+forward. On a CPU the verify grows with n, and faster with a longer context, because every extra query
+row reads the sequence's keys (`results/tree_verify/`, `hspec bench decode`):
+
+    cost(n, S) = draft + 1 + n * (per_token + per_token_key * S)      (0 drafted tokens: a plain decode,
+                                                                        plus the draft if it ran)
+
+The unit is a 1-token decode at the same context, so a step is worth taking when it emits more tokens per
+cost than the 1 a plain decode emits. What a step emits on average follows from the probability that
+each drafted token is accepted given that the ones before it were (`expected_emitted`).
+
+The cost-aware draft length (`drafters/cost_aware.py`) and SpecBlock's cost-aware tree budget
+(`drafters/specblock/tree_shape.py`, where n counts the tree's nodes) both read these numbers; measured
+once per machine by `decoding.step_cost.measure_step_cost`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A speculative step's cost in 1-token decodes: draft + 1 + n * (per_token + per_token_key * keys)."""
+
+    draft: float  # drafting the block (and building its tree), whatever is verified of it
+    per_token: float  # one more token in the verify, at no context
+    per_token_key: float  # its growth with each key of context (the extra row's attention over the sequence)
+
+    def __post_init__(self) -> None:
+        for name in ("draft", "per_token", "per_token_key"):
+            value = getattr(self, name)
+            if not value >= 0.0:  # also refuses NaN
+                raise ValueError(f"StepCost.{name} must be a number >= 0 (in 1-token decodes), got {value!r}")
+
+    def of(self, tokens: int, keys: int, drafted: bool = True) -> float:
+        """Cost of a step verifying `tokens` drafted tokens at `keys` keys of context; `drafted`: the
+        drafter ran this step (its cost is paid whatever is verified)."""
+        return (self.draft if drafted else 0.0) + 1.0 + tokens * (self.per_token + self.per_token_key * keys)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"draft": self.draft, "per_token": self.per_token, "per_token_key": self.per_token_key}
+
+
+def expected_emitted(acceptance: Sequence[float]) -> float:
+    """1 + sum_k prod_{j<=k} a_j: tokens a step emits on average when its k-th drafted token is accepted
+    with probability a_k given that tokens 1..k-1 were (the target's own token comes on top)."""
+    total, reach = 1.0, 1.0
+    for a in acceptance:
+        reach *= float(a)
+        total += reach
+    return total
