@@ -19,9 +19,9 @@ def test_parses_every_form(text, expected):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("hspec:1", "must be a number in \\(0, 1\\).*got '1'"),
-    ("hspec:", "must be a number in \\(0, 1\\).*got ''"),
-    ("hspec+ngram:x", "must be a number in \\(0, 1\\).*got 'x'"),
+    ("hspec:1", "a number in \\(0, 1\\).*or 'auto'.*got '1'"),
+    ("hspec:", "a number in \\(0, 1\\).*or 'auto'.*got ''"),
+    ("hspec+ngram:x", "a number in \\(0, 1\\).*or 'auto'.*got 'x'"),
     ("ngram:0.5", "only trained drafters"),
     ("none+ngram", "in front of a trained drafter kind"),
 ])

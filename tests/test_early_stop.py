@@ -67,7 +67,7 @@ def test_bad_settings_name_the_value(tiny_target):
     with pytest.raises(ValueError, match="drafts nothing"):
         EarlyStopDrafter(create_drafter("none", tiny_target.config), 0.5)
     for bad in ("hspec:1", "hspec:x", "hspec+ngram:0"):
-        with pytest.raises(ValueError, match="must be a number in \\(0, 1\\)"):
+        with pytest.raises(ValueError, match="a number in \\(0, 1\\)"):
             build_drafter(bad, tiny_target, random_weights=True)
     with pytest.raises(ValueError, match="only trained drafters"):
         build_drafter("ngram:0.5", tiny_target)

@@ -156,13 +156,19 @@ def test_steps_that_stopped_early_do_not_count_against_the_next_position():
     assert merged.stopped_histogram == (0, 0, 1, 0, 0) and merged.num_steps == 5
 
 
+def test_steps_that_drafted_nothing_are_plain_decodes_left_out():
+    """The cost-aware length's 0-draft steps carry no acceptance information."""
+    mixed = acceptance_stats([1, 0, 3, 0], 4, num_drafted=[4, 0, 4, 0])
+    assert mixed == acceptance_stats([1, 3], 4, num_drafted=[4, 4]) and mixed.num_steps == 2
+
+
 def test_no_early_stop_keeps_the_old_statistics_and_json():
     plain = acceptance_stats([1, 3, 4], 4)
     full = acceptance_stats([1, 3, 4], 4, num_drafted=[4, 4, 4])
     assert plain == full and "stopped_histogram" not in full.to_dict()
 
 
-@pytest.mark.parametrize("accepted,drafted", [([2], [1]), ([1], [5]), ([1, 2], [3]), ([0], [0])])
+@pytest.mark.parametrize("accepted,drafted", [([2], [1]), ([1], [5]), ([1, 2], [3]), ([0], [-1]), ([1], [0])])
 def test_bad_num_drafted_names_the_problem(accepted, drafted):
     with pytest.raises(ValueError, match="num_drafted"):
         acceptance_stats(accepted, 4, num_drafted=drafted)

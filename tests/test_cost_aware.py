@@ -1,0 +1,176 @@
+"""`KIND:auto`: each row verifies the drafts that pay on this machine's costs, 0 included, and backs off
+drafting where it does not pay (hspec.drafters.cost_aware). Losslessness of the whole loop is in
+test_generate.py (greedy in every dtype, chi-square when sampling)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import pool_free_draft_batch
+from hspec.decoding.step_cost import cached_step_cost
+from hspec.drafters.base import DraftBatch, Drafter, Proposal
+from hspec.drafters.cost_aware import CostAwareDrafter, best_draft_length
+from hspec.drafters.spec import DrafterSpec, parse_drafter_spec
+from hspec.drafters.step_cost import StepCost, expected_emitted
+from hspec.sampling import SamplingBatch, SamplingParams
+
+
+class _ConfidentDrafter(Drafter):
+    """Drafts token 9 everywhere with fixed confidences per sequence id; records the ids it drafted for."""
+
+    kind = "confident-test"
+
+    def __init__(self, vocab_size: int, confidence: dict[int, list[float]]) -> None:
+        self.vocab_size, self.confidence, self.calls = vocab_size, confidence, []
+
+    def propose(self, batch: DraftBatch, K: int) -> Proposal:
+        self.calls.append(list(batch.seq_ids))
+        tokens = torch.full((len(batch.seq_ids), K), 9, dtype=torch.long)
+        probs = torch.zeros((len(batch.seq_ids), K, self.vocab_size)).scatter_(-1, tokens[..., None], 1.0)
+        return Proposal(tokens, probs, confidence=torch.tensor([self.confidence[s][:K] for s in batch.seq_ids]))
+
+
+class _Lengths:
+    """The one pool query the cost-aware rule makes: each sequence's context length."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def lengths(self, seq_ids):
+        return [self.length] * len(seq_ids)
+
+
+def _batch(rows: int, context: int = 100) -> DraftBatch:
+    return replace(pool_free_draft_batch([[1, 2, 3]] * rows), pool=_Lengths(context))
+
+
+def test_expected_emitted_and_cost_by_hand():
+    assert expected_emitted([0.9, 0.5]) == pytest.approx(1 + 0.9 + 0.45)
+    assert expected_emitted([]) == 1.0
+    cost = StepCost(draft=0.5, per_token=0.1, per_token_key=1e-4)
+    assert cost.of(3, 1000) == pytest.approx(0.5 + 1 + 3 * 0.2)
+    assert cost.of(0, 1000, drafted=False) == 1.0
+    with pytest.raises(ValueError, match="per_token must be a number >= 0"):
+        StepCost(0.5, -0.1, 0.0)
+
+
+def test_the_length_stops_at_the_first_draft_that_does_not_pay():
+    cost = StepCost(draft=0.5, per_token=0.1, per_token_key=0.0)
+    # rates: n=0 1/1.5; n=1 1.9/1.6 = 1.19; n=2 2.62/1.7 = 1.54; n=3 2.764/1.8 = 1.536: stop at 2, although
+    # n=4 (a sure fourth draft after an unsure third) would beat n=3: a later draft never pulls earlier ones in.
+    n, rate = best_draft_length([0.9, 0.8, 0.2, 0.99], 0, cost)
+    assert (n, rate) == (2, pytest.approx(2.62 / 1.7))
+    assert best_draft_length([0.05, 0.9], 0, cost)[0] == 0  # the first draft does not pay: a plain decode
+    assert best_draft_length([0.99] * 7, 0, StepCost(0.0, 0.0, 0.0))[0] == 7  # free drafts: all of them
+
+
+def test_a_longer_context_drafts_less():
+    cost = StepCost(draft=0.3, per_token=0.05, per_token_key=1e-4)
+    confidence = [0.8, 0.7, 0.6, 0.5, 0.4]
+    short, _ = best_draft_length(confidence, 128, cost)
+    long, _ = best_draft_length(confidence, 4096, cost)
+    assert long < short
+
+
+def test_rows_that_do_not_pay_back_off_and_the_drafter_skips_them():
+    # seq 10 pays (sure drafts, cheap verify); seq 11 never does: it is probed after 1, 2, 4, 4, ... skipped steps
+    model = _ConfidentDrafter(16, {10: [0.9] * 4, 11: [0.01] * 4})
+    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.2, per_token=0.05, per_token_key=0.0), max_backoff=4)
+    batch = _batch(2)
+    drafted = []
+    for _ in range(14):
+        proposal = drafter.propose(batch, K=4)
+        drafted.append(proposal.num_drafts.tolist())
+    assert [n for n, _ in drafted] == [4] * 14
+    assert [n for _, n in drafted] == [0] * 14  # a probe of seq 11 verifies nothing either
+    probes = [step for step, ids in enumerate(model.calls) if 11 in ids]
+    assert probes == [0, 2, 5, 10]  # after each probe: skip 1, 2, 4, then 4 (max_backoff)
+    assert drafter.kind == "confident-test:auto"
+
+
+def test_a_batch_where_every_row_backs_off_runs_no_drafter():
+    model = _ConfidentDrafter(16, {10: [0.01] * 3})
+    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.5, per_token=0.1, per_token_key=0.0))
+    batch = _batch(1)
+    drafter.propose(batch, K=3)  # the probe
+    proposal = drafter.propose(batch, K=3)
+    assert len(model.calls) == 1
+    assert proposal.num_drafts.tolist() == [0] and proposal.draft_probs.shape == (1, 3, 16)
+
+
+def test_the_backoff_follows_a_row_through_a_preemption_and_is_forgotten_on_release():
+    model = _ConfidentDrafter(16, {10: [0.01] * 3})
+    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.5, per_token=0.1, per_token_key=0.0))
+    batch = _batch(1)
+    for _ in range(4):  # probe, skip 1, probe, skip 2 (one of them taken)
+        drafter.propose(batch, K=3)
+    state = drafter.carried_state(10)
+    drafter.release(10)
+    assert drafter.carried_state(10) is None
+    drafter.restore_carried_state(10, state)
+    calls = len(model.calls)
+    drafter.propose(batch, K=3)  # the second step of the 2-step skip
+    assert len(model.calls) == calls
+    drafter.propose(batch, K=3)  # the probe after it
+    assert len(model.calls) == calls + 1
+
+
+def test_the_name_grammar_takes_auto():
+    assert parse_drafter_spec("hspec:auto") == DrafterSpec("hspec", adaptive_length=True)
+    assert parse_drafter_spec("hspec+ngram:auto") == DrafterSpec("hspec", lookup=True, adaptive_length=True)
+    with pytest.raises(ValueError, match="'auto' for the cost-aware draft length"):
+        parse_drafter_spec("hspec:fast")
+    with pytest.raises(ValueError, match="only trained drafters"):
+        parse_drafter_spec("ngram:auto")
+
+
+def test_build_drafter_wraps_the_given_costs(tiny_target):
+    from hspec.drafters.lookup_first import LookupFirstDrafter
+    from hspec.runtime import build_drafter
+
+    cost = StepCost(0.3, 0.05, 0.0)
+    alone = build_drafter("hspec:auto", tiny_target, random_weights=True, step_cost=cost)
+    assert isinstance(alone, CostAwareDrafter) and alone.cost == cost and alone.kind == "hspec:auto"
+    behind = build_drafter("hspec+ngram:auto", tiny_target, random_weights=True, step_cost=cost)
+    assert isinstance(behind, LookupFirstDrafter) and behind.trim_lookup and behind.kind == "hspec+ngram:auto"
+    assert isinstance(behind.model, CostAwareDrafter)
+
+
+def test_costs_are_measured_once_and_read_back(tmp_path, tiny_target):
+    from hspec.decoding.step_cost import measure_step_cost
+    from hspec.drafters import create_drafter
+
+    drafter = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
+    measured = []
+
+    def measure():
+        measured.append(measure_step_cost(tiny_target.model, drafter, 3, contexts=(16, 64), repeats=2))
+        return measured[-1]
+
+    first = cached_step_cost(tmp_path, ("tiny", "hspec", 3), measure)
+    again = cached_step_cost(tmp_path, ("tiny", "hspec", 3), measure)
+    assert len(measured) == 1 and again == first and first.draft > 0
+    other = cached_step_cost(tmp_path, ("tiny", "hspec", 4), measure)  # another key: measured anew
+    assert len(measured) == 2 and other == measured[1]
+
+
+def test_sampled_confidence_does_not_depend_on_the_draft_itself(tiny_target):
+    """The confidence at position k must be a function of d_1..d_{k-1} only (`Proposal.confidence`): two draws
+    that differ at d_1 keep the same c_1. The drafted token's own probability would fail this."""
+    from hspec.drafters import create_drafter
+
+    drafter = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
+    logits = torch.zeros(1, 2, drafter.config.draft_vocab_size)
+    logits[0, :, :3] = torch.tensor([2.0, 1.5, 1.0])  # three likely tokens at each position
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)])
+    draws = []
+    for seed in range(12):
+        with torch.no_grad():
+            tokens, _, confidence = drafter.sample_block(logits, torch.tensor([1]), sampling,
+                                                         [torch.Generator().manual_seed(seed)])
+            draws.append((int(tokens[0, 0]), float(confidence[0, 0])))
+    assert len({d for d, _ in draws}) > 1, "the seeds never drew two different first drafts"
+    assert len({c for _, c in draws}) == 1
