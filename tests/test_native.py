@@ -9,6 +9,10 @@ the stack too, since `build_model` attaches it to every row-invariant target.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +172,52 @@ def test_the_build_finds_the_ninja_package_without_an_activated_environment(monk
     with native_module._ninja_on_path():
         assert os.environ["PATH"].split(os.pathsep) == [ninja.BIN_DIR, "/nonexistent"]
     assert os.environ["PATH"] == "/nonexistent"
+
+
+# A child process: loads the decoder stack from argv[1] (a broken source: it fails fast) with TORCH_EXTENSIONS_DIR set.
+_BUILD_CHILD = """
+import sys, warnings
+from pathlib import Path
+from hspec.models import native
+native._SOURCE = Path(sys.argv[1])
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    print(native.build_extension())
+for warning in caught:
+    print(warning.message)
+"""
+
+
+def test_a_build_killed_midway_does_not_block_every_later_load(tmp_path):
+    """A build killed midway leaves torch's baton (`<build dir>/lock`), on which torch's loader waits forever:
+    the next load removes it, says so, and builds (here: fails to, fast, on a broken source)."""
+    broken = tmp_path / "decoder_stack.cpp"
+    broken.write_text("this is not C++\n")
+    baton = tmp_path / "extensions" / "hspec_decoder_stack" / "lock"
+    baton.parent.mkdir(parents=True)
+    baton.touch()  # what `kill -9` during a build leaves
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),
+           "PYTHONPATH": str(Path(native_module.__file__).resolve().parents[2])}  # src/
+    child = subprocess.run([sys.executable, "-c", _BUILD_CHILD, str(broken)], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert f"removed {baton}, the build lock a build killed midway left behind" in child.stdout
+    assert "the native decoder stack could not be built" in child.stdout  # torch went on past its baton
+
+
+def test_a_load_waiting_too_long_on_another_build_runs_without_it_and_names_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    lock = tmp_path / "extensions" / "hspec_decoder_stack" / "hspec-build.lock"
+    lock.parent.mkdir(parents=True)
+    hold = "import sys, time, filelock\nwith filelock.FileLock(sys.argv[1]):\n    print('held', flush=True)\n" \
+           "    time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # another process is building (or hung building)
+        with pytest.warns(UserWarning, match=rf"another process has held {lock} for over 1 s .*Python layers run"):
+            assert native_module._build("hspec_decoder_stack", native_module._SOURCE, ["-O2"],
+                                        "the native decoder stack could not be built",
+                                        "the Python layers run instead", lock_timeout_s=1) is None
+    finally:
+        holder.kill()
+        holder.wait()

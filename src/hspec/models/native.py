@@ -6,8 +6,9 @@ operator calls with the same arguments in the same order, so its results have th
 (tests/test_native.py checks logits, hidden states and the pool's K/V for equality); it only takes the
 interpreter out. It is built once per machine with torch's C++ extension loader (a compiler and ninja;
 ~20-60 s, cached under torch's extensions directory, TORCH_EXTENSIONS_DIR) the first time a
-row-invariant target loads. If it cannot be built, a warning says why and the Python layers run: the same
-outputs, slower. docs/fast-path.md ("The native decoder stack") has the measurements.
+row-invariant target loads, one process at a time (`_build_lock`, which also clears what a killed build
+left). If it cannot be built, a warning says why and the Python layers run: the same outputs, slower.
+docs/fast-path.md ("The native decoder stack") has the measurements.
 
 hspec's CPU kernels (`cpu_kernels.cpp`: int8, int4 and w4a8 products, the bf16 RMSNorm, attention, RoPE with
 the KV writes) are a library of their own, loaded by `load_kernels` and called as torch.ops.hspec.* by the
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import filelock
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +37,9 @@ from hspec.models.layers import _FP32_VALUE_CHUNK, _KEY_MULTIPLE, _MIN_ATTENTION
 
 _SOURCE = Path(__file__).with_name("decoder_stack.cpp")
 _KERNELS_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# How long a load waits for another process building the same extension (`_build_lock`): a build takes 20-60 s
+# alone and a few minutes on a loaded machine; past this, the load runs without it, with a warning.
+_BUILD_LOCK_TIMEOUT_S = 600.0
 
 
 def build_extension() -> ModuleType | None:
@@ -88,15 +93,21 @@ def _register_product_shapes() -> None:
 
 
 def _build(name: str, source: Path, cflags: list[str], failure: str, fallback: str,
-           ldflags: list[str] | None = None, python_module: bool = True) -> ModuleType | bool | None:
+           ldflags: list[str] | None = None, python_module: bool = True,
+           lock_timeout_s: float = _BUILD_LOCK_TIMEOUT_S) -> ModuleType | bool | None:
     """torch's loader on one source: the Python module (`python_module`), else True once the library is
-    loaded; None, with a warning, where that fails."""
+    loaded; None, with a warning, where that fails, or where another process has been building it for
+    `lock_timeout_s` (`_build_lock`)."""
     from torch.utils import cpp_extension
 
     try:
-        with _ninja_on_path():
+        # torch's own choice of folder (TORCH_EXTENSIONS_DIR, else its cache), named here so that hspec's lock
+        # and torch's baton guard the same one
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _ninja_on_path(), _build_lock(build_dir, lock_timeout_s):
             module = cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
-                                        is_python_module=python_module, verbose=False)
+                                        build_directory=str(build_dir), is_python_module=python_module,
+                                        verbose=False)
             return module if python_module else True
     except Exception as error:  # a missing compiler or ninja raises RuntimeError or OSError, a bad build others
         lines = str(error).strip().splitlines() or [repr(error)]
@@ -104,6 +115,38 @@ def _build(name: str, source: Path, cflags: list[str], failure: str, fallback: s
         warnings.warn(f"hspec: {failure} ({type(error).__name__}: {cause}); {fallback} (docs/fast-path.md)",
                       stacklevel=3)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path, timeout_s: float) -> Iterator[None]:
+    """Hold hspec's lock on `build_dir` around a build, and remove torch's baton if a killed build left it.
+
+    torch's loader guards a build folder with a baton file, `lock` (torch.utils.file_baton): made when a
+    build starts, deleted when it ends. A build killed midway leaves it, and every later load, `hspec serve`
+    included, then waits on it forever. hspec's lock beside it, `hspec-build.lock`, is a kernel lock
+    (filelock) that dies with its holder: whoever holds it knows that no other hspec build is running in
+    this folder, so a baton found then is stale. Waiting more than `timeout_s` for a live holder (a build
+    hung, or a machine so loaded that it takes that long) raises TimeoutError naming the lock.
+    """
+    lock = filelock.FileLock(build_dir / "hspec-build.lock")
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        print(f"[hspec] waiting for another process building {build_dir.name} (lock {lock.lock_file})", flush=True)
+        try:
+            lock.acquire(timeout=timeout_s)
+        except filelock.Timeout as err:
+            raise TimeoutError(f"another process has held {lock.lock_file} for over {timeout_s:.0f} s while building "
+                               f"in {build_dir}; let it finish, or stop it and load again") from err
+    try:
+        baton = build_dir / "lock"
+        if baton.exists():
+            baton.unlink(missing_ok=True)
+            warnings.warn(f"hspec: removed {baton}, the build lock a build killed midway left behind (torch "
+                          "would have waited on it forever); building again", stacklevel=4)
+        yield
+    finally:
+        lock.release()
 
 
 @contextlib.contextmanager
