@@ -8,6 +8,11 @@ on the tiny target, where the kernels' rounding would show.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -852,3 +857,78 @@ def test_rope_with_the_signed_sin_table_is_the_half_split_rotation_bit_for_bit(d
     expected = x * cos[:, :, None] + torch.cat((-x[..., 32:], x[..., :32]), dim=-1) * plain_sin[:, :, None]
     assert torch.equal(apply_rope(x, cos, sin), expected)
     assert torch.equal(apply_rope(x, cos[:, :, None], sin[:, :, None]), expected)
+
+
+# A child process: calls hspec's kernels with shapes, dtypes and slots they cannot take, one line each: "raised
+# <case>: <message>" or "returned <case>". Before every such call was checked, some divided by zero (SIGFPE, the
+# process gone), and some wrote outside a tensor.
+_BAD_CALLS = """
+import torch
+from hspec.models.native import load_kernels
+
+assert load_kernels()
+ops = torch.ops.hspec
+bf16, f32 = torch.bfloat16, torch.float32
+q, k = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 1, 8)
+cos = sin = torch.ones(1, 2, 1, 8, dtype=bf16)
+projected = torch.randn(2, 4 * 8, dtype=bf16)  # 2 tokens, Hq 2 + 2 x Hkv 1 heads of D 8
+cases = {
+    "no kv heads": lambda: ops.attention(q, k[:, :, :0], k[:, :, :0], None, 4),
+    "head dim 0": lambda: ops.attention(q[..., :0], k[..., :0], k[..., :0], None, 4),
+    "no query heads": lambda: ops.attention(q[:, :, :0], k, k, None, 4),
+    "mask of 2 heads": lambda: ops.attention(q, k, k, torch.ones(1, 2, 1, 4, dtype=torch.bool), 4),
+    "rows of 0": lambda: ops.rms_norm(torch.randn(2, 0, dtype=bf16), torch.ones(0, dtype=bf16), 1e-5),
+    "a scalar row": lambda: ops.rms_norm(torch.tensor(1.0, dtype=bf16), torch.ones(1, dtype=bf16), 1e-5),
+    "short v pool": lambda: ops.rope_and_write(projected, cos, sin, torch.zeros(20, 1, 8), torch.zeros(4, 1, 8),
+                                               torch.tensor([18, 19]), 2, 1),
+    "hkv 0": lambda: ops.rope_and_write(projected, cos, sin, torch.zeros(20, 0, 8), torch.zeros(20, 0, 8),
+                                        torch.tensor([1, 2]), 4, 0),
+    "cos of D 0": lambda: ops.rope_and_write(projected[:, :0], cos[..., :0], sin[..., :0], torch.zeros(20, 1, 0),
+                                             torch.zeros(20, 1, 0), torch.tensor([1, 2]), 2, 1),
+}
+for name, call in cases.items():
+    try:
+        call()
+        print(f"returned {name}", flush=True)
+    except RuntimeError as err:
+        print(f"raised {name}: {str(err).splitlines()[0]}", flush=True)
+"""
+
+
+def test_hspecs_kernels_refuse_what_would_crash_the_process():
+    """Each bad call raises RuntimeError naming what it was given; none kills the process or writes outside a
+    tensor (run in a child, so that a crash fails this test rather than the test run)."""
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    src = Path(__file__).resolve().parents[1] / "src"
+    child = subprocess.run([sys.executable, "-c", _BAD_CALLS], env={**os.environ, "PYTHONPATH": str(src)},
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, (child.returncode, child.stdout, child.stderr[-2000:])
+    expected = {
+        "no kv heads": "attention needs Hq, Hkv and D >= 1",
+        "head dim 0": "attention needs Hq, Hkv and D >= 1",
+        "no query heads": "attention needs Hq, Hkv and D >= 1",
+        "mask of 2 heads": r"mask must be bool \(1, 1, 1, S >= 4\), got \[1, 2, 1, 4\]",
+        "rows of 0": r"rms_norm takes rows \(\.\.\., H\) with H >= 1, got \[2, 0\]",
+        "a scalar row": r"rms_norm takes rows \(\.\.\., H\) with H >= 1, got \[\]",
+        "short v pool": r"the pool's layers must be float32 CPU \(20 slots, 1, 8\), got Float \[4, 1, 8\]",
+        "hkv 0": "rope_and_write needs hq and hkv >= 1, got hq = 4, hkv = 0",
+        "cos of D 0": r"cos must be \(B, T, 1, D >= 1\), got \[1, 2, 1, 0\]",
+    }
+    lines = dict(line.split(" ", 1)[1].split(": ", 1) if line.startswith("raised") else (line[9:], None)
+                 for line in child.stdout.splitlines())
+    assert list(lines) == list(expected)
+    for name, message in expected.items():
+        assert lines[name] is not None and re.search(message, lines[name]), (name, lines[name])
+
+
+def test_hspecs_rms_norm_reads_a_strided_weight_whole():
+    """A weight that is not contiguous is copied for the loop; the copy lives as long as the loop reads it."""
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    torch.manual_seed(0)
+    x = torch.randn(3, 64).bfloat16()
+    weight = torch.randn(64, 2).bfloat16()[:, 0]  # every other element of a (64, 2) buffer
+    assert not weight.is_contiguous()
+    strided, copied = (torch.ops.hspec.rms_norm(x, w, 1e-5) for w in (weight, weight.contiguous()))
+    assert torch.equal(strided, copied)

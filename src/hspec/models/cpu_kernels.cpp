@@ -750,6 +750,12 @@ void check_rows(const at::Tensor& x, const char* op) {
   TORCH_CHECK(cpu_kernels_available(), "hspec::", op, " needs a CPU with AVX2 and FMA");
 }
 
+// The weights and scales of a product: read through raw pointers, so they must be CPU tensors too.
+void check_on_cpu(const at::Tensor& tensor, const char* op, const char* name) {
+  TORCH_CHECK(tensor.device().is_cpu(), "hspec::", op, ": ", name, " must be a CPU tensor, got one on ",
+              tensor.device());
+}
+
 }  // namespace
 #endif
 
@@ -768,15 +774,21 @@ std::string integer_capability() {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 #ifdef HSPEC_X86
   TORCH_CHECK(cpu_kernels_available(), "hspec::rms_norm needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "hspec::rms_norm takes bfloat16 CPU tensors, got ", x.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+                  weight.device().is_cpu(),
+              "hspec::rms_norm takes bfloat16 CPU tensors, got ", x.scalar_type(), " on ", x.device(), " and ",
+              weight.scalar_type(), " on ", weight.device());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "hspec::rms_norm takes rows (..., H) with H >= 1, got ", x.sizes());
   const int64_t h = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h, "hspec::rms_norm: weight ", weight.sizes(), " for rows of ",
               h);
   const at::Tensor rows = x.contiguous();
+  // A named local: a pointer into the temporary that `weight.contiguous()` returns would dangle once the
+  // statement ends (the copy is freed) wherever the weight is not contiguous already.
+  const at::Tensor gains = weight.contiguous();
   at::Tensor out = at::empty_like(rows);
   const c10::BFloat16* in = rows.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* w = weight.contiguous().data_ptr<c10::BFloat16>();
+  const c10::BFloat16* w = gains.data_ptr<c10::BFloat16>();
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
   for (int64_t r = 0, n = rows.numel() / h; r < n; ++r) {
     // F.rms_norm's steps: x / sqrt(mean(x^2) + eps) rounded to bf16, then times the weight, rounded again
@@ -797,6 +809,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
 #ifdef HSPEC_X86
   check_rows(x, "int8_linear");
+  check_on_cpu(weight, "int8_linear", "weight");
+  check_on_cpu(scale, "int8_linear", "scale");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.size(1) == x.size(1) &&
                   weight.is_contiguous(),
               "hspec::int8_linear: weight must be a contiguous int8 (N, ", x.size(1), "), got ", weight.scalar_type(),
@@ -825,6 +839,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& levels, const at::Tensor& step_offset) {
 #ifdef HSPEC_X86
   check_rows(x, "int4_linear");
+  check_on_cpu(levels, "int4_linear", "levels");
+  check_on_cpu(step_offset, "int4_linear", "step_offset");
   const int64_t blocks = x.size(1) / kBlock;
   TORCH_CHECK(levels.scalar_type() == at::kByte && levels.dim() == 3 && levels.size(1) == blocks &&
                   levels.size(2) == kBlock / 2 && levels.is_contiguous(),
@@ -852,6 +868,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& levels, const at::
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
 #ifdef HSPEC_X86
   check_rows(x, "w4a8_linear");
+  check_on_cpu(weight, "w4a8_linear", "weight");
   const int64_t blocks = x.size(1) / kBlock;
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 3 && weight.size(1) == blocks &&
                   weight.size(2) == kW4a8Tile && weight.is_contiguous(),
@@ -881,6 +898,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
 #ifdef HSPEC_X86
   check_rows(x, "w8a8_linear");
+  check_on_cpu(weight, "w8a8_linear", "weight");
+  check_on_cpu(scale, "w8a8_linear", "scale");
   const int64_t blocks = x.size(1) / kBlock;
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 3 && weight.size(1) == blocks &&
                   weight.size(2) == kBlock * kW4a8Outputs && weight.is_contiguous(),
@@ -927,9 +946,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      int64_t s) {
 #ifdef HSPEC_X86
   TORCH_CHECK(cpu_kernels_available(), "hspec::attention needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.device().is_cpu(),
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.device().is_cpu() && k.device().is_cpu() &&
+                  v.device().is_cpu(),
               "hspec::attention takes q (B, T, Hq, D), k and v (B, S', Hkv, D) on the CPU, got ", q.sizes(), ", ",
               k.sizes(), ", ", v.sizes());
+  // Checked before the one below, which takes Hq % Hkv: Hkv = 0 would divide by zero (SIGFPE, not an error).
+  TORCH_CHECK(q.size(2) > 0 && k.size(2) > 0 && q.size(3) > 0,
+              "hspec::attention needs Hq, Hkv and D >= 1, got q ", q.sizes(), " and k ", k.sizes());
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
               "hspec::attention takes bfloat16 or float32 queries, got ", q.scalar_type());
   const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3), hkv = k.size(2);
@@ -943,8 +966,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const at::Tensor rows = q.contiguous();  // bf16 or float32, converted row by row
   std::optional<at::Tensor> visible;
   if (mask.has_value()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(0) == b && mask->size(2) == t &&
-                    mask->size(3) >= s,
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->device().is_cpu() && mask->dim() == 4 &&
+                    mask->size(0) == b && mask->size(1) == 1 && mask->size(2) == t && mask->size(3) >= s,
                 "hspec::attention: mask must be bool (", b, ", 1, ", t, ", S >= ", s, "), got ", mask->sizes());
     visible = mask->slice(3, 0, s).contiguous();
   }
@@ -997,7 +1020,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // rotated queries (B, T, Hq, D) bf16.
 at::Tensor rope_and_write(const at::Tensor& projected, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& pool_k,
                           at::Tensor& pool_v, const at::Tensor& slots, int64_t hq, int64_t hkv) {
-  TORCH_CHECK(cos.dim() == 4 && cos.size(2) == 1, "hspec::rope_and_write: cos must be (B, T, 1, D), got ", cos.sizes());
+  TORCH_CHECK(cos.dim() == 4 && cos.size(2) == 1 && cos.size(3) > 0,
+              "hspec::rope_and_write: cos must be (B, T, 1, D >= 1), got ", cos.sizes());
+  TORCH_CHECK(hq >= 1 && hkv >= 1, "hspec::rope_and_write needs hq and hkv >= 1, got hq = ", hq, ", hkv = ", hkv);
   const int64_t b = cos.size(0), t = cos.size(1), d = cos.size(3);
   TORCH_CHECK(projected.scalar_type() == at::kBFloat16 && projected.device().is_cpu() &&
                   projected.numel() == b * t * (hq + 2 * hkv) * d && projected.size(-1) == (hq + 2 * hkv) * d,
@@ -1005,17 +1030,20 @@ at::Tensor rope_and_write(const at::Tensor& projected, const at::Tensor& cos, co
               hkv, ") ", d, "), got ", projected.scalar_type(), " ", projected.sizes());
   TORCH_CHECK(d % 2 == 0, "hspec::rope_and_write: the head dim must be even, got ", d);
   for (const at::Tensor* table : {&cos, &sin}) {
-    TORCH_CHECK(table->scalar_type() == at::kBFloat16 && table->sizes() == at::IntArrayRef({b, t, 1, d}),
+    TORCH_CHECK(table->scalar_type() == at::kBFloat16 && table->device().is_cpu() &&
+                    table->sizes() == at::IntArrayRef({b, t, 1, d}),
                 "hspec::rope_and_write: cos and sin must be bf16 (", b, ", ", t, ", 1, ", d, "), got ",
                 table->scalar_type(), " ", table->sizes());
   }
   for (const at::Tensor* pool : {&pool_k, &pool_v}) {
-    TORCH_CHECK(pool->scalar_type() == at::kFloat && pool->dim() == 3 && pool->size(1) == hkv && pool->size(2) == d,
-                "hspec::rope_and_write: the pool's layer must be float32 (slots, ", hkv, ", ", d, "), got ",
-                pool->scalar_type(), " ", pool->sizes());
+    TORCH_CHECK(pool->scalar_type() == at::kFloat && pool->device().is_cpu() && pool->dim() == 3 &&
+                    pool->size(0) == pool_k.size(0) && pool->size(1) == hkv && pool->size(2) == d,
+                "hspec::rope_and_write: the pool's layers must be float32 CPU (", pool_k.size(0), " slots, ", hkv,
+                ", ", d, "), got ", pool->scalar_type(), " ", pool->sizes());
   }
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == b * t, "hspec::rope_and_write: ", b * t,
-              " long write slots needed, got ", slots.scalar_type(), " ", slots.sizes());
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.device().is_cpu() && slots.numel() == b * t,
+              "hspec::rope_and_write: ", b * t, " long CPU write slots needed, got ", slots.scalar_type(), " ",
+              slots.sizes());
   const at::Tensor x = projected.contiguous(), c = cos.contiguous(), sn = sin.contiguous(), write_at = slots.contiguous();
   const int64_t* slot = write_at.data_ptr<int64_t>();
   for (int64_t i = 0; i < b * t; ++i) {
