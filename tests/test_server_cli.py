@@ -20,7 +20,8 @@ import pytest
 from hspec.cli import main
 from hspec.drafters import create_drafter
 from hspec.serving.app import build_engine
-from hspec.serving.server import ServerThread, ServeSettings, bind_socket, check_pool, open_server
+from hspec.serving.limits import LOOPBACK_NAMES, ServingLimits
+from hspec.serving.server import ServerThread, ServeSettings, access_limits, bind_socket, check_pool, open_server
 
 
 def _cli_error(capsys, *args: str) -> str:
@@ -41,9 +42,31 @@ def _cli_error(capsys, *args: str) -> str:
     (("--threads", "-2"), "--threads must be >= 0"),
     (("--spec-max-batch", "-1"), "--spec-max-batch must be >= 0 (0: never speculate), got -1"),
     (("--drafter", "ngram", "--drafter-option", "node_budget=5"), "'node_budget=5': no drafter here takes it"),
+    (("--max-waiting", "-1"), "--max-waiting must be >= 0"),
+    (("--request-timeout", "0"), "--request-timeout must be > 0 seconds, got 0.0"),
+    (("--max-failed-steps", "0"), "--max-failed-steps must be >= 1"),
+    (("--max-connections", "0"), "--max-connections must be >= 1"),
+    (("--header-timeout", "0"), "--header-timeout must be > 0 seconds"),
+    (("--keep-alive-timeout", "0"), "--keep-alive-timeout must be >= 1 second"),
+    (("--drain-timeout", "-1"), "--drain-timeout must be >= 0 seconds"),
+    (("--api-key", " "), "--api-key must not be empty"),
 ])
 def test_bad_settings_get_one_line_errors_before_loading(capsys, args, expected):
     assert expected in _cli_error(capsys, *args)
+
+
+def test_the_api_key_comes_from_hspec_api_key_when_not_given(capsys, monkeypatch):
+    monkeypatch.setenv("HSPEC_API_KEY", "  ")  # read, and refused as blank, before anything loads
+    assert "--api-key must not be empty" in _cli_error(capsys)
+
+
+def test_loopback_answers_loopback_hosts_only_and_other_addresses_without_a_key_warn():
+    limits, warning = access_limits("127.0.0.1", ServingLimits())
+    assert limits.allowed_hosts == LOOPBACK_NAMES and warning is None
+    assert access_limits("::1", ServingLimits())[0].allowed_hosts == LOOPBACK_NAMES
+    limits, warning = access_limits("0.0.0.0", ServingLimits())
+    assert limits.allowed_hosts is None and "0.0.0.0" in warning and "--api-key" in warning
+    assert access_limits("0.0.0.0", ServingLimits(api_key="k"))[1] is None
 
 
 def test_a_port_in_use_is_a_one_line_error(capsys):

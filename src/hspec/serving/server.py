@@ -134,6 +134,18 @@ def check_pool(engine: Engine, default_max_tokens: int) -> str | None:
     return None
 
 
+def access_limits(host: str, limits: ServingLimits) -> tuple[ServingLimits, str | None]:
+    """`limits` for a server bound to `host`: on loopback only loopback Host names are answered (a web page
+    re-pointing its own name at 127.0.0.1, DNS rebinding, gets 400); elsewhere a warning when no API key
+    guards it."""
+    if is_loopback(host):
+        return (replace(limits, allowed_hosts=LOOPBACK_NAMES) if limits.allowed_hosts is None else limits), None
+    if limits.api_key is None:
+        return limits, (f"listening on {host}, beyond this machine, without an API key: anyone who can reach the "
+                        "port can use it; give --api-key (or HSPEC_API_KEY)")
+    return limits, None
+
+
 def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[FastAPI, socket.socket, str]:
     """Bind, load the target and drafter, build and check the engine: the app, its bound socket and the
     line announcing where it serves. Nothing serves until `run_server`.
@@ -167,13 +179,9 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
         if warning:
             print(f"[hspec serve] warning: {warning}", file=sys.stderr, flush=True)
         name = settings.model_name or target.name
-        limits = settings.limits
-        if is_loopback(settings.host) and limits.allowed_hosts is None:  # against DNS rebinding
-            limits = replace(limits, allowed_hosts=LOOPBACK_NAMES)
-        if not is_loopback(settings.host) and limits.api_key is None:
-            print(f"[hspec serve] warning: listening on {settings.host}, beyond this machine, without an API key: "
-                  "anyone who can reach the port can use it; give --api-key (or HSPEC_API_KEY)",
-                  file=sys.stderr, flush=True)
+        limits, warning = access_limits(settings.host, settings.limits)
+        if warning:
+            print(f"[hspec serve] warning: {warning}", file=sys.stderr, flush=True)
         app = create_app(engine, target.tokenizer, name, settings.default_max_tokens, settings.max_request_bytes,
                          limits=limits)
     except BaseException:

@@ -178,12 +178,12 @@ class EngineWorker:
             if self.metrics is not None:
                 self.metrics.observe_step(report)
         self._failed_steps = self._failed_steps + 1 if failed else 0
-        self._deliver(updates)
-        if self._failed_steps >= self.max_failed_steps:
+        if self._failed_steps >= self.max_failed_steps:  # set before delivering: their handlers answer 503
             log.error("%d engine steps failed in a row: the engine is broken", self._failed_steps)
             self.failure = (f"the engine failed {self._failed_steps} steps in a row and takes no more requests; "
                             "the server must restart")
-            self._deliver(self.engine.abort_all(self.failure))
+            updates += self.engine.abort_all(self.failure)
+        self._deliver(updates)
 
     def _drain(self, block: bool) -> None:
         """Apply every pending command; wait briefly for one first when the engine is idle."""
