@@ -452,3 +452,48 @@ def test_decoding_options_change_a_loaded_drafters_config_and_no_weight(tiny_tar
         decoding_options_of(["dflash", "ngram"], ["node_budget=5"])
     with pytest.raises(ValueError, match="node_budget takes an integer"):
         decoding_options_of(["specblock"], ["node_budget=wide"])
+
+
+# A child process: saves a fresh drafter's training state as step 2 into argv[2] (the target: argv[1]), allowed
+# to write 4 KB to any file, so that the save dies partway (SIGXFSZ, as a kill would).
+_KILLED_SAVE = """
+import resource, signal, sys
+from pathlib import Path
+import torch
+from hspec.drafters import create_drafter
+from hspec.models.loading import build_model, read_config, read_state_dict
+from hspec.training.checkpoint import save_training_state
+
+config = read_config(Path(sys.argv[1]))
+model = build_model(config, read_state_dict(Path(sys.argv[1])), torch.float32, "cpu", native=False)
+torch.manual_seed(1)
+drafter = create_drafter("hspec", config, target_model=model)
+optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it (the write fails); die as a kill would
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+save_training_state(Path(sys.argv[2]), drafter, optimizer, 2, {})
+"""
+
+
+def test_a_kill_during_a_training_save_then_a_clean_resume(tiny_target, tiny_dirs, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    drafter = random_drafter("hspec", tiny_target)
+    optimizer = _optimizer(drafter)
+    state = tmp_path / "state"
+    save_training_state(state, drafter, optimizer, 1, {"step": 1})
+    src = Path(durable.__file__).resolve().parents[1]
+    child = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tiny_dirs["llama"]), str(state)],
+                           env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True, timeout=300)
+    assert child.returncode == -signal.SIGXFSZ, child.stderr[-2000:]
+    assert [p.name for p in training_states(state)] == ["step-000000001"]  # the half-written step is not one
+    [leftover] = [p for p in state.iterdir() if p.name.startswith(".")]
+    assert durable.remove_stale_temporaries(state) == [f"removed {leftover} (an interrupted save's incomplete "
+                                                       "temporary folder)"]
+    resumed = random_drafter("hspec", tiny_target, seed=3)
+    assert load_training_state(state, resumed, _optimizer(resumed)) == (1, {"step": 1})
+    assert_same_state(drafter, resumed)
