@@ -72,7 +72,8 @@ def cache_problem(out_dir: Path) -> str | None:
     """Why `out_dir` is not a complete, intact cache (None: it is one): what its marker says against its files."""
     marker = out_dir / MARKER_FILE
     if not marker.is_file():
-        return "absent" if not out_dir.exists() else f"no {MARKER_FILE}: its conversion never finished"
+        return "absent" if not out_dir.exists() else \
+            f"no {MARKER_FILE}: its conversion never finished, or an hspec without the marker wrote it"
     try:
         recorded = json.loads(marker.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
