@@ -109,6 +109,23 @@ class FaultyEngine:
         return getattr(self.engine, name)
 
 
+class BrokenDecodeStages:
+    """Decoding stages whose batched steps always raise (a broken device context): the engine catches
+    that itself and fails the batch, so `Engine.step` never raises. Handed to `Engine` in place of its
+    stages; prefill and the rest are the wrapped stages'."""
+
+    def __init__(self, stages) -> None:
+        self.stages = stages
+
+    def step(self, *args: Any, **kwargs: Any):
+        raise RuntimeError(INJECTED)
+
+    step_plain = step_tree = step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stages, name)
+
+
 def start_server(target, limits: ServingLimits | None = None, wrap: Callable[[Any], Any] | None = None,
                  max_running: int = 16, num_blocks: int = 512, kind: str = "ngram") -> ServerThread:
     """A loopback server of `target` (use it in `with`); `wrap` turns its engine into what the app serves."""
@@ -320,6 +337,22 @@ def fault_step_always_fails(target, max_failed_steps: int = 3) -> dict[str, Any]
     return {"fault": f"every engine step raises (--max-failed-steps {max_failed_steps})", **seen, "survived": ok}
 
 
+def fault_decode_always_fails(target, max_failed_steps: int = 3) -> dict[str, Any]:
+    """Every batched decoding step fails inside the engine (caught there: `Engine.step` returns, its
+    requests failed): such steps count as failed too, and the server exits 1 after `max_failed_steps`."""
+    from hspec.serving.engine import Engine
+
+    limits = ServingLimits(max_failed_steps=max_failed_steps)
+    wrap = lambda e: Engine(BrokenDecodeStages(e.stages), e.pool, e.max_running)  # noqa: E731
+    with start_server(target, limits, wrap=wrap) as srv:
+        seen = _answers_and_exit(srv, requests=max_failed_steps + 2)
+    broken = seen["statuses"][max_failed_steps - 2:]
+    ok = (seen["stream_ended_with"] == [["error"], "[DONE]"] and set(broken) <= {503, 0}
+          and not seen["healthy"] and seen["exit_code"] == 1)
+    return {"fault": f"every batched decoding step fails inside the engine (--max-failed-steps {max_failed_steps})",
+            **seen, "survived": ok}
+
+
 def fault_inside_error_handling(target) -> dict[str, Any]:
     """The step raises and so does the error handling (abort_all): the thread dies, loudly."""
     with start_server(target, wrap=lambda e: FaultyEngine(e, fail_step=lambda n: True, fail_abort=True)) as srv:
@@ -418,8 +451,8 @@ def fault_queue_full(target) -> dict[str, Any]:
             "retry_after": refused.headers.get("retry-after"), "answered_s": round(refused_s, 3), "survived": ok}
 
 
-FAULTS = (fault_step_fails_once, fault_step_always_fails, fault_inside_error_handling, fault_request_deadline,
-          fault_shutdown_drain, fault_idle_connections, fault_queue_full)
+FAULTS = (fault_step_fails_once, fault_step_always_fails, fault_decode_always_fails, fault_inside_error_handling,
+          fault_request_deadline, fault_shutdown_drain, fault_idle_connections, fault_queue_full)
 
 
 # ---- soak ------------------------------------------------------------------------------------------

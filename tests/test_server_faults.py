@@ -40,6 +40,14 @@ def test_steps_that_always_fail_mark_the_engine_broken_and_the_server_exits_1(ta
     assert seen["survived"]
 
 
+def test_decoding_steps_failing_inside_the_engine_count_as_failed_steps(target):
+    """A broken device fails every batch inside `Engine.step`, which returns normally: still loud."""
+    seen = hardening.fault_decode_always_fails(target, max_failed_steps=3)
+    assert seen["stream_ended_with"] == [["error"], "[DONE]"] and set(seen["statuses"][1:]) <= {503, 0}
+    assert not seen["healthy"] and "3 steps in a row" in seen["reason"]
+    assert seen["server_exited"] and seen["exit_code"] == 1
+
+
 def test_an_error_inside_the_error_handling_kills_the_thread_loudly(target):
     """The step raises and abort_all raises too: the thread dies, yet every request is answered."""
     seen = hardening.fault_inside_error_handling(target)
