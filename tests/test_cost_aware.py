@@ -118,13 +118,41 @@ def test_the_backoff_follows_a_row_through_a_preemption_and_is_forgotten_on_rele
     assert len(model.calls) == calls + 1
 
 
+class _Lookup(Drafter):
+    """Drafts token 9 everywhere without a confidence, as prompt lookup and n-gram do."""
+
+    kind = "lookup-test"
+
+    def propose(self, batch: DraftBatch, K: int) -> Proposal:
+        tokens = torch.full((len(batch.seq_ids), K), 9, dtype=torch.long)
+        return Proposal(tokens, torch.zeros((len(batch.seq_ids), K, 16)).scatter_(-1, tokens[..., None], 1.0))
+
+
+def test_drafts_without_a_confidence_are_judged_by_the_rows_record():
+    drafter = CostAwareDrafter(_Lookup(), 16, StepCost(draft=0.0, per_token=0.3, per_token_key=0.0))
+    batch = _batch(2)
+    # a_k = 0.5 before any verdict: 1.5 / 1.3 > 1, 1.75 / 1.6 < 1.5 / 1.3: one draft each
+    assert drafter.propose(batch, K=4).num_drafts.tolist() == [1, 1]
+    drafter.commit(None, [10, 11], None, torch.tensor([2, 1]))  # seq 10 accepted its draft, seq 11 did not
+    assert drafter._rows[10].estimates(2) == pytest.approx([2 / 3, 2 / 3])  # (1 + 2 x 0.5) / 3; then the prior
+    assert drafter._rows[11].estimates(2) == pytest.approx([1 / 3, 1 / 3])
+    lengths = []
+    for _ in range(16):  # seq 10 keeps accepting whatever it verifies: it learns to verify more, position by position
+        n = drafter.propose(batch, K=4).num_drafts.tolist()
+        lengths.append(n[0])
+        drafter.commit(None, [10, 11], None, torch.tensor([n[0] + 1, 1]))
+    assert lengths == sorted(lengths) and lengths[-1] >= 3
+    drafter.commit(None, [10, 11], None, torch.tensor([1, 1]))
+
+
 def test_the_name_grammar_takes_auto():
     assert parse_drafter_spec("hspec:auto") == DrafterSpec("hspec", adaptive_length=True)
     assert parse_drafter_spec("hspec+ngram:auto") == DrafterSpec("hspec", lookup=True, adaptive_length=True)
     with pytest.raises(ValueError, match="'auto' for the cost-aware draft length"):
         parse_drafter_spec("hspec:fast")
-    with pytest.raises(ValueError, match="only trained drafters"):
-        parse_drafter_spec("ngram:auto")
+    assert parse_drafter_spec("ngram:auto") == DrafterSpec("ngram", adaptive_length=True)
+    with pytest.raises(ValueError, match="plain decoding drafts nothing"):
+        parse_drafter_spec("none:auto")
 
 
 def test_build_drafter_wraps_the_given_costs(tiny_target):
@@ -135,8 +163,9 @@ def test_build_drafter_wraps_the_given_costs(tiny_target):
     alone = build_drafter("hspec:auto", tiny_target, random_weights=True, step_cost=cost)
     assert isinstance(alone, CostAwareDrafter) and alone.cost == cost and alone.kind == "hspec:auto"
     behind = build_drafter("hspec+ngram:auto", tiny_target, random_weights=True, step_cost=cost)
-    assert isinstance(behind, LookupFirstDrafter) and behind.trim_lookup and behind.kind == "hspec+ngram:auto"
-    assert isinstance(behind.model, CostAwareDrafter)
+    assert isinstance(behind, CostAwareDrafter) and behind.kind == "hspec+ngram:auto"
+    assert isinstance(behind.model, LookupFirstDrafter) and not behind.model.trim_lookup
+    assert build_drafter("ngram:auto", tiny_target, step_cost=cost).kind == "ngram:auto"
 
 
 def test_costs_are_measured_once_and_read_back(tmp_path, tiny_target):

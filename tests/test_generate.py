@@ -51,10 +51,10 @@ def _make(kind, target):
     if spec.adaptive_length:  # rows verify 0..K drafts and back off drafting, by the costs below
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            model = CostAwareDrafter(_make(spec.base, target), target.config.vocab_size, ADAPTIVE_COST)
+            model = _make(spec.base, target)
         if spec.lookup:
-            return LookupFirstDrafter(model, target.config.vocab_size, min_match=2, trim_lookup=True)
-        return model
+            model = LookupFirstDrafter(model, target.config.vocab_size, min_match=2)
+        return CostAwareDrafter(model, target.config.vocab_size, ADAPTIVE_COST)
     if spec.confidence_floor is not None:  # rows verify a varying number of drafts
         with torch.random.fork_rng():  # the same weights in any test order, so the floor keeps mixing
             torch.manual_seed(0)
@@ -78,7 +78,7 @@ EARLY_STOP = ("hspec:0.1", "hspec+ngram:0.1", "dflash:0.07", "random-test:0.05")
 # Costs at which these random-weight drafters' confidences (~0.05-0.15) make some steps verify 0 drafts and
 # back off, and others verify several: a drafted token costs 0.05 decodes, drafting 0.02.
 ADAPTIVE_COST = StepCost(draft=0.02, per_token=0.05, per_token_key=0.0)
-ADAPTIVE = ("hspec:auto", "hspec+ngram:auto", "dflash:auto")
+ADAPTIVE = ("hspec:auto", "hspec+ngram:auto", "dflash:auto", "ngram:auto")
 ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test", *LOOKUP_FIRST, *EARLY_STOP, *ADAPTIVE]
 
 
@@ -226,7 +226,7 @@ def test_batched_equals_one_by_one_when_sampling(tiny_target, kind):
 ABLATIONS = ("hspec-kvreuse-only", "hspec-lasttoken-only", "hspec-nomarkov", "mamba-only", "attention-only",
              "dflash-kvreuse")
 SAMPLED_IN_SLOW = (*ABLATIONS, "peagle+ngram", "hspec+ngram:0.1", "dflash:0.07", "random-test:0.05", "dels", "dfly",
-                   "dspark", "dflash2", "hspec+ngram:auto", "dflash:auto")
+                   "dspark", "dflash2", "hspec+ngram:auto", "dflash:auto", "ngram:auto")
 
 
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SAMPLED_IN_SLOW else k

@@ -22,17 +22,19 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                         "(the embedded default, SmolLM2-135M-Instruct; default)")
 
 
-def _add_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8", "int4", "w4a8"),
-                   help="weights, KV pool and drafters: auto (default) = bfloat16 on a GPU or a CPU with native "
+def _add_dtype(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    p.add_argument("--dtype", default=default,
+                   choices=("auto", "fastest", "float32", "bfloat16", "int8", "int4", "w4a8"),
+                   help=f"weights, KV pool and drafters (default {default}): auto = bfloat16 on a GPU or a CPU with "
+                        "native "
                         "bf16 dot products (AVX512-BF16 or AMX), float32 on other CPUs, where bf16 runs slower; "
                         "int8 = the target's linear weights stored as int8 (one scale per row) with bf16 "
                         "activations; int4 = its decoder layers' weights in 4-bit groups of 32 (the default "
                         "GGUF's own Q4_1 levels) and an int8 LM head, with bf16 activations; w4a8 = int4's weights "
                         "with each product's input rows rounded to int8 blocks of 32 (integer dot products, as "
                         "llama.cpp's Q4_1 x Q8_1; needs an x86-64 CPU with AVX2), the fastest plain decoding on a "
-                        "CPU. int8, int4 and w4a8 are slightly different models, so auto never picks them "
-                        "(docs/fast-path.md)")
+                        "CPU; fastest = w4a8 where hspec's CPU kernels run, else auto. int8, int4 and w4a8 are "
+                        "slightly different models, so auto never picks them (docs/guide/dtypes.md)")
 
 
 def _add_compile_drafter(p: argparse.ArgumentParser) -> None:
@@ -194,7 +196,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--stop needs a non-empty string, got {args.stop!r}")
     target = load_target(args.target, dtype=args.dtype)
     drafter = build_drafter(args.drafter, target, args.drafter_path, compiled=args.compile_drafter,
-                            precision=args.drafter_precision, options=options)
+                            precision=args.drafter_precision, options=options, K=args.k)
     decoder = SpeculativeDecoder(target.model, drafter, args.k, target.tokenizer.eos_token_ids,
                                  target.tokenizer.decode)
     prompt_ids = target.tokenizer.encode_prompt(args.prompt, raw=args.raw)
@@ -228,11 +230,13 @@ def _add_demo(sub) -> None:
                           description="Runs plain decoding and each drafter on a few prompts, interleaved, "
                                       "checks that outputs match, and prints text, MAL, tokens/s, speedup.")
     _add_target(demo)
-    _add_dtype(demo)
-    demo.add_argument("--drafters", default="ngram,hspec,hspec+ngram,hspec+ngram:0.4",
-                      help="comma-separated drafter kinds (default ngram,hspec,hspec+ngram,hspec+ngram:0.4: n-gram, "
-                           "the shipped H-Spec drafter, H-Spec behind prompt lookup, and that verifying only the "
-                           "drafts it is sure of)")
+    _add_dtype(demo, default="fastest")
+    demo.add_argument("--drafters", default="ngram,ngram:auto,hspec,hspec:auto,hspec+ngram:0.4,hspec+ngram:auto",
+                      help="comma-separated drafter kinds (default ngram,ngram:auto,hspec,hspec:auto,hspec+ngram:0.4,"
+                           "hspec+ngram:auto): n-gram and the shipped H-Spec drafter verifying all K drafts, and with "
+                           "the draft length chosen per row and step by this machine's costs (:auto; 0 = a plain "
+                           "decode step; the costs are measured once, ~10 s, and cached), and H-Spec behind prompt "
+                           "lookup verifying only the drafts it is >= 0.4 sure of, or with :auto")
     demo.add_argument("--k", type=int, default=7)
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.set_defaults(handler=_cmd_demo)

@@ -26,14 +26,16 @@ def run_demo(target_name: str, drafter_kinds: Sequence[str], K: int, max_new_tok
     started = time.perf_counter()
     target = load_target(target_name, dtype=dtype)
     kinds = ["none", *[k for k in drafter_kinds if k != "none"]]
-    decoders = {kind: SpeculativeDecoder(target.model, build_drafter(kind, target),
+    decoders = {kind: SpeculativeDecoder(target.model, build_drafter(kind, target, K=K),
                                          K, target.tokenizer.eos_token_ids) for kind in kinds}
     greedy = SamplingParams()
     decode_s = dict.fromkeys(kinds, 0.0)
     tokens = dict.fromkeys(kinds, 0)
     stats: dict[str, list] = {kind: [] for kind in kinds}
-    print(f"target {target.name} | K={K} | greedy | max_new_tokens={max_new_tokens} | "
-          f"{torch.get_num_threads()} threads\n")
+    steps = dict.fromkeys(kinds, 0)  # decoding steps, and those that drafted (the rest: :auto's plain steps)
+    drafted_steps = dict.fromkeys(kinds, 0)
+    print(f"target {target.name} | dtype {target.model.dtype_name} | K={K} | greedy | "
+          f"max_new_tokens={max_new_tokens} | {torch.get_num_threads()} threads\n")
     warm_up = target.tokenizer.encode_prompt(prompts[0])
     for dec in decoders.values():
         dec.generate([warm_up], greedy, WARM_UP_TOKENS)
@@ -50,12 +52,16 @@ def run_demo(target_name: str, drafter_kinds: Sequence[str], K: int, max_new_tok
             tokens[kind] += out.num_new_tokens - 1
             if out.acceptance() is not None:
                 stats[kind].append(out.acceptance())
+            steps[kind] += len(out.sequences[0].num_drafted)
+            drafted_steps[kind] += sum(n > 0 for n in out.sequences[0].num_drafted)
     width = max(12, *(len(kind) + 1 for kind in kinds))
-    print(f"{'method':<{width}} {'MAL':>6} {'tok/s':>8} {'speedup':>8}   (decode phase, all prompts)")
+    print(f"{'method':<{width}} {'MAL':>6} {'drafted':>8} {'tok/s':>8} {'speedup':>8}   (decode phase, all prompts; "
+          f"MAL over the steps that drafted)")
     for kind in kinds:
         mal = merge_stats(stats[kind]).mean_accepted_length if stats[kind] else 1.0
+        drafted = f"{drafted_steps[kind] / steps[kind]:.0%}" if steps[kind] else "-"
         rate = tokens[kind] / decode_s[kind]
         speedup = decode_s["none"] / decode_s[kind]
-        print(f"{kind:<{width}} {mal:>6.2f} {rate:>8.1f} {speedup:>7.2f}x")
+        print(f"{kind:<{width}} {mal:>6.2f} {drafted:>8} {rate:>8.1f} {speedup:>7.2f}x")
     print(f"\nall outputs identical to plain greedy decoding ({time.perf_counter() - started:.0f} s in all)")
     return 0

@@ -13,6 +13,7 @@ pays most on this machine, 0 included (`hspec.drafters.cost_aware`), from costs 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from hspec.drafters.common import NeuralDrafter
 from hspec.drafters.compile import compile_drafter
 from hspec.drafters.cost_aware import CostAwareDrafter
 from hspec.drafters.early_stop import EarlyStopDrafter
+from hspec.drafters.hspec.native import native_propose_for
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
 from hspec.drafters.step_cost import StepCost
@@ -37,6 +39,7 @@ from hspec.models.quantize import quantize_int8, quantize_w8a8
 from hspec.models.weight_layout import store_linear_weights_in_fast_layout
 
 ASSETS = Path(__file__).resolve().parent / "assets"
+NATIVE_DRAFTER_ENV = "HSPEC_NATIVE_DRAFTER"  # "0": drafters propose in Python (`prepare_for_inference`)
 COST_PROBE_K = 7  # the draft length `:auto` measures a drafter's costs at unless told (the shipped drafters' K)
 
 
@@ -63,12 +66,11 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
         model = build_drafter(spec.base, target, path, random_weights, compiled, precision, options)
         if spec.confidence_floor is not None:
             model = EarlyStopDrafter(model, spec.confidence_floor)
-        if spec.adaptive_length:
+        if spec.lookup:  # behind lookup, `:P` also trims lookup rows to 2m+1 drafts
+            model = LookupFirstDrafter(model, target.config.vocab_size, trim_lookup=spec.confidence_floor is not None)
+        if spec.adaptive_length:  # around everything: lookup rows too get their length by cost
             cost = step_cost or step_cost_of(model, target, K, path, precision, compiled)
             model = CostAwareDrafter(model, target.config.vocab_size, cost)
-        if spec.lookup:  # behind lookup, `:P` and `:auto` also trim lookup rows to 2m+1 drafts
-            model = LookupFirstDrafter(model, target.config.vocab_size,
-                                       trim_lookup=spec.confidence_floor is not None or spec.adaptive_length)
         return model
     cls = DRAFTERS.get(kind)
     if not cls.needs_target_model:
@@ -145,11 +147,14 @@ def int8_kernel(target_dtype: str, device: torch.device | str) -> str:
 
 
 def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.device | str, compiled: bool = False,
-                          precision: str = "auto") -> Drafter:
+                          precision: str = "auto", native: bool | None = None) -> Drafter:
     """Eval mode, linear weights in the layout multi-row CPU forwards prefer (see models/weight_layout),
     int8 linears where `precision` asks for them (`drafter_int8` for a target running in `target_dtype`
     on `device`; by default under a bf16, int8 or int4 target on a CPU: drafts may change, never the output),
-    and with `compiled` the tensor-only forwards through torch.compile."""
+    with `compiled` the tensor-only forwards through torch.compile, and with `native` (None: unless the
+    environment sets HSPEC_NATIVE_DRAFTER=0) an H-Spec drafter's greedy proposal of one CPU sequence as one
+    native call (drafters/hspec/native.py: the same drafts, built once per machine), which then takes those
+    proposals from the compiled forwards too."""
     store_linear_weights_in_fast_layout(drafter)
     if drafter_int8(precision, target_dtype, device) and isinstance(drafter, NeuralDrafter):
         drafter.requires_grad_(False)
@@ -165,4 +170,8 @@ def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.dev
     drafter = drafter.eval()
     if compiled and isinstance(drafter, NeuralDrafter):
         compile_drafter(drafter)
+    if native is None:
+        native = os.environ.get(NATIVE_DRAFTER_ENV, "1") != "0"
+    if native and isinstance(drafter, NeuralDrafter) and torch.device(device).type == "cpu":
+        drafter.native_greedy = native_propose_for(drafter)  # after every change of its weights' storage
     return drafter

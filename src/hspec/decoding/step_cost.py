@@ -39,10 +39,12 @@ from hspec.sampling import SamplingBatch, SamplingParams
 
 CONTEXTS = (128, 1024)  # the short and the long context the line is fitted through
 REPEATS = 7  # timings per measure; the median is kept
+WARM_UP = 3  # untimed runs before them
 
 
 def _median_seconds(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm-up: allocations, first-call dispatch
+    for _ in range(WARM_UP):  # allocations, first-call dispatch, oneDNN's first products of a shape
+        run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -7,36 +7,41 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
 
 1. If the row is backing off (below), it drafts nothing: its step verifies x0 alone, a plain decode, and
    the drafter does not run for it.
-2. Otherwise the drafter proposes K tokens with its confidence c_k at each position (the largest
-   probability of its distribution there, before the sampling transform), and the row verifies drafts
-   while each one raises the step's rate, tokens per decode's cost:
+2. Otherwise the drafter proposes K tokens with an estimate a_k that draft k is accepted given the drafts
+   before it were: its confidence c_k (the largest probability of its distribution at k, before the sampling
+   transform) where it reports one, else (prompt lookup, n-gram: drafts without a distribution) the row's own
+   record, the share of its earlier such steps that accepted position k once they reached it (with a prior
+   of two steps at a_{k-1}, and 0.5 for a_1). The row verifies drafts while each one raises the step's rate, tokens per
+   decode's cost:
 
-       rate(n) = E(n) / cost(n),   E(n) = 1 + sum_{k<=n} prod_{j<=k} c_j,   cost(n) = draft + 1 + n (t + t_S S)
+       rate(n) = E(n) / cost(n),   E(n) = 1 + sum_{k<=n} prod_{j<=k} a_j,   cost(n) = draft + 1 + n (t + t_S S)
 
-   (StepCost; S the row's context; c_k read as the chance that draft k is accepted given the drafts
-   before it were): n is the first n with rate(n + 1) <= rate(n). Stopping at the first draft that does
-   not pay, rather than taking the best n over all K, keeps sampling exact: whether d_k is verified then
-   depends on c_1..c_k, which depend on d_1..d_{k-1} only (`Proposal.confidence`), never on d_k or the
-   drafts after it. With confidences that fall along the block, as a drafter's do, both choose alike.
+   (StepCost; S the row's context; a row drafted without the model, a lookup row, pays no draft): n is the
+   first n with rate(n + 1) <= rate(n). Stopping at the first draft that does not pay, rather than taking
+   the best n over all K, keeps sampling exact: whether d_k is verified then depends on a_1..a_k, which
+   depend on d_1..d_{k-1} and earlier steps only (`Proposal.confidence`), never on d_k or the drafts after
+   it. With estimates that fall along the block, as they do, both choose alike.
 3. When even the best n emits less than 1 token per decode's cost, drafting did not pay for this row:
    it skips its next `backoff` steps, the backoff doubling (1, 2, 4, ...) up to `max_backoff` while
    drafting keeps not paying; a step that pays resets it. So a drafter that never pays costs one probe
    every max_backoff + 1 steps, and one that pays on some stretches of text drafts there.
 
 Losslessness is untouched: how many drafts a row verifies, and whether it drafts at all, depends only on
-that row's own drafts and confidences, never on the target's verdict, and the verifier treats a row with n
-drafts exactly as a block of n (n = 0: the target's own token). The rule keeps no timing and no state
-shared between rows, so a row drafts the same in any batch; its backoff follows it through a preemption
-(`carried_state`).
+that row's own earlier steps, its drafts before the one in question and their confidences, never on this
+step's verdict, and the verifier treats a row with n drafts exactly as a block of n (n = 0: the target's
+own token). The rule keeps no timing and no state shared between rows, so a row drafts the same in any
+batch; its backoff and record follow it through a preemption (`carried_state`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from hspec.cache.paged_pool import PagedKVPool
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
 from hspec.drafters.step_cost import StepCost, expected_emitted
 from hspec.drafters.wrapping import WrappingDrafter
@@ -58,24 +63,51 @@ def best_draft_length(confidence: Sequence[float], keys: int, cost: StepCost) ->
 
 
 @dataclass
-class Backoff:
-    """One row's place in the back-off of step 3: steps still to skip, and the length of the last skip."""
+class RowState:
+    """What the rule keeps for one row: its place in the back-off of step 3 (steps still to skip, the length
+    of the last skip), and its record of drafts verified without a confidence (step 2): per position k,
+    steps that reached k and steps that accepted it."""
 
     skip: int = 0
-    length: int = 0
+    backoff: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    pending: int | None = None  # drafts verified this step without a confidence, until `commit` tells the verdict
 
     def after_draft(self, rate: float, max_backoff: int) -> None:
-        """Update after a step that drafted at `rate` tokens per decode's cost."""
+        """Update the back-off after a step that drafted at `rate` tokens per decode's cost."""
         if rate >= 1.0:
-            self.length = 0
+            self.backoff = 0
         else:
-            self.length = min(max(1, 2 * self.length), max_backoff)
-            self.skip = self.length
+            self.backoff = min(max(1, 2 * self.backoff), max_backoff)
+            self.skip = self.backoff
+
+    def estimates(self, K: int) -> list[float]:
+        """a_1..a_K from the record: (accepted_k + 2 a_{k-1}) / (reached_k + 2), a_0 = 0.5, a Beta prior of
+        two steps centred on the position before (a row whose drafts keep being accepted tries further)."""
+        grow = K - len(self.reached)
+        if grow > 0:
+            self.reached += [0] * grow
+            self.accepted += [0] * grow
+        out, prior = [], 0.5
+        for a, r in zip(self.accepted[:K], self.reached[:K]):
+            prior = (a + 2 * prior) / (r + 2)
+            out.append(prior)
+        return out
+
+    def record(self, verified: int, num_accepted: int) -> None:
+        """A step verified `verified` drafts and accepted the first `num_accepted` of them."""
+        for k in range(min(num_accepted + 1, verified)):
+            self.reached[k] += 1
+            self.accepted[k] += k < num_accepted
+
+    def copy(self) -> RowState:
+        return RowState(self.skip, self.backoff, list(self.reached), list(self.accepted), self.pending)
 
 
 class CostAwareDrafter(WrappingDrafter):
-    """`model`'s proposals, each row verifying the number of drafts that maximises tokens per step cost,
-    and drafting nothing while it backs off after drafts that did not pay (module docstring)."""
+    """`model`'s proposals, each row verifying the number of drafts that pays most per step cost, and drafting
+    nothing while it backs off after drafts that did not pay (module docstring)."""
 
     def __init__(self, model: Drafter, vocab_size: int, cost: StepCost, max_backoff: int = MAX_BACKOFF) -> None:
         if not model.drafts:
@@ -87,29 +119,39 @@ class CostAwareDrafter(WrappingDrafter):
         self.cost = cost
         self.max_backoff = max_backoff
         self.kind = f"{model.kind}:{ADAPTIVE_LENGTH}"
-        self._backoff: dict[int, Backoff] = {}
+        self._rows: dict[int, RowState] = {}
+
+    @property
+    def lookup_rows(self) -> int | None:  # type: ignore[override]
+        return self.model.lookup_rows
 
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         B = len(batch.seq_ids)
         device = batch.anchor_tokens.device
-        states = [self._backoff.setdefault(s, Backoff()) for s in batch.seq_ids]
+        states = [self._rows.setdefault(s, RowState()) for s in batch.seq_ids]
         drafting = [row for row, state in enumerate(states) if state.skip == 0]
         for state in states:
             state.skip = max(state.skip - 1, 0)
+            state.pending = None
         tokens = torch.zeros((B, K), dtype=torch.long, device=device)  # (B, K); rows that skip: padding
         num_drafts = [0] * B
         if not drafting:  # nobody drafts: a plain decode step, verified against an empty draft
             probs = torch.zeros((1, 1, 1), dtype=torch.float32, device=device).expand(B, K, self.vocab_size)
             return Proposal(tokens, probs, torch.zeros(B, dtype=torch.long, device=device))
         drafted = self.model.propose(batch.select(drafting), K)
-        if drafted.confidence is None:
-            raise ValueError(f"drafter {self.model.kind!r} reports no draft confidence to choose a length from")
         limits = [K] * len(drafting) if drafted.num_drafts is None else drafted.num_drafts.tolist()
+        confidence = None if drafted.confidence is None else drafted.confidence.float().tolist()
         keys = batch.pool.lengths([batch.seq_ids[row] for row in drafting])
-        for i, (row, confidence) in enumerate(zip(drafting, drafted.confidence.float().tolist())):
-            n, rate = best_draft_length(confidence[: limits[i]], keys[i], self.cost)
+        for i, row in enumerate(drafting):
+            state = states[row]
+            known = confidence is not None and not math.isnan(confidence[i][0])
+            estimate = confidence[i] if known else state.estimates(K)
+            # A row the model drafted pays the draft; a lookup row (NaN confidence) drafted for free.
+            cost = self.cost if known or confidence is None else replace(self.cost, draft=0.0)
+            n, rate = best_draft_length(estimate[: limits[i]], keys[i], cost)
             num_drafts[row] = n
-            states[row].after_draft(rate, self.max_backoff)
+            state.after_draft(rate, self.max_backoff)
+            state.pending = None if known else n
         if len(drafting) == B:
             tokens, probs = drafted.draft_tokens, drafted.draft_probs
         else:
@@ -117,25 +159,34 @@ class CostAwareDrafter(WrappingDrafter):
             tokens[index] = drafted.draft_tokens
             probs = torch.zeros((B, K, self.vocab_size), dtype=drafted.draft_probs.dtype, device=device)  # (B, K, V)
             probs[index] = drafted.draft_probs
-        confidence = torch.zeros((B, K), dtype=drafted.confidence.dtype, device=device)  # (B, K)
-        confidence[torch.tensor(drafting, dtype=torch.long, device=device)] = drafted.confidence
-        return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device), confidence)
+        return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device))
+
+    def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
+               num_committed: torch.Tensor) -> None:
+        """After a step, the rows that drafted without a confidence add its verdict to their record."""
+        for seq_id, committed in zip(seq_ids, num_committed.tolist()):
+            state = self._rows.get(seq_id)
+            if state is not None and state.pending:
+                state.record(state.pending, committed - 1)  # committed = x0 + the accepted drafts
+            if state is not None:
+                state.pending = None
+        super().commit(pool, seq_ids, hidden, num_committed)
 
     def release(self, seq_id: int) -> None:
-        self._backoff.pop(seq_id, None)
+        self._rows.pop(seq_id, None)
         super().release(seq_id)
 
     def carried_state(self, seq_id: int) -> object | None:
-        backoff = self._backoff.get(seq_id)
+        state = self._rows.get(seq_id)
         inner = self.model.carried_state(seq_id)
-        if backoff is None and inner is None:
+        if state is None and inner is None:
             return None
-        return (Backoff(backoff.skip, backoff.length) if backoff else None, inner)
+        return (state.copy() if state else None, inner)
 
     def restore_carried_state(self, seq_id: int, state: object | None) -> None:
         if state is None:
             return
-        backoff, inner = state  # what carried_state returned
-        if backoff is not None:
-            self._backoff[seq_id] = Backoff(backoff.skip, backoff.length)
+        own, inner = state  # what carried_state returned
+        if own is not None:
+            self._rows[seq_id] = own.copy()
         self.model.restore_carried_state(seq_id, inner)

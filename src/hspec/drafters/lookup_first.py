@@ -12,7 +12,7 @@ min_match = 1 (look up whenever the last token occurred before) is the default: 
 items outside `hspec eval`'s subset (K = 7, SmolLM2-135M) it gave tau 2.35 / 1.20x plain decoding,
 against 2.29 / 1.09x for min_match 2, 2.18 / 1.02x for 3, and 1.62 / 0.72x for H-Spec alone.
 
-With `trim_lookup` (the `KIND+ngram:P` and `KIND+ngram:auto` forms) a lookup row
+With `trim_lookup` (the `KIND+ngram:P` form) a lookup row
 verifies min(K, 2m+1) of its K drafts after an m-token match: on the 18 dev items (K = 7,
 `results/lookup_match_stats.md`, made by `scripts/lookup_match_stats.py`), lookup after a 1-token match
 got 0.81 drafts accepted on average, after 2 tokens 1.65, after 4 tokens 2.07, so the target should
@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 
 from hspec.drafters.base import DraftBatch, Drafter, Proposal, one_hot_probs
-from hspec.drafters.cost_aware import ADAPTIVE_LENGTH, CostAwareDrafter
 from hspec.drafters.early_stop import CONFIDENCE_SEPARATOR, EarlyStopDrafter
 from hspec.drafters.ngram.drafter import longest_suffix_match
 from hspec.drafters.wrapping import WrappingDrafter
@@ -57,8 +56,6 @@ class LookupFirstDrafter(WrappingDrafter):
         self.trim_lookup = trim_lookup
         if isinstance(model, EarlyStopDrafter):  # hspec:0.4 behind lookup is named hspec+ngram:0.4
             self.kind = f"{model.model.kind}{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}{model.floor:g}"
-        elif isinstance(model, CostAwareDrafter):  # and hspec:auto, hspec+ngram:auto
-            self.kind = f"{model.model.kind}{LOOKUP_SUFFIX}{CONFIDENCE_SEPARATOR}{ADAPTIVE_LENGTH}"
         else:
             self.kind = model.kind + LOOKUP_SUFFIX
         self.lookup_rows = 0  # rows drafted by lookup so far (with model_rows: how often each drafted)
@@ -95,7 +92,20 @@ class LookupFirstDrafter(WrappingDrafter):
                 for row, n in zip(model_rows, drafted.num_drafts.tolist()):
                     num_drafts[row] = n
         stops = any(n < K for n in num_drafts)
-        return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device) if stops else None)
+        return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device) if stops else None,
+                        self._confidence(B, K, lookup_index, model_rows, drafted if model_rows else None, device))
+
+    @staticmethod
+    def _confidence(B: int, K: int, lookup_index: torch.Tensor, model_rows: list[int], drafted: Proposal | None,
+                    device: torch.device) -> torch.Tensor | None:
+        """(B, K): the model's confidence on its rows and NaN on lookup rows, which drafted without a model's
+        distribution (`KIND+ngram:auto` then judges them by their own record); None if the model reports none."""
+        if drafted is not None and drafted.confidence is None:
+            return None
+        confidence = torch.full((B, K), float("nan"), device=device)
+        if drafted is not None:
+            confidence[torch.tensor(model_rows, dtype=torch.long, device=device)] = drafted.confidence.float()
+        return confidence
 
     def lookup_share(self) -> float:
         """Fraction of row-steps drafted by lookup so far (0 before any proposal)."""

@@ -5,9 +5,9 @@
 - `KIND:P`: KIND's drafts verified only while its confidence is at least P, 0 < P < 1
   (`hspec.drafters.early_stop`); `KIND+ngram:P` does both, and a lookup row then verifies 2m+1
   drafts after an m-token match;
-- `KIND:auto` (and `KIND+ngram:auto`): each row verifies the number of drafts, 0 included, that maximises
-  tokens per step cost on this machine, and backs off drafting where it does not pay
-  (`hspec.drafters.cost_aware`); behind lookup, lookup rows are trimmed to 2m+1 as with `:P`.
+- `KIND:auto` (and `KIND+ngram:auto`, `ngram:auto`): each row verifies the number of drafts, 0 included,
+  that pays most per step cost on this machine, and backs off drafting where it does not pay
+  (`hspec.drafters.cost_aware`); drafts without a confidence (lookup, n-gram) are judged by the row's record.
 
 This module only reads the name; `hspec.runtime.build_drafter` builds what it describes, and tests
 that build their own variants read names with the same `parse_drafter_spec`.
@@ -48,7 +48,9 @@ def parse_drafter_spec(text: str) -> DrafterSpec:
     floor = _confidence_floor(floor_text, text) if separator and not adaptive else None
     base = spec.removesuffix(LOOKUP_SUFFIX)
     lookup = base != spec
-    if (floor is not None or adaptive) and base in MODEL_FREE:
+    if adaptive and base == "none":
+        raise ValueError(f"{text!r}: plain decoding drafts nothing, so it has no draft length to choose")
+    if floor is not None and base in MODEL_FREE:
         suffix = f"{CONFIDENCE_SEPARATOR}{floor_text}"
         raise ValueError(f"{text!r}: only trained drafters report the confidence that {suffix} reads; use e.g. "
                          f"hspec{suffix} or hspec{LOOKUP_SUFFIX}{suffix}")

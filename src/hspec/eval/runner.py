@@ -109,7 +109,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     if any(options.values()):
         settings["drafter_options"] = {label: opts for label, opts in options.items() if opts}
     drafters = {m.label: build_drafter(m.kind, target, m.path, compiled=compile_drafters,
-                                          precision=drafter_precision, options=options[m.label]) for m in specs}
+                                          precision=drafter_precision, options=options[m.label], K=max(ks))
+                for m in specs}
     checkpoints = {m.label: checkpoint_digest(m.path) for m in specs if m.path is not None}
     if checkpoints:
         settings["checkpoints"] = checkpoints

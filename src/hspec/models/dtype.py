@@ -28,7 +28,9 @@ import torch
 
 from hspec.machine import cpu_flags
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4", "w4a8")
+DTYPE_CHOICES = ("auto", "fastest", "float32", "bfloat16", "int8", "int4", "w4a8")
+# `--dtype fastest`: w4a8 where hspec's kernels run, else auto (`models.loading.fastest_dtype`).
+FASTEST = "fastest"
 # `--dtype` names that store the target's linear weights quantized (bfloat16 between the products).
 QUANTIZED_DTYPES = ("int8", "int4", "w4a8")
 # `--dtype` names that only hspec's CPU kernels compute (torch has no kernel for them).

@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
-from hspec.models.dtype import KERNEL_ONLY_DTYPES, quantized_weights, resolve_dtype, slow_dtype_note
+from hspec.models.dtype import FASTEST, KERNEL_ONLY_DTYPES, quantized_weights, resolve_dtype, slow_dtype_note
 from hspec.models.gguf_cache import cached_conversion
 from hspec.models.layers import RMSNorm
 from hspec.models.llama import Attention, TargetModel
@@ -80,15 +80,24 @@ def load_target(name_or_path: str | None = None, dtype: str | torch.dtype = torc
                 device: torch.device | str = "cpu", native: bool = True) -> Target:
     """Load the target's weights, config and tokenizer; errors name the bad file and what was expected.
 
-    `dtype` is a torch dtype or a `--dtype` name (auto, float32, bfloat16, int8; see `models.dtype`): the
-    weights, the KV pools the model makes and the drafters built on it all run in it. The library
-    default stays float32 (training and cached features); the inference commands default to auto.
-    `native`: as in `build_model`.
+    `dtype` is a torch dtype or a `--dtype` name (auto, fastest, float32, bfloat16, int8, int4, w4a8; see
+    `models.dtype`): the weights, the KV pools the model makes and the drafters built on it all run in it.
+    The library default stays float32 (training and cached features); the inference commands default to
+    auto, the demo to fastest (`fastest_dtype`). `native`: as in `build_model`.
     """
+    if dtype == FASTEST:
+        dtype = fastest_dtype(device)
     name, directory = resolve_target_dir(name_or_path)
     config = read_config(directory)
     model = build_model(config, read_state_dict(directory), dtype, device, native)
     return Target(name, directory, config, model, ChatTokenizer.from_directory(directory, config))
+
+
+def fastest_dtype(device: torch.device | str = "cpu") -> str:
+    """What `--dtype fastest` runs: w4a8 on a CPU where hspec's kernels run (the fastest plain decoding there,
+    docs/guide/dtypes.md), else what auto picks. Unlike auto it may change the model: w4a8 rounds the weights
+    to int4 and each product's rows to int8, so its outputs are w4a8's, not bf16's."""
+    return "w4a8" if torch.device(device).type == "cpu" and load_kernels() else "auto"
 
 
 def resolve_device(name: str = "auto") -> torch.device:

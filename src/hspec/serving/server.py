@@ -166,7 +166,7 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
             target = load_target(settings.target, dtype=settings.dtype)
         options = decoding_options_of([settings.drafter], settings.drafter_options)[settings.drafter]
         drafter = build_drafter(settings.drafter, target, settings.drafter_path, settings.random_drafter_weights,
-                                options=options)
+                                options=options, K=max(settings.K, 1))
         if settings.random_drafter_weights and drafter.needs_target_model:
             log.warning("serving an untrained %r drafter (random weights): outputs stay exact, acceptance is "
                         "meaningless", settings.drafter)
