@@ -611,7 +611,8 @@ def write_results(out: Path, hostile: list[dict[str, Any]], faults: list[dict[st
     as_expected = sum(r["status"] == r["expected"] for r in hostile)
     lines = [
         "# The server on a bad day", "",
-        f"Made by `{command}` (scripts/server_hardening.py) on a CPU machine, against a live loopback server of a "
+        f"Made by `{command}` (scripts/server_hardening.py; without --soak-seconds it soaks for ten minutes) on "
+        f"a {os.cpu_count()}-core CPU machine, against a live loopback server of a "
         "tiny random Llama (4 layers, hidden 64, vocabulary 96; a one-character-per-token tokenizer), n-gram "
         "drafts, K=4: the figures are about the HTTP server and the engine thread, not the model. "
         "Raw numbers: server_hardening.json.", "",
@@ -622,6 +623,8 @@ def write_results(out: Path, hostile: list[dict[str, Any]], faults: list[dict[st
         *(f"| {r['input']} | {r['expected']} | {r['status']} | {r['seconds']} |" for r in hostile), "",
         f"## Injected faults: {sum(f['survived'] for f in faults)} of {len(faults)} survived as they must", "",
         "Injected through `FaultyEngine`, handed to `create_app` in place of the engine.", "",
+        "Statuses: 500 for a request a failed step took down, 503 once the engine is marked broken, 0 when the "
+        "connection is refused because the server has already exited.", "",
         "| fault | what happened | survived |", "|---|---|---|",
         *(f"| {f['fault']} | {_observed(f)} | {'yes' if f['survived'] else '**no**'} |" for f in faults), "",
         f"## Soak: {report.seconds:g} s, {report.clients} clients", "",
@@ -637,7 +640,7 @@ def write_results(out: Path, hostile: list[dict[str, Any]], faults: list[dict[st
         f"| open file descriptors before / after | {report.fds_before} / {report.fds_after} "
         f"(drift {report.fds_after - report.fds_before:+d}) |",
         f"| RSS before / after (MiB) | {report.rss_before_mib} / {report.rss_after_mib} "
-        f"(drift {report.rss_after_mib - report.rss_before_mib:+.1f}) |",
+        f"(drift {report.rss_after_mib - report.rss_before_mib:+.1f}; the soak test's bound: 64) |",
         f"| requests by client kind | {', '.join(f'{k} {v}' for k, v in sorted(report.by_kind.items()))} |", "",
         *([f"Unexpected: {', '.join(report.unexpected[:10])}", ""] if report.unexpected else []),
     ]
