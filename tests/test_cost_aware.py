@@ -203,3 +203,14 @@ def test_sampled_confidence_does_not_depend_on_the_draft_itself(tiny_target):
             draws.append((int(tokens[0, 0]), float(confidence[0, 0])))
     assert len({d for d, _ in draws}) > 1, "the seeds never drew two different first drafts"
     assert len({c for _, c in draws}) == 1
+
+
+def test_given_step_costs_are_parsed_and_bad_ones_named(capsys):
+    from hspec.cli import main
+
+    assert StepCost.parse("0.6,0.13,8e-5") == StepCost(0.6, 0.13, 8e-5)
+    for bad in ("0.6,0.13", "a,b,c", "0.6,-1,0"):
+        with pytest.raises(ValueError, match="--step-cost|per_token must"):
+            StepCost.parse(bad)
+    assert main(["generate", "--prompt", "hi", "--drafter", "hspec:auto", "--step-cost", "1,2"]) == 2
+    assert "--step-cost takes DRAFT,PER_TOKEN,PER_TOKEN_KEY" in capsys.readouterr().err

@@ -55,6 +55,21 @@ def _add_drafter_precision(p: argparse.ArgumentParser) -> None:
                         "target's dtype). Drafts may change, the output never does (docs/fast-path.md#int8-drafter)")
 
 
+def _add_step_cost(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step-cost", default=None, metavar="DRAFT,PER_TOKEN,PER_TOKEN_KEY",
+                   help="the step costs `:auto` drafters choose their draft length by, in 1-token decodes: the "
+                        "draft, each verified token at no context, and its growth per key of context (e.g. "
+                        "0.6,0.13,8e-5); default: this machine's, measured on first use (~10 s) and cached under "
+                        "~/.cache/hspec/step_costs/ (docs/guide/generate.md)")
+
+
+def _step_cost(text: str | None):
+    """`--step-cost` parsed before anything loads (None: measured)."""
+    from hspec.drafters.step_cost import StepCost
+
+    return None if text is None else StepCost.parse(text)
+
+
 def _add_decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="set a decoding option of a trained drafter's saved config (repeatable): a field that "
@@ -173,6 +188,7 @@ def _add_generate(sub) -> None:
     _add_compile_drafter(gen)
     _add_drafter_precision(gen)
     _add_decoding_options(gen)
+    _add_step_cost(gen)
     _add_sampling(gen)
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--stop", action="append", default=[], help="stop string, non-empty (repeatable)")
@@ -192,11 +208,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k)  # validate before loading
     _check_drafter_args(args)
     options = decoding_options_of([args.drafter], args.drafter_option)[args.drafter]
+    step_cost = _step_cost(args.step_cost)
     if "" in args.stop:  # an empty string is found at once: the text would be cut to nothing
         raise ValueError(f"--stop needs a non-empty string, got {args.stop!r}")
     target = load_target(args.target, dtype=args.dtype)
     drafter = build_drafter(args.drafter, target, args.drafter_path, compiled=args.compile_drafter,
-                            precision=args.drafter_precision, options=options, K=args.k)
+                            precision=args.drafter_precision, options=options, K=args.k, step_cost=step_cost)
     decoder = SpeculativeDecoder(target.model, drafter, args.k, target.tokenizer.eos_token_ids,
                                  target.tokenizer.decode)
     prompt_ids = target.tokenizer.encode_prompt(args.prompt, raw=args.raw)
@@ -404,6 +421,7 @@ def _add_eval(sub) -> None:
     _add_compile_drafter(ev)
     _add_drafter_precision(ev)
     _add_decoding_options(ev)
+    _add_step_cost(ev)
     _add_sampling(ev)
     ev.add_argument("--out", default="results", help="output directory")
     ev.add_argument("--name", default=None, help="file stem (default eval_<tasks>_k<K>_<greedy|sampled>)")
@@ -426,6 +444,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     methods = [MethodSpec(*spec.split("=", 1)) if "=" in spec else MethodSpec(spec)
                for spec in args.drafters.split(",") if spec]
     options = decoding_options_of([m.kind for m in methods], args.drafter_option)
+    step_cost = _step_cost(args.step_cost)
     mode = "greedy" if sampling.greedy else "sampled"
     ks = _ints(args.k)
     for k in ks:
@@ -434,7 +453,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     run_eval(args.target, methods, args.tasks.split(","), args.size, ks if len(ks) > 1 else ks[0], sampling,
              args.max_new_tokens, Path(args.out), stem, args.seed, args.command_line, data_dir=args.data_dir,
              dtype=args.dtype, compile_drafters=args.compile_drafter, drafter_precision=args.drafter_precision,
-             keep_current=args.keep_current, drafter_options=options)
+             keep_current=args.keep_current, drafter_options=options, step_cost=step_cost)
     print(f"report: {Path(args.out) / stem}.json and .md")
     return 0
 

@@ -41,6 +41,19 @@ class StepCost:
         drafter ran this step (its cost is paid whatever is verified)."""
         return (self.draft if drafted else 0.0) + 1.0 + tokens * (self.per_token + self.per_token_key * keys)
 
+    @classmethod
+    def parse(cls, text: str) -> StepCost:
+        """`DRAFT,PER_TOKEN,PER_TOKEN_KEY` (the `--step-cost` form, in 1-token decodes) -> StepCost."""
+        parts = text.split(",")
+        try:
+            values = [float(part) for part in parts]
+        except ValueError:
+            values = []
+        if len(values) != 3:
+            raise ValueError(f"--step-cost takes DRAFT,PER_TOKEN,PER_TOKEN_KEY, three numbers >= 0 in 1-token "
+                             f"decodes (e.g. 0.6,0.13,8e-5), got {text!r}")
+        return cls(*values)
+
     def to_dict(self) -> dict[str, float]:
         return {"draft": self.draft, "per_token": self.per_token, "per_token_key": self.per_token_key}
 

@@ -26,6 +26,8 @@ from tqdm import tqdm
 from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters.checkpoint import checkpoint_digest
+from hspec.drafters.cost_aware import CostAwareDrafter
+from hspec.drafters.step_cost import StepCost
 from hspec.eval.bootstrap import paired_bootstrap_relative_diff
 from hspec.eval.findings import (
     evaluate_claims,
@@ -68,7 +70,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
              seed: int = 0, command: str = "hspec eval", data_dir: str | Path | None = None,
              dtype: str = "auto", target: Target | None = None, compile_drafters: bool = False,
              drafter_precision: str = "auto", keep_current: bool = False,
-             drafter_options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+             drafter_options: Mapping[str, Mapping[str, Any]] | None = None,
+             step_cost: StepCost | None = None) -> dict[str, Any]:
     """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
 
     Every method first decodes WARM_UP_TOKENS untimed (first-call dispatch, and with `compile_drafters`
@@ -109,8 +112,12 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     if any(options.values()):
         settings["drafter_options"] = {label: opts for label, opts in options.items() if opts}
     drafters = {m.label: build_drafter(m.kind, target, m.path, compiled=compile_drafters,
-                                          precision=drafter_precision, options=options[m.label], K=max(ks))
+                                          precision=drafter_precision, options=options[m.label], K=max(ks),
+                                          step_cost=step_cost)
                 for m in specs}
+    costs = {label: d.cost.to_dict() for label, d in drafters.items() if isinstance(d, CostAwareDrafter)}
+    if costs:  # `:auto` drafters: the step costs their lengths were chosen by (measured here or given)
+        settings["step_costs"] = costs
     checkpoints = {m.label: checkpoint_digest(m.path) for m in specs if m.path is not None}
     if checkpoints:
         settings["checkpoints"] = checkpoints
