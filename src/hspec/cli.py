@@ -932,9 +932,10 @@ def _add_serve(sub) -> None:
 
 def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
     """`hspec serve`'s access, backpressure, deadline and connection flags (hspec.serving.limits)."""
-    serve.add_argument("--api-key", default=None,
+    serve.add_argument("--api-key", default=None, metavar="KEY",
                        help="clients must send `Authorization: Bearer KEY` on /v1/* (default: the HSPEC_API_KEY "
-                            "environment variable; unset = open, with a warning when --host is not loopback)")
+                            "environment variable, which `ps` does not show; unset = open, with a warning when "
+                            "--host is not loopback)")
     serve.add_argument("--max-waiting", type=int, default=None, metavar="N",
                        help="answer 503 with Retry-After while N requests wait for the engine (default: no bound)")
     serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
@@ -943,7 +944,7 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-failed-steps", type=int, default=3, metavar="N",
                        help="after N engine steps fail in a row the server answers 503, fails what is queued and "
                             "exits with status 1 for a supervisor to restart it (default 3)")
-    serve.add_argument("--max-connections", type=int, default=1024,
+    serve.add_argument("--max-connections", type=int, default=1024, metavar="N",
                        help="open connections; more are answered 503 and closed (default 1024)")
     serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="close a connection that sends no complete request head for this long (default 10)")
