@@ -33,6 +33,7 @@ from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
 from hspec.drafters.step_cost import StepCost
 from hspec.models.dtype import cpu_has_native_bf16, drafter_int8
+from hspec.models.layers import RMSNorm
 from hspec.models.loading import Target, cache_root
 from hspec.models.native import integer_capability, kernels_loaded
 from hspec.models.quantize import quantize_int8, quantize_w8a8
@@ -167,6 +168,13 @@ def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.dev
         if kernel == "w8a8" or (kernel == "int8" and not cpu_has_native_bf16()):  # else oneDNN's bf16 product
             drafter.head.store_int8(compute_dtype, kernel)
         drafter.store_int8(compute_dtype, kernel)
+    if isinstance(drafter, NeuralDrafter) and torch.device(device).type == "cpu" and kernels_loaded():
+        # bf16 norms in hspec's kernel, as the target's (`loading.build_model`): ~1 us a call where F.rms_norm
+        # took ~30 (18 calls a proposal); it may round otherwise in the last bit, so drafts may change, never
+        # the output
+        for module in drafter.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = True
     drafter = drafter.eval()
     if compiled and isinstance(drafter, NeuralDrafter):
         compile_drafter(drafter)

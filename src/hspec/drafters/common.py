@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +128,18 @@ class BlockContext:
 # ---- the base class of trained drafters ----------------------------------------------------------
 
 
+class NativeGreedy(Protocol):
+    """A kind's `draft_greedy` compiled to one native call (H-Spec's: drafters/hspec/native.py)."""
+
+    def covers(self, ctx: BlockContext) -> bool:
+        """Whether this context's proposal runs here (else in Python)."""
+        ...
+
+    def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft_greedy(ctx, anchor_tokens)`: drafts as draft-vocabulary indices and their confidence."""
+        ...
+
+
 @dataclass(frozen=True)
 class TargetParts:
     """The target's frozen pieces a drafter uses, shared (not copied) and not registered as modules.
@@ -177,6 +190,9 @@ class NeuralDrafter(Drafter, nn.Module):
         self.to(dtype)
         self._target: TargetParts | None = None
         self._last_hidden: dict[int, torch.Tensor] = {}  # seq_id -> (n_sel, H)
+        # `draft_greedy` as one native call for the contexts it covers, bound by `runtime.prepare_for_inference`
+        # (drafters/hspec/native.py); None: every proposal runs in Python.
+        self.native_greedy: NativeGreedy | None = None
         if target_model is not None:
             self.attach_target(target_model)
 
@@ -320,7 +336,11 @@ class NeuralDrafter(Drafter, nn.Module):
         context_kv, context_mask = self.context_kv_from_pool(batch.pool, batch.seq_ids, lengths, CONTEXT_MULTIPLE)
         ctx = BlockContext(block_tokens, positions, self.last_hidden_of(batch.seq_ids), context_kv, context_mask)
         if batch.sampling.all_greedy:
-            local, confidence = self.draft_greedy(ctx, batch.anchor_tokens)  # (B, K) x2
+            native = self.native_greedy
+            if native is not None and native.covers(ctx):  # one native call (drafters/hspec/native.py)
+                local, confidence = native(ctx, batch.anchor_tokens)  # (1, K) x2
+            else:
+                local, confidence = self.draft_greedy(ctx, batch.anchor_tokens)  # (B, K) x2
             drafts = self.head.to_target_ids(local)
             return Proposal(drafts, one_hot_probs(drafts, self.config.vocab_size), confidence=confidence)
         logits = self.block_logits(ctx)  # (B, K, Vp)

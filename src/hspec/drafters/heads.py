@@ -83,12 +83,22 @@ class PrunedVocabHead(nn.Module):
             raise RuntimeError("the pruned vocabulary head has no LM head attached; call attach() first")
         if hidden.requires_grad or hidden.dtype != self._rows.dtype:  # training (a backward) or autocast
             return F.linear(hidden, self._rows.to(hidden.dtype))  # (N, K, H) x (Vp, H)^T
-        if self._int8 is not None and self._int8[1].dtype == hidden.dtype:
+        rows, scale, packed = self.inference_weights(hidden.dtype)
+        return linear(hidden, rows, scale=scale, packed=packed)
+
+    def inference_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What an inference forward of `dtype` rows multiplies, as `models.layers.linear` takes it: the
+        restricted rows (Vp, H), their scales (int8) or None, and the copy a kernel reads or None. Packs the
+        floating rows for oneDNN on the first call (outside a compiled graph). The native proposal
+        (drafters/hspec/native.py) multiplies the same."""
+        if self._rows is None:
+            raise RuntimeError("the pruned vocabulary head has no LM head attached; call attach() first")
+        if self._int8 is not None and self._int8[1].dtype == dtype:
             rows, scale, packed = self._int8
-            return linear(hidden, rows, scale=scale, packed=packed)
+            return rows, scale, packed
         if not self._pack_tried and not torch.compiler.is_compiling():
             self._packed, self._pack_tried = pack_weight(self._rows), True
-        return linear(hidden, self._rows, packed=self._packed)
+        return self._rows, None, self._packed
 
     def to_full(self, probs: torch.Tensor) -> torch.Tensor:
         """(..., Vp) probabilities -> (..., V), zero outside the draft vocabulary."""

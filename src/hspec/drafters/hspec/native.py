@@ -1,0 +1,191 @@
+"""H-Spec's greedy proposal for one sequence as one native call (`native_propose.cpp`).
+
+In Python a proposal of K = 7 drafts runs ~500 small ATen operators and ~40 products (the Mamba-2 scans,
+norms, RoPE, attention over the target's K/V, the head and the Markov loop); on a 2-core CPU the interpreter
+and dispatch between them cost several times what the products themselves do, so drafting cost more than a
+target decode. `native_propose.cpp` makes the same operator calls in the same order, hspec's CPU kernels
+through the dispatcher where the Python layers call them, so the drafts have the Python path's bits; only the
+interpreter is gone (tests/test_native_drafter.py checks drafts and logits against the Python path).
+
+What goes native: a proposal of one sequence whose rows are all greedy, on the CPU, without autograd
+(`NativePropose.covers`), for a drafter whose modules it knows (`NativePropose.fits`): H-Spec's layers with
+unfused q/k/v and gate/up, weights floating, int8 or w8a8 (`models.quantize`), a Markov head or none. Sampled
+rows, batches and every other drafter keep the Python path (DFlash's native proposal is a follow-up).
+
+Built like the native decoder stack (`models.native._build`: torch's C++ extension loader, one build per
+machine under hspec's build lock, a warning and the Python path where it cannot be built), bound once per
+drafter by `runtime.prepare_for_inference` after its weights reached their final storage; HSPEC_NATIVE_DRAFTER=0
+there keeps the Python path.
+
+Legend: K block, S context keys, H hidden, Vp draft vocabulary, n_sel selected target layers.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from hspec.drafters.common import BlockContext
+from hspec.drafters.hspec.model import HSpecDrafter
+from hspec.models.layers import Linear, RMSNorm
+from hspec.models.native import _build
+
+__all__ = ["NativePropose", "build_native_propose", "native_propose_for"]
+
+_SOURCE = Path(__file__).with_name("native_propose.cpp")
+# native_propose.cpp's layer codes: which modules a drafter layer has.
+_MAMBA, _ATTENTION = 1, 2
+# native_propose.cpp's Markov head forms.
+_NO_MARKOV, _MARKOV_MATRIX, _MARKOV_INT8 = 0, 1, 2
+
+
+def build_native_propose() -> ModuleType | None:
+    """Compile (or load the cached build of) `native_propose.cpp`; None, with a warning naming the cause,
+    where that fails."""
+    return _build("hspec_native_propose", _SOURCE, ["-O2"], "H-Spec's native proposal could not be built",
+                  "the drafter proposes in Python instead, with the same drafts, slower")  # type: ignore[return-value]
+
+
+def native_propose_for(drafter: nn.Module) -> NativePropose | None:
+    """The native proposal of `drafter` where it fits (`NativePropose.fits`) and the extension builds, else None."""
+    if not isinstance(drafter, HSpecDrafter) or NativePropose.unfit_reason(drafter) is not None:
+        return None
+    extension = build_native_propose()
+    return None if extension is None else NativePropose(extension, drafter)
+
+
+class NativePropose:
+    """`native_propose.cpp` bound to one H-Spec drafter: `native(ctx, anchor_tokens)` is `drafter.draft_greedy`
+    for a context it `covers`.
+
+    It keeps references to the drafter's tensors as they are stored when it is built (quantized, the head's
+    restricted rows made); weights replaced afterwards (a new draft vocabulary, a reload) are not seen, so
+    build it after the last change (`runtime.prepare_for_inference` does).
+    """
+
+    def __init__(self, extension: ModuleType, drafter: HSpecDrafter) -> None:
+        reason = self.unfit_reason(drafter)
+        if reason is not None:
+            raise ValueError(f"the native proposal does not take this {drafter.kind!r} drafter: {reason}")
+        c = drafter.config
+        self.extension = extension
+        self.chunk_size = c.mamba_config().chunk_size
+        self.mask_token_id, self.vocab_size = c.mask_token_id, c.vocab_size
+        self.injects = drafter.injection is not None
+        self.eps = c.rms_norm_eps
+        mamba = next((layer.mamba for layer in drafter.layers if layer.mamba is not None), None)
+        self.mamba_eps = mamba.norm.eps if mamba is not None else 0.0
+        self.dims = [c.mamba_nheads, c.mamba_headdim, c.mamba_d_state, c.mamba_ngroups, c.num_heads,
+                     c.num_kv_heads, c.head_dim]
+        self.norm_kernel = all(m.kernel for m in drafter.modules() if isinstance(m, RMSNorm))
+        self.layers = [_MAMBA * (layer.mamba is not None) + _ATTENTION * (layer.attn is not None)
+                       for layer in drafter.layers]
+        self.rope = drafter.target_parts.rope  # the target's: (1, K) positions, dtype -> cos, sin (1, K, D)
+        # The flat list native_propose.cpp reads in this order, and per linear whether it is a `layers.Linear`.
+        self.weights: list[torch.Tensor | None] = []
+        self.row_invariant: list[bool] = []
+        parts = drafter.target_parts
+        self.weights += [parts.embed_weight, drafter.mask_embedding.detach()]
+        if drafter.injection is not None:
+            self._add_linear(drafter.injection.proj_r)
+            self._add_linear(drafter.injection.proj_ds)
+        for layer in drafter.layers:
+            if layer.mamba is not None and layer.mamba_norm is not None:
+                m = layer.mamba
+                self.weights.append(layer.mamba_norm.weight)
+                self._add_linear(m.in_proj)
+                self.weights += [m.conv1d.weight, m.conv1d.bias, m.A_log, m.dt_bias, m.D, m.norm.weight]
+                self._add_linear(m.out_proj)
+            if layer.attn is not None and layer.attn_norm is not None:
+                qkv = layer.attn.qkv
+                self.weights.append(layer.attn_norm.weight)
+                for projection in (qkv.q_proj, qkv.k_proj, qkv.v_proj):
+                    self._add_linear(projection)
+                self.weights += [qkv.q_norm.weight, qkv.k_norm.weight]  # type: ignore[union-attr]
+                self._add_linear(layer.attn.o_proj)
+            self.weights.append(layer.mlp_norm.weight)
+            for projection in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                self._add_linear(projection)
+        self.weights.append(drafter.norm.weight)
+        rows, scale, packed = drafter.head.inference_weights(drafter.mask_embedding.dtype)
+        self.weights += [rows, None, scale, packed]
+        self.row_invariant.append(True)  # the head multiplies through `layers.linear`
+        self.weights.append(drafter.head.draft_vocab_ids)
+        self.markov = _NO_MARKOV
+        markov = drafter.markov
+        if markov is not None:
+            self.weights.append(markov.W1.weight)
+            if markov._w2_int8 is not None and markov._w2_scale.dtype == markov.W1.weight.dtype:  # MarkovHead.forward
+                self.markov = _MARKOV_INT8
+                self.weights += [markov._w2_int8, None, markov._w2_scale, markov._w2_packed]
+                self.row_invariant.append(True)
+            else:
+                self.markov = _MARKOV_MATRIX
+                self.weights.append(markov.W2)
+        self.weights = [None if w is None else w.detach() for w in self.weights]
+
+    def __deepcopy__(self, memo: dict) -> NativePropose:
+        """A deep copy of its drafter binds the copy's tensors (`memo`); the compiled extension is shared."""
+        copied = copy.copy(self)
+        copied.weights = copy.deepcopy(self.weights, memo)
+        copied.rope = copy.deepcopy(self.rope, memo)
+        return copied
+
+    def _add_linear(self, module: nn.Linear) -> None:
+        """weight, bias, scale, packed of a `layers.Linear` (scale and packed None for a plain nn.Linear)."""
+        self.weights += [module.weight, module.bias, getattr(module, "weight_scale", None),
+                         getattr(module, "weight_packed", None)]
+        self.row_invariant.append(isinstance(module, Linear))
+
+    @staticmethod
+    def unfit_reason(drafter: HSpecDrafter) -> str | None:
+        """Why the native proposal cannot run `drafter`'s modules, or None where it can."""
+        c = drafter.config
+        if drafter.mask_embedding.device.type != "cpu":
+            return f"it runs on the CPU only, the drafter is on {drafter.mask_embedding.device}"
+        if drafter.mask_embedding.dtype not in (torch.float32, torch.bfloat16):
+            return f"it runs float32 or bfloat16 drafters, not {drafter.mask_embedding.dtype}"
+        if drafter._target is None:
+            return "no target attached"
+        if c.num_attention and not c.attend_target:
+            return "its attention reads the target's K/V (attend_target)"
+        norms = {m.kernel for m in drafter.modules() if isinstance(m, RMSNorm)}
+        if len(norms) > 1:
+            return "its norms run one kernel throughout"
+        for layer in drafter.layers:
+            mamba = layer.mamba.config if layer.mamba is not None else None
+            if mamba is not None and (mamba.use_kernel or mamba.chunk_size < c.max_draft_len):
+                return "its Mamba-2 scans run in PyTorch over one chunk"
+            if layer.attn is not None:
+                qkv = layer.attn.qkv
+                if qkv.qkv_weight is not None or qkv.q_norm is None or qkv.k_norm is None:
+                    return "its attention has unfused q/k/v with per-head q/k norms"
+            if layer.mlp.gate_up_weight is not None:
+                return "its MLP has unfused gate and up"
+        return None
+
+    def covers(self, ctx: BlockContext) -> bool:
+        """One sequence on the CPU, no autograd, no token history, a block within one SSD chunk."""
+        return (ctx.block_tokens.shape[0] == 1 and ctx.block_tokens.device.type == "cpu" and ctx.history is None
+                and not torch.is_grad_enabled() and ctx.K <= self.chunk_size)
+
+    def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts (1, K) as draft-vocabulary indices and their confidence (1, K), as `draft_greedy` returns them."""
+        local, confidence, _ = self.forward(ctx, anchor_tokens)
+        return local, confidence
+
+    def forward(self, ctx: BlockContext, anchor_tokens: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The drafts (1, K), their confidence (1, K) fp32 and the backbone logits U (1, K, Vp)."""
+        dtype = self.weights[1].dtype  # type: ignore[union-attr]  # the mask embedding's: the drafter's
+        cos, sin = self.rope(ctx.positions, dtype)  # (1, K, D) each, the target's RoPE
+        context = [t for pair in ctx.context_kv for t in pair]
+        drafts, confidence, logits = self.extension.propose(
+            ctx.block_tokens, cos, sin, ctx.last_hidden, context, ctx.context_mask, anchor_tokens, self.weights,
+            self.row_invariant, self.layers, self.mask_token_id, self.vocab_size, self.injects, self.markov,
+            self.dims, self.eps, self.mamba_eps, self.norm_kernel)
+        return drafts, confidence, logits

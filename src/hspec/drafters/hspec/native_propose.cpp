@@ -1,0 +1,422 @@
+// H-Spec's greedy proposal for one sequence in C++ (drafters/hspec/native.py builds and binds it).
+//
+// The Python proposal (`HSpecDrafter.block_logits`, then `NeuralDrafter.greedy_block`) is ~500 small ATen
+// operators and ~40 products; on a 2-core CPU the interpreter and dispatch between them cost several times
+// what the products do. This file makes the same operator calls with the same arguments in the same order
+// (ATen's, and hspec's CPU kernels, cpu_kernels.cpp, through the dispatcher where the Python layers call
+// them), so the drafts have the Python path's bits; only the interpreter is gone. Two shortcuts keep those
+// bits: the SSD scan of a block that fits one chunk skips the inter-chunk recurrence, whose state entering
+// the chunk is 1 x S_init + 0 x (the chunk's own state), i.e. S_init exactly; and the final SSM state,
+// which the drafter drops, is never computed.
+//
+// Per proposal (paper §3.3, drafters/hspec/model.py):
+// 1. the block [x0, MASK x (K-1)] embedded (the target's rows, the learned MASK embedding);
+// 2. S_init = Proj_dS(Proj_r(concat(h))) from the selected layers' last hidden states;
+// 3. per layer: Mamba-2 from S_init -> attention over [target K/V ; block K/V] -> SwiGLU MLP;
+// 4. final norm, pruned-vocabulary head: U_k (1, K, Vp);
+// 5. slot by slot, l_k = U_k + W2(W1[prev]), d_k = argmax l_k, confidence 1 / sum(exp(l_k - max l_k)).
+//
+// Legend: K block, S context keys, H hidden, Hq/Hkv heads, D head dim, nh SSM heads, P SSM head dim,
+// N SSM state, G B/C groups, Vp draft vocabulary, r Markov rank, n_sel selected target layers.
+
+// ATen, the dispatcher and torch's pybind11 casters, not <torch/extension.h> (as decoder_stack.cpp: a
+// shorter build).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+using at::Tensor;
+using OptionalTensor = std::optional<Tensor>;
+
+namespace {
+
+// layers.W4A8_TILE_BYTES: the last dim of a w4a8 weight's tiles.
+constexpr int64_t kW4a8TileBytes = 160;
+
+// One linear as models/layers.py stores it (`Linear`: weight, bias, weight_scale, weight_packed), or a plain
+// nn.Linear (`row_invariant` false: F.linear on the input as it is).
+struct LinearWeights {
+  Tensor weight;          // (N, K): floating, int8, or an int4 weight's floating values
+  OptionalTensor bias;    // (N,)
+  OptionalTensor scale;   // int8 (N,), int4 (N, K / 32, 2)
+  OptionalTensor packed;  // oneDNN's prepacked bf16 copy, w4a8/w8a8 tiles, an int8 kernel's matrix
+  bool row_invariant;     // a `layers.Linear` (its `linear`), not a plain nn.Linear (F.linear)
+};
+
+// layers._product: one product, flat (M, K) -> (M, N). The same as decoder_stack.cpp's `product`.
+Tensor product(const Tensor& flat, const LinearWeights& w) {
+  using Kernel = Tensor(const Tensor&, const Tensor&, const Tensor&);
+  using Tiles = Tensor(const Tensor&, const Tensor&);
+  const auto with_bias = [&](const Tensor& out) { return w.bias.has_value() ? out + *w.bias : out; };
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte && w.packed->dim() == 3 &&
+      w.packed->size(2) == kW4a8TileBytes) {  // w4a8, hspec's kernel
+    static auto w4a8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::w4a8_linear", "").typed<Tiles>();
+    return with_bias(w4a8_linear.call(flat, *w.packed));
+  }
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kChar && w.packed->dim() == 3) {  // w8a8
+    static auto w8a8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::w8a8_linear", "").typed<Kernel>();
+    return with_bias(w8a8_linear.call(flat, *w.packed, *w.scale));
+  }
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte && w.packed->dim() == 3) {  // int4, hspec's
+    static auto int4_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::int4_linear", "").typed<Kernel>();
+    return with_bias(int4_linear.call(flat, *w.packed, *w.scale));
+  }
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kChar) {  // int8, hspec's kernel
+    static auto int8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::int8_linear", "").typed<Kernel>();
+    return with_bias(int8_linear.call(flat, *w.packed, *w.scale));
+  }
+  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte) {  // int4, torch's kernel
+    return with_bias(at::_weight_int4pack_mm_for_cpu(flat.contiguous(), *w.packed,
+                                                     w.weight.size(1) / w.scale->size(0), *w.scale));
+  }
+  if (w.scale.has_value()) return with_bias(at::_weight_int8pack_mm(flat, w.weight, *w.scale));  // int8, torch's
+  // One floating row of a row-invariant (reduced-precision CPU) tensor: the first of two (layers._product).
+  const bool padded = flat.size(0) == 1 && flat.scalar_type() != at::kFloat;
+  const Tensor rows = padded ? flat.expand({2, -1}) : flat;
+  Tensor out;
+  if (w.packed.has_value()) {
+    static auto linear_pointwise =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+            .typed<Tensor(const Tensor&, const Tensor&, const OptionalTensor&, c10::string_view,
+                          c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+    out = linear_pointwise.call(rows, *w.packed, w.bias, "none", c10::List<std::optional<at::Scalar>>(),
+                                c10::string_view(""));
+  } else {
+    out = at::linear(rows, w.weight, w.bias);
+  }
+  return padded ? out.slice(0, 0, 1) : out;
+}
+
+// layers.linear (rows reshaped to (M, K), one product: a block's K rows are far below layers._ROW_BLOCK), or
+// F.linear for a plain nn.Linear. x (..., K) -> (..., N).
+Tensor linear(const Tensor& x, const LinearWeights& w) {
+  if (!w.row_invariant) return at::linear(x, w.weight, w.bias);
+  const int64_t k = x.size(-1);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = w.weight.size(0);
+  return product(x.reshape({x.numel() / k, k}), w).reshape(shape);
+}
+
+// layers.RMSNorm without autograd: bf16 rows through hspec's kernel where the drafter's norms use it, else
+// weight * F.rms_norm(x); other dtypes are normalised in fp32 and rounded back.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, bool kernel) {
+  if (x.scalar_type() == at::kBFloat16) {
+    if (kernel && weight.scalar_type() == at::kBFloat16) {
+      static auto norm = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::rms_norm", "")
+                             .typed<Tensor(const Tensor&, const Tensor&, double)>();
+      return norm.call(x, weight, eps);
+    }
+    return weight * at::rms_norm(x, {x.size(-1)}, std::nullopt, eps);
+  }
+  return weight * at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps).to(x.scalar_type());
+}
+
+// layers.apply_rope: x (1, K, heads, D) with cos and the signed sin (1, K, 1, D).
+Tensor apply_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  const Tensor swapped = x.unflatten(-1, {2, x.size(-1) / 2}).flip({-2}).flatten(-2);
+  return x * cos + swapped * sin;
+}
+
+// Reads the flat weight list in the order `NativePropose` (native.py) writes it.
+class Cursor {
+ public:
+  Cursor(const std::vector<OptionalTensor>& tensors, const std::vector<bool>& row_invariant)
+      : tensors_(tensors), row_invariant_(row_invariant) {}
+
+  const Tensor& tensor(const char* what) {
+    TORCH_CHECK(next_ < tensors_.size(), "native_propose: the weight list ended before ", what);
+    const OptionalTensor& t = tensors_[next_++];
+    TORCH_CHECK(t.has_value(), "native_propose: ", what, " (weight ", next_ - 1, ") is required");
+    return *t;
+  }
+
+  OptionalTensor optional() {
+    TORCH_CHECK(next_ < tensors_.size(), "native_propose: the weight list ended early");
+    return tensors_[next_++];
+  }
+
+  LinearWeights linear(const char* what) {
+    TORCH_CHECK(linears_ < row_invariant_.size(), "native_propose: no row-invariance flag for ", what);
+    const Tensor& weight = tensor(what);
+    LinearWeights w{weight, optional(), optional(), optional(), row_invariant_[linears_++]};
+    return w;
+  }
+
+  void check_end() const {
+    TORCH_CHECK(next_ == tensors_.size() && linears_ == row_invariant_.size(), "native_propose: read ", next_,
+                " of ", tensors_.size(), " weights and ", linears_, " of ", row_invariant_.size(),
+                " linears: the list does not match the layout");
+  }
+
+ private:
+  const std::vector<OptionalTensor>& tensors_;
+  const std::vector<bool>& row_invariant_;
+  size_t next_ = 0, linears_ = 0;
+};
+
+struct Sizes {
+  int64_t nheads, headdim, d_state, ngroups, hq, hkv, d;
+  double eps, mamba_eps;
+  bool norm_kernel;
+};
+
+// Masks of ssd.segsum for a block of K steps, made once per proposal: the strict lower triangle's
+// complement and the lower triangle's complement (K, K).
+struct SegsumMasks {
+  Tensor not_strict_lower, not_lower;
+};
+
+// ssd.segsum: a (..., K) log-decays -> (..., K, K) with [i, j] = a[j+1] + ... + a[i] below the diagonal,
+// 0 on it, -inf above.
+Tensor segsum(const Tensor& a, const SegsumMasks& masks) {
+  const int64_t length = a.size(-1);
+  std::vector<int64_t> shape = a.sizes().vec();
+  shape.push_back(length);
+  const Tensor seg = a.unsqueeze(-1).expand(shape).masked_fill(masks.not_strict_lower, 0.0).cumsum(-2);
+  return seg.masked_fill(masks.not_lower, -INFINITY);
+}
+
+// ssd.ssd_chunked for a block that fits one chunk (K <= chunk_size), y only: x (1, K, nh, P), dt (1, K, nh)
+// fp32, A (nh,) fp32, B and C (1, K, G, N), initial_state (1, nh, P, N) or nullopt. Returns y (1, K, nh, P)
+// in x's dtype. Steps numbered as there; 4-5 (the chunk's own state and the recurrence over chunks) only
+// make the final state and the state entering the chunk, which for one chunk is the initial state itself.
+Tensor ssd_one_chunk(const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B, const Tensor& C,
+                     const OptionalTensor& initial_state, const SegsumMasks& masks) {
+  const int64_t batch = x.size(0), length = x.size(1), nheads = x.size(2), headdim = x.size(3);
+  const int64_t d_state = B.size(3), per_group = nheads / B.size(2);
+  // 0. (no padding: the block is the chunk)
+  const Tensor x_ = x.to(at::kFloat);
+  const Tensor dt_ = dt.to(at::kFloat);
+  Tensor B_ = B.repeat_interleave(per_group, 2).to(at::kFloat);  // (1, K, nh, N)
+  Tensor C_ = C.repeat_interleave(per_group, 2).to(at::kFloat);
+  // 1. log-decay and dt-scaled input
+  Tensor log_decay = dt_ * A.to(at::kFloat);  // (1, K, nh)
+  Tensor x_dt = x_ * dt_.unsqueeze(-1);       // (1, K, nh, P)
+  // 2. one chunk
+  x_dt = x_dt.reshape({batch, 1, length, nheads, headdim});
+  B_ = B_.reshape({batch, 1, length, nheads, d_state});
+  C_ = C_.reshape({batch, 1, length, nheads, d_state});
+  log_decay = log_decay.reshape({batch, 1, length, nheads}).permute({0, 3, 1, 2});  // (1, nh, 1, K)
+  const Tensor cum = log_decay.cumsum(-1);
+  // 3. the quadratic (diagonal) part
+  const Tensor decay_ls = at::exp(segsum(log_decay, masks));  // (1, nh, 1, K, K)
+  const Tensor scores = at::einsum("bclhn,bcshn->bhcls", {C_, B_});
+  const Tensor y_diag = at::einsum("bhcls,bcshp->bclhp", {scores * decay_ls, x_dt});  // (1, 1, K, nh, P)
+  // 6. the state entering the chunk read by C, decayed from the chunk's start
+  const Tensor states_in = initial_state.has_value()
+                               ? initial_state->to(at::kFloat).unsqueeze(1)
+                               : at::zeros({batch, 1, nheads, headdim, d_state}, x_dt.options());
+  const Tensor decay_from_start = at::exp(cum);  // (1, nh, 1, K)
+  const Tensor y_off = at::einsum("bclhn,bchpn,bhcl->bclhp", {C_, states_in, decay_from_start});
+  // 7. both parts
+  return (y_diag + y_off).reshape({batch, length, nheads, headdim}).to(x.scalar_type());
+}
+
+// ssm.mixer.Mamba2Mixer.forward without its final state: hidden (1, K, H) from S_init (1, nh, P, N) or zeros.
+Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, const Sizes& c, const SegsumMasks& masks) {
+  const LinearWeights in_proj = w.linear("mamba.in_proj");
+  const Tensor& conv_weight = w.tensor("mamba.conv1d.weight");  // (conv_dim, 1, W)
+  const OptionalTensor conv_bias = w.optional();                 // (conv_dim,)
+  const Tensor& A_log = w.tensor("mamba.A_log");
+  const Tensor& dt_bias = w.tensor("mamba.dt_bias");
+  const Tensor& D = w.tensor("mamba.D");
+  const Tensor& gate_weight = w.tensor("mamba.norm.weight");
+  const LinearWeights out_proj = w.linear("mamba.out_proj");
+  const int64_t d_inner = c.nheads * c.headdim, group_width = c.ngroups * c.d_state;
+  const int64_t conv_dim = d_inner + 2 * group_width, length = hidden.size(1);
+
+  // 1. z, [x, B, C], dt
+  const std::vector<Tensor> zxbcdt = linear(hidden, in_proj).split_with_sizes({d_inner, conv_dim, c.nheads}, -1);
+  // 2. causal depthwise conv from a zero state (mixer.causal_depthwise_conv), SiLU
+  const Tensor& xbc = zxbcdt[1];
+  const int64_t width = conv_weight.size(-1);
+  const Tensor padded = at::constant_pad_nd(xbc, {0, 0, width - 1, 0});  // (1, K + W - 1, conv_dim)
+  const Tensor taps = conv_weight.select(1, 0).to(xbc.scalar_type());  // (conv_dim, W)
+  Tensor conv = padded.slice(1, 0, length) * taps.select(1, 0);
+  for (int64_t j = 1; j < width; ++j) conv = conv + padded.slice(1, j, j + length) * taps.select(1, j);
+  if (conv_bias.has_value()) conv = conv + conv_bias->to(xbc.scalar_type());
+  conv = at::silu(conv);
+  const std::vector<Tensor> xbc_parts = conv.split_with_sizes({d_inner, group_width, group_width}, -1);
+  const Tensor x = xbc_parts[0].unflatten(-1, {c.nheads, c.headdim});  // (1, K, nh, P)
+  const Tensor B = xbc_parts[1].unflatten(-1, {c.ngroups, c.d_state});  // (1, K, G, N)
+  const Tensor C = xbc_parts[2].unflatten(-1, {c.ngroups, c.d_state});
+  // 3. discretisation parameters in fp32
+  const Tensor A = -at::exp(A_log.to(at::kFloat));
+  const Tensor dt = at::softplus(zxbcdt[2].to(at::kFloat) + dt_bias.to(at::kFloat));  // (1, K, nh)
+  // 4. the scan from S_init, plus the D skip connection
+  TORCH_CHECK(!s_init.has_value() || s_init->sizes() == at::IntArrayRef({hidden.size(0), c.nheads, c.headdim, c.d_state}),
+              "native_propose: S_init must be (1, ", c.nheads, ", ", c.headdim, ", ", c.d_state, "), got ",
+              s_init->sizes());
+  Tensor y = ssd_one_chunk(x, dt, A, B, C, s_init, masks);
+  y = y + D.to(y.scalar_type()).unsqueeze(-1) * x;
+  // 5. gate, per-group RMSNorm in fp32 (mixer.GatedRMSNorm), project back
+  const Tensor gated = (y.flatten(-2).to(at::kFloat) * at::silu(zxbcdt[0].to(at::kFloat))).unflatten(-1, {c.ngroups, -1});
+  const Tensor normed = gated * at::rsqrt(gated.pow(2).mean(-1, true) + c.mamba_eps);
+  return linear(normed.flatten(-2).to(y.scalar_type()) * gate_weight, out_proj);
+}
+
+// block_attention.BlockAttention.forward (q/k/v unfused, per-head q/k norm) then attend_block, causal in the
+// block: x (1, K, H), cos/sin (1, K, 1, D), context k and v (1, S, Hkv, D) with context_mask (1, S).
+Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& context_k,
+                 const Tensor& context_v, const Tensor& hidden_context, const Tensor& hidden_block, Cursor& w,
+                 const Sizes& c) {
+  const LinearWeights q_proj = w.linear("attn.q_proj"), k_proj = w.linear("attn.k_proj"),
+                      v_proj = w.linear("attn.v_proj");
+  const Tensor& q_norm = w.tensor("attn.q_norm.weight");
+  const Tensor& k_norm = w.tensor("attn.k_norm.weight");
+  const LinearWeights o_proj = w.linear("attn.o_proj");
+  const int64_t n = x.size(0), length = x.size(1), g = c.hq / c.hkv;
+  Tensor q = linear(x, q_proj).view({n, length, c.hq, c.d});
+  Tensor k = linear(x, k_proj).view({n, length, c.hkv, c.d});
+  const Tensor v = linear(x, v_proj).view({n, length, c.hkv, c.d});
+  q = apply_rope(rms_norm(q, q_norm, c.eps, c.norm_kernel), cos, sin);
+  k = apply_rope(rms_norm(k, k_norm, c.eps, c.norm_kernel), cos, sin);
+
+  // attend_block: the G query heads of a KV head as G K rows; scores against the context and the block share
+  // one softmax, the context read where it is.
+  const Tensor qg = q.view({n, length, c.hkv, g, c.d}).permute({0, 2, 3, 1, 4}).reshape({n, c.hkv, g * length, c.d});
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  const Tensor block_scores = (at::matmul(qg, k.permute({0, 2, 3, 1})).to(at::kFloat) * scale)
+                                  .masked_fill(hidden_block, -INFINITY);  // (1, Hkv, G K, K)
+  const int64_t s = context_k.size(1);
+  const Tensor ctx_scores = (at::matmul(qg.to(context_k.scalar_type()), context_k.permute({0, 2, 3, 1}))
+                                 .to(at::kFloat) * scale)
+                                .masked_fill(hidden_context, -INFINITY);  // (1, Hkv, G K, S)
+  const Tensor probs = at::softmax(at::cat({ctx_scores, block_scores}, -1), -1);
+  const Tensor out = at::matmul(probs.slice(-1, 0, s).to(context_v.scalar_type()), context_v.transpose(1, 2))
+                         .to(v.scalar_type()) +
+                     at::matmul(probs.slice(-1, s).to(v.scalar_type()), v.transpose(1, 2));  // (1, Hkv, G K, D)
+  const Tensor merged = out.view({n, c.hkv, g, length, c.d}).permute({0, 3, 1, 2, 4}).reshape({n, length, c.hq * c.d});
+  return linear(merged, o_proj);
+}
+
+// layers.SwiGLU with gate and up unfused: down(silu(gate(x)) * up(x)).
+Tensor mlp(const Tensor& x, Cursor& w) {
+  const LinearWeights gate = w.linear("mlp.gate_proj"), up = w.linear("mlp.up_proj"), down = w.linear("mlp.down_proj");
+  return linear(at::silu(linear(x, gate)) * linear(x, up), down);
+}
+
+}  // namespace
+
+// HSpecDrafter.block_logits then NeuralDrafter.greedy_block for one sequence.
+//
+// block_tokens (1, K) long [x0, MASK, ...]; cos, sin (1, K, D) the target's RoPE at the block's positions in the
+// drafter's dtype; last_hidden (1, n_sel, H); context: per attention module its context k and v (1, S, Hkv, D)
+// (pool views), context_mask (1, S) bool; anchor (1,) long; weights and row_invariant as `NativePropose`
+// writes them; layers: per drafter layer 1 (Mamba) + 2 (attention); mask_token_id, vocab_size (V);
+// injects: S_init is projected (else zeros); markov: 0 none, 1 W2 as a (r, Vp) matrix, 2 W2 as an int8 linear.
+// Returns the drafts as draft-vocabulary indices (1, K) long, their confidence (1, K) fp32 and the backbone
+// logits U (1, K, Vp).
+std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const Tensor& sin,
+                            const Tensor& last_hidden, const std::vector<Tensor>& context,
+                            const Tensor& context_mask, const Tensor& anchor,
+                            const std::vector<OptionalTensor>& weights, const std::vector<bool>& row_invariant,
+                            const std::vector<int64_t>& layers, int64_t mask_token_id, int64_t vocab_size,
+                            bool injects, int64_t markov, const std::vector<int64_t>& dims, double eps,
+                            double mamba_eps, bool norm_kernel) {
+  TORCH_CHECK(dims.size() == 7, "native_propose: dims must be (nh, P, N, G, Hq, Hkv, D), got ", dims.size(), " values");
+  const Sizes c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], eps, mamba_eps, norm_kernel};
+  TORCH_CHECK(block_tokens.dim() == 2 && block_tokens.size(0) == 1, "native_propose takes one sequence's block (1, K), got ",
+              block_tokens.sizes());
+  TORCH_CHECK(c.hkv > 0 && c.hq % c.hkv == 0 && c.ngroups > 0 && c.nheads % c.ngroups == 0,
+              "native_propose: bad head counts Hq = ", c.hq, ", Hkv = ", c.hkv, ", nh = ", c.nheads, ", G = ", c.ngroups);
+  const int64_t length = block_tokens.size(1);
+  TORCH_CHECK(cos.dim() == 3 && cos.size(1) == length && sin.sizes() == cos.sizes(),
+              "native_propose: cos and sin must be (1, ", length, ", D), got ", cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(context_mask.dim() == 2 && context_mask.size(0) == 1, "native_propose: context_mask must be (1, S), got ",
+              context_mask.sizes());
+  Cursor w(weights, row_invariant);
+  const Tensor& embed_weight = w.tensor("the target's embedding");
+  const Tensor& mask_embedding = w.tensor("mask_embedding");
+
+  // 1. embed_block
+  const Tensor is_mask = block_tokens.eq(mask_token_id);
+  const Tensor emb = at::embedding(embed_weight, block_tokens.clamp_max(vocab_size - 1));  // (1, K, H)
+  Tensor x = at::where(is_mask.unsqueeze(-1), mask_embedding.to(emb.scalar_type()), emb);
+  const Tensor cos4 = cos.unsqueeze(2), sin4 = sin.unsqueeze(2);  // (1, K, 1, D): broadcast over heads
+
+  // 2. S_init
+  OptionalTensor s_init;
+  if (injects) {
+    const LinearWeights proj_r = w.linear("injection.proj_r"), proj_ds = w.linear("injection.proj_ds");
+    const Tensor fused = linear(last_hidden.to(x.scalar_type()).flatten(1), proj_r);  // (1, r)
+    s_init = linear(fused, proj_ds).view({-1, c.nheads, c.headdim, c.d_state});
+  }
+
+  // Masks shared by every layer: the SSD's triangles, the block's causal mask and the context's hidden keys,
+  // each over the G K query rows of a KV head.
+  const auto bools = at::TensorOptions().dtype(at::kBool);
+  const Tensor ones = at::ones({length, length}, bools);
+  const SegsumMasks masks{ones.tril(-1).logical_not(), ones.tril(0).logical_not()};
+  const int64_t g = c.hq / c.hkv;
+  const Tensor hidden_block = ones.tril().repeat({g, 1}).logical_not();  // (G K, K)
+  const Tensor hidden_context = context_mask.logical_not().unsqueeze(1).unsqueeze(1);  // (1, 1, 1, S)
+
+  // 3. the layers
+  size_t attention_index = 0;
+  for (const int64_t layout : layers) {
+    if (layout & 1) {
+      const Tensor& norm = w.tensor("mamba_norm.weight");
+      x = x + mamba(rms_norm(x, norm, c.eps, c.norm_kernel), s_init, w, c, masks);
+    }
+    if (layout & 2) {
+      const Tensor& norm = w.tensor("attn_norm.weight");
+      TORCH_CHECK(2 * attention_index + 1 < context.size(), "native_propose: no context K/V for attention module ",
+                  attention_index, " (", context.size(), " tensors)");
+      const Tensor& ck = context[2 * attention_index];
+      const Tensor& cv = context[2 * attention_index + 1];
+      TORCH_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == context_mask.size(1) && cv.sizes() == ck.sizes(),
+                  "native_propose: context K/V ", attention_index, " must be (1, ", context_mask.size(1),
+                  ", Hkv, D) twice, got ", ck.sizes(), " and ", cv.sizes());
+      x = x + attention(rms_norm(x, norm, c.eps, c.norm_kernel), cos4, sin4, ck, cv, hidden_context, hidden_block, w, c);
+      ++attention_index;
+    }
+    const Tensor& norm = w.tensor("mlp_norm.weight");
+    x = x + mlp(rms_norm(x, norm, c.eps, c.norm_kernel), w);
+  }
+  TORCH_CHECK(2 * attention_index == context.size(), "native_propose: ", context.size(), " context tensors for ",
+              attention_index, " attention modules");
+
+  // 4. final norm, pruned-vocabulary head
+  const Tensor& final_norm = w.tensor("norm.weight");
+  const LinearWeights head = w.linear("head");
+  const Tensor logits = linear(rms_norm(x, final_norm, c.eps, c.norm_kernel), head);  // (1, K, Vp)
+
+  // 5. the greedy Markov loop (NeuralDrafter.greedy_block)
+  const Tensor& draft_vocab_ids = w.tensor("head.draft_vocab_ids");  // (Vp,) long
+  OptionalTensor w1, w2;
+  std::optional<LinearWeights> w2_linear;
+  if (markov == 1) {
+    w1 = w.tensor("markov.W1");
+    w2 = w.tensor("markov.W2");
+  } else if (markov == 2) {
+    w1 = w.tensor("markov.W1");
+    w2_linear = w.linear("markov.W2 int8");
+  }
+  w.check_end();
+  Tensor prev = anchor;  // (1,) target ids
+  std::vector<Tensor> tokens, confidence;
+  for (int64_t k = 0; k < length; ++k) {
+    Tensor l_k = logits.select(1, k);  // (1, Vp)
+    if (markov != 0) {
+      const Tensor low_rank = at::embedding(*w1, prev.unsqueeze(1));  // (1, 1, r)
+      const Tensor correction = markov == 1 ? at::matmul(low_rank, *w2) : linear(low_rank, *w2_linear);
+      l_k = l_k + correction.select(1, 0);
+    }
+    l_k = l_k.to(at::kFloat);
+    const auto [top, d_k] = l_k.max(-1);
+    tokens.push_back(d_k);
+    confidence.push_back(at::reciprocal(at::exp(l_k - top.unsqueeze(1)).sum(-1)));
+    prev = draft_vocab_ids.index({d_k});
+  }
+  return {at::stack(tokens, 1), at::stack(confidence, 1), logits};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("propose", &propose, "H-Spec's greedy proposal for one sequence (native_propose.cpp)");
+}

@@ -1,0 +1,197 @@
+"""H-Spec's native greedy proposal (drafters/hspec/native.py, native_propose.cpp) against the Python path.
+
+The native call makes the Python path's operator calls in the same order, so on tiny random-weight targets its
+block logits are the Python path's bit for bit and its drafts equal them, in float32, bfloat16 (floating and
+int8 drafter weights) and under a w4a8 target (w8a8 drafter weights); greedy speculative output with it equals
+plain decoding; and with it turned off (HSPEC_NATIVE_DRAFTER=0, or `native=False`) the Python path runs.
+A drafter whose layers the native call would run in another order gives other logits (the equality would
+catch it).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import load_tiny
+from hspec.decoding.generate import SpeculativeDecoder
+from hspec.drafters import create_drafter
+from hspec.drafters.base import DraftBatch
+from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, build_block
+from hspec.drafters.hspec.native import NativePropose, build_native_propose
+from hspec.runtime import NATIVE_DRAFTER_ENV, for_inference, prepare_for_inference
+from hspec.sampling import SamplingBatch, SamplingParams
+
+K = 7
+# (target dtype, drafter precision): floating float32 and bf16 drafters, int8 rows under bf16 (hspec's int8 or
+# w8a8 kernel, by CPU), w8a8 rows under a w4a8 target.
+SETTINGS = [("float32", "floating"), ("bfloat16", "floating"), ("bfloat16", "int8"), ("w4a8", "auto")]
+PROMPTS = ["the native drafter", "proposes in one call", "x", "a longer prompt with more words in it than most"]
+
+
+@pytest.fixture(scope="module")
+def extension():
+    built = build_native_propose()
+    if built is None:
+        pytest.skip("the native proposal could not be built here (a C++ compiler and ninja are needed)")
+    return built
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_dirs, extension):
+    return {}  # loaded on first use, per dtype (w4a8 skips where hspec's kernels do not run)
+
+
+def _target(targets, tiny_dirs, dtype):
+    if dtype not in targets:
+        targets[dtype] = load_tiny(tiny_dirs["llama"], dtype=dtype)
+    return targets[dtype]
+
+
+def _drafter(target, precision, native=True):
+    """A random-weight H-Spec drafter for `target` whose Markov head corrects (W2 starts at zero), prepared for
+    inference as `hspec generate` prepares one, with the native proposal where `native`."""
+    torch.manual_seed(0)
+    drafter = create_drafter("hspec", target.config, target_model=target.model)
+    with torch.no_grad():
+        drafter.markov.W2.normal_(std=0.5)
+    drafter = prepare_for_inference(drafter, target.model.dtype_name, "cpu", precision=precision, native=native)
+    assert (drafter.native_greedy is not None) == native
+    return drafter
+
+
+def _contexts(target, drafter, lengths, seed=1):
+    """For each prompt length: a pool holding one prefilled sequence of random tokens, and the greedy DraftBatch
+    and BlockContext of its next proposal."""
+    g = torch.Generator().manual_seed(seed)
+    for n in lengths:
+        pool = target.model.new_pool(num_blocks=2 * (n // 8 + 2), block_size=8)
+        pool.add_sequence(0)
+        ids = torch.randint(3, target.config.vocab_size, (1, n), generator=g)
+        with torch.no_grad():
+            out = target.model(ids, pool, [0], hidden_layers=drafter.target_layers, prefill=True)
+        drafter.commit(pool, [0], out.hidden, torch.tensor([n]))
+        anchor = ids[:, -1]
+        batch = DraftBatch([0], anchor, [ids[0].tolist()], pool, SamplingBatch.from_params([SamplingParams()]),
+                           [torch.Generator()])
+        block, positions = build_block(anchor, torch.tensor([n]), K, drafter.config.mask_token_id)
+        kv, mask = drafter.context_kv_from_pool(pool, [0], [n], CONTEXT_MULTIPLE)
+        yield batch, BlockContext(block, positions, drafter.last_hidden_of([0]), kv, mask)
+        drafter.release(0)
+
+
+@pytest.mark.parametrize("dtype,precision", SETTINGS)
+def test_native_drafts_equal_the_python_path(targets, tiny_dirs, dtype, precision):
+    target = _target(targets, tiny_dirs, dtype)
+    drafter = _drafter(target, precision)
+    native = drafter.native_greedy
+    drafts = []
+    with torch.inference_mode():
+        for batch, ctx in _contexts(target, drafter, (1, 5, 17, 40, 100)):
+            anchor = batch.anchor_tokens
+            local, confidence, logits = native.forward(ctx, anchor)
+            expected_logits = drafter.block_logits(ctx)
+            torch.testing.assert_close(logits.float(), expected_logits.float(), rtol=1e-2, atol=1e-2)
+            assert torch.equal(logits, expected_logits), "not the Python path's bits"
+            expected_local, expected_confidence = drafter.draft_greedy(ctx, anchor)
+            assert torch.equal(local, expected_local)
+            torch.testing.assert_close(confidence, expected_confidence)
+            # propose takes the native path and returns what the Python path returns
+            assert native.covers(ctx)
+            proposal = drafter.propose(batch, K)
+            drafter.native_greedy = None
+            python = drafter.propose(batch, K)
+            drafter.native_greedy = native
+            assert torch.equal(proposal.draft_tokens, python.draft_tokens)
+            assert torch.equal(proposal.draft_probs, python.draft_probs)
+            drafts.append(local)
+    assert len({tuple(d[0].tolist()) for d in drafts}) > 1, "every context drafted the same block"
+
+
+def test_a_wrong_layer_order_gives_other_logits(targets, tiny_dirs):
+    """The equality above would catch a native call that ran the layers in another order: binding it to the
+    drafter with its first two (full) layers swapped gives logits that differ from the drafter's."""
+    target = _target(targets, tiny_dirs, "float32")
+    drafter = _drafter(target, "floating")
+    swapped = copy.deepcopy(drafter)
+    swapped.layers = nn.ModuleList([swapped.layers[1], swapped.layers[0], *swapped.layers[2:]])
+    wrong = NativePropose(drafter.native_greedy.extension, swapped)
+    with torch.inference_mode():
+        for batch, ctx in _contexts(target, drafter, (20,)):
+            _, _, logits = wrong.forward(ctx, batch.anchor_tokens)
+            assert (logits - drafter.block_logits(ctx)).abs().max() > 1e-2
+
+
+def _decoder(target, drafter, K):
+    return SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids, target.tokenizer.decode)
+
+
+class _Counting:
+    """A native proposal that counts the proposals it made."""
+
+    def __init__(self, native: NativePropose) -> None:
+        self.native, self.calls = native, 0
+
+    def covers(self, ctx: BlockContext) -> bool:
+        return self.native.covers(ctx)
+
+    def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        return self.native(ctx, anchor_tokens)
+
+
+@pytest.mark.parametrize("dtype,precision", [("bfloat16", "auto"), ("w4a8", "auto")])
+def test_greedy_output_with_the_native_drafter_equals_plain(targets, tiny_dirs, dtype, precision):
+    target = _target(targets, tiny_dirs, dtype)
+    drafter = _drafter(target, precision)
+    counting = drafter.native_greedy = _Counting(drafter.native_greedy)
+    plain = _decoder(target, create_drafter("none", target.config), 1)
+    for prompt in PROMPTS:  # one sequence at a time: what the native call covers
+        ids = [target.tokenizer.encode_prompt(prompt)]
+        expected = plain.generate(ids, SamplingParams(), 40).sequences[0]
+        got = _decoder(target, drafter, K).generate(ids, SamplingParams(), 40).sequences[0]
+        assert got.token_ids == expected.token_ids and got.finish_reason == expected.finish_reason
+    assert counting.calls > 0, "no proposal went native"
+
+
+def test_batches_and_sampled_rows_keep_the_python_path(targets, tiny_dirs):
+    target = _target(targets, tiny_dirs, "bfloat16")
+    drafter = _drafter(target, "auto")
+    counting = drafter.native_greedy = _Counting(drafter.native_greedy)
+    ids = [target.tokenizer.encode_prompt(p) for p in PROMPTS[:3]]
+    plain = _decoder(target, create_drafter("none", target.config), 1).generate(ids, SamplingParams(), 24)
+    got = _decoder(target, drafter, K).generate(ids, SamplingParams(), 24)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in plain.sequences]
+    _decoder(target, drafter, K).generate(ids[:1], SamplingParams(temperature=1.0), 8)
+    assert counting.calls == 0
+
+
+def test_turned_off_the_python_path_runs(targets, tiny_dirs, monkeypatch):
+    """HSPEC_NATIVE_DRAFTER=0 when the drafter is prepared, or native=False, keeps every proposal in Python."""
+    target = _target(targets, tiny_dirs, "bfloat16")
+    monkeypatch.setenv(NATIVE_DRAFTER_ENV, "0")
+    fresh = create_drafter("hspec", target.config, target_model=target.model)
+    assert for_inference(fresh, target).native_greedy is None
+    monkeypatch.delenv(NATIVE_DRAFTER_ENV)
+    assert for_inference(create_drafter("hspec", target.config, target_model=target.model), target).native_greedy
+    off = _drafter(target, "auto", native=False)
+    plain = _decoder(target, create_drafter("none", target.config), 1)
+    ids = [target.tokenizer.encode_prompt(PROMPTS[0])]
+    expected = plain.generate(ids, SamplingParams(), 32).sequences[0].token_ids
+    assert _decoder(target, off, K).generate(ids, SamplingParams(), 32).sequences[0].token_ids == expected
+
+
+def test_unfit_drafters_are_named(targets, tiny_dirs):
+    target = _target(targets, tiny_dirs, "float32")
+    drafter = create_drafter("hspec", target.config, target_model=target.model)
+    assert NativePropose.unfit_reason(drafter) is None
+    from hspec.models.weight_layout import fuse_projections
+
+    drafter.requires_grad_(False)
+    fuse_projections(drafter)
+    assert "unfused" in NativePropose.unfit_reason(drafter)
+    with pytest.raises(ValueError, match="does not take"):
+        NativePropose(build_native_propose(), drafter)
