@@ -311,3 +311,12 @@ def test_reduced_precision_greedy_equals_plain_on_smollm2(kind, B, K, dtype):
     plain = _decoder(target, create_drafter("none", target.config), 1).generate(prompts, SamplingParams(), 48)
     spec = _decoder(target, build_drafter(kind, target), K).generate(prompts, SamplingParams(), 48)
     assert [s.token_ids for s in spec.sequences] == [s.token_ids for s in plain.sequences]
+
+
+def test_metrics_name_the_decode_rate_apart_from_the_rate_with_prefill(tiny_target):
+    out = _decoder(tiny_target, create_drafter("ngram", tiny_target.config), 3).generate(
+        [tiny_target.tokenizer.encode_prompt(PROMPTS[0])], SamplingParams(), 12)
+    m = out.metrics()
+    assert "tokens_per_s" not in m  # one word, one measure
+    assert m["decode_tokens_per_s"] == pytest.approx((out.num_new_tokens - 1) / out.decode_s)
+    assert m["tokens_per_s_with_prefill"] == pytest.approx(out.num_new_tokens / (out.prefill_s + out.decode_s))

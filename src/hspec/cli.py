@@ -234,7 +234,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return 0
     print(text)
     print(f"\n[{args.drafter}, K={metrics['K']}] {metrics['num_tokens']} tokens, finish={seq.finish_reason}, "
-          f"MAL {metrics['mean_accepted_length']:.2f}, {metrics['tokens_per_s']:.1f} tok/s, "
+          f"MAL {metrics['mean_accepted_length']:.2f}, {metrics['decode_tokens_per_s']:.1f} tok/s decoding "
+          f"(prefill {metrics['prefill_s']:.2f} s), "
           f"ITL {metrics['itl_ms']:.1f} ms, draft {metrics['draft_ms_per_step']:.1f} ms/step, "
           f"verify {metrics['verify_ms_per_step']:.1f} ms/step")
     if metrics["acceptance_by_position"]:
@@ -947,7 +948,8 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-connections", type=int, default=1024, metavar="N",
                        help="open connections; more are answered 503 and closed (default 1024)")
     serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                       help="close a connection that sends no complete request head for this long (default 10)")
+                       help="close a connection that sends no complete request head for this long; a request "
+                            "body not all there by then gets 408 (default 10)")
     serve.add_argument("--keep-alive-timeout", type=int, default=5, metavar="SECONDS",
                        help="close an idle keep-alive connection after this long (default 5)")
     serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
