@@ -416,19 +416,35 @@ def fault_idle_connections(target, max_connections: int = 4, header_timeout_s: f
         idle = [socket.create_connection((srv.host, srv.port), timeout=5) for _ in range(max_connections - 1)]
         idle[0].sendall(b"GET /health HTTP/1.1\r\nHo")  # a head that never ends (slowloris)
         wait_until(lambda: len(srv.server.server_state.connections) == max_connections - 1, 5)
+        trickle = idle[1]  # a head, then a body that never arrives whole
+        trickle.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"model\": ")
         over = [socket.create_connection((srv.host, srv.port), timeout=5) for _ in range(2)]
         over_answer = over[-1].recv(64)
         start = time.monotonic()
-        closed = sum(sock.recv(64) == b"" for sock in idle)  # each blocks until the server closes it
+        trickle_answer = trickle.recv(64)
+        closed = sum(_read_to_close(sock) for sock in idle)  # each blocks until the server closes it
         closed_s = time.monotonic() - start
         for sock in idle + over:
             sock.close()
         health = httpx.get(f"{srv.url}/health").status_code
-    ok = over_answer.startswith(b"HTTP/1.1 503") and closed == len(idle) and closed_s < header_timeout_s + 2
-    return {"fault": f"{max_connections + 1} idle connections, one a slowloris head (--max-connections "
-                     f"{max_connections}, --header-timeout {header_timeout_s:g})",
-            "over_the_bound": over_answer.split(b"\r\n")[0].decode(), "idle_closed": closed,
+    ok = (over_answer.startswith(b"HTTP/1.1 503") and trickle_answer.startswith(b"HTTP/1.1 408")
+          and closed == len(idle) and closed_s < header_timeout_s + 2)
+    return {"fault": f"{max_connections + 1} connections: idle, a head that never ends, a body that never ends "
+                     f"(--max-connections {max_connections}, --header-timeout {header_timeout_s:g})",
+            "over_the_bound": over_answer.split(b"\r\n")[0].decode(),
+            "trickled_body": trickle_answer.split(b"\r\n")[0].decode(), "closed": closed,
             "closed_after_s": round(closed_s, 2), "health_after": health, "survived": ok and health == 200}
+
+
+def _read_to_close(sock: socket.socket) -> bool:
+    """Read until the server closes `sock` (True), or the socket's timeout passes (False)."""
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    return True
 
 
 def fault_queue_full(target) -> dict[str, Any]:

@@ -76,7 +76,10 @@ def test_a_full_queue_answers_503_with_retry_after_at_once(target):
     assert seen["status"] == 503 and seen["retry_after"] == "2" and seen["answered_s"] < 1
 
 
-def test_connections_are_bounded_and_a_head_that_never_ends_is_closed(target):
+def test_connections_are_bounded_and_heads_or_bodies_that_never_end_are_closed(target):
+    """--max-connections 4: three held (idle, a head cut short, a body cut short), a fourth and fifth beyond
+    the bound get 503; after --header-timeout the trickled body gets 408 and all three are closed."""
     seen = hardening.fault_idle_connections(target, max_connections=4, header_timeout_s=0.5)
     assert seen["over_the_bound"] == "HTTP/1.1 503 Service Unavailable"
-    assert seen["idle_closed"] == 3 and seen["closed_after_s"] < 2.5 and seen["health_after"] == 200
+    assert seen["trickled_body"] == "HTTP/1.1 408 Request Timeout"
+    assert seen["closed"] == 3 and seen["closed_after_s"] < 2.5 and seen["health_after"] == 200

@@ -12,10 +12,10 @@ engine's own design: docs/design.md#the-serving-engine.
 
 Errors: every one is answered in OpenAI's envelope (errors.py): 400 for a body that does not decode,
 parse or validate, a chat template that refuses the messages, or a prompt too long for the target's
-context or the KV pool; 401 without the API key; 404 for an unknown model; 413 for a body over the
-limit; 415 for a body not sent as JSON; 503 (with Retry-After) when the waiting queue is full, and
-503 once the engine has failed or the server is shutting down; 504 past the request's deadline. The
-guards and their settings: limits.py.
+context or the KV pool; 401 without the API key; 404 for an unknown model; 408 for a body that does not
+arrive within --header-timeout; 413 for a body over the limit; 415 for a body not sent as JSON; 503
+(with Retry-After) when the waiting queue is full, and 503 once the engine has failed or the server is
+shutting down; 504 past the request's deadline. The guards and their settings: limits.py.
 """
 
 from __future__ import annotations
@@ -138,6 +138,16 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
                                 f"(hspec serve --max-waiting {limits.max_waiting}); retry later",
                            kind="server_error", code="queue_full", headers={"Retry-After": str(limits.retry_after_s)})
 
+    async def read_body(http: HTTPRequest) -> bytes:
+        """The request body; APIError 408 if it is not all there within --header-timeout (a client that
+        trickles its body holds a socket and a handler as long as it likes otherwise)."""
+        try:
+            with anyio.fail_after(limits.header_timeout_s):
+                return await http.body()
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {limits.header_timeout_s:g} s "
+                                "(hspec serve --header-timeout)") from None
+
     # ---- body -> engine request, in a worker thread ------------------------------------------------
 
     def check_model(name: str) -> None:
@@ -188,7 +198,7 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Any:
-        body, request = await anyio.to_thread.run_sync(prepare_completion, await http.body())
+        body, request = await anyio.to_thread.run_sync(prepare_completion, await read_body(http))
         admit()
         stream = RequestStream(worker, request, http.is_disconnected, disconnect_poll_s, limits.request_timeout_s)
 
@@ -204,7 +214,7 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest) -> Any:
-        body, request = await anyio.to_thread.run_sync(prepare_chat, await http.body())
+        body, request = await anyio.to_thread.run_sync(prepare_chat, await read_body(http))
         admit()
         stream = RequestStream(worker, request, http.is_disconnected, disconnect_poll_s, limits.request_timeout_s)
 

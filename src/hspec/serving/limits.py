@@ -24,7 +24,7 @@ class ServingLimits:
     request_timeout_s: float | None = None  # queue + run deadline of a request; None: none
     max_failed_steps: int = 3  # this many engine steps failing in a row mark the engine broken
     max_connections: int = 1024  # open TCP connections; the server closes more at once
-    header_timeout_s: float = 10.0  # a connection with no complete request head after this is closed
+    header_timeout_s: float = 10.0  # a connection with no complete request head after this is closed; a body: 408
     keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
     drain_timeout_s: float = 30.0  # on shutdown, requests in flight get this long before they are failed
 
