@@ -15,7 +15,9 @@ batch size B and context length S:
    DFlash-style kinds); these rounds grow the context by K+1 each, so they come last;
 4. ratios T_D / T_T and T_commit / T_T per round, reported as min / median / max.
 
-Drafters have random weights: cost does not depend on training. Results go to
+Drafters have random weights: cost does not depend on training. A kind with a native greedy proposal
+(H-Spec on a CPU: drafters/hspec/native.py) gets a second row, the same kind without it (in Python, or
+with --compile-drafter through its compiled forwards), timed in the same rounds. Results go to
 results/draft_cost_<device>.{json,md}.
 """
 
@@ -42,6 +44,9 @@ from hspec.sampling import SamplingBatch, SamplingParams
 GOAL = "hspec T_D(7) / T_T <= 0.15 at B = 1 (issue 17)"
 # The suffix of a compiled kind's second row, whose greedy proposal skips the ahead-of-time library.
 TORCH_COMPILE_ONLY = "(torch.compile only)"
+# The suffix of the row of a kind with a native greedy proposal (drafters/hspec/native.py) that proposes without
+# it: eagerly in Python, or with --compile-drafter through the compiled forwards.
+WITHOUT_NATIVE = "(without the native call)"
 
 
 class _Setting:
@@ -139,10 +144,18 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
     for kind, drafter in drafters.items():
         if isinstance(drafter, torch.nn.Module):  # as `hspec generate` runs it
             drafters[kind] = for_inference(drafter, target, compile_drafters, drafter_precision)
+    native_kinds = [k for k, d in drafters.items() if getattr(d, "native_greedy", None) is not None]
+    compiled_kinds = [k for k, d in drafters.items() if isinstance(getattr(d, "draft_greedy", None), CompiledForward)]
+    for kind in native_kinds:  # the same kind proposing as it would without its native call, timed alongside
+        twin = for_inference(_create(kind, target.config, model, draft_vocab_size), target, compile_drafters,
+                             drafter_precision)
+        twin.native_greedy = None
+        drafters[f"{kind} {WITHOUT_NATIVE}"] = twin
     if compile_drafters:  # the same kinds with their greedy proposal through torch.compile, timed alongside
-        for kind in [k for k, d in drafters.items() if isinstance(getattr(d, "draft_greedy", None), CompiledForward)]:
+        for kind in compiled_kinds:
             twin = for_inference(_create(kind, target.config, model, draft_vocab_size), target, True, drafter_precision)
             twin.draft_greedy.ahead_of_time = twin.block_logits.ahead_of_time = None
+            twin.native_greedy = None
             drafters[f"{kind} {TORCH_COMPILE_ONLY}"] = twin
     device = "gpu" if model.embed_tokens.weight.is_cuda else "cpu"
     rows = []
@@ -238,6 +251,11 @@ def _markdown(payload: dict) -> str:
              f"\nGoal: {payload['goal']}. T_T is one K+1 = 8-token target verify; T_D one `propose(K=7)`; "
              "commit is the per-step context update after verifying K+1 tokens (H-Spec: keep one hidden "
              "vector; DFlash-style kinds: write drafter K/V). Ratios per interleaved round, min / median / max.\n"]
+    if any(WITHOUT_NATIVE in kind for row in payload["results"] for kind in row["kinds"]):
+        lines.append(f"A kind with a native greedy proposal (drafters/hspec/native.py) runs a one-sequence greedy "
+                     f"proposal as one native call; its row \"{WITHOUT_NATIVE}\", a second drafter of the kind "
+                     "timed in the same rounds, proposes without it (in Python, or with --compile-drafter through "
+                     "the compiled forwards).\n")
     if any(TORCH_COMPILE_ONLY in kind for row in payload["results"] for kind in row["kinds"]):
         lines.append(f"A compiled kind runs a one-sequence greedy proposal through its AOTInductor library "
                      f"(docs/fast-path.md#ahead-of-time-drafter); its row \"{TORCH_COMPILE_ONLY}\", a second "
