@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hspec", description="Lossless speculative decoding with the H-Spec drafter and its baselines.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_generate, _add_demo, _add_data, _add_train, _add_eval, _add_export_drafter, _add_eval_report,
+    for add in (_add_generate, _add_demo, _add_data, _add_train, _add_eval, _add_export_drafter, _add_export_gguf,
+                _add_eval_report,
                 _add_eval_merge, _add_claims, _add_eval_table, _add_train_report, _add_validate, _add_bench,
                 _add_serve, _add_kv_table, _add_drafters):
         add(sub)
@@ -477,6 +478,41 @@ def _cmd_export_drafter(args: argparse.Namespace) -> int:
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(f"wrote {export_drafter(args.src, args.dst, dtype)}")
+    return 0
+
+
+def _add_export_gguf(sub) -> None:
+    exp = sub.add_parser("export-gguf", help="a dflash/dspark drafter as the GGUF llama.cpp drafts with",
+                         description="Write an hspec DFlash or DSpark checkpoint as llama.cpp's drafter GGUF (its "
+                                     "`dflash` architecture) and print the llama-cli line that runs it "
+                                     "(--spec-type draft-dspark: the block layout hspec trains; docs/llama-cpp.md).")
+    exp.add_argument("src", help="drafter checkpoint directory (config.json + model.safetensors)")
+    exp.add_argument("dst", help="output .gguf file")
+    exp.add_argument("--target", default=None, metavar="GGUF",
+                     help="the target's GGUF as llama.cpp runs it (default: the embedded SmolLM2 GGUF)")
+    exp.add_argument("--dtype", choices=("f16", "f32"), default="f16",
+                     help="matrices' storage type (norms stay f32; default f16)")
+    exp.add_argument("--mask-token-id", type=int, default=None, metavar="ID",
+                     help="target id whose embedding row carries the learned MASK embedding (default: the last "
+                          "special token that is neither BOS nor EOS)")
+    exp.set_defaults(handler=_cmd_export_gguf)
+
+
+def _cmd_export_gguf(args: argparse.Namespace) -> int:
+    """Export a drafter to llama.cpp's GGUF and print how to run it."""
+    from pathlib import Path
+
+    from hspec.integrations.llama_cpp.export import export_gguf
+    from hspec.models.loading import default_gguf_path, resolve_target_dir
+
+    target = Path(args.target).expanduser() if args.target else default_gguf_path()
+    if target.suffix != ".gguf" or not target.is_file():
+        raise ValueError(f"--target must be the target's .gguf file (llama.cpp runs GGUFs), got {target}")
+    _, target_dir = resolve_target_dir(str(target))
+    out = export_gguf(args.src, args.dst, target, target_dir, dtype=args.dtype, mask_token_id=args.mask_token_id)
+    print(f"wrote {out.path} ({out.kind}, K = {out.block_size}, Vp = {out.draft_vocab_size}, "
+          f"MASK = id {out.mask_token_id})")
+    print("run it: llama-cli " + " ".join(out.llama_cli_args(target)))
     return 0
 
 
