@@ -82,7 +82,8 @@ def integer_capability() -> str:
 def _register_product_shapes() -> None:
     """Tell torch.compile what the int8 products a drafter runs return, (M, N) in x's dtype, so that a compiled
     drafter calls hspec's kernels rather than leaving the graph: `hspec::int8_linear` (x (M, K), weight
-    (N, K)) and `hspec::w8a8_linear` (weight (N / 8, K / 32, 256), models.quantize.pack_w8a8)."""
+    (N, K)) and `hspec::w8a8_linear` (weight (N / 8, K / 32, 256), models.quantize.pack_w8a8); and its norms,
+    `hspec::rms_norm` (x's shape)."""
     @torch.library.register_fake("hspec::int8_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
@@ -90,6 +91,10 @@ def _register_product_shapes() -> None:
     @torch.library.register_fake("hspec::w8a8_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0] * 8)
+
+    @torch.library.register_fake("hspec::rms_norm")  # a drafter's bf16 norms (`runtime.prepare_for_inference`)
+    def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return x.new_empty(x.shape)
 
 
 def _build(name: str, source: Path, cflags: list[str], failure: str, fallback: str,
