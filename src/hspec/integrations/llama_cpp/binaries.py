@@ -56,13 +56,14 @@ class Completion:
     prompt_n: int  # prompt tokens evaluated
     prompt_ms: float  # their prefill time
     predicted_n: int  # tokens generated
-    predicted_ms: float  # the time from the first generated token to the last (decode)
+    predicted_ms: float  # from the first generated token to the last: predicted_n - 1 decode steps
     draft_n: int  # tokens drafted (0 without speculation)
     draft_accepted: int  # of which the target accepted
 
     @property
     def decode_tok_s(self) -> float:
-        return 1000 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else float("nan")
+        """Tokens/s after the first (which the prefill's logits give), as llama.cpp's `predicted_per_second`."""
+        return 1000 * (self.predicted_n - 1) / self.predicted_ms if self.predicted_ms > 0 else float("nan")
 
     @property
     def prefill_tok_s(self) -> float:
