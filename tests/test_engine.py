@@ -14,9 +14,11 @@ from hspec.decoding.generate import SpeculativeDecoder
 from hspec.decoding.step import DecodeStages
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch
+from hspec.drafters.cost_aware import CostAwareDrafter
 from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
+from hspec.drafters.step_cost import StepCost
 from hspec.sampling import SamplingBatch, SamplingParams, draw_uniforms, sample_with_uniform
 from hspec.serving.engine import Engine, Request
 
@@ -47,6 +49,14 @@ def _drafter(target, kind):
         if spec.lookup:
             return LookupFirstDrafter(model, target.config.vocab_size, min_match=2, trim_lookup=True)
         return model
+    if spec.adaptive_length:  # rows verify 0..K drafts and back off (costs as in test_generate.py)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = _model(target, spec.base)
+        if spec.lookup:
+            model = LookupFirstDrafter(model, target.config.vocab_size, min_match=2)
+        return CostAwareDrafter(model, target.config.vocab_size, StepCost(draft=0.02, per_token=0.05,
+                                                                          per_token_key=0.0))
     if spec.lookup:  # prompt lookup in front of a trained kind
         return LookupFirstDrafter(_model(target, spec.base), target.config.vocab_size)
     return _model(target, kind)
@@ -101,7 +111,8 @@ def _engine(target, drafter, num_blocks, block_size=8, max_running=64):
 # (specblock) reserve node budget + 1 positions a step; behind the chain wrappers (specblock:0.1,
 # specblock+ngram) specblock still carries its state between steps, which a recompute must get back.
 _CASES = [(k, n, j) for k in ("none", "ngram") for n, j in ((400, 0), (400, 3), (24, 2))] + \
-    [(k, 10, 2) for k in [*DRAFTERS.names(), "hspec+ngram", "hspec+ngram:0.1", "specblock:0.1", "specblock+ngram"]
+    [(k, 10, 2) for k in [*DRAFTERS.names(), "hspec+ngram", "hspec+ngram:0.1", "specblock:0.1", "specblock+ngram",
+                          "hspec:auto", "hspec+ngram:auto", "ngram:auto"]
      if k not in ("none", "ngram")]
 
 
