@@ -15,10 +15,12 @@
      gain; its verify cost is measured too;
    - transformers on the same weights (float32): its model called token by token with its own KV
      cache (`DynamicCache`), the loop `generate` runs without the logits processors;
-   - llama.cpp on the embedded target's own GGUF (Q4_1 for SmolLM2) through `llama-cpp-python`, when
-     it is installed (`pip install 'hspec[bench]'`; it compiles llama.cpp for this CPU), greedy, with
-     the same thread count; left out, with a warning naming the build that avoids it, when the installed
-     build crashes on this CPU (`llama_cpp_crash`);
+   - llama.cpp on the embedded target's own GGUF (Q4_1 for SmolLM2), greedy, with the same thread count:
+     its own `llama-server` when scripts/build_llama_cpp.sh built it (`integrations.llama_cpp.binaries`;
+     decode and prefill then read llama.cpp's own `predicted_ms` / `prompt_ms`, no Python in the loop),
+     else through `llama-cpp-python` when it is installed (`pip install 'hspec[bench]'`; it compiles
+     llama.cpp for this CPU), left out, with a warning naming the build that avoids it, when that build
+     crashes on this CPU (`llama_cpp_crash`);
    - vLLM's CPU build when it is installed (`scripts/install_vllm.sh`, docs/vllm.md), bf16 (its fastest
      dtype here), eager, batch 1, no prefix caching, the same thread count. Its engine offers no clock
      between the prefill and the first decode step, so its decode time is a generate of N tokens minus
@@ -288,14 +290,20 @@ def _transformers_runner(target: Target, max_new_tokens: int) -> Runner:
 
 
 def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int) -> Runner | None:
-    """Greedy decoding in llama.cpp on the embedded target's GGUF; None when llama-cpp-python is not
-    installed, the target is not the embedded default (only it comes with a GGUF here), or the installed
-    build crashes on this CPU (`llama_cpp_crash`, which then says so)."""
+    """Greedy decoding in llama.cpp on the embedded target's GGUF: its own binaries when built
+    (`_llama_cpp_server_runner`), else llama-cpp-python; None when neither is there, the target is not the
+    embedded default (only it comes with a GGUF here), or llama-cpp-python's build crashes on this CPU
+    (`llama_cpp_crash`, which then says so)."""
+    if target_name not in (None, "smollm2"):
+        return None
+    from hspec.integrations.llama_cpp.binaries import find_bin_dir
+
+    bin_dir = find_bin_dir()
+    if bin_dir is not None:
+        return _llama_cpp_server_runner(bin_dir, max_new_tokens, threads)
     try:
         from llama_cpp import Llama
     except ImportError:
-        return None
-    if target_name not in (None, "smollm2"):
         return None
     crash = llama_cpp_crash(default_gguf_path(), threads)
     if crash is not None:
@@ -319,6 +327,25 @@ def _llama_cpp_runner(target_name: str, max_new_tokens: int, threads: int) -> Ru
         start = time.perf_counter()
         llm.eval(ids)
         return time.perf_counter() - start
+    return Runner(decode, prefill)
+
+
+def _llama_cpp_server_runner(bin_dir: Path, max_new_tokens: int, threads: int) -> Runner:
+    """llama.cpp's own `llama-server` (one slot, no prompt cache) on the embedded GGUF; times are llama.cpp's
+    own: `predicted_ms` spans the max_new_tokens - 1 tokens after the prefill's, `prompt_ms` the prefill.
+    The server stops when this process exits."""
+    import atexit
+
+    from hspec.integrations.llama_cpp.binaries import LlamaServer
+
+    server = LlamaServer(bin_dir, default_gguf_path(), threads=threads).__enter__()
+    atexit.register(server.__exit__, None, None, None)
+
+    def decode(ids: list[int]) -> float:
+        return server.complete(ids, max_new_tokens).predicted_ms / 1000
+
+    def prefill(ids: list[int]) -> float:
+        return server.complete(ids, 1).prompt_ms / 1000
     return Runner(decode, prefill)
 
 
