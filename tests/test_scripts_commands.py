@@ -69,6 +69,19 @@ def test_fast_path_evaluations_parse_with_todays_cli(tmp_path):
                       ("int8", 7, False, "auto"), ("int8", 3, False, "auto")]
 
 
+def test_adaptive_length_evaluations_parse_with_todays_cli(tmp_path):
+    commands = [w[1:] for w in _dry_run("eval_adaptive_length.sh", tmp_path) if w[0].endswith("hspec")]
+    parser = build_parser()
+    runs = []
+    for argv in commands:
+        args = parser.parse_args(argv)
+        assert (argv[0], args.size, args.max_new_tokens, args.dtype) == ("eval", 12, 128, "w4a8")
+        assert {"hspec", "hspec:auto", "ngram:auto", "hspec+ngram:auto"} <= set(args.drafters.split(","))
+        runs.append(args.compile_drafter)
+        assert ("_compiled" in args.name) == args.compile_drafter
+    assert runs == [False, True]
+
+
 @pytest.mark.parametrize("script", TRAINING_SCRIPTS)
 def test_every_python_script_flag_exists(script, tmp_path):
     calls = [w[1:] for w in map(_without_env, _dry_run(script, tmp_path)) if w and w[0].endswith("python")]
