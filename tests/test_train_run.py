@@ -46,7 +46,9 @@ def test_bench_draft_with_a_draft_vocabulary(tmp_path, tiny_target):
     payload = json.loads((tmp_path / "draft_cost_cpu_vp24.json").read_text())
     assert payload["provenance"]["settings"]["draft_vocab_size"] == 24
     assert "--draft-vocab 24" in payload["provenance"]["command"]
-    assert set(payload["results"][0]["kinds"]) == {"hspec", "ngram"}
+    # H-Spec proposes one CPU sequence natively: the row without the native call is timed beside it
+    assert set(payload["results"][0]["kinds"]) == {"hspec", "ngram", f"hspec {draft_bench.WITHOUT_NATIVE}"}
+    assert payload["results"][0]["kinds"]["hspec"]["propose_cpu_ms"]["n"] == 1
 
 
 def test_bench_draft_times_a_compiled_kind_with_and_without_its_ahead_of_time_library(tmp_path, tiny_target,
@@ -62,9 +64,11 @@ def test_bench_draft_times_a_compiled_kind_with_and_without_its_ahead_of_time_li
                                 target=tiny_target, compile_drafters=True)
     payload = json.loads((tmp_path / "draft_cost_cpu_compiled.json").read_text())
     twin = f"hspec {draft_bench.TORCH_COMPILE_ONLY}"
-    assert set(payload["results"][0]["kinds"]) == {"hspec", "ngram", twin}
+    without_native = f"hspec {draft_bench.WITHOUT_NATIVE}"
+    assert set(payload["results"][0]["kinds"]) == {"hspec", "ngram", twin, without_native}
     assert twin in (tmp_path / "draft_cost_cpu_compiled.md").read_text()
-    assert calls and all(a.drafter is calls[0].drafter for a in calls)  # only the first hspec row went there
+    # only the row without the native call went there (the first proposes natively, the twin by torch.compile)
+    assert calls and all(a.drafter is calls[0].drafter for a in calls)
 
 
 def test_draft_vocabulary_of_a_model_free_kind_is_refused(tiny_target):

@@ -91,10 +91,12 @@ class _Setting:
             self.pool.truncate(s, self.length)
         return elapsed
 
-    def time_propose(self, kind: str) -> float:
-        start = time.perf_counter()
+    def time_propose(self, kind: str) -> tuple[float, float]:
+        """Seconds of one `propose`, wall-clock and this process's CPU time (all its threads: with one torch
+        thread, what the call cost its core however many other processes shared the CPU)."""
+        start, cpu = time.perf_counter(), time.process_time()
         self.drafters[kind].propose(self.batch, self.K)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     def commit_round(self) -> dict[str, float]:
         """Append K+1 verified positions; seconds each drafter takes to commit them."""
@@ -196,14 +198,16 @@ def _measure(model: TargetModel, drafters: dict[str, Drafter], B: int, S: int, K
         setting.time_propose(kind)
     verify_s: list[float] = []
     propose_s: dict[str, list[float]] = {k: [] for k in drafters}
+    propose_cpu_s: dict[str, list[float]] = {k: [] for k in drafters}
     ratios: dict[str, list[float]] = {k: [] for k in drafters}
     for _ in range(repeats):
         before = setting.time_verify()
         times = {k: setting.time_propose(k) for k in drafters}
         t_t = (before + setting.time_verify()) / 2
         verify_s.append(t_t)
-        for kind, t_d in times.items():
+        for kind, (t_d, cpu) in times.items():
             propose_s[kind].append(t_d)
+            propose_cpu_s[kind].append(cpu)
             ratios[kind].append(t_d / t_t)
     # Commits append positions, so they run last; each round is set against that round's verify.
     setting.commit_round()  # warm-up
@@ -219,6 +223,7 @@ def _measure(model: TargetModel, drafters: dict[str, Drafter], B: int, S: int, K
         "B": B, "S": S,
         "verify_ms": _summary([1000 * t for t in verify_s]),
         "kinds": {k: {"propose_ms": _summary([1000 * t for t in propose_s[k]]),
+                      "propose_cpu_ms": _summary([1000 * t for t in propose_cpu_s[k]]),
                       "commit_ms": _summary([1000 * t for t in commit_s[k]]),
                       "T_D_over_T_T": _summary(ratios[k]),
                       "commit_over_T_T": _summary(commit_ratios[k])} for k in drafters},
@@ -250,7 +255,9 @@ def _markdown(payload: dict) -> str:
     lines = ["# Draft cost: T_D(K) / T_T\n", provenance_markdown(payload["provenance"]),
              f"\nGoal: {payload['goal']}. T_T is one K+1 = 8-token target verify; T_D one `propose(K=7)`; "
              "commit is the per-step context update after verifying K+1 tokens (H-Spec: keep one hidden "
-             "vector; DFlash-style kinds: write drafter K/V). Ratios per interleaved round, min / median / max.\n"]
+             "vector; DFlash-style kinds: write drafter K/V). Ratios per interleaved round, min / median / max. "
+             "T_D CPU time: the process's CPU time during the call, all threads (with one torch thread, what the "
+             "call cost its core on a CPU shared with other processes).\n"]
     if any(WITHOUT_NATIVE in kind for row in payload["results"] for kind in row["kinds"]):
         lines.append(f"A kind with a native greedy proposal (drafters/hspec/native.py) runs a one-sequence greedy "
                      f"proposal as one native call; its row \"{WITHOUT_NATIVE}\", a second drafter of the kind "
@@ -265,11 +272,13 @@ def _markdown(payload: dict) -> str:
         v = row["verify_ms"]
         lines += [f"\n## B = {row['B']}, context S = {row['S']} (T_T median {v['median']:.1f} ms, "
                   f"min {v['min']:.1f}, max {v['max']:.1f})\n",
-                  "| kind | trainable params | T_D median (ms) | T_D / T_T min | median | max | commit / T_T median |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| kind | trainable params | T_D median (ms) | T_D min (ms) | T_D CPU time median (ms) | "
+                  "T_D / T_T min | median | max | commit / T_T median |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for kind, m in row["kinds"].items():
             r = m["T_D_over_T_T"]
             lines.append(f"| {kind} | {payload['params'][kind] / 1e6:.1f}M | {m['propose_ms']['median']:.2f} | "
+                         f"{m['propose_ms']['min']:.2f} | {m['propose_cpu_ms']['median']:.2f} | "
                          f"{r['min']:.3f} | {r['median']:.3f} | {r['max']:.3f} | "
                          f"{m['commit_over_T_T']['median']:.3f} |")
     return "\n".join(lines) + "\n"

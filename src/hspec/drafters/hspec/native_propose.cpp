@@ -217,6 +217,51 @@ Tensor ssd_one_chunk(const Tensor& x, const Tensor& dt, const Tensor& A, const T
   return (y_diag + y_off).reshape({batch, length, nheads, headdim}).to(x.scalar_type());
 }
 
+// mixer.causal_depthwise_conv of one sequence in one pass: out[t] = x[t - W + 1] tap_0 + ... + x[t] tap_{W-1}
+// (+ bias), zeros before the block, each product and sum rounded to T as ATen's elementwise operators round
+// them (in fp32, then to nearest even), in the order the Python loop adds them: the same bits as its 2W
+// operators. x rows of C channels `row_stride` apart (a slice of in_proj's output), taps (C, W), bias (C,) or
+// null, out (K, C).
+template <typename T>
+void causal_conv(const T* x, int64_t length, int64_t channels, int64_t row_stride, const T* taps, int64_t width,
+                 const T* bias, T* out) {
+  const auto product = [](T a, T b) { return T(static_cast<float>(a) * static_cast<float>(b)); };
+  const auto sum = [](T a, T b) { return T(static_cast<float>(a) + static_cast<float>(b)); };
+  for (int64_t t = 0; t < length; ++t) {
+    for (int64_t c = 0; c < channels; ++c) {
+      const auto input = [&](int64_t j) {  // padded[t + j]: x[t + j - (W - 1)], zero before the block
+        const int64_t at_t = t + j - (width - 1);
+        return at_t < 0 ? T(0) : x[at_t * row_stride + c];
+      };
+      T acc = product(input(0), taps[c * width]);
+      for (int64_t j = 1; j < width; ++j) acc = sum(acc, product(input(j), taps[c * width + j]));
+      out[t * channels + c] = bias == nullptr ? acc : sum(acc, bias[c]);
+    }
+  }
+}
+
+// causal_conv for xbc (1, K, C) (last dim contiguous), conv weight (C, 1, W) and bias (C,) or nullopt, in xbc's
+// dtype (bf16 or fp32). Returns (1, K, C).
+Tensor causal_depthwise_conv(const Tensor& xbc, const Tensor& weight, const OptionalTensor& bias) {
+  TORCH_CHECK(xbc.dim() == 3 && xbc.size(0) == 1 && xbc.stride(2) == 1, "native_propose: the conv takes one "
+              "sequence's rows (1, K, C) with contiguous channels, got ", xbc.sizes(), " strides ", xbc.strides());
+  const int64_t length = xbc.size(1), channels = xbc.size(2), width = weight.size(-1);
+  const Tensor taps = weight.select(1, 0).to(xbc.scalar_type()).contiguous();  // (C, W)
+  const OptionalTensor shift = bias.has_value() ? OptionalTensor(bias->to(xbc.scalar_type()).contiguous()) : std::nullopt;
+  Tensor out = at::empty({1, length, channels}, xbc.options());
+  AT_DISPATCH_SWITCH(xbc.scalar_type(), "native_propose causal_conv",
+                     AT_DISPATCH_CASE(at::kFloat, [&] {
+                       causal_conv<float>(xbc.data_ptr<float>(), length, channels, xbc.stride(1), taps.data_ptr<float>(),
+                                          width, shift.has_value() ? shift->data_ptr<float>() : nullptr,
+                                          out.data_ptr<float>());
+                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       using B = c10::BFloat16;
+                       causal_conv<B>(xbc.data_ptr<B>(), length, channels, xbc.stride(1), taps.data_ptr<B>(), width,
+                                      shift.has_value() ? shift->data_ptr<B>() : nullptr, out.data_ptr<B>());
+                     }));
+  return out;
+}
+
 // ssm.mixer.Mamba2Mixer.forward without its final state: hidden (1, K, H) from S_init (1, nh, P, N) or zeros.
 Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, const Sizes& c, const SegsumMasks& masks) {
   const LinearWeights in_proj = w.linear("mamba.in_proj");
@@ -228,19 +273,12 @@ Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, cons
   const Tensor& gate_weight = w.tensor("mamba.norm.weight");
   const LinearWeights out_proj = w.linear("mamba.out_proj");
   const int64_t d_inner = c.nheads * c.headdim, group_width = c.ngroups * c.d_state;
-  const int64_t conv_dim = d_inner + 2 * group_width, length = hidden.size(1);
+  const int64_t conv_dim = d_inner + 2 * group_width;
 
   // 1. z, [x, B, C], dt
   const std::vector<Tensor> zxbcdt = linear(hidden, in_proj).split_with_sizes({d_inner, conv_dim, c.nheads}, -1);
   // 2. causal depthwise conv from a zero state (mixer.causal_depthwise_conv), SiLU
-  const Tensor& xbc = zxbcdt[1];
-  const int64_t width = conv_weight.size(-1);
-  const Tensor padded = at::constant_pad_nd(xbc, {0, 0, width - 1, 0});  // (1, K + W - 1, conv_dim)
-  const Tensor taps = conv_weight.select(1, 0).to(xbc.scalar_type());  // (conv_dim, W)
-  Tensor conv = padded.slice(1, 0, length) * taps.select(1, 0);
-  for (int64_t j = 1; j < width; ++j) conv = conv + padded.slice(1, j, j + length) * taps.select(1, j);
-  if (conv_bias.has_value()) conv = conv + conv_bias->to(xbc.scalar_type());
-  conv = at::silu(conv);
+  const Tensor conv = at::silu(causal_depthwise_conv(zxbcdt[1], conv_weight, conv_bias));  // (1, K, conv_dim)
   const std::vector<Tensor> xbc_parts = conv.split_with_sizes({d_inner, group_width, group_width}, -1);
   const Tensor x = xbc_parts[0].unflatten(-1, {c.nheads, c.headdim});  // (1, K, nh, P)
   const Tensor B = xbc_parts[1].unflatten(-1, {c.ngroups, c.d_state});  // (1, K, G, N)
