@@ -1,10 +1,11 @@
 """H-Spec's native greedy proposal (drafters/hspec/native.py, native_propose.cpp) against the Python path.
 
-The native call makes the Python path's operator calls in the same order, so on tiny random-weight targets its
-block logits are the Python path's bit for bit and its drafts equal them, in float32, bfloat16 (floating and
-int8 drafter weights) and under a w4a8 target (w8a8 drafter weights); greedy speculative output with it equals
-plain decoding; and with it turned off (HSPEC_NATIVE_DRAFTER=0, or `native=False`) the Python path runs.
-A drafter whose layers the native call would run in another order gives other logits (the equality would
+The native call computes the Python path's math in its order (its Mamba-2 mixer in one loop, whose exp and
+SiLU may round otherwise in the last bit), so on tiny random-weight targets its block logits are the Python
+path's to rounding and its drafts equal them, in float32, bfloat16 (floating and int8 drafter weights) and
+under a w4a8 target (w8a8 drafter weights); greedy speculative output with it equals plain decoding; and
+with it turned off (HSPEC_NATIVE_DRAFTER=0, or `native=False`) the Python path runs. A drafter whose layers
+the native call would run in another order gives logits far outside that tolerance (the comparison would
 catch it).
 """
 
@@ -95,7 +96,6 @@ def test_native_drafts_equal_the_python_path(targets, tiny_dirs, dtype, precisio
             local, confidence, logits = native.forward(ctx, anchor)
             expected_logits = drafter.block_logits(ctx)
             torch.testing.assert_close(logits.float(), expected_logits.float(), rtol=1e-2, atol=1e-2)
-            assert torch.equal(logits, expected_logits), "not the Python path's bits"
             expected_local, expected_confidence = drafter.draft_greedy(ctx, anchor)
             assert torch.equal(local, expected_local)
             torch.testing.assert_close(confidence, expected_confidence)

@@ -3,9 +3,11 @@
 In Python a proposal of K = 7 drafts runs ~500 small ATen operators and ~40 products (the Mamba-2 scans,
 norms, RoPE, attention over the target's K/V, the head and the Markov loop); on a 2-core CPU the interpreter
 and dispatch between them cost several times what the products themselves do, so drafting cost more than a
-target decode. `native_propose.cpp` makes the same operator calls in the same order, hspec's CPU kernels
-through the dispatcher where the Python layers call them, so the drafts have the Python path's bits; only the
-interpreter is gone (tests/test_native_drafter.py checks drafts and logits against the Python path).
+target decode. `native_propose.cpp` computes the same math in the same order, the products through the
+kernels the Python layers call (hspec's CPU kernels, through the dispatcher) and the small operators between
+them as loops, so its drafts are the Python path's but where two logits lie within a last-bit rounding
+(tests/test_native_drafter.py checks drafts and logits against the Python path); the target verifies every
+draft either way.
 
 What goes native: a proposal of one sequence whose rows are all greedy, on the CPU, without autograd
 (`NativePropose.covers`), for a drafter whose modules it knows (`NativePropose.fits`): H-Spec's layers with
@@ -98,7 +100,13 @@ class NativePropose:
                 m = layer.mamba
                 self.weights.append(layer.mamba_norm.weight)
                 self._add_linear(m.in_proj)
-                self.weights += [m.conv1d.weight, m.conv1d.bias, m.A_log, m.dt_bias, m.D, m.norm.weight]
+                # as Mamba2Mixer.forward turns them before use: taps and D to the activations' dtype, A and
+                # dt_bias to fp32
+                dtype = drafter.mask_embedding.dtype
+                bias = None if m.conv1d.bias is None else m.conv1d.bias.detach().to(dtype).contiguous()
+                self.weights += [m.conv1d.weight.detach()[:, 0].to(dtype).contiguous(), bias,
+                                 -torch.exp(m.A_log.detach().float()), m.dt_bias.detach().float().contiguous(),
+                                 m.D.detach().to(dtype).contiguous(), m.norm.weight]
                 self._add_linear(m.out_proj)
             if layer.attn is not None and layer.attn_norm is not None:
                 qkv = layer.attn.qkv

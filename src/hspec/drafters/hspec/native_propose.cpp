@@ -1,14 +1,15 @@
 // H-Spec's greedy proposal for one sequence in C++ (drafters/hspec/native.py builds and binds it).
 //
 // The Python proposal (`HSpecDrafter.block_logits`, then `NeuralDrafter.greedy_block`) is ~500 small ATen
-// operators and ~40 products; on a 2-core CPU the interpreter and dispatch between them cost several times
-// what the products do. This file makes the same operator calls with the same arguments in the same order
-// (ATen's, and hspec's CPU kernels, cpu_kernels.cpp, through the dispatcher where the Python layers call
-// them), so the drafts have the Python path's bits; only the interpreter is gone. Two shortcuts keep those
-// bits: the SSD scan of a block that fits one chunk skips the inter-chunk recurrence, whose state entering
-// the chunk is 1 x S_init + 0 x (the chunk's own state), i.e. S_init exactly; and the final SSM state,
-// which the drafter drops, is never computed.
-//
+// operators and ~40 products; on a 2-core CPU the interpreter and dispatch between them cost as much as the
+// products do. This file computes the same math in the same order: the products, norms, RoPE and attention
+// through the operators the Python layers call (ATen's, and hspec's CPU kernels, cpu_kernels.cpp, through the
+// dispatcher), with their bits; each Mamba-2 mixer between its projections (~70 operators on a few hundred
+// values each) and the Markov loop's argmax and softmax sum as plain loops, every value rounded where the
+// Python path's tensor rounds and every sum in its order, with the C library's exp and SiLU (ATen's vector
+// forms may round otherwise in the last bit). So the drafts are the Python path's except where two logits lie
+// within that rounding (tests/test_native_drafter.py); the target verifies every draft either way.
+
 // Per proposal (paper §3.3, drafters/hspec/model.py):
 // 1. the block [x0, MASK x (K-1)] embedded (the target's rows, the learned MASK embedding);
 // 2. S_init = Proj_dS(Proj_r(concat(h))) from the selected layers' last hidden states;
@@ -165,58 +166,6 @@ struct Sizes {
   bool norm_kernel;
 };
 
-// Masks of ssd.segsum for a block of K steps, made once per proposal: the strict lower triangle's
-// complement and the lower triangle's complement (K, K).
-struct SegsumMasks {
-  Tensor not_strict_lower, not_lower;
-};
-
-// ssd.segsum: a (..., K) log-decays -> (..., K, K) with [i, j] = a[j+1] + ... + a[i] below the diagonal,
-// 0 on it, -inf above.
-Tensor segsum(const Tensor& a, const SegsumMasks& masks) {
-  const int64_t length = a.size(-1);
-  std::vector<int64_t> shape = a.sizes().vec();
-  shape.push_back(length);
-  const Tensor seg = a.unsqueeze(-1).expand(shape).masked_fill(masks.not_strict_lower, 0.0).cumsum(-2);
-  return seg.masked_fill(masks.not_lower, -INFINITY);
-}
-
-// ssd.ssd_chunked for a block that fits one chunk (K <= chunk_size), y only: x (1, K, nh, P), dt (1, K, nh)
-// fp32, A (nh,) fp32, B and C (1, K, G, N), initial_state (1, nh, P, N) or nullopt. Returns y (1, K, nh, P)
-// in x's dtype. Steps numbered as there; 4-5 (the chunk's own state and the recurrence over chunks) only
-// make the final state and the state entering the chunk, which for one chunk is the initial state itself.
-Tensor ssd_one_chunk(const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B, const Tensor& C,
-                     const OptionalTensor& initial_state, const SegsumMasks& masks) {
-  const int64_t batch = x.size(0), length = x.size(1), nheads = x.size(2), headdim = x.size(3);
-  const int64_t d_state = B.size(3), per_group = nheads / B.size(2);
-  // 0. (no padding: the block is the chunk)
-  const Tensor x_ = x.to(at::kFloat);
-  const Tensor dt_ = dt.to(at::kFloat);
-  Tensor B_ = B.repeat_interleave(per_group, 2).to(at::kFloat);  // (1, K, nh, N)
-  Tensor C_ = C.repeat_interleave(per_group, 2).to(at::kFloat);
-  // 1. log-decay and dt-scaled input
-  Tensor log_decay = dt_ * A.to(at::kFloat);  // (1, K, nh)
-  Tensor x_dt = x_ * dt_.unsqueeze(-1);       // (1, K, nh, P)
-  // 2. one chunk
-  x_dt = x_dt.reshape({batch, 1, length, nheads, headdim});
-  B_ = B_.reshape({batch, 1, length, nheads, d_state});
-  C_ = C_.reshape({batch, 1, length, nheads, d_state});
-  log_decay = log_decay.reshape({batch, 1, length, nheads}).permute({0, 3, 1, 2});  // (1, nh, 1, K)
-  const Tensor cum = log_decay.cumsum(-1);
-  // 3. the quadratic (diagonal) part
-  const Tensor decay_ls = at::exp(segsum(log_decay, masks));  // (1, nh, 1, K, K)
-  const Tensor scores = at::einsum("bclhn,bcshn->bhcls", {C_, B_});
-  const Tensor y_diag = at::einsum("bhcls,bcshp->bclhp", {scores * decay_ls, x_dt});  // (1, 1, K, nh, P)
-  // 6. the state entering the chunk read by C, decayed from the chunk's start
-  const Tensor states_in = initial_state.has_value()
-                               ? initial_state->to(at::kFloat).unsqueeze(1)
-                               : at::zeros({batch, 1, nheads, headdim, d_state}, x_dt.options());
-  const Tensor decay_from_start = at::exp(cum);  // (1, nh, 1, K)
-  const Tensor y_off = at::einsum("bclhn,bchpn,bhcl->bclhp", {C_, states_in, decay_from_start});
-  // 7. both parts
-  return (y_diag + y_off).reshape({batch, length, nheads, headdim}).to(x.scalar_type());
-}
-
 // mixer.causal_depthwise_conv of one sequence in one pass: out[t] = x[t - W + 1] tap_0 + ... + x[t] tap_{W-1}
 // (+ bias), zeros before the block, each product and sum rounded to T as ATen's elementwise operators round
 // them (in fp32, then to nearest even), in the order the Python loop adds them: the same bits as its 2W
@@ -240,62 +189,139 @@ void causal_conv(const T* x, int64_t length, int64_t channels, int64_t row_strid
   }
 }
 
-// causal_conv for xbc (1, K, C) (last dim contiguous), conv weight (C, 1, W) and bias (C,) or nullopt, in xbc's
-// dtype (bf16 or fp32). Returns (1, K, C).
-Tensor causal_depthwise_conv(const Tensor& xbc, const Tensor& weight, const OptionalTensor& bias) {
-  TORCH_CHECK(xbc.dim() == 3 && xbc.size(0) == 1 && xbc.stride(2) == 1, "native_propose: the conv takes one "
-              "sequence's rows (1, K, C) with contiguous channels, got ", xbc.sizes(), " strides ", xbc.strides());
-  const int64_t length = xbc.size(1), channels = xbc.size(2), width = weight.size(-1);
-  const Tensor taps = weight.select(1, 0).to(xbc.scalar_type()).contiguous();  // (C, W)
-  const OptionalTensor shift = bias.has_value() ? OptionalTensor(bias->to(xbc.scalar_type()).contiguous()) : std::nullopt;
-  Tensor out = at::empty({1, length, channels}, xbc.options());
-  AT_DISPATCH_SWITCH(xbc.scalar_type(), "native_propose causal_conv",
-                     AT_DISPATCH_CASE(at::kFloat, [&] {
-                       causal_conv<float>(xbc.data_ptr<float>(), length, channels, xbc.stride(1), taps.data_ptr<float>(),
-                                          width, shift.has_value() ? shift->data_ptr<float>() : nullptr,
-                                          out.data_ptr<float>());
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       using B = c10::BFloat16;
-                       causal_conv<B>(xbc.data_ptr<B>(), length, channels, xbc.stride(1), taps.data_ptr<B>(), width,
-                                      shift.has_value() ? shift->data_ptr<B>() : nullptr, out.data_ptr<B>());
-                     }));
-  return out;
+// What stays fixed for a drafter's Mamba-2 mixers: sizes, and per mixer the parameters the Python path turns
+// to fp32 (A = -exp(A_log), dt_bias) or to the activations' dtype (D) before it uses them, precomputed by
+// native.py with the same torch operators.
+struct MambaSizes {
+  int64_t nheads, headdim, d_state, ngroups;
+  double eps;  // the gated RMSNorm's
+};
+
+// Mamba2Mixer.forward of one sequence between in_proj and out_proj, in one pass (the Python path's ~70 operators
+// on tensors of a few hundred values each cost far more than their arithmetic). zxbcdt (K, Z) rows `row_stride`
+// apart, in T: z (d_inner), [x, B, C] (conv_dim), dt (nh). Steps as mixer.py numbers them:
+// 2. the causal conv (`causal_conv`, the Python operators' bits), SiLU;
+// 3. dt = softplus(dt + dt_bias) in fp32;
+// 4. the SSD scan of the block as one chunk from S_init (ssd.ssd_chunked steps 1, 3 and 6: the quadratic form
+//    y_diag = (L o C B^T)(dt x) plus y_off = C S_init decayed from the block's start; for one chunk the state
+//    entering it is S_init itself), in fp32, rounded to T, plus D x;
+// 5. gated RMSNorm per group in fp32 (mixer.GatedRMSNorm), rounded to T, times its weight.
+// Each value rounds to T where the Python path's tensor does; the sums run in the Python path's order (over n,
+// then over s, ascending), but SiLU, exp and softplus are the C library's, which may differ from ATen's vector
+// forms in the last bit: drafts can then differ from the Python path's only where two logits are that close.
+// Returns out (K, d_inner) in T, the input of out_proj.
+template <typename T>
+void mamba_mix(const T* zxbcdt, int64_t length, int64_t row_stride, const T* taps, int64_t width, const T* conv_bias,
+               const float* A, const float* dt_bias, const T* D, const T* gate_weight, const T* s_init,
+               const MambaSizes& m, T* out) {
+  const int64_t nh = m.nheads, P = m.headdim, N = m.d_state, G = m.ngroups, heads_per_group = nh / G;
+  const int64_t d_inner = nh * P, group_width = G * N, conv_dim = d_inner + 2 * group_width;
+  const auto round = [](float v) { return static_cast<float>(T(v)); };  // to T and back (exact for fp32)
+  const auto silu = [](float v) { return v / (1.0f + std::exp(-v)); };
+  // 2. conv and SiLU: xbc (K, conv_dim) in T, kept as floats
+  std::vector<T> conv(static_cast<size_t>(length * conv_dim));
+  causal_conv<T>(zxbcdt + d_inner, length, conv_dim, row_stride, taps, width, conv_bias, conv.data());
+  std::vector<float> xbc(conv.size());
+  for (size_t i = 0; i < conv.size(); ++i) xbc[i] = round(silu(static_cast<float>(conv[i])));
+  const auto x_at = [&](int64_t l, int64_t h, int64_t p) { return xbc[l * conv_dim + h * P + p]; };
+  const auto b_at = [&](int64_t l, int64_t g, int64_t n) { return xbc[l * conv_dim + d_inner + g * N + n]; };
+  const auto c_at = [&](int64_t l, int64_t g, int64_t n) { return xbc[l * conv_dim + d_inner + group_width + g * N + n]; };
+  // 3. dt (K, nh); log-decays and their running sums along the block (cumsum)
+  std::vector<float> dt(static_cast<size_t>(length * nh)), cum(dt.size());
+  for (int64_t l = 0; l < length; ++l) {
+    for (int64_t h = 0; h < nh; ++h) {
+      const float v = static_cast<float>(zxbcdt[l * row_stride + d_inner + conv_dim + h]) + dt_bias[h];
+      dt[l * nh + h] = v > 20.0f ? v : std::log1p(std::exp(v));  // F.softplus, threshold 20
+      const float decay = dt[l * nh + h] * A[h];
+      cum[l * nh + h] = l == 0 ? decay : cum[(l - 1) * nh + h] + decay;
+    }
+  }
+  std::vector<float> y(static_cast<size_t>(length * d_inner));
+  std::vector<float> weights(static_cast<size_t>(length));
+  for (int64_t h = 0; h < nh; ++h) {
+    const int64_t g = h / heads_per_group;
+    for (int64_t l = 0; l < length; ++l) {
+      // 4. weights of the block's earlier inputs s <= l: (C_l . B_s) exp(segsum[l, s]), segsum[l, s] the
+      //    log-decays of s+1..l summed in order (ssd.segsum)
+      for (int64_t s = 0; s <= l; ++s) {
+        float score = 0.0f;
+        for (int64_t n = 0; n < N; ++n) score += c_at(l, g, n) * b_at(s, g, n);
+        float seg = 0.0f;
+        for (int64_t k = s + 1; k <= l; ++k) seg += dt[k * nh + h] * A[h];
+        weights[s] = score * std::exp(seg);
+      }
+      const float from_start = std::exp(cum[l * nh + h]);
+      for (int64_t p = 0; p < P; ++p) {
+        float diag = 0.0f;
+        for (int64_t s = 0; s <= l; ++s) diag += weights[s] * (x_at(s, h, p) * dt[s * nh + h]);
+        float off = 0.0f;
+        if (s_init != nullptr) {
+          for (int64_t n = 0; n < N; ++n) off += c_at(l, g, n) * static_cast<float>(s_init[(h * P + p) * N + n]);
+        }
+        const float scanned = round(diag + off * from_start);
+        const float skip = round(static_cast<float>(D[h]) * x_at(l, h, p));
+        y[l * d_inner + h * P + p] = round(scanned + skip);
+      }
+    }
+  }
+  // 5. gate with SiLU(z), RMSNorm per group, weight
+  const int64_t group = d_inner / G;
+  std::vector<float> gated(static_cast<size_t>(group));
+  for (int64_t l = 0; l < length; ++l) {
+    for (int64_t gi = 0; gi < G; ++gi) {
+      float squares = 0.0f;
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t j = gi * group + i;
+        gated[i] = y[l * d_inner + j] * silu(static_cast<float>(zxbcdt[l * row_stride + j]));
+        squares += gated[i] * gated[i];
+      }
+      const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(group) + static_cast<float>(m.eps));
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t j = gi * group + i;
+        out[l * d_inner + j] = T(round(gated[i] * inverse) * static_cast<float>(gate_weight[j]));
+      }
+    }
+  }
 }
 
 // ssm.mixer.Mamba2Mixer.forward without its final state: hidden (1, K, H) from S_init (1, nh, P, N) or zeros.
-Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, const Sizes& c, const SegsumMasks& masks) {
+Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, const MambaSizes& m) {
   const LinearWeights in_proj = w.linear("mamba.in_proj");
-  const Tensor& conv_weight = w.tensor("mamba.conv1d.weight");  // (conv_dim, 1, W)
-  const OptionalTensor conv_bias = w.optional();                 // (conv_dim,)
-  const Tensor& A_log = w.tensor("mamba.A_log");
-  const Tensor& dt_bias = w.tensor("mamba.dt_bias");
-  const Tensor& D = w.tensor("mamba.D");
+  const Tensor& taps = w.tensor("mamba.conv1d taps");  // (conv_dim, W) in the activations' dtype
+  const OptionalTensor conv_bias = w.optional();         // (conv_dim,) in the activations' dtype
+  const Tensor& A = w.tensor("mamba A");                 // (nh,) fp32, -exp(A_log)
+  const Tensor& dt_bias = w.tensor("mamba.dt_bias");     // (nh,) fp32
+  const Tensor& D = w.tensor("mamba.D");                 // (nh,) in the activations' dtype
   const Tensor& gate_weight = w.tensor("mamba.norm.weight");
   const LinearWeights out_proj = w.linear("mamba.out_proj");
-  const int64_t d_inner = c.nheads * c.headdim, group_width = c.ngroups * c.d_state;
-  const int64_t conv_dim = d_inner + 2 * group_width;
-
-  // 1. z, [x, B, C], dt
-  const std::vector<Tensor> zxbcdt = linear(hidden, in_proj).split_with_sizes({d_inner, conv_dim, c.nheads}, -1);
-  // 2. causal depthwise conv from a zero state (mixer.causal_depthwise_conv), SiLU
-  const Tensor conv = at::silu(causal_depthwise_conv(zxbcdt[1], conv_weight, conv_bias));  // (1, K, conv_dim)
-  const std::vector<Tensor> xbc_parts = conv.split_with_sizes({d_inner, group_width, group_width}, -1);
-  const Tensor x = xbc_parts[0].unflatten(-1, {c.nheads, c.headdim});  // (1, K, nh, P)
-  const Tensor B = xbc_parts[1].unflatten(-1, {c.ngroups, c.d_state});  // (1, K, G, N)
-  const Tensor C = xbc_parts[2].unflatten(-1, {c.ngroups, c.d_state});
-  // 3. discretisation parameters in fp32
-  const Tensor A = -at::exp(A_log.to(at::kFloat));
-  const Tensor dt = at::softplus(zxbcdt[2].to(at::kFloat) + dt_bias.to(at::kFloat));  // (1, K, nh)
-  // 4. the scan from S_init, plus the D skip connection
-  TORCH_CHECK(!s_init.has_value() || s_init->sizes() == at::IntArrayRef({hidden.size(0), c.nheads, c.headdim, c.d_state}),
-              "native_propose: S_init must be (1, ", c.nheads, ", ", c.headdim, ", ", c.d_state, "), got ",
+  const Tensor zxbcdt = linear(hidden, in_proj);  // (1, K, d_inner + conv_dim + nh), contiguous
+  const int64_t length = hidden.size(1), d_inner = m.nheads * m.headdim;
+  TORCH_CHECK(!s_init.has_value() || s_init->sizes() == at::IntArrayRef({1, m.nheads, m.headdim, m.d_state}),
+              "native_propose: S_init must be (1, ", m.nheads, ", ", m.headdim, ", ", m.d_state, "), got ",
               s_init->sizes());
-  Tensor y = ssd_one_chunk(x, dt, A, B, C, s_init, masks);
-  y = y + D.to(y.scalar_type()).unsqueeze(-1) * x;
-  // 5. gate, per-group RMSNorm in fp32 (mixer.GatedRMSNorm), project back
-  const Tensor gated = (y.flatten(-2).to(at::kFloat) * at::silu(zxbcdt[0].to(at::kFloat))).unflatten(-1, {c.ngroups, -1});
-  const Tensor normed = gated * at::rsqrt(gated.pow(2).mean(-1, true) + c.mamba_eps);
-  return linear(normed.flatten(-2).to(y.scalar_type()) * gate_weight, out_proj);
+  const OptionalTensor state = s_init.has_value() ? OptionalTensor(s_init->to(zxbcdt.scalar_type()).contiguous())
+                                                  : std::nullopt;
+  Tensor out = at::empty({1, length, d_inner}, zxbcdt.options());
+  const auto run = [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    mamba_mix<T>(zxbcdt.data_ptr<T>(), length, zxbcdt.size(2), taps.data_ptr<T>(), taps.size(1),
+                 conv_bias.has_value() ? conv_bias->data_ptr<T>() : nullptr, A.data_ptr<float>(),
+                 dt_bias.data_ptr<float>(), D.data_ptr<T>(), gate_weight.data_ptr<T>(),
+                 state.has_value() ? state->data_ptr<T>() : nullptr, m, out.data_ptr<T>());
+  };
+  TORCH_CHECK(zxbcdt.is_contiguous() && (zxbcdt.scalar_type() == at::kFloat || zxbcdt.scalar_type() == at::kBFloat16),
+              "native_propose: Mamba-2 runs float32 or bfloat16 rows, got ", zxbcdt.scalar_type());
+  for (const Tensor* t : {&taps, &D, &gate_weight}) {
+    TORCH_CHECK(t->scalar_type() == zxbcdt.scalar_type() && t->is_contiguous(), "native_propose: the Mamba-2 "
+                "weights must be contiguous and in the activations' dtype ", zxbcdt.scalar_type(), ", got ",
+                t->scalar_type());
+  }
+  if (zxbcdt.scalar_type() == at::kFloat) {
+    run(static_cast<float*>(nullptr));
+  } else {
+    run(static_cast<c10::BFloat16*>(nullptr));
+  }
+  return linear(out, out_proj);
 }
 
 // block_attention.BlockAttention.forward (q/k/v unfused, per-head q/k norm) then attend_block, causal in the
@@ -386,11 +412,11 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
     s_init = linear(fused, proj_ds).view({-1, c.nheads, c.headdim, c.d_state});
   }
 
-  // Masks shared by every layer: the SSD's triangles, the block's causal mask and the context's hidden keys,
-  // each over the G K query rows of a KV head.
+  // Masks shared by every layer: the block's causal mask and the context's hidden keys, each over the G K query
+  // rows of a KV head.
   const auto bools = at::TensorOptions().dtype(at::kBool);
   const Tensor ones = at::ones({length, length}, bools);
-  const SegsumMasks masks{ones.tril(-1).logical_not(), ones.tril(0).logical_not()};
+  const MambaSizes mamba_sizes{c.nheads, c.headdim, c.d_state, c.ngroups, c.mamba_eps};
   const int64_t g = c.hq / c.hkv;
   const Tensor hidden_block = ones.tril().repeat({g, 1}).logical_not();  // (G K, K)
   const Tensor hidden_context = context_mask.logical_not().unsqueeze(1).unsqueeze(1);  // (1, 1, 1, S)
@@ -400,7 +426,7 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
   for (const int64_t layout : layers) {
     if (layout & 1) {
       const Tensor& norm = w.tensor("mamba_norm.weight");
-      x = x + mamba(rms_norm(x, norm, c.eps, c.norm_kernel), s_init, w, c, masks);
+      x = x + mamba(rms_norm(x, norm, c.eps, c.norm_kernel), s_init, w, mamba_sizes);
     }
     if (layout & 2) {
       const Tensor& norm = w.tensor("attn_norm.weight");
@@ -437,22 +463,39 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
     w2_linear = w.linear("markov.W2 int8");
   }
   w.check_end();
-  Tensor prev = anchor;  // (1,) target ids
-  std::vector<Tensor> tokens, confidence;
+  TORCH_CHECK(draft_vocab_ids.scalar_type() == at::kLong && draft_vocab_ids.is_contiguous() && anchor.numel() == 1,
+              "native_propose: the draft vocabulary must be contiguous long ids and the anchor one id, got ",
+              draft_vocab_ids.scalar_type(), " and ", anchor.sizes());
+  const int64_t* vocab = draft_vocab_ids.data_ptr<int64_t>();
+  int64_t prev = anchor.item<int64_t>();  // a target id
+  std::vector<int64_t> tokens;
+  std::vector<float> confidence;
   for (int64_t k = 0; k < length; ++k) {
-    Tensor l_k = logits.select(1, k);  // (1, Vp)
+    Tensor l_k = logits.select(1, k).select(0, 0);  // (Vp,) U_k
     if (markov != 0) {
-      const Tensor low_rank = at::embedding(*w1, prev.unsqueeze(1));  // (1, 1, r)
+      TORCH_CHECK(prev >= 0 && prev < w1->size(0), "native_propose: token ", prev, " outside the Markov head's ",
+                  w1->size(0), " rows");
+      const Tensor low_rank = w1->select(0, prev).view({1, 1, -1});  // (1, 1, r): W1[prev], as its embedding
       const Tensor correction = markov == 1 ? at::matmul(low_rank, *w2) : linear(low_rank, *w2_linear);
-      l_k = l_k + correction.select(1, 0);
+      l_k = l_k + correction.view({-1});  // l_k = U_k + W2(W1[prev]), rounded to the logits' dtype
     }
-    l_k = l_k.to(at::kFloat);
-    const auto [top, d_k] = l_k.max(-1);
-    tokens.push_back(d_k);
-    confidence.push_back(at::reciprocal(at::exp(l_k - top.unsqueeze(1)).sum(-1)));
-    prev = draft_vocab_ids.index({d_k});
+    // argmax (the first of equal maxima, as torch.max) and 1 / sum(exp(l - max)) in fp32, in one pass each
+    // (the exp is the C library's: the confidence may differ from the Python path's in the last bit)
+    const Tensor values = l_k.to(at::kFloat).contiguous();
+    const float* v = values.data_ptr<float>();
+    const int64_t vp = values.numel();
+    int64_t best = 0;
+    for (int64_t i = 1; i < vp; ++i) {
+      if (v[i] > v[best]) best = i;
+    }
+    float total = 0.0f;
+    for (int64_t i = 0; i < vp; ++i) total += std::exp(v[i] - v[best]);
+    tokens.push_back(best);
+    confidence.push_back(1.0f / total);
+    prev = vocab[best];
   }
-  return {at::stack(tokens, 1), at::stack(confidence, 1), logits};
+  const Tensor drafts = at::tensor(tokens, at::TensorOptions().dtype(at::kLong)).view({1, length});
+  return {drafts, at::tensor(confidence, at::TensorOptions().dtype(at::kFloat)).view({1, length}), logits};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
