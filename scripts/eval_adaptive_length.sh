@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 HSPEC="${HSPEC:-.venv/bin/hspec}"
 OUT="${OUT:-results/adaptive_length}"
-SIZE="${SIZE:-12}"
+SIZE="${SIZE:-8}"
 TASKS="${TASKS:-translation,summarization,qa,math_reasoning,rag}"
 EVAL_RUNS="${EVAL_RUNS:-w4a8:7: w4a8:7:compiled}"
 DRAFTERS="${DRAFTERS:-ngram,ngram:auto,hspec,hspec:auto,hspec+ngram:0.4,hspec+ngram:auto}"

@@ -75,7 +75,7 @@ def test_adaptive_length_evaluations_parse_with_todays_cli(tmp_path):
     runs = []
     for argv in commands:
         args = parser.parse_args(argv)
-        assert (argv[0], args.size, args.max_new_tokens, args.dtype) == ("eval", 12, 128, "w4a8")
+        assert (argv[0], args.size, args.max_new_tokens, args.dtype) == ("eval", 8, 128, "w4a8")
         assert {"hspec", "hspec:auto", "ngram:auto", "hspec+ngram:auto"} <= set(args.drafters.split(","))
         runs.append(args.compile_drafter)
         assert ("_compiled" in args.name) == args.compile_drafter
