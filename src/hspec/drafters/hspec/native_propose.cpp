@@ -189,6 +189,32 @@ void causal_conv(const T* x, int64_t length, int64_t channels, int64_t row_strid
   }
 }
 
+// causal_conv of xbc (1, K, C) (channels contiguous) with taps (C, W) and bias (C,) or nullopt in xbc's dtype
+// (bf16 or fp32). Returns (1, K, C).
+Tensor causal_depthwise_conv(const Tensor& xbc, const Tensor& taps, const OptionalTensor& bias) {
+  TORCH_CHECK(xbc.dim() == 3 && xbc.size(0) == 1 && xbc.stride(2) == 1, "native_propose: the conv takes one "
+              "sequence's rows (1, K, C) with contiguous channels, got ", xbc.sizes(), " strides ", xbc.strides());
+  const int64_t length = xbc.size(1), channels = xbc.size(2), width = taps.size(1);
+  TORCH_CHECK(taps.size(0) == channels && taps.is_contiguous() && taps.scalar_type() == xbc.scalar_type() &&
+                  (!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == xbc.scalar_type())),
+              "native_propose: conv taps must be contiguous (", channels, ", W) in ", xbc.scalar_type(), ", got ",
+              taps.scalar_type(), " ", taps.sizes());
+  Tensor out = at::empty({1, length, channels}, xbc.options());
+  const auto run = [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    causal_conv<T>(xbc.data_ptr<T>(), length, channels, xbc.stride(1), taps.data_ptr<T>(), width,
+                   bias.has_value() ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>());
+  };
+  if (xbc.scalar_type() == at::kFloat) {
+    run(static_cast<float*>(nullptr));
+  } else {
+    TORCH_CHECK(xbc.scalar_type() == at::kBFloat16, "native_propose: the conv runs float32 or bfloat16, got ",
+                xbc.scalar_type());
+    run(static_cast<c10::BFloat16*>(nullptr));
+  }
+  return out;
+}
+
 // What stays fixed for a drafter's Mamba-2 mixers: sizes, and per mixer the parameters the Python path turns
 // to fp32 (A = -exp(A_log), dt_bias) or to the activations' dtype (D) before it uses them, precomputed by
 // native.py with the same torch operators.
@@ -199,30 +225,30 @@ struct MambaSizes {
 
 // Mamba2Mixer.forward of one sequence between in_proj and out_proj, in one pass (the Python path's ~70 operators
 // on tensors of a few hundred values each cost far more than their arithmetic). zxbcdt (K, Z) rows `row_stride`
-// apart, in T: z (d_inner), [x, B, C] (conv_dim), dt (nh). Steps as mixer.py numbers them:
-// 2. the causal conv (`causal_conv`, the Python operators' bits), SiLU;
+// apart, in T: z (d_inner), [x, B, C] (conv_dim), dt (nh); activated (K, conv_dim) in T, SiLU of the causal conv
+// of [x, B, C]; gates (K, d_inner) fp32, SiLU(z) (both by ATen's vectorized SiLU, with the Python path's bits).
+// Steps as mixer.py numbers them:
+// 2. (the conv and SiLU, given);
 // 3. dt = softplus(dt + dt_bias) in fp32;
 // 4. the SSD scan of the block as one chunk from S_init (ssd.ssd_chunked steps 1, 3 and 6: the quadratic form
 //    y_diag = (L o C B^T)(dt x) plus y_off = C S_init decayed from the block's start; for one chunk the state
 //    entering it is S_init itself), in fp32, rounded to T, plus D x;
 // 5. gated RMSNorm per group in fp32 (mixer.GatedRMSNorm), rounded to T, times its weight.
 // Each value rounds to T where the Python path's tensor does; the sums run in the Python path's order (over n,
-// then over s, ascending), but SiLU, exp and softplus are the C library's, which may differ from ATen's vector
-// forms in the last bit: drafts can then differ from the Python path's only where two logits are that close.
+// then over s, ascending), but the decays' exp and softplus are the C library's, which may differ from ATen's
+// vector forms in the last bit: drafts can then differ from the Python path's only where two logits are that
+// close.
 // Returns out (K, d_inner) in T, the input of out_proj.
 template <typename T>
-void mamba_mix(const T* zxbcdt, int64_t length, int64_t row_stride, const T* taps, int64_t width, const T* conv_bias,
+void mamba_mix(const T* zxbcdt, int64_t length, int64_t row_stride, const T* activated, const float* gates,
                const float* A, const float* dt_bias, const T* D, const T* gate_weight, const T* s_init,
                const MambaSizes& m, T* out) {
   const int64_t nh = m.nheads, P = m.headdim, N = m.d_state, G = m.ngroups, heads_per_group = nh / G;
   const int64_t d_inner = nh * P, group_width = G * N, conv_dim = d_inner + 2 * group_width;
   const auto round = [](float v) { return static_cast<float>(T(v)); };  // to T and back (exact for fp32)
-  const auto silu = [](float v) { return v / (1.0f + std::exp(-v)); };
-  // 2. conv and SiLU: xbc (K, conv_dim) in T, kept as floats
-  std::vector<T> conv(static_cast<size_t>(length * conv_dim));
-  causal_conv<T>(zxbcdt + d_inner, length, conv_dim, row_stride, taps, width, conv_bias, conv.data());
-  std::vector<float> xbc(conv.size());
-  for (size_t i = 0; i < conv.size(); ++i) xbc[i] = round(silu(static_cast<float>(conv[i])));
+  // 2. xbc (K, conv_dim): the conv's output after SiLU, as floats
+  std::vector<float> xbc(static_cast<size_t>(length * conv_dim));
+  for (size_t i = 0; i < xbc.size(); ++i) xbc[i] = static_cast<float>(activated[i]);
   const auto x_at = [&](int64_t l, int64_t h, int64_t p) { return xbc[l * conv_dim + h * P + p]; };
   const auto b_at = [&](int64_t l, int64_t g, int64_t n) { return xbc[l * conv_dim + d_inner + g * N + n]; };
   const auto c_at = [&](int64_t l, int64_t g, int64_t n) { return xbc[l * conv_dim + d_inner + group_width + g * N + n]; };
@@ -272,7 +298,7 @@ void mamba_mix(const T* zxbcdt, int64_t length, int64_t row_stride, const T* tap
       float squares = 0.0f;
       for (int64_t i = 0; i < group; ++i) {
         const int64_t j = gi * group + i;
-        gated[i] = y[l * d_inner + j] * silu(static_cast<float>(zxbcdt[l * row_stride + j]));
+        gated[i] = y[l * d_inner + j] * gates[l * d_inner + j];
         squares += gated[i] * gated[i];
       }
       const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(group) + static_cast<float>(m.eps));
@@ -296,16 +322,20 @@ Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, cons
   const LinearWeights out_proj = w.linear("mamba.out_proj");
   const Tensor zxbcdt = linear(hidden, in_proj);  // (1, K, d_inner + conv_dim + nh), contiguous
   const int64_t length = hidden.size(1), d_inner = m.nheads * m.headdim;
+  const int64_t conv_dim = d_inner + 2 * m.ngroups * m.d_state;
   TORCH_CHECK(!s_init.has_value() || s_init->sizes() == at::IntArrayRef({1, m.nheads, m.headdim, m.d_state}),
               "native_propose: S_init must be (1, ", m.nheads, ", ", m.headdim, ", ", m.d_state, "), got ",
               s_init->sizes());
   const OptionalTensor state = s_init.has_value() ? OptionalTensor(s_init->to(zxbcdt.scalar_type()).contiguous())
                                                   : std::nullopt;
+  // 2. the causal conv of [x, B, C] and SiLU; SiLU(z) for the gate
+  const Tensor activated = at::silu(causal_depthwise_conv(zxbcdt.slice(2, d_inner, d_inner + conv_dim), taps, conv_bias));
+  const Tensor gates = at::silu(zxbcdt.slice(2, 0, d_inner).to(at::kFloat)).contiguous();  // (1, K, d_inner)
   Tensor out = at::empty({1, length, d_inner}, zxbcdt.options());
   const auto run = [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
-    mamba_mix<T>(zxbcdt.data_ptr<T>(), length, zxbcdt.size(2), taps.data_ptr<T>(), taps.size(1),
-                 conv_bias.has_value() ? conv_bias->data_ptr<T>() : nullptr, A.data_ptr<float>(),
+    mamba_mix<T>(zxbcdt.data_ptr<T>(), length, zxbcdt.size(2), activated.data_ptr<T>(), gates.data_ptr<float>(),
+                 A.data_ptr<float>(),
                  dt_bias.data_ptr<float>(), D.data_ptr<T>(), gate_weight.data_ptr<T>(),
                  state.has_value() ? state->data_ptr<T>() : nullptr, m, out.data_ptr<T>());
   };
@@ -325,10 +355,10 @@ Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, cons
 }
 
 // block_attention.BlockAttention.forward (q/k/v unfused, per-head q/k norm) then attend_block, causal in the
-// block: x (1, K, H), cos/sin (1, K, 1, D), context k and v (1, S, Hkv, D) with context_mask (1, S).
+// block: x (1, K, H), cos/sin (1, K, 1, D), context k and v (1, S, Hkv, D) with context_mask (1, S) bool,
+// contiguous.
 Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& context_k,
-                 const Tensor& context_v, const Tensor& hidden_context, const Tensor& hidden_block, Cursor& w,
-                 const Sizes& c) {
+                 const Tensor& context_v, const Tensor& context_mask, Cursor& w, const Sizes& c) {
   const LinearWeights q_proj = w.linear("attn.q_proj"), k_proj = w.linear("attn.k_proj"),
                       v_proj = w.linear("attn.v_proj");
   const Tensor& q_norm = w.tensor("attn.q_norm.weight");
@@ -344,14 +374,25 @@ Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Te
   // attend_block: the G query heads of a KV head as G K rows; scores against the context and the block share
   // one softmax, the context read where it is.
   const Tensor qg = q.view({n, length, c.hkv, g, c.d}).permute({0, 2, 3, 1, 4}).reshape({n, c.hkv, g * length, c.d});
-  const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
-  const Tensor block_scores = (at::matmul(qg, k.permute({0, 2, 3, 1})).to(at::kFloat) * scale)
-                                  .masked_fill(hidden_block, -INFINITY);  // (1, Hkv, G K, K)
-  const int64_t s = context_k.size(1);
-  const Tensor ctx_scores = (at::matmul(qg.to(context_k.scalar_type()), context_k.permute({0, 2, 3, 1}))
-                                 .to(at::kFloat) * scale)
-                                .masked_fill(hidden_context, -INFINITY);  // (1, Hkv, G K, S)
-  const Tensor probs = at::softmax(at::cat({ctx_scores, block_scores}, -1), -1);
+  const int64_t s = context_k.size(1), rows = g * length;
+  const Tensor block_raw = at::matmul(qg, k.permute({0, 2, 3, 1})).to(at::kFloat).contiguous();  // (1, Hkv, G K, K)
+  const Tensor ctx_raw = at::matmul(qg.to(context_k.scalar_type()), context_k.permute({0, 2, 3, 1}))
+                             .to(at::kFloat).contiguous();  // (1, Hkv, G K, S)
+  // [context ; block] scores scaled by D^-1/2 (a float, as ATen multiplies a float tensor by a Python float),
+  // -inf where hidden: in one pass, the values of the Python path's scale, masked_fill and cat
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+  Tensor scores = at::empty({n, c.hkv, rows, s + length}, ctx_raw.options());
+  const bool* visible = context_mask.data_ptr<bool>();
+  const float* from_context = ctx_raw.data_ptr<float>();
+  const float* from_block = block_raw.data_ptr<float>();
+  float* out_scores = scores.data_ptr<float>();
+  for (int64_t r = 0; r < c.hkv * rows; ++r) {  // (KV head, query row), the row's token t = r % K
+    float* row = out_scores + r * (s + length);
+    for (int64_t j = 0; j < s; ++j) row[j] = visible[j] ? from_context[r * s + j] * scale : -INFINITY;
+    const int64_t t = r % length;
+    for (int64_t j = 0; j < length; ++j) row[s + j] = j <= t ? from_block[r * length + j] * scale : -INFINITY;
+  }
+  const Tensor probs = at::softmax(scores, -1);
   const Tensor out = at::matmul(probs.slice(-1, 0, s).to(context_v.scalar_type()), context_v.transpose(1, 2))
                          .to(v.scalar_type()) +
                      at::matmul(probs.slice(-1, s).to(v.scalar_type()), v.transpose(1, 2));  // (1, Hkv, G K, D)
@@ -412,14 +453,10 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
     s_init = linear(fused, proj_ds).view({-1, c.nheads, c.headdim, c.d_state});
   }
 
-  // Masks shared by every layer: the block's causal mask and the context's hidden keys, each over the G K query
-  // rows of a KV head.
-  const auto bools = at::TensorOptions().dtype(at::kBool);
-  const Tensor ones = at::ones({length, length}, bools);
+  TORCH_CHECK(context_mask.scalar_type() == at::kBool, "native_propose: context_mask must be bool, got ",
+              context_mask.scalar_type());
+  const Tensor visible = context_mask.contiguous();
   const MambaSizes mamba_sizes{c.nheads, c.headdim, c.d_state, c.ngroups, c.mamba_eps};
-  const int64_t g = c.hq / c.hkv;
-  const Tensor hidden_block = ones.tril().repeat({g, 1}).logical_not();  // (G K, K)
-  const Tensor hidden_context = context_mask.logical_not().unsqueeze(1).unsqueeze(1);  // (1, 1, 1, S)
 
   // 3. the layers
   size_t attention_index = 0;
@@ -437,7 +474,7 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
       TORCH_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == context_mask.size(1) && cv.sizes() == ck.sizes(),
                   "native_propose: context K/V ", attention_index, " must be (1, ", context_mask.size(1),
                   ", Hkv, D) twice, got ", ck.sizes(), " and ", cv.sizes());
-      x = x + attention(rms_norm(x, norm, c.eps, c.norm_kernel), cos4, sin4, ck, cv, hidden_context, hidden_block, w, c);
+      x = x + attention(rms_norm(x, norm, c.eps, c.norm_kernel), cos4, sin4, ck, cv, visible, w, c);
       ++attention_index;
     }
     const Tensor& norm = w.tensor("mlp_norm.weight");
@@ -479,8 +516,7 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
       const Tensor correction = markov == 1 ? at::matmul(low_rank, *w2) : linear(low_rank, *w2_linear);
       l_k = l_k + correction.view({-1});  // l_k = U_k + W2(W1[prev]), rounded to the logits' dtype
     }
-    // argmax (the first of equal maxima, as torch.max) and 1 / sum(exp(l - max)) in fp32, in one pass each
-    // (the exp is the C library's: the confidence may differ from the Python path's in the last bit)
+    // argmax (the first of equal maxima, as torch.max) and 1 / sum(exp(l - max)) in fp32
     const Tensor values = l_k.to(at::kFloat).contiguous();
     const float* v = values.data_ptr<float>();
     const int64_t vp = values.numel();
@@ -488,8 +524,8 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
     for (int64_t i = 1; i < vp; ++i) {
       if (v[i] > v[best]) best = i;
     }
-    float total = 0.0f;
-    for (int64_t i = 0; i < vp; ++i) total += std::exp(v[i] - v[best]);
+    // ATen's vectorized exp and sum, as the Python path's (a scalar exp of 8,192 values cost ~0.1 ms a slot)
+    const float total = (values - v[best]).exp_().sum().item<float>();
     tokens.push_back(best);
     confidence.push_back(1.0f / total);
     prev = vocab[best];
