@@ -48,7 +48,7 @@ _NO_MARKOV, _MARKOV_MATRIX, _MARKOV_INT8 = 0, 1, 2
 def build_native_propose() -> ModuleType | None:
     """Compile (or load the cached build of) `native_propose.cpp`; None, with a warning naming the cause,
     where that fails."""
-    return _build("hspec_native_propose", _SOURCE, ["-O2"], "H-Spec's native proposal could not be built",
+    return _build("hspec_native_propose", _SOURCE, ["-O3"], "H-Spec's native proposal could not be built",
                   "the drafter proposes in Python instead, with the same drafts, slower")  # type: ignore[return-value]
 
 
