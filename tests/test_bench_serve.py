@@ -66,7 +66,8 @@ def test_every_server_runs_the_dtype_asked_for(tmp_path, monkeypatch):
     settings = ServeBenchSettings(dtype="bfloat16", drafters=("none",))
     serve.ServerProcess("none", "none", None, settings, tmp_path / "log")
     assert launched[0][launched[0].index("--dtype") + 1] == "bfloat16"
-    with pytest.raises(ValueError, match="dtype must be one of auto, fastest, float32, bfloat16, int8, int4, w4a8, got 'fp16'"):
+    with pytest.raises(ValueError,
+                       match="dtype must be one of auto, fastest, float32, bfloat16, int8, int4, w4a8, got 'fp16'"):
         ServeBenchSettings(dtype="fp16")
 
 

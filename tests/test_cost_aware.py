@@ -145,6 +145,23 @@ def test_drafts_without_a_confidence_are_judged_by_the_rows_record():
     drafter.commit(None, [10, 11], None, torch.tensor([1, 1]))
 
 
+def test_a_row_backing_off_the_model_still_drafts_by_lookup():
+    """hspec+ngram:auto: the model never pays (a sure skip), yet a row whose history repeats drafts by lookup,
+    free, while it backs off the model; lookup steps leave the back-off alone."""
+    from hspec.drafters.lookup_first import LookupFirstDrafter
+
+    model = _ConfidentDrafter(16, {10: [0.01] * 4})
+    drafter = CostAwareDrafter(LookupFirstDrafter(model, 16), 16, StepCost(draft=0.5, per_token=0.05, per_token_key=0))
+    no_match, match = _batch(1), replace(_batch(1), tokens=[[5, 6, 7, 5]])
+    drafter.propose(no_match, K=4)  # the model's probe: it does not pay, so the row skips the next step
+    assert len(model.calls) == 1 and drafter._rows[10].skip == 1
+    proposal = drafter.propose(match, K=4)  # backing off, but lookup drafts it for free
+    assert len(model.calls) == 1 and proposal.num_drafts.tolist()[0] >= 1
+    assert proposal.draft_tokens[0, :2].tolist() == [6, 7]
+    drafter.propose(no_match, K=4)  # the back-off was not reset by the lookup step: the model probes again
+    assert len(model.calls) == 2 and drafter._rows[10].backoff == 2
+
+
 def test_the_name_grammar_takes_auto():
     assert parse_drafter_spec("hspec:auto") == DrafterSpec("hspec", adaptive_length=True)
     assert parse_drafter_spec("hspec+ngram:auto") == DrafterSpec("hspec", lookup=True, adaptive_length=True)

@@ -16,7 +16,7 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
 
        rate(n) = E(n) / cost(n),   E(n) = 1 + sum_{k<=n} prod_{j<=k} a_j,   cost(n) = draft + 1 + n (t + t_S S)
 
-   (StepCost; S the row's context; a row drafted without the model, a lookup row, pays no draft): n is the
+   (StepCost; S the row's context; a row drafted without a model, `Drafter.free_rows`, pays no draft): n is the
    first n with rate(n + 1) <= rate(n). Stopping at the first draft that does not pay, rather than taking
    the best n over all K, keeps sampling exact: whether d_k is verified then depends on a_1..a_k, which
    depend on d_1..d_{k-1} and earlier steps only (`Proposal.confidence`), never on d_k or the drafts after
@@ -24,7 +24,8 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
 3. When even the best n emits less than 1 token per decode's cost, drafting did not pay for this row:
    it skips its next `backoff` steps, the backoff doubling (1, 2, 4, ...) up to `max_backoff` while
    drafting keeps not paying; a step that pays resets it. So a drafter that never pays costs one probe
-   every max_backoff + 1 steps, and one that pays on some stretches of text drafts there.
+   every max_backoff + 1 steps, and one that pays on some stretches of text drafts there. Rows a drafter
+   drafts for free (prompt lookup's matches) draft in any case and leave the back-off alone.
 
 Losslessness is untouched: how many drafts a row verifies, and whether it drafts at all, depends only on
 that row's own earlier steps, its drafts before the one in question and their confidences, never on this
@@ -129,7 +130,8 @@ class CostAwareDrafter(WrappingDrafter):
         B = len(batch.seq_ids)
         device = batch.anchor_tokens.device
         states = [self._rows.setdefault(s, RowState()) for s in batch.seq_ids]
-        drafting = [row for row, state in enumerate(states) if state.skip == 0]
+        free = self.model.free_rows(batch)  # drafted without a model: never skipped, pay no draft
+        drafting = [row for row, state in enumerate(states) if state.skip == 0 or free[row]]
         for state in states:
             state.skip = max(state.skip - 1, 0)
             state.pending = None
@@ -146,11 +148,11 @@ class CostAwareDrafter(WrappingDrafter):
             state = states[row]
             known = confidence is not None and not math.isnan(confidence[i][0])
             estimate = confidence[i] if known else state.estimates(K)
-            # A row the model drafted pays the draft; a lookup row (NaN confidence) drafted for free.
-            cost = self.cost if known or confidence is None else replace(self.cost, draft=0.0)
-            n, rate = best_draft_length(estimate[: limits[i]], keys[i], cost)
+            n, rate = best_draft_length(estimate[: limits[i]], keys[i], replace(self.cost, draft=0.0) if free[row]
+                                        else self.cost)
             num_drafts[row] = n
-            state.after_draft(rate, self.max_backoff)
+            if not free[row]:  # only drafting that costs can fail to pay
+                state.after_draft(rate, self.max_backoff)
             state.pending = None if known else n
         if len(drafting) == B:
             tokens, probs = drafted.draft_tokens, drafted.draft_probs

@@ -61,6 +61,11 @@ class LookupFirstDrafter(WrappingDrafter):
         self.lookup_rows = 0  # rows drafted by lookup so far (with model_rows: how often each drafted)
         self.model_rows = 0
 
+    def free_rows(self, batch: DraftBatch) -> list[bool]:
+        """The rows this step drafts by lookup (a suffix match of at least min_match tokens)."""
+        return [m is not None and m.length >= self.min_match
+                for m in (longest_suffix_match(history, self.max_ngram) for history in batch.tokens)]
+
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         B = len(batch.seq_ids)
         matches = [longest_suffix_match(history, self.max_ngram) for history in batch.tokens]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from hspec.cache.paged_pool import PagedKVPool
-from hspec.drafters.base import Drafter
+from hspec.drafters.base import DraftBatch, Drafter
 from hspec.models.config import TargetConfig
 
 
@@ -29,6 +29,9 @@ class WrappingDrafter(Drafter):
 
     def check_target(self, config: TargetConfig) -> None:
         self.model.check_target(config)
+
+    def free_rows(self, batch: DraftBatch) -> list[bool]:
+        return self.model.free_rows(batch)
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:

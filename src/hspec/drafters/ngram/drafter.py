@@ -26,6 +26,9 @@ class NgramDrafter(Drafter):
         self.vocab_size = config.vocab_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
+    def free_rows(self, batch: DraftBatch) -> list[bool]:
+        return [True] * len(batch.seq_ids)  # a lookup in the history, no model
+
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         rows = [lookup_continuation(history, K, self.max_ngram, self.min_ngram) for history in batch.tokens]
         tokens = torch.tensor(rows, dtype=torch.long, device=batch.anchor_tokens.device)  # (B, K)
