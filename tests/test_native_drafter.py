@@ -52,13 +52,14 @@ def _target(targets, tiny_dirs, dtype):
     return targets[dtype]
 
 
-def _drafter(target, precision, native=True):
-    """A random-weight H-Spec drafter for `target` whose Markov head corrects (W2 starts at zero), prepared for
-    inference as `hspec generate` prepares one, with the native proposal where `native`."""
+def _drafter(target, precision, native=True, kind="hspec"):
+    """A random-weight drafter of `kind` for `target` whose Markov head (if any) corrects (W2 starts at zero),
+    prepared for inference as `hspec generate` prepares one, with the native proposal where `native`."""
     torch.manual_seed(0)
-    drafter = create_drafter("hspec", target.config, target_model=target.model)
-    with torch.no_grad():
-        drafter.markov.W2.normal_(std=0.5)
+    drafter = create_drafter(kind, target.config, target_model=target.model)
+    if drafter.markov is not None:
+        with torch.no_grad():
+            drafter.markov.W2.normal_(std=0.5)
     drafter = prepare_for_inference(drafter, target.model.dtype_name, "cpu", precision=precision, native=native)
     assert (drafter.native_greedy is not None) == native
     return drafter
@@ -109,6 +110,32 @@ def test_native_drafts_equal_the_python_path(targets, tiny_dirs, dtype, precisio
             assert torch.equal(proposal.draft_probs, python.draft_probs)
             drafts.append(local)
     assert len({tuple(d[0].tolist()) for d in drafts}) > 1, "every context drafted the same block"
+
+
+# H-Spec's ablations (paper §4.3, B.4) are the same class with other modules: no S_init, no Markov head, only
+# Mamba-2 or only attention layers. hspec-lasttoken-only's attention sees the block alone, which the native call
+# does not take (`NativePropose.unfit_reason`).
+ABLATIONS = ("hspec-kvreuse-only", "hspec-nomarkov", "mamba-only", "attention-only")
+
+
+@pytest.mark.parametrize("kind", ABLATIONS)
+def test_native_drafts_of_the_ablations_equal_the_python_path(targets, tiny_dirs, kind):
+    target = _target(targets, tiny_dirs, "bfloat16")
+    drafter = _drafter(target, "auto", kind=kind)
+    with torch.inference_mode():
+        for batch, ctx in _contexts(target, drafter, (9, 33)):
+            local, confidence, logits = drafter.native_greedy.forward(ctx, batch.anchor_tokens)
+            torch.testing.assert_close(logits.float(), drafter.block_logits(ctx).float(), rtol=1e-2, atol=1e-2)
+            expected_local, expected_confidence = drafter.draft_greedy(ctx, batch.anchor_tokens)
+            assert torch.equal(local, expected_local)
+            torch.testing.assert_close(confidence, expected_confidence)
+
+
+def test_a_drafter_whose_attention_sees_the_block_alone_proposes_in_python(targets, tiny_dirs):
+    target = _target(targets, tiny_dirs, "bfloat16")
+    drafter = create_drafter("hspec-lasttoken-only", target.config, target_model=target.model)
+    assert "attend_target" in NativePropose.unfit_reason(drafter)
+    assert prepare_for_inference(drafter, target.model.dtype_name, "cpu", native=True).native_greedy is None
 
 
 def test_a_wrong_layer_order_gives_other_logits(targets, tiny_dirs):
