@@ -150,8 +150,18 @@ class MarkovHead(nn.Module):
     def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """prev_tokens (N, K) long target ids -> logit corrections (N, K, Vp)."""
         low_rank = self.W1(prev_tokens)  # (N, K, r)
-        if self._w2_int8 is not None and not low_rank.requires_grad and low_rank.dtype == self._w2_scale.dtype:
-            return linear(low_rank, self._w2_int8, scale=self._w2_scale, packed=self._w2_packed)
+        int8 = None if low_rank.requires_grad else self.int8_weights(low_rank.dtype)
+        if int8 is not None:
+            rows, scale, packed = int8
+            return linear(low_rank, rows, scale=scale, packed=packed)
         return low_rank @ self.W2  # (N, K, r) @ (r, Vp)
+
+    def int8_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """The int8 copy of W2 that rows of `dtype` are multiplied with (`store_int8`), as `models.layers.linear`
+        takes it: rows (Vp, r), their scales, the kernel's copy or None; None where drafting multiplies W2 itself.
+        The native proposal (drafters/hspec/native.py) multiplies the same."""
+        if self._w2_int8 is None or self._w2_scale is None or self._w2_scale.dtype != dtype:
+            return None
+        return self._w2_int8, self._w2_scale, self._w2_packed
 
 

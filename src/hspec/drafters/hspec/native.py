@@ -127,9 +127,11 @@ class NativePropose:
         markov = drafter.markov
         if markov is not None:
             self.weights.append(markov.W1.weight)
-            if markov._w2_int8 is not None and markov._w2_scale.dtype == markov.W1.weight.dtype:  # MarkovHead.forward
+            int8 = markov.int8_weights(markov.W1.weight.dtype)  # rows W1 looks up have its dtype
+            if int8 is not None:
                 self.markov = _MARKOV_INT8
-                self.weights += [markov._w2_int8, None, markov._w2_scale, markov._w2_packed]
+                rows, scale, packed = int8
+                self.weights += [rows, None, scale, packed]
                 self.row_invariant.append(True)
             else:
                 self.markov = _MARKOV_MATRIX
