@@ -28,6 +28,7 @@
 
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 using at::Tensor;
@@ -160,6 +161,8 @@ class Cursor {
   size_t next_ = 0, linears_ = 0;
 };
 
+// A drafter's sizes: its Mamba-2 heads nh, P, N and B/C groups G; the target's Hq, Hkv and D; the norms' eps
+// (RMSNorm's and the gated RMSNorm's), and whether its RMSNorms run hspec's kernel.
 struct Sizes {
   int64_t nheads, headdim, d_state, ngroups, hq, hkv, d;
   double eps, mamba_eps;
