@@ -24,6 +24,7 @@ token. Then `llama-bench` on the target alone: prefill (pp) and decode at depths
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import tempfile
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=None)
     args = p.parse_args(argv)
 
+    # A SIGTERM ends the run through the `finally` below, so no llama-server outlives it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bin_dir = find_bin_dir()
     if bin_dir is None:
         sys.exit("llama.cpp's binaries are not built: bash scripts/build_llama_cpp.sh")
