@@ -22,6 +22,13 @@ from hspec.sampling import SamplingBatch, SamplingParams
 PROMPT = [1, 5, 9, 14, 5, 9, 3, 7]
 
 
+@pytest.fixture(autouse=True)
+def _without_the_native_proposal(monkeypatch):
+    """These tests exercise the compiled forwards, which H-Spec's native proposal (drafters/hspec/native.py)
+    would bypass for a greedy sequence: drafters here are prepared without it."""
+    monkeypatch.setenv("HSPEC_NATIVE_DRAFTER", "0")
+
+
 def _failing_compile(fn, **_):
     def compiled(*args, **kwargs):
         raise RuntimeError("inductor: no C++ compiler")
