@@ -34,11 +34,11 @@ def test_named_dtypes_and_errors():
     assert resolve_dtype("bfloat16", flags=AVX2_ONLY) == torch.bfloat16  # asked for: honoured, even if slower
     assert resolve_dtype(torch.bfloat16) == torch.bfloat16
     assert dtype_name(torch.bfloat16) == "bfloat16"
-    assert set(DTYPE_CHOICES) == {"auto", "float32", "bfloat16", "int8", "int4", "w4a8"}
+    assert set(DTYPE_CHOICES) == {"auto", "fastest", "float32", "bfloat16", "int8", "int4", "w4a8"}
     for quantized in ("int8", "int4", "w4a8"):  # bf16 between the products
         assert resolve_dtype(quantized) == torch.bfloat16 and quantized_weights(quantized)
     assert not quantized_weights("bfloat16") and not quantized_weights(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"'int2'.*auto, float32, bfloat16, int8, int4"):
+    with pytest.raises(ValueError, match=r"'int2'.*auto, fastest, float32, bfloat16, int8, int4"):
         resolve_dtype("int2")
     with pytest.raises(ValueError, match="int64"):
         resolve_dtype(torch.int64)
@@ -123,3 +123,12 @@ def test_a_drafter_under_a_bf16_target_stores_its_linears_as_asked_and_stays_los
     prompt = [[1, 5, 9, 14, 5, 9, 3, 7]]
     assert spec.generate(prompt, SamplingParams(), 24).sequences[0].token_ids == \
         plain.generate(prompt, SamplingParams(), 24).sequences[0].token_ids
+
+
+def test_fastest_is_w4a8_where_the_kernels_run(tiny_dirs):
+    """`--dtype fastest` (the demo's default) loads w4a8 where hspec's CPU kernels run, else what auto picks."""
+    from hspec.models.loading import fastest_dtype
+    from hspec.models.native import load_kernels
+
+    assert fastest_dtype("cpu") == ("w4a8" if load_kernels() else "auto")
+    assert fastest_dtype("meta") == "auto"  # not a CPU
