@@ -125,7 +125,7 @@ def test_a_drafter_under_a_bf16_target_stores_its_linears_as_asked_and_stays_los
         plain.generate(prompt, SamplingParams(), 24).sequences[0].token_ids
 
 
-def test_fastest_is_w4a8_where_the_kernels_run(tiny_dirs):
+def test_fastest_is_w4a8_where_the_kernels_run():
     """`--dtype fastest` (the demo's default) loads w4a8 where hspec's CPU kernels run, else what auto picks."""
     from hspec.models.loading import fastest_dtype
     from hspec.models.native import load_kernels
