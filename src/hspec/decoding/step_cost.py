@@ -1,9 +1,10 @@
 """This machine's step costs for a target and a drafter (`StepCost`), measured once and cached.
 
 `measure_step_cost` times, on a scratch pool of random keys and values (no prefill needed: a forward's
-cost does not depend on what the keys hold), the target's 1-token decode and its (K+1)-token verify at a
-short and a long context, and the drafter's propose of K tokens at the short one, each the median of a
-few repeats, and fits StepCost's line:
+cost does not depend on what the keys hold), the target's (K+1)-token verify against its 1-token decode at a
+short and a long context, and the drafter's propose of K tokens against the decode at the short one, each
+the median of ratios of pairs timed back to back (so a load that comes and goes weighs on both sides of a
+ratio), and fits StepCost's line:
 
     verify(K, S) / decode(S) - 1 = K * (per_token + per_token_key * S)    (two contexts, two unknowns)
     draft = propose(K) / decode(S_short)
@@ -38,19 +39,26 @@ from hspec.models.llama import TargetModel
 from hspec.sampling import SamplingBatch, SamplingParams
 
 CONTEXTS = (128, 1024)  # the short and the long context the line is fitted through
-REPEATS = 7  # timings per measure; the median is kept
+REPEATS = 15  # paired timings per ratio; the median ratio is kept
 WARM_UP = 3  # untimed runs before them
 
 
-def _median_seconds(run: Callable[[], object], repeats: int) -> float:
+def _paired_ratios(run: Callable[[], object], reference: Callable[[], object], repeats: int) -> list[float]:
+    """`repeats` ratios seconds(run) / seconds(reference), each of a pair timed back to back (the order
+    alternating), so that another process's load, which comes and goes, weighs on both sides of a ratio alike."""
     for _ in range(WARM_UP):  # allocations, first-call dispatch, oneDNN's first products of a shape
         run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        reference()
+    ratios = []
+    for i in range(repeats):
+        times = {}
+        for name, fn in ((("run", run), ("reference", reference)) if i % 2 == 0 else
+                         (("reference", reference), ("run", run))):
+            start = time.perf_counter()
+            fn()
+            times[name] = time.perf_counter() - start
+        ratios.append(times["run"] / times["reference"])
+    return ratios
 
 
 @torch.inference_mode()
@@ -81,15 +89,13 @@ def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: t
             return out
         return run
 
-    ratios, decode_short = [], 0.0
+    per_token = []  # (verify / decode - 1) / K at each context
     for length in contexts:
         pool.extend([0], length - pool.length(0))
-        decode_s = _median_seconds(forward(decode_ids, length), repeats)
-        verify_s = _median_seconds(forward(verify_ids, length), repeats)
-        ratios.append((verify_s / decode_s - 1.0) / K)  # per drafted token at this context
-        decode_short = decode_short or decode_s
-    per_token_key = max((ratios[1] - ratios[0]) / (long - short), 0.0)
-    per_token = max(ratios[0] - per_token_key * short, 0.0)
+        ratio = statistics.median(_paired_ratios(forward(verify_ids, length), forward(decode_ids, length), repeats))
+        per_token.append((ratio - 1.0) / K)
+    per_token_key = max((per_token[1] - per_token[0]) / (long - short), 0.0)
+    per_token_short = max(per_token[0] - per_token_key * short, 0.0)
 
     pool.truncate(0, short)
     hidden = None
@@ -100,10 +106,11 @@ def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: t
     batch = DraftBatch([0], torch.tensor([history[-1]], device=device), [history], pool,
                        SamplingBatch.from_params([SamplingParams()], device), [torch.Generator().manual_seed(seed)])
     try:
-        propose_s = _median_seconds(lambda: drafter.propose(batch, K), repeats)
+        draft = statistics.median(_paired_ratios(lambda: drafter.propose(batch, K), forward(decode_ids, short),
+                                                 repeats))
     finally:
         drafter.release(0)
-    return StepCost(draft=propose_s / decode_short, per_token=per_token, per_token_key=per_token_key)
+    return StepCost(draft=draft, per_token=per_token_short, per_token_key=per_token_key)
 
 
 def machine_key(*parts: object) -> str:
