@@ -24,6 +24,7 @@ token. Then `llama-bench` on the target alone: prefill (pp) and decode at depths
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import statistics
 import sys
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_results(Path(args.out), args.name, {"meta": meta, "rows": rows, "llama_bench": bench},
                           render(meta, rows, bench))
     print(f"wrote {paths[0]} and {paths[1]}")
+    shutil.rmtree(work)  # the exported GGUFs and server logs (kept when the run fails, for the logs)
     return 0
 
 
