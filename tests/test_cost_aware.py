@@ -134,8 +134,8 @@ def test_drafts_without_a_confidence_are_judged_by_the_rows_record():
     # a_k = 0.5 before any verdict: 1.5 / 1.3 > 1, 1.75 / 1.6 < 1.5 / 1.3: one draft each
     assert drafter.propose(batch, K=4).num_drafts.tolist() == [1, 1]
     drafter.commit(None, [10, 11], None, torch.tensor([2, 1]))  # seq 10 accepted its draft, seq 11 did not
-    assert drafter._rows[10].estimates(2) == pytest.approx([2 / 3, 2 / 3])  # (1 + 2 x 0.5) / 3; then the prior
-    assert drafter._rows[11].estimates(2) == pytest.approx([1 / 3, 1 / 3])
+    assert drafter._rows[10].lookup.estimates(2) == pytest.approx([2 / 3, 2 / 3])  # (1 + 2 x 0.5) / 3; then the prior
+    assert drafter._rows[11].lookup.estimates(2) == pytest.approx([1 / 3, 1 / 3])
     lengths = []
     for _ in range(16):  # seq 10 keeps accepting whatever it verifies: it learns to verify more, position by position
         n = drafter.propose(batch, K=4).num_drafts.tolist()
@@ -231,3 +231,22 @@ def test_given_step_costs_are_parsed_and_bad_ones_named(capsys):
             StepCost.parse(bad)
     assert main(["generate", "--prompt", "hi", "--drafter", "hspec:auto", "--step-cost", "1,2"]) == 2
     assert "--step-cost takes DRAFT,PER_TOKEN,PER_TOKEN_KEY" in capsys.readouterr().err
+
+
+def test_a_confident_drafter_the_target_keeps_rejecting_stops_being_believed():
+    """The confidence is scaled by the row's record: sure drafts (0.9) that are never accepted soon look like
+    drafts that do not pay, and the row backs off; a row whose drafts are accepted keeps verifying them all."""
+    model = _ConfidentDrafter(16, {10: [0.9] * 4, 11: [0.9] * 4})
+    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.3, per_token=0.1, per_token_key=0.0))
+    batch = _batch(2)
+    first = drafter.propose(batch, K=4).num_drafts.tolist()
+    assert first == [4, 4]
+    for _ in range(3):  # seq 10 accepts everything it verifies, seq 11 nothing
+        n = drafter.propose(batch, K=4).num_drafts.tolist()
+        drafter.commit(None, [10, 11], None, torch.tensor([n[0] + 1, 1]))
+    assert drafter._rows[10].model.calibrated([0.9])[0] == pytest.approx(0.9 * (3 + 1) / (3 * 0.9 + 1))
+    assert drafter._rows[11].model.calibrated([0.9, 0.9]) == pytest.approx([0.9 / 3.7, 0.9 / 3.7])  # k=2: k=1's
+    assert drafter._rows[11].model.calibrated([0.9])[0] < 0.3
+    last = drafter.propose(batch, K=4).num_drafts.tolist()
+    assert last[0] == 4 and last[1] <= 1  # seq 11 backs off: drafting no longer pays a decode's worth
+    assert drafter._rows[11].backoff > 0 and drafter._rows[10].backoff == 0

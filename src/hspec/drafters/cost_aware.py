@@ -9,10 +9,12 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
    the drafter does not run for it.
 2. Otherwise the drafter proposes K tokens with an estimate a_k that draft k is accepted given the drafts
    before it were: its confidence c_k (the largest probability of its distribution at k, before the sampling
-   transform) where it reports one, else (prompt lookup, n-gram: drafts without a distribution) the row's own
-   record, the share of its earlier such steps that accepted position k once they reached it (with a prior
-   of two steps at a_{k-1}, and 0.5 for a_1). The row verifies drafts while each one raises the step's rate, tokens per
-   decode's cost:
+   transform) where it reports one, scaled by the row's own record of how often it accepted the drafter's
+   drafts at k against the confidence they had (a drafter sure of drafts the target keeps rejecting, as a
+   chat-trained drafter on translation, stops being believed); else (prompt lookup, n-gram: drafts without
+   a distribution) the row's record alone, the share of its earlier such steps that accepted position k once
+   they reached it (with a prior of two steps at a_{k-1}, and 0.5 for a_1). The row verifies drafts while
+   each one raises the step's rate, tokens per decode's cost:
 
        rate(n) = E(n) / cost(n),   E(n) = 1 + sum_{k<=n} prod_{j<=k} a_j,   cost(n) = draft + 1 + n (t + t_S S)
 
@@ -64,16 +66,65 @@ def best_draft_length(confidence: Sequence[float], keys: int, cost: StepCost) ->
 
 
 @dataclass
+class Record:
+    """A row's verdicts per draft position k: steps whose verify reached k (every earlier draft accepted),
+    those that accepted draft k, and the sum of the drafter's confidence at k over the steps that reached it."""
+
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+
+    def grow(self, K: int) -> None:
+        extra = K - len(self.reached)
+        if extra > 0:
+            self.reached += [0] * extra
+            self.accepted += [0] * extra
+            self.confidence += [0.0] * extra
+
+    def add(self, verified: int, num_accepted: int, confidence: Sequence[float] | None) -> None:
+        """A step verified `verified` drafts (with these confidences, if any) and accepted `num_accepted`."""
+        self.grow(verified)
+        for k in range(min(num_accepted + 1, verified)):
+            self.reached[k] += 1
+            self.accepted[k] += k < num_accepted
+            self.confidence[k] += 0.0 if confidence is None else confidence[k]
+
+    def estimates(self, K: int) -> list[float]:
+        """a_1..a_K for drafts without a confidence: (accepted_k + 2 a_{k-1}) / (reached_k + 2), a_0 = 0.5, a
+        prior of two steps centred on the position before (a row whose drafts keep being accepted tries further)."""
+        self.grow(K)
+        out, prior = [], 0.5
+        for a, r in zip(self.accepted[:K], self.reached[:K]):
+            prior = (a + 2 * prior) / (r + 2)
+            out.append(prior)
+        return out
+
+    def calibrated(self, confidence: Sequence[float]) -> list[float]:
+        """a_k = min(1, c_k f_k): the drafter's confidence scaled by how often this row accepted its drafts at k
+        against how often the drafter said it would, f_k = (accepted_k + f_{k-1}) / (sum of c_k + 1), f_0 = 1
+        (a prior worth one sure draft at the position before's factor, which a position never reached keeps)."""
+        self.grow(len(confidence))
+        out, factor = [], 1.0
+        for c, a, s in zip(confidence, self.accepted, self.confidence):
+            factor = (a + factor) / (s + 1)
+            out.append(min(1.0, c * factor))
+        return out
+
+    def copy(self) -> Record:
+        return Record(list(self.reached), list(self.accepted), list(self.confidence))
+
+
+@dataclass
 class RowState:
     """What the rule keeps for one row: its place in the back-off of step 3 (steps still to skip, the length
-    of the last skip), and its record of drafts verified without a confidence (step 2): per position k,
-    steps that reached k and steps that accepted it."""
+    of the last skip), its records of the model's drafts and of drafts without a confidence (step 2), and this
+    step's verified drafts with their confidences until `commit` tells the verdict."""
 
     skip: int = 0
     backoff: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    pending: int | None = None  # drafts verified this step without a confidence, until `commit` tells the verdict
+    model: Record = field(default_factory=Record)
+    lookup: Record = field(default_factory=Record)
+    pending: tuple[int, list[float] | None] | None = None
 
     def after_draft(self, rate: float, max_backoff: int) -> None:
         """Update the back-off after a step that drafted at `rate` tokens per decode's cost."""
@@ -83,27 +134,15 @@ class RowState:
             self.backoff = min(max(1, 2 * self.backoff), max_backoff)
             self.skip = self.backoff
 
-    def estimates(self, K: int) -> list[float]:
-        """a_1..a_K from the record: (accepted_k + 2 a_{k-1}) / (reached_k + 2), a_0 = 0.5, a Beta prior of
-        two steps centred on the position before (a row whose drafts keep being accepted tries further)."""
-        grow = K - len(self.reached)
-        if grow > 0:
-            self.reached += [0] * grow
-            self.accepted += [0] * grow
-        out, prior = [], 0.5
-        for a, r in zip(self.accepted[:K], self.reached[:K]):
-            prior = (a + 2 * prior) / (r + 2)
-            out.append(prior)
-        return out
-
-    def record(self, verified: int, num_accepted: int) -> None:
-        """A step verified `verified` drafts and accepted the first `num_accepted` of them."""
-        for k in range(min(num_accepted + 1, verified)):
-            self.reached[k] += 1
-            self.accepted[k] += k < num_accepted
+    def record(self, num_accepted: int) -> None:
+        """This step's verdict: `num_accepted` of its pending drafts were accepted."""
+        if self.pending is not None:
+            verified, confidence = self.pending
+            (self.lookup if confidence is None else self.model).add(verified, num_accepted, confidence)
+        self.pending = None
 
     def copy(self) -> RowState:
-        return RowState(self.skip, self.backoff, list(self.reached), list(self.accepted), self.pending)
+        return RowState(self.skip, self.backoff, self.model.copy(), self.lookup.copy(), self.pending)
 
 
 class CostAwareDrafter(WrappingDrafter):
@@ -147,13 +186,13 @@ class CostAwareDrafter(WrappingDrafter):
         for i, row in enumerate(drafting):
             state = states[row]
             known = confidence is not None and not math.isnan(confidence[i][0])
-            estimate = confidence[i] if known else state.estimates(K)
+            estimate = state.model.calibrated(confidence[i]) if known else state.lookup.estimates(K)
             n, rate = best_draft_length(estimate[: limits[i]], keys[i], replace(self.cost, draft=0.0) if free[row]
                                         else self.cost)
             num_drafts[row] = n
             if not free[row]:  # only drafting that costs can fail to pay
                 state.after_draft(rate, self.max_backoff)
-            state.pending = None if known else n
+            state.pending = (n, confidence[i][:n] if known else None) if n else None
         if len(drafting) == B:
             tokens, probs = drafted.draft_tokens, drafted.draft_probs
         else:
@@ -165,13 +204,11 @@ class CostAwareDrafter(WrappingDrafter):
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:
-        """After a step, the rows that drafted without a confidence add its verdict to their record."""
+        """After a step, each row that verified drafts adds the verdict to its record."""
         for seq_id, committed in zip(seq_ids, num_committed.tolist()):
             state = self._rows.get(seq_id)
-            if state is not None and state.pending:
-                state.record(state.pending, committed - 1)  # committed = x0 + the accepted drafts
             if state is not None:
-                state.pending = None
+                state.record(committed - 1)  # committed = x0 + the accepted drafts
         super().commit(pool, seq_ids, hidden, num_committed)
 
     def release(self, seq_id: int) -> None:
