@@ -295,3 +295,12 @@ def client(server):
 
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def byte_chat_target(tiny_dirs) -> Target:
+    """The tiny Llama with scripts/server_hardening.py's byte tokenizer, whose EOS it never emits: every request
+    runs to its max_tokens (the server's fault and guard tests)."""
+    target = load_tiny(tiny_dirs["llama"])
+    target.tokenizer = load_script("server_hardening").ByteChatTokenizer(target.config.vocab_size)
+    return target

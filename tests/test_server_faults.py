@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import load_script, load_tiny
+from conftest import load_script
 
 hardening = load_script("server_hardening")
 
 
 @pytest.fixture(scope="module")
-def target(tiny_dirs):
-    """The tiny Llama with a tokenizer whose EOS it never emits: every request runs to its max_tokens."""
-    target = load_tiny(tiny_dirs["llama"])
-    target.tokenizer = hardening.ByteChatTokenizer(target.config.vocab_size)
-    return target
+def target(byte_chat_target):
+    return byte_chat_target
 
 
 def test_a_step_failing_once_fails_its_request_with_a_generic_500_and_serving_goes_on(target):

@@ -11,17 +11,15 @@ import dataclasses
 import httpx
 import pytest
 
-from conftest import load_script, load_tiny
+from conftest import load_script
 from hspec.serving.limits import LOOPBACK_NAMES, ServingLimits, host_name, is_loopback
 
 hardening = load_script("server_hardening")
 
 
 @pytest.fixture(scope="module")
-def target(tiny_dirs):
-    target = load_tiny(tiny_dirs["llama"])
-    target.tokenizer = hardening.ByteChatTokenizer(target.config.vocab_size)
-    return target
+def target(byte_chat_target):
+    return byte_chat_target
 
 
 def test_every_hostile_input_gets_the_status_it_must(target):
