@@ -157,6 +157,7 @@ class CostAwareDrafter(WrappingDrafter):
         super().__init__(model)
         self.vocab_size = vocab_size
         self.cost = cost
+        self.free_cost = replace(cost, draft=0.0)  # a row drafted without the model
         self.max_backoff = max_backoff
         self.kind = f"{model.kind}:{ADAPTIVE_LENGTH}"
         self._rows: dict[int, RowState] = {}
@@ -169,8 +170,11 @@ class CostAwareDrafter(WrappingDrafter):
         B = len(batch.seq_ids)
         device = batch.anchor_tokens.device
         states = [self._rows.setdefault(s, RowState()) for s in batch.seq_ids]
-        free = self.model.free_rows(batch)  # drafted without a model: never skipped, pay no draft
-        drafting = [row for row, state in enumerate(states) if state.skip == 0 or free[row]]
+        # A row backing off still drafts where the drafter drafts it without a model (a lookup match): free.
+        skipping = [row for row, state in enumerate(states) if state.skip > 0]
+        free = self.model.free_rows(batch.select(skipping)) if skipping else []
+        drafting = sorted({row for row, state in enumerate(states) if state.skip == 0}
+                          | {row for row, f in zip(skipping, free) if f})
         for state in states:
             state.skip = max(state.skip - 1, 0)
             state.pending = None
@@ -185,12 +189,12 @@ class CostAwareDrafter(WrappingDrafter):
         keys = batch.pool.lengths([batch.seq_ids[row] for row in drafting])
         for i, row in enumerate(drafting):
             state = states[row]
+            # Drafts without a model's confidence (lookup, n-gram) were drafted without a model: free.
             known = confidence is not None and not math.isnan(confidence[i][0])
             estimate = state.model.calibrated(confidence[i]) if known else state.lookup.estimates(K)
-            n, rate = best_draft_length(estimate[: limits[i]], keys[i], replace(self.cost, draft=0.0) if free[row]
-                                        else self.cost)
+            n, rate = best_draft_length(estimate[: limits[i]], keys[i], self.cost if known else self.free_cost)
             num_drafts[row] = n
-            if not free[row]:  # only drafting that costs can fail to pay
+            if known:  # only drafting that costs can fail to pay
                 state.after_draft(rate, self.max_backoff)
             state.pending = (n, confidence[i][:n] if known else None) if n else None
         if len(drafting) == B:
