@@ -20,3 +20,17 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
         if line.startswith(("flags", "Features")):  # x86 says flags, ARM says Features
             return frozenset(line.partition(":")[2].split())
     return frozenset()
+
+
+@functools.cache
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name as the kernel reports it ("" where /proc/cpuinfo has none), e.g. for keying
+    what was measured on this machine (`decoding.step_cost`)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return ""

@@ -34,7 +34,7 @@ import torch
 from hspec.cache.paged_pool import blocks_for
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.drafters.step_cost import StepCost
-from hspec.machine import cpu_flags
+from hspec.machine import cpu_flags, cpu_model
 from hspec.models.llama import TargetModel
 from hspec.sampling import SamplingBatch, SamplingParams
 
@@ -115,19 +115,9 @@ def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: t
 
 def machine_key(*parts: object) -> str:
     """A short digest of this CPU, the thread count, Python and torch, and `parts` (what was measured)."""
-    text = json.dumps([platform.machine(), platform.processor(), _cpu_model(), sorted(cpu_flags()),
+    text = json.dumps([platform.machine(), platform.processor(), cpu_model(), sorted(cpu_flags()),
                        torch.get_num_threads(), torch.__version__, sys.version_info[:2], *map(str, parts)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def cached_step_cost(cache_dir: Path, key_parts: tuple[object, ...], measure: Callable[[], StepCost]) -> StepCost:
