@@ -11,13 +11,16 @@ then prompt by prompt every configuration in turn (machine noise hits every row 
 - llama.cpp with each `--drafter KIND=CHECKPOINT` exported by `hspec export-gguf` (`draft-dspark`, the
   layout hspec trains), and for a `dflash` one also under `draft-dflash` (z-lab's layout: drafts land one
   position off, which the tau of that row shows);
-- hspec's engine: plain in `--hspec-dtype` (w4a8 by default, hspec's fastest CPU path), and each drafter in
-  float32 on the same ids (its tau against llama.cpp's).
+- hspec's engine: plain in `--hspec-dtype` (w4a8 by default, hspec's fastest CPU path), each of
+  `--hspec-drafters` in that dtype (the shipped H-Spec drafter, the cost-aware lengths: hspec's best rows), and
+  each `--drafter` in float32 on the same ids (its tau against llama.cpp's).
 
 Per row: decode tokens/s (llama.cpp's own clock: `predicted_ms` over predicted_n - 1 steps; hspec's decode
 phase), prefill tokens/s (llama.cpp's `prompt_ms`; hspec's prefill), tau from each engine's own counters
 (tokens per target forward, bonus included), and how many prompts' outputs equal llama.cpp plain's token for
-token. Then `llama-bench` on the target alone: prefill (pp) and decode at depths (tg @ d). Writes
+token; hspec's drafted rows are also checked against hspec's plain row of their dtype (`= own plain`: the
+lossless claim, since hspec's w4a8 rounds otherwise than llama.cpp's Q4_1). A last line puts the fastest row of
+each engine side by side. Then `llama-bench` on the target alone: prefill (pp) and decode at depths (tg @ d). Writes
 <out>/<name>.json and .md with the command, commit, CPU features and llama.cpp's build id.
 """
 
@@ -81,8 +84,9 @@ def hspec_run(target: Any, kind: str, path: Path | None, k: int, ids: list[int],
 _decoders: dict[tuple, Any] = {}
 
 
-def hspec_row(name: str, runs: list[dict[str, Any]], plain: list[list[int]], prompt_lens: list[int]
-              ) -> dict[str, Any]:
+def hspec_row(name: str, runs: list[dict[str, Any]], plain: list[list[int]], prompt_lens: list[int],
+              own_plain: list[list[int]] | None = None) -> dict[str, Any]:
+    """One hspec row; `own_plain`: hspec's plain outputs in the row's dtype, which a drafted row must equal."""
     decode = [(len(r["tokens"]) - 1) / r["decode_s"] for r in runs]
     steps = sum(r["steps"] for r in runs)
     return {"engine": "hspec", "config": name, "args": "",
@@ -93,7 +97,15 @@ def hspec_row(name: str, runs: list[dict[str, Any]], plain: list[list[int]], pro
             "acceptance": (sum(r["accepted"] for r in runs) / max(1, sum(r["drafted"] for r in runs))),
             "drafted": sum(r["drafted"] for r in runs), "accepted": sum(r["accepted"] for r in runs),
             "equal_plain": sum(r["tokens"] == p for r, p in zip(runs, plain)), "prompts": len(runs),
+            "equal_own_plain": (None if own_plain is None else
+                                sum(r["tokens"] == p for r, p in zip(runs, own_plain))),
             "decode_tok_s": decode}
+
+
+def fastest(rows: list[dict[str, Any]], engine: str) -> dict[str, Any] | None:
+    """The row of `engine` with the highest median decode tokens/s."""
+    mine = [r for r in rows if r["engine"] == engine]
+    return max(mine, key=lambda r: r["decode_tok_s_median"]) if mine else None
 
 
 def render(meta: dict[str, Any], rows: list[dict[str, Any]], bench: list[dict[str, Any]]) -> str:
@@ -105,15 +117,23 @@ def render(meta: dict[str, Any], rows: list[dict[str, Any]], bench: list[dict[st
              f"{meta['settings']['threads']} threads. Decode: median over prompts of tokens/s after the first token "
              "(llama.cpp: its `predicted_ms`; hspec: its decode phase). Prefill: median prompt tokens/s of the same "
              "requests. tau: tokens per target forward from each engine's own counters. `= plain`: prompts whose "
-             "output equals llama.cpp plain's token for token.", "",
+             "output equals llama.cpp plain's token for token; `= own plain`: an hspec row's outputs equal to hspec's "
+             "plain row of its dtype.", "",
              "| engine | configuration | decode tok/s | x llama.cpp plain | prefill tok/s | tau | acceptance "
-             "| = plain |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| = plain | = own plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
+        own = "-" if r.get("equal_own_plain") is None else f"{r['equal_own_plain']}/{r['prompts']}"
         lines.append(f"| {r['engine']} | {r['config']} | {r['decode_tok_s_median']:.1f} | "
                      f"{r['decode_tok_s_median'] / plain:.2f}x | {r['prefill_tok_s_median']:.0f} | {r['tau']:.3f} | "
-                     f"{acc} | {r['equal_plain']}/{r['prompts']} |")
+                     f"{acc} | {r['equal_plain']}/{r['prompts']} | {own} |")
+    best_hspec, best_llama = fastest(rows, "hspec"), fastest(rows, "llama.cpp")
+    if best_hspec and best_llama:
+        lines += ["", f"Fastest of each engine: hspec {best_hspec['config']} "
+                  f"{best_hspec['decode_tok_s_median']:.1f} tok/s against llama.cpp {best_llama['config']} "
+                  f"{best_llama['decode_tok_s_median']:.1f} tok/s: "
+                  f"**{best_hspec['decode_tok_s_median'] / best_llama['decode_tok_s_median']:.2f}x** (decode phase)."]
     if bench:
         lines += ["", "`llama-bench` on the target alone (llama.cpp's mean ± stddev over its repetitions):", "",
                   "| test | tokens/s |", "|---|---:|"]
@@ -132,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ngram-types", default=",".join(NGRAM_TYPES))
-    p.add_argument("--hspec-dtype", default="w4a8", help="dtype of hspec's plain row (default w4a8)")
+    p.add_argument("--hspec-dtype", default="w4a8", help="dtype of hspec's plain and drafted rows (default w4a8)")
+    p.add_argument("--hspec-drafters", default="ngram:auto,hspec:auto,hspec+ngram:0.4,hspec+ngram:auto",
+                   help="hspec drafter strings run in --hspec-dtype with the shipped drafter ('' = none)")
+    p.add_argument("--k", type=int, default=7, help="draft length of --hspec-drafters (at most, for :auto)")
     p.add_argument("--no-hspec", action="store_true", help="llama.cpp rows only")
     p.add_argument("--bench-prompt", default="512,2048", help="llama-bench prefill sizes ('' = skip llama-bench)")
     p.add_argument("--bench-depths", default="64,512,1024,2048", help="llama-bench decode depths")
@@ -149,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("llama.cpp's binaries are not built: bash scripts/build_llama_cpp.sh")
     torch.set_num_threads(args.threads)
     target_gguf = Path(args.target_gguf) if args.target_gguf else default_gguf_path()
-    target = load_target(str(target_gguf), "float32")
+    # the embedded default by its name, so that the drafters shipped for it are found
+    target_name = None if args.target_gguf is None else str(target_gguf)
+    target = load_target(target_name, "float32")
     prompts = [target.tokenizer.encode_prompt(text) for text in read_prompts(None, args.num_prompts, args.data_dir)]
     n = args.max_new_tokens
     drafters = [tuple(d.split("=", 1)) for d in args.drafter]
@@ -174,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     hspec_runs: dict[str, list[dict[str, Any]]] = {}
     hspec_targets: dict[str, tuple[Any, str, Path | None, int]] = {}
     if not args.no_hspec:
-        fast = load_target(str(target_gguf), args.hspec_dtype)
+        fast = load_target(target_name, args.hspec_dtype)
         hspec_targets[f"plain {args.hspec_dtype}"] = (fast, "none", None, 1)
+        for kind in [d for d in args.hspec_drafters.split(",") if d]:
+            hspec_targets[f"{kind} {args.hspec_dtype}, K={args.k}"] = (fast, kind, None, args.k)
         for kind, path in drafters:
             from hspec.drafters.checkpoint import read_checkpoint
 
@@ -201,14 +228,19 @@ def main(argv: list[str] | None = None) -> int:
             server.__exit__(None, None, None)
     plain_tokens = [c.tokens for c in runs["plain"]]
     rows = [llama_rows(name, runs[name], plain_tokens, configs[name]) for name in configs]
-    rows += [hspec_row(name, hspec_runs[name], plain_tokens, [len(ids) for ids in prompts]) for name in hspec_runs]
+    prompt_lens = [len(ids) for ids in prompts]
+    own_plain = [r["tokens"] for r in hspec_runs.get(f"plain {args.hspec_dtype}", [])]
+    rows += [hspec_row(name, runs_, plain_tokens, prompt_lens,
+                       own_plain if name.endswith(f"{args.hspec_dtype}, K={args.k}") else None)
+             for name, runs_ in hspec_runs.items()]
     bench = []
     if args.bench_prompt:
         bench = llama_bench(bin_dir, target_gguf, args.threads, [int(x) for x in args.bench_prompt.split(",")],
                             args.bench_gen, [int(x) for x in args.bench_depths.split(",")])
         bench = [{k: b[k] for k in ("n_prompt", "n_gen", "n_depth", "avg_ts", "stddev_ts")} for b in bench]
     settings = {"target_gguf": str(target_gguf), "num_prompts": len(prompts), "max_new_tokens": n,
-                "threads": args.threads, "drafters": dict(drafters), "hspec_dtype": args.hspec_dtype}
+                "threads": args.threads, "drafters": dict(drafters), "hspec_dtype": args.hspec_dtype,
+                "hspec_drafters": args.hspec_drafters, "k": args.k}
     meta = provenance("python scripts/bench_llama_cpp.py " + " ".join(sys.argv[1:] if argv is None else argv),
                       settings)
     meta.update(llama_cpp_build=build_id(bin_dir), bin_dir=str(bin_dir))
