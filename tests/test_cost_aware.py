@@ -67,6 +67,24 @@ def test_the_length_stops_at_the_first_draft_that_does_not_pay():
     assert best_draft_length([0.99] * 7, 0, StepCost(0.0, 0.0, 0.0))[0] == 7  # free drafts: all of them
 
 
+def test_a_first_draft_that_pays_only_with_the_ones_expected_after_it_is_taken():
+    cost = StepCost(draft=0.5, per_token=0.1, per_token_key=0.0, first_token=0.3)
+    assert cost.of(0, 0) == pytest.approx(1.5) and cost.of(2, 0) == pytest.approx(0.5 + 1 + 0.3 + 0.2)
+    # n=0 1/1.5 = 0.667; n=1 (1 + 0.25) / 1.9 = 0.658 does not pay alone, but with the record expecting 0.9
+    # after it n=4 (1 + 0.25 + 0.225 + 0.2025 + 0.182) / 2.2 = 0.845 does: the first draft goes in
+    estimate = [0.25, 0.9, 0.9, 0.9]
+    assert best_draft_length(estimate, 0, cost)[0] == 0  # without a record: only the first draft is judged
+    assert best_draft_length(estimate, 0, cost, outlook=[0.5, 0.9, 0.9, 0.9])[0] == 4
+    # a record that expects little after it: only what this step's drafts pay counts, as without one
+    assert best_draft_length([0.2, 0.9], 0, cost, outlook=[0.2, 0.05])[0] == 0
+    # whether draft 1 is verified reads estimate[0] and the record, never the later drafts' estimates
+    for later in ([0.0, 0.0, 0.0], [0.99, 0.99, 0.99], [0.5, 0.1, 0.9]):
+        n, _ = best_draft_length([0.25, *later], 0, cost, outlook=[0.5, 0.9, 0.9, 0.9])
+        assert n >= 1
+    assert StepCost.parse("0.6,0.13,8e-5,0.08") == StepCost(0.6, 0.13, 8e-5, 0.08)
+    assert StepCost(0.6, 0.13, 8e-5, 0.08).to_dict()["first_token"] == 0.08
+
+
 def test_a_longer_context_drafts_less():
     cost = StepCost(draft=0.3, per_token=0.05, per_token_key=1e-4)
     confidence = [0.8, 0.7, 0.6, 0.5, 0.4]

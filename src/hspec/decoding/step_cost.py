@@ -2,11 +2,12 @@
 
 `measure_step_cost` times, on a scratch pool of random keys and values (no prefill needed: a forward's
 cost does not depend on what the keys hold), the target's (K+1)-token verify against its 1-token decode at a
-short and a long context, and the drafter's propose of K tokens against the decode at the short one, each
-the median of ratios of pairs timed back to back (so a load that comes and goes weighs on both sides of a
-ratio), and fits StepCost's line:
+short and a long context, its 2-token verify (one drafted token) at the short one, and the drafter's propose
+of K tokens against the decode at the short one, each the median of ratios of pairs timed back to back (so a
+load that comes and goes weighs on both sides of a ratio), and fits StepCost's line:
 
-    verify(K, S) / decode(S) - 1 = K * (per_token + per_token_key * S)    (two contexts, two unknowns)
+    verify(n, S) / decode(S) - 1 = first_token + n * (per_token + per_token_key * S)
+        (n = K at two contexts: per_token_key; n = 1 and K at the short one: first_token and per_token)
     draft = propose(K) / decode(S_short)
 
 The costs depend on the CPU, the thread count, the target and its dtype, and the drafter, so
@@ -89,13 +90,17 @@ def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: t
             return out
         return run
 
-    per_token = []  # (verify / decode - 1) / K at each context
-    for length in contexts:
+    def verify_ratio(ids: torch.Tensor, length: int) -> float:  # median verify(ids) / decode at `length` keys
         pool.extend([0], length - pool.length(0))
-        ratio = statistics.median(_paired_ratios(forward(verify_ids, length), forward(decode_ids, length), repeats))
-        per_token.append((ratio - 1.0) / K)
-    per_token_key = max((per_token[1] - per_token[0]) / (long - short), 0.0)
-    per_token_short = max(per_token[0] - per_token_key * short, 0.0)
+        return statistics.median(_paired_ratios(forward(ids, length), forward(decode_ids, length), repeats))
+
+    one = verify_ratio(verify_ids[:, :2], short) if K > 1 else None
+    ratio_short, ratio_long = verify_ratio(verify_ids, short), verify_ratio(verify_ids, long)
+    per_token_key = max((ratio_long - ratio_short) / (K * (long - short)), 0.0)
+    # per drafted token at the short context: the step from 1 to K drafts; the first one's surcharge on top
+    at_short = (ratio_short - 1.0) / K if one is None else max((ratio_short - one) / (K - 1), 0.0)
+    first_token = 0.0 if one is None else max(one - 1.0 - at_short, 0.0)
+    per_token_short = max(at_short - per_token_key * short, 0.0)
 
     pool.truncate(0, short)
     hidden = None
@@ -110,13 +115,24 @@ def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: t
                                                  repeats))
     finally:
         drafter.release(0)
-    return StepCost(draft=draft, per_token=per_token_short, per_token_key=per_token_key)
+    return StepCost(draft=draft, per_token=per_token_short, per_token_key=per_token_key, first_token=first_token)
+
+
+def kernels_digest() -> str:
+    """A digest of hspec's native sources (the CPU kernels, the decoder stack, native drafters) and of the
+    cost model's fields: costs timed with other kernels, or fitted to another line, are measured again."""
+    digest = hashlib.sha256(json.dumps(sorted(StepCost.__dataclass_fields__)).encode())
+    for source in sorted(Path(__file__).resolve().parents[1].rglob("*.cpp")):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def machine_key(*parts: object) -> str:
-    """A short digest of this CPU, the thread count, Python and torch, and `parts` (what was measured)."""
+    """A short digest of this CPU, the thread count, Python and torch, hspec's kernels, and `parts` (what was
+    measured)."""
     text = json.dumps([platform.machine(), platform.processor(), cpu_model(), sorted(cpu_flags()),
-                       torch.get_num_threads(), torch.__version__, sys.version_info[:2], *map(str, parts)])
+                       torch.get_num_threads(), torch.__version__, sys.version_info[:2], kernels_digest(),
+                       *map(str, parts)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -16,13 +16,16 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
    they reached it (with a prior of two steps at a_{k-1}, and 0.5 for a_1). The row verifies drafts while
    each one raises the step's rate, tokens per decode's cost:
 
-       rate(n) = E(n) / cost(n),   E(n) = 1 + sum_{k<=n} prod_{j<=k} a_j,   cost(n) = draft + 1 + n (t + t_S S)
+       rate(n) = E(n) / cost(n),   E(n) = 1 + sum_{k<=n} prod_{j<=k} a_j,
+       cost(n) = draft + 1 + [n > 0] first + n (t + t_S S)
 
-   (StepCost; S the row's context; a row drafted without a model, `Drafter.free_rows`, pays no draft): n is the
-   first n with rate(n + 1) <= rate(n). Stopping at the first draft that does not pay, rather than taking
-   the best n over all K, keeps sampling exact: whether d_k is verified then depends on a_1..a_k, which
-   depend on d_1..d_{k-1} and earlier steps only (`Proposal.confidence`), never on d_k or the drafts after
-   it. With estimates that fall along the block, as they do, both choose alike.
+   (StepCost; S the row's context; a row drafted without a model, `Drafter.free_rows`, pays no draft). Draft
+   n + 1 goes in while some longer block pays more than the n drafts do, with a_k from this step up to n + 1
+   and, after it, the row's record alone (its acceptance per position on earlier steps): so a first draft
+   that pays only with the ones behind it (the first verified token costs a surcharge) is still taken.
+   Deciding draft by draft, rather than taking the best n over all K, keeps sampling exact: whether d_k is
+   verified then depends on a_1..a_k, which depend on d_1..d_{k-1} and earlier steps only
+   (`Proposal.confidence`), and on the record, never on d_k or the drafts after it.
 3. When even the best n emits less than 1 token per decode's cost, drafting did not pay for this row:
    it skips its next `backoff` steps, the backoff doubling (1, 2, 4, ...) up to `max_backoff` while
    drafting keeps not paying; a step that pays resets it. So a drafter that never pays costs one probe
@@ -46,22 +49,37 @@ import torch
 
 from hspec.cache.paged_pool import PagedKVPool
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
-from hspec.drafters.step_cost import StepCost, expected_emitted
+from hspec.drafters.step_cost import StepCost
 from hspec.drafters.wrapping import WrappingDrafter
 
 ADAPTIVE_LENGTH = "auto"  # the P of `KIND:P` that asks for the cost-aware length
 MAX_BACKOFF = 32  # most steps a row skips drafting after drafting did not pay
 
 
-def best_draft_length(confidence: Sequence[float], keys: int, cost: StepCost) -> tuple[int, float]:
-    """One row's draft length (module docstring, step 2): the n in 0..K after which the next draft would
-    not raise E(n) / cost(n), and that rate in tokens per 1-token decode. confidence: the row's c_1..c_K."""
+def best_draft_length(estimate: Sequence[float], keys: int, cost: StepCost,
+                      outlook: Sequence[float] = ()) -> tuple[int, float]:
+    """One row's draft length (module docstring, step 2) and its rate in tokens per 1-token decode.
+
+    estimate: the row's a_1..a_K for this step's drafts; outlook: what the row's record alone expects at each
+    position (a_k from earlier steps only). Draft n + 1 is verified when some block n + 1..K pays more than
+    the n drafts do, its a_k being estimate's up to n + 1 and outlook's after: a draft whose own estimate is
+    low still goes in when the drafts expected after it make up for it (the first drafted token's surcharge,
+    `StepCost.first_token`, is paid once), and the choice of draft n + 1 reads nothing of drafts n + 2..K."""
+    K = len(estimate)
     n, rate = 0, 1.0 / cost.of(0, keys)
-    while n < len(confidence):
-        longer = expected_emitted(confidence[: n + 1]) / cost.of(n + 1, keys)
-        if longer <= rate:
+    emitted, reach = 1.0, 1.0  # E(n) and prod_{j<=n} a_j
+    while n < K:
+        reach_next = reach * float(estimate[n])
+        emitted_next = emitted + reach_next
+        best, ahead, reach_ahead = emitted_next / cost.of(n + 1, keys), emitted_next, reach_next
+        for m in range(n + 1, min(K, len(outlook))):  # the block through draft m + 1 as the outlook sees it
+            reach_ahead *= float(outlook[m])
+            ahead += reach_ahead
+            best = max(best, ahead / cost.of(m + 1, keys))
+        if best <= rate:
             break
-        n, rate = n + 1, longer
+        n, emitted, reach = n + 1, emitted_next, reach_next
+        rate = emitted / cost.of(n, keys)
     return n, rate
 
 
@@ -191,8 +209,10 @@ class CostAwareDrafter(WrappingDrafter):
             state = states[row]
             # Drafts without a model's confidence (lookup, n-gram) were drafted without a model: free.
             known = confidence is not None and not math.isnan(confidence[i][0])
-            estimate = state.model.calibrated(confidence[i]) if known else state.lookup.estimates(K)
-            n, rate = best_draft_length(estimate[: limits[i]], keys[i], self.cost if known else self.free_cost)
+            record = state.model if known else state.lookup
+            estimate = record.calibrated(confidence[i]) if known else record.estimates(K)
+            n, rate = best_draft_length(estimate[: limits[i]], keys[i], self.cost if known else self.free_cost,
+                                        record.estimates(K))
             num_drafts[row] = n
             if known:  # only drafting that costs can fail to pay
                 state.after_draft(rate, self.max_backoff)
