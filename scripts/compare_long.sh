@@ -8,7 +8,7 @@
 # `KINDS="hspec dflash" bash scripts/compare_long.sh` trains those kinds and at once evaluates them into
 # $OUT/shards/<kinds joined by +>/ (SHARD names it otherwise); only those small JSONs and the runs'
 # histories kept beside them have to be kept.
-# Then every shard present is merged into $OUT (`hspec eval-merge`: each drafter's speedup over its own
+# Then every shard present is merged into $OUT (`hspec lab merge`: each drafter's speedup over its own
 # shard's plain decoding, drafters paired only where their shards' plain outputs agree) and the claims
 # are tested on the merged files. A shard needs ~20 min of features, its kinds' training (~50-120 min a
 # kind on one core; LANES kinds side by side) and its evaluations (~25 min a kind on 2 threads). With

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The last step of scripts/compare_long.sh, alone: every shard kept under $OUT/shards/ merged into one file per
-# evaluation (`hspec eval-merge`), the training report of every kept run redrawn where a history is newer than
-# it, the paper's claims tested on the merged files (`hspec claims`, docs/claims.md) and one table of every
-# drafter written (`hspec eval-table`). Run it after copying in a shard folder evaluated on another machine:
+# evaluation (`hspec lab merge`), the training report of every kept run redrawn where a history is newer than
+# it, the paper's claims tested on the merged files (`hspec lab claims`, docs/claims.md) and one table of every
+# drafter written (`hspec lab table`). Run it after copying in a shard folder evaluated on another machine:
 #
 #   cp -r /elsewhere/results/comparison_long/shards/<shard> results/comparison_long/shards/ && bash scripts/merge_comparison.sh
 #
@@ -18,11 +18,11 @@ if (( ${#shards[@]} == 0 )); then
   echo "[merge_comparison] no shard folder under $OUT/shards/: run scripts/compare_long.sh or copy one in" >&2
   exit 2
 fi
-$HSPEC eval-merge "${shards[@]}" --out "$OUT"
+$HSPEC lab merge "${shards[@]}" --out "$OUT"
 every_run=("$OUT"/shards/*/runs/*/)
 report=$OUT/training.md
 if (( ${#every_run[@]} )) && { [ ! -f "$report" ] || [ -n "$(find "${every_run[@]/%/history.jsonl}" -newer "$report")" ]; }; then
   $HSPEC train-report "${every_run[@]%/}" --out "$report" --title "All kinds, one recipe, $STEPS steps, SmolLM2-135M-Instruct"
 fi
-$HSPEC claims "$OUT"
-$HSPEC eval-table "$OUT"
+$HSPEC lab claims "$OUT"
+$HSPEC lab table "$OUT"

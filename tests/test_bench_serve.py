@@ -73,10 +73,10 @@ def test_every_server_runs_the_dtype_asked_for(tmp_path, monkeypatch):
 
 def test_each_drafting_kind_is_served_once_per_speculation_limit(tmp_path, monkeypatch):
     from hspec.bench import serve
-    from hspec.cli import _spec_limits
+    from hspec.cli.bench import spec_limits
 
     args = build_parser().parse_args(["bench", "serve", "--drafters", "none,hspec", "--spec-max-batch", "none,2"])
-    settings = ServeBenchSettings(drafters=tuple(args.drafters.split(",")), speculate_max_batch=_spec_limits(
+    settings = ServeBenchSettings(drafters=tuple(args.drafters.split(",")), speculate_max_batch=spec_limits(
         args.spec_max_batch))
     assert server_configs(settings) == [("none", "none", None), ("hspec", "hspec", None), ("hspec b<=2", "hspec", 2)]
     launched = []
@@ -86,6 +86,6 @@ def test_each_drafting_kind_is_served_once_per_speculation_limit(tmp_path, monke
     assert ["--spec-max-batch" in a for a in launched] == [False, False, True]
     assert launched[2][launched[2].index("--spec-max-batch") + 1] == "2"
     with pytest.raises(ValueError, match=r"--spec-max-batch must be comma-separated integers >= 0 or `none`"):
-        _spec_limits("two")
+        spec_limits("two")
     with pytest.raises(ValueError, match=r"speculate_max_batch must be distinct integers >= 0 or None.*-1"):
         ServeBenchSettings(speculate_max_batch=(None, -1))

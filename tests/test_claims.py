@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hspec import cli
-from hspec.eval.claims import (
+from hspec.lab.claims import (
     CLAIMS,
     FIRST_LATE_POSITION,
     GREEDY_K7,

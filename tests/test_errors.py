@@ -120,7 +120,7 @@ def _cli_error(argv, capsys) -> str:
 
 @pytest.mark.parametrize("k", [0, 33, 5000])
 def test_draft_length_out_of_range(k, capsys):
-    from hspec.cli import MAX_DRAFT_LEN
+    from hspec.cli.options import MAX_DRAFT_LEN
 
     assert MAX_DRAFT_LEN == 32
     err = _cli_error(["generate", "--prompt", "hi", "--drafter", "ngram", "--k", str(k)], capsys)

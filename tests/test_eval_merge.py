@@ -1,4 +1,4 @@
-"""`hspec eval-merge`: shards of one evaluation, run apart, merged into the file one run would have written."""
+"""`hspec lab merge`: shards of one evaluation, run apart, merged into the file one run would have written."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from eval_helpers import shard_payload
 from hspec import cli
-from hspec.eval.claims import GREEDY_K7, SPEEDUP, TAU, check_claims
-from hspec.eval.merge import merge_payloads, merge_shards
+from hspec.lab.claims import GREEDY_K7, SPEEDUP, TAU, check_claims
+from hspec.lab.merge import merge_payloads, merge_shards
 
 
 def test_each_drafter_keeps_its_speedup_over_its_own_shards_plain_decoding():
@@ -67,15 +67,15 @@ def test_the_command_merges_each_stem_of_the_shard_folders_and_claims_read_the_r
         (tmp_path / "shards" / name / f"{GREEDY_K7}.json").write_text(json.dumps(shard))
         (tmp_path / "shards" / name / "not_an_eval.json").write_text(json.dumps({"rows": []}))
     out = tmp_path / "merged"
-    assert cli.main(["eval-merge", str(tmp_path / "shards" / "h"), str(tmp_path / "shards" / "d"),
+    assert cli.main(["lab", "merge", str(tmp_path / "shards" / "h"), str(tmp_path / "shards" / "d"),
                      "--out", str(out)]) == 0
     merged = json.loads((out / f"{GREEDY_K7}.json").read_text())
-    assert merged["provenance"]["command"].startswith("hspec eval-merge ")
+    assert merged["provenance"]["command"].startswith("hspec lab merge ")
     assert {r["method"] for r in merged["records"]} == {"none", "hspec", "dflash"}
     text = (out / f"{GREEDY_K7}.md").read_text()
     assert "Merged from evaluations run apart" in text and "host-of-hspec" in text and "host-of-dflash" in text
     assert not (out / "not_an_eval.json").exists()
-    assert cli.main(["claims", str(out)]) == 0
+    assert cli.main(["lab", "claims", str(out)]) == 0
     with pytest.raises(FileNotFoundError, match="does not exist"):
         merge_shards([tmp_path / "nowhere"], out)
 

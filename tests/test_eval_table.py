@@ -1,4 +1,4 @@
-"""`hspec eval-table`: one row per drafter across a comparison folder's evaluations, copied from them."""
+"""`hspec lab table`: one row per drafter across a comparison folder's evaluations, copied from them."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from eval_helpers import shard_payload
 from hspec import cli
-from hspec.eval.claims import GREEDY_K7
 from hspec.eval.labels import split_sweep_label as kind_of
-from hspec.eval.table import build_table, column_title
+from hspec.lab.claims import GREEDY_K7
+from hspec.lab.table import build_table, column_title
 
 
 def _history(run_dir: Path, taus: list[float]) -> None:
@@ -59,13 +59,13 @@ def test_each_drafter_gets_its_shard_its_last_validation_and_what_each_evaluatio
 
 def test_the_command_writes_the_markdown_table(tmp_path, capsys):
     _comparison(tmp_path)
-    assert cli.main(["eval-table", str(tmp_path)]) == 0
+    assert cli.main(["lab", "table", str(tmp_path)]) == 0
     text = (tmp_path / "eval_table.md").read_text()
     assert "| hspec | h | 20 | 2.50 (2.25) | " in text and " / 2.00x |" in text
     assert "| dels-base | d | 20 | 1.50 (1.25) | - |" in text
     assert "| plain decoding | - | - | - | " in text and "spec_bench, K = 7, greedy (6 items a task)" in text
     assert json.loads((tmp_path / "eval_table.json").read_text())["provenance"]["command"].startswith(
-        "hspec eval-table ")
+        "hspec lab table ")
 
 
 def test_a_variant_evaluated_from_a_run_of_another_name_shares_one_row_with_that_runs_history(tmp_path):

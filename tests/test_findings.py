@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hspec.eval.findings import _acceptance_columns, evaluate_claims, render_findings
-from hspec.eval.runner import render_markdown, summarize
+from hspec.eval.runner import render_findings, render_markdown, summarize
+from hspec.lab.findings import _acceptance_columns, claim_findings, evaluate_claims
 
 
 def _record(method: str, item: int, num_accepted: list[int], decode_s: float = 1.0) -> dict:
@@ -78,7 +78,8 @@ def test_findings_reach_the_summary_and_markdown():
         records.append(_record("none", i, []))
         records.append(_record("hspec", i, [3, 2, 4], decode_s=0.5))
         records.append(_record("dflash", i, [1, 1, 0, 2], decode_s=0.8))
-    summary = summarize(records, ["none", "hspec", "dflash"], K=7)
+    assert "findings" not in summarize(records, ["none", "hspec", "dflash"], K=7)  # the library's summary alone
+    summary = summarize(records, ["none", "hspec", "dflash"], K=7, findings=claim_findings)
     assert [f["verdict"] for f in summary["findings"]] == ["supports", "supports"]
     lines = render_findings(summary["findings"])
     assert any("| H-Spec leads | hspec vs dflash | tau, relative difference | +100.0%" in line for line in lines)

@@ -25,8 +25,10 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("drafters",),  # the Drafter interface, every kind, drafter checkpoints
     ("decoding", "runtime"),  # the step, verification, the generate loop; names -> loaded objects
     ("serving", "training", "eval", "bench", "integrations"),  # built on a decoder; `integrations`: vLLM
+    ("lab",),  # research tooling over evaluations (claims, shard merges, tables): never imported by the library
     ("cli", "demo", "__init__"),  # entry points
 )
+LAB_FLOOR = next(i for i, floor in enumerate(FLOORS) if floor == ("lab",))
 # Units that serve inference (generate, serve) and so must never reach the training code: floors 0-4,
 # the server and the vLLM plugin (docs/design.md#layers-of-the-code).
 INFERENCE = tuple(unit for floor in FLOORS[:5] for unit in floor) + ("serving", "integrations")
@@ -157,3 +159,16 @@ def test_inference_never_reaches_training(unit):
         todo.extend(GRAPH.get(module, ()))
     reached = sorted(m for m in seen if _unit(m) == "training")
     assert not reached, f"{unit} reaches the training code: {reached}"
+
+
+def test_the_lab_has_a_floor_of_its_own_above_the_library():
+    """Everything below the lab is the library a user installs; only the command line sits above the lab,
+    and within the command line only its lab group and the commands that hand lab code to the library
+    (`hspec eval`'s findings) import it."""
+    assert FLOORS[LAB_FLOOR] == ("lab",) and set(FLOORS[LAB_FLOOR + 1:][0]) == {"cli", "demo", "__init__"}
+    library = [unit for floor in FLOORS[:LAB_FLOOR] for unit in floor]
+    into_lab = sorted(edge for unit in library for edge in UNITS.get(unit, {}).get("lab", ()))
+    assert not into_lab, f"the library imports the lab: {into_lab}"
+    cli_into_lab = sorted({module for module, imported in GRAPH.items()
+                           if _unit(module) == "cli" and any(_unit(m) == "lab" for m in imported)})
+    assert cli_into_lab == ["hspec.cli.evaluate", "hspec.cli.lab"], cli_into_lab

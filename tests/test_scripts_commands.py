@@ -127,6 +127,12 @@ def test_group_by_match_counts_what_trimmed_verification_would_keep():
     assert rows[1]["share_none_accepted"] == 0.5
 
 
+def _calls(log: Path) -> list[list[str]]:
+    """The recorded calls, split into words, a lab command's two words as one (`lab merge`)."""
+    calls = [shlex.split(line) for line in log.read_text().splitlines() if line.strip()]
+    return [[f"lab {c[1]}", *c[2:]] if c[0] == "lab" else c for c in calls]
+
+
 def _recording_hspec(tmp_path: Path) -> tuple[Path, Path]:
     """A stand-in for `hspec` that appends each call to calls.txt (one write per call: the two training lanes
     call it at once, and two-part writes interleaved) and, as `hspec train` does, writes OUT/history.jsonl."""
@@ -145,11 +151,10 @@ def _run_compare_long(tmp_path: Path, **env: str) -> list[list[str]]:
     env = {**os.environ, "HSPEC": str(fake), "RUNS": str(tmp_path / "runs"), "OUT": str(tmp_path / "out"), **env}
     subprocess.run(["bash", str(SCRIPTS / "compare_long.sh")], env=env, capture_output=True, text=True, check=True,
                    cwd=ROOT)
-    calls = [shlex.split(line) for line in log.read_text().splitlines() if line.strip()]
     parser = build_parser()
-    for words in calls:
+    for words in (shlex.split(line) for line in log.read_text().splitlines() if line.strip()):
         parser.parse_args(words)
-    return calls
+    return _calls(log)
 
 
 def test_long_comparison_runs_todays_cli_in_order(tmp_path):
@@ -174,7 +179,7 @@ def test_long_comparison_runs_todays_cli_in_order(tmp_path):
             assert c[c.index("--steps") + 1] == "3000" and c[c.index("--draft-vocab") + 1] == "8192"
             assert c[c.index("--features") + 1] == "runs/features/part1,runs/features/part2"
     order = [c[0] for c in calls]
-    assert order.count("eval") == 4 and order[-4:] == ["eval-merge", "train-report", "claims", "eval-table"]
+    assert order.count("eval") == 4 and order[-4:] == ["lab merge", "train-report", "lab claims", "lab table"]
     assert all("--keep-current" in c for c in calls if c[0] == "eval")  # a retrained drafter is evaluated again
     assert all(c[c.index("--out") + 1] == str(tmp_path / "out" / "shards" / "all") for c in calls if c[0] == "eval")
     assert order.index("train-report") > max(i for i, w in enumerate(order) if w == "train")
@@ -196,9 +201,9 @@ def test_a_shard_of_the_long_comparison_trains_and_evaluates_only_its_kinds_then
         f"ngram,hspec={runs}/hspec/drafter,dflash={runs}/dflash/drafter,dels={runs}/dels/drafter")
     sweep = evals["eval_spec_bench_k_sweep_greedy"]
     assert sweep[sweep.index("--drafters") + 1] == f"hspec={runs}/hspec/drafter,dflash={runs}/dflash/drafter"
-    merge = next(c for c in calls if c[0] == "eval-merge")
+    merge = next(c for c in calls if c[0] == "lab merge")
     assert sorted(merge[1:-2]) == [f"{out}/shards/dspark+peagle/", f"{out}/shards/ngram+hspec+dflash+dels/"]
-    assert [c[0] for c in calls[-2:]] == ["claims", "eval-table"] and calls[-1][1] == str(out)
+    assert [c[0] for c in calls[-2:]] == ["lab claims", "lab table"] and calls[-1][1] == str(out)
     reports = [c for c in calls if c[0] == "train-report"]  # the shard's, then every kept run's
     assert [r[r.index("--out") + 1] for r in reports] == [f"{shard}/training.md", f"{out}/training.md"]
     assert reports[0][1:4] == [f"{shard}/runs/hspec", f"{shard}/runs/dflash", f"{shard}/runs/dels"]
@@ -264,16 +269,16 @@ def test_merging_the_comparison_reads_every_shard_and_redraws_the_report_only_wh
         (out / "shards" / shard / "runs" / run).mkdir(parents=True)
         (out / "shards" / shard / "runs" / run / "history.jsonl").write_text("{}\n")
     subprocess.run(script, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
-    calls = [shlex.split(line) for line in log.read_text().splitlines()]
-    for words in calls:
-        build_parser().parse_args(words)
-    assert [c[0] for c in calls] == ["eval-merge", "train-report", "claims", "eval-table"]
+    for line in log.read_text().splitlines():
+        build_parser().parse_args(shlex.split(line))
+    calls = _calls(log)
+    assert [c[0] for c in calls] == ["lab merge", "train-report", "lab claims", "lab table"]
     assert calls[0][1:3] == [f"{out}/shards/a/", f"{out}/shards/b/"] and calls[0][-1] == str(out)
     assert calls[1][1:3] == [f"{out}/shards/a/runs/hspec", f"{out}/shards/b/runs/dflash"]
     (out / "training.md").write_text("a report newer than every history\n")
     log.unlink()
     subprocess.run(script, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
-    assert [shlex.split(line)[0] for line in log.read_text().splitlines()] == ["eval-merge", "claims", "eval-table"]
+    assert [c[0] for c in _calls(log)] == ["lab merge", "lab claims", "lab table"]
 
 
 def _run_plan(tmp_path: Path, *shards: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:

@@ -1,7 +1,7 @@
 """The label of one draft length of a sweep: `hspec eval --k 3,5,7` runs drafter LABEL as "LABEL k=3", ...
 
 The one writer (`sweep_label`) and reader (`split_sweep_label`) of that form, for the runner, its tables
-and plots, the claims and `hspec eval-table`.
+and plots, the claims and `hspec lab table`.
 """
 
 from __future__ import annotations

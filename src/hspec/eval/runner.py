@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,16 +29,8 @@ from hspec.drafters.checkpoint import checkpoint_digest
 from hspec.drafters.cost_aware import CostAwareDrafter
 from hspec.drafters.step_cost import StepCost
 from hspec.eval.bootstrap import paired_bootstrap_relative_diff
-from hspec.eval.findings import (
-    evaluate_claims,
-    paired_records,
-    records_by_prompt,
-    render_findings,
-    speed_pair,
-    speedup_ratio,
-    tau_ratio,
-)
 from hspec.eval.labels import split_sweep_label, sweep_label
+from hspec.eval.paired import paired_records, records_by_prompt, speed_pair, speedup_ratio, tau_ratio
 from hspec.eval.partial import ItemLog
 from hspec.metrics import acceptance_stats, merge_stats
 from hspec.models.loading import Target, load_target
@@ -47,6 +39,9 @@ from hspec.runtime import build_drafter, drafter_precision_of
 from hspec.sampling import SamplingParams
 
 WARM_UP_TOKENS = 8  # untimed tokens each method decodes before the timed items
+# Claims tested on an evaluation's records at draft length K, each a dict `render_findings` reads: claim,
+# comparison, metric, ci (estimate, low, high), prompts, verdict.
+FindingsRule = Callable[[Sequence[dict[str, Any]], int], list[dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -71,7 +66,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
              dtype: str = "auto", target: Target | None = None, compile_drafters: bool = False,
              drafter_precision: str = "auto", keep_current: bool = False,
              drafter_options: Mapping[str, Mapping[str, Any]] | None = None,
-             step_cost: StepCost | None = None) -> dict[str, Any]:
+             step_cost: StepCost | None = None, findings: FindingsRule | None = None) -> dict[str, Any]:
     """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
 
     Every method first decodes WARM_UP_TOKENS untimed (first-call dispatch, and with `compile_drafters`
@@ -85,6 +80,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
 
     With several K (the draft-length sensitivity, paper Table 4) each drafter runs once per K on
     every item, labelled "<method> k=<K>"; plain decoding runs once per item.
+
+    `findings`: claims the summary tests on the records (`summarize`).
 
     The settings record each given checkpoint's digest (`checkpoint_digest`), so a retrained drafter is
     never mixed with items of its earlier weights. `keep_current`: where `<out_dir>/<stem>.json` was made
@@ -156,11 +153,11 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                         lookup_steps[label] = dec.drafter.lookup_rows - looked_up  # type: ignore[operator]
                 reference = outputs["none"].sequences[0].token_ids
                 # Each record keeps the plain decoding it ran beside, so records of evaluations run apart still
-                # compare by their own plain timing and are paired only on the same text (`eval/merge.py`).
+                # compare by their own plain timing and are paired only on the same text (`lab/merge.py`).
                 plain = {"plain_decode_s": outputs["none"].decode_s, "plain_tokens": len(reference),
                          "plain_digest": tokens_digest(reference)}
                 # How busy the CPU was while the turn's methods ran (its 1-minute load average, the eval's own
-                # threads included): timings from a shared CPU are not evidence (`eval.claims`, SHARED_LOAD).
+                # threads included): timings from a shared CPU are not evidence (`lab.claims`, SHARED_LOAD).
                 busy = {"load_1min": round(os.getloadavg()[0], 2), "threads": torch.get_num_threads()}
                 for label, out in outputs.items():
                     seq = out.sequences[0]
@@ -180,7 +177,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     bar.close()
     if log.commits != [meta["commit"]]:  # items made at other commits (a resumed run): say which
         meta["commits"] = log.commits
-    summary = summarize(log.records, list(runs), ks[0])
+    summary = summarize(log.records, list(runs), ks[0], findings)
     payload = {"provenance": meta, "summary": summary, "records": log.records}
     write_report(payload, out_dir, stem)
     log.finish()
@@ -204,11 +201,14 @@ def current_report(path: Path, settings: dict[str, Any]) -> dict[str, Any] | Non
     return payload if made_with == json.loads(json.dumps(settings)) else None
 
 
-def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], labels: list[str], K: int,
+              findings: FindingsRule | None = None) -> dict[str, Any]:
     """tau, speedup and acceptance per task (and 'all') and method, plus bootstrap CIs.
 
     A record's own "K" (draft-length sweeps) overrides `K`. CIs compare, among the drafters run at the
     same K, the best by tau with each other one, and a kind's default checkpoint with its others (kind@name).
+    `findings`: claims tested on the records of a run at one K over 2+ prompts (the lab's paper claims,
+    `hspec.lab.findings.claim_findings`), stored under "findings" and rendered by `render_findings`.
     """
     groups = _groups(records)
     k_of = {label: next((r.get("K", K) for r in records if r["method"] == label), K) for label in labels}
@@ -252,8 +252,8 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int) -> dict[
             speed = paired_bootstrap_relative_diff(*speed_pair(units_a, units_b), seed=0)
             out["ci"][f"{a} vs {b}"] = {"tau_relative_diff": tau.to_dict(), "speedup_relative_diff": speed.to_dict()}
     ks = set(out["K"].values())
-    if len(ks) == 1 and len({(r["task"], r["item"], r["turn"]) for r in records}) >= 2:
-        out["findings"] = [f.to_dict() for f in evaluate_claims(records, ks.pop())]
+    if findings is not None and len(ks) == 1 and len({(r["task"], r["item"], r["turn"]) for r in records}) >= 2:
+        out["findings"] = findings(records, ks.pop())
     return out
 
 
@@ -329,8 +329,23 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_findings(findings: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown lines: one row per finding (from `Finding.to_dict`)."""
+    if not findings:
+        return []
+    lines = ["\n## The paper's claims, tested (paired bootstrap 95% CIs over prompts)\n",
+             "| claim | comparison | metric | estimate [95% CI] | prompts | verdict |", "|---|---|---|---|---|---|"]
+    for f in findings:
+        ci = f["ci"]
+        points = "points" in f["metric"]
+        fmt = (lambda v: f"{100 * v:+.1f}") if points else (lambda v: f"{v:+.1%}")
+        lines.append(f"| {f['claim']} | {f['comparison']} | {f['metric']} | {fmt(ci['estimate'])} "
+                     f"[{fmt(ci['low'])}, {fmt(ci['high'])}] | {f['prompts']} | {f['verdict']} |")
+    return lines
+
+
 def _shard_lines(shards: Sequence[dict[str, Any]]) -> list[str]:
-    """For a merged evaluation (`eval/merge.py`): where each shard's drafters were evaluated."""
+    """For a merged evaluation (`lab/merge.py`): where each shard's drafters were evaluated."""
     if not shards:
         return []
     lines = ["\nMerged from evaluations run apart (each drafter's speedup is over the plain decoding of its own "

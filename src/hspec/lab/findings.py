@@ -12,7 +12,8 @@ Every test is a paired bootstrap over prompts (one prompt = one turn of one item
 method), so each finding carries a 95% CI, and its verdict says whether the CI lies on the side the
 paper predicts ("supports"), on the other side ("contradicts"), or spans zero ("unresolved"). A
 claim is tested only when its methods were in the run under their kind names (e.g. `hspec`,
-`dflash-kvreuse`), which is how `scripts/compare_smollm2.sh` labels them.
+`dflash-kvreuse`), which is how `scripts/compare_smollm2.sh` labels them. `hspec eval` adds these findings to
+its summary (`claim_findings`, handed to `eval.runner.summarize`), which renders them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from hspec.eval.bootstrap import BootstrapCI, RatioOfSums, paired_bootstrap, paired_bootstrap_relative_diff
+from hspec.eval.bootstrap import BootstrapCI, paired_bootstrap, paired_bootstrap_relative_diff
+from hspec.eval.paired import paired_records, records_by_prompt, speed_pair, tau_ratio
 
 BASELINES = ("dspark", "dflash", "dflash-kvreuse", "peagle", "ngram")
 # (KV-reuse-only drafter, the reference it is compared with position by position)
@@ -88,79 +90,9 @@ def evaluate_claims(records: Sequence[dict[str, Any]], K: int, seed: int = 0) ->
     return findings
 
 
-def render_findings(findings: Sequence[dict[str, Any]]) -> list[str]:
-    """Markdown lines: one row per finding (from `Finding.to_dict`)."""
-    if not findings:
-        return []
-    lines = ["\n## The paper's claims, tested (paired bootstrap 95% CIs over prompts)\n",
-             "| claim | comparison | metric | estimate [95% CI] | prompts | verdict |", "|---|---|---|---|---|---|"]
-    for f in findings:
-        ci = f["ci"]
-        points = "points" in f["metric"]
-        fmt = (lambda v: f"{100 * v:+.1f}") if points else (lambda v: f"{v:+.1%}")
-        lines.append(f"| {f['claim']} | {f['comparison']} | {f['metric']} | {fmt(ci['estimate'])} "
-                     f"[{fmt(ci['low'])}, {fmt(ci['high'])}] | {f['prompts']} | {f['verdict']} |")
-    return lines
-
-
-def records_by_prompt(records: Sequence[dict[str, Any]]) -> dict[str, dict[tuple, dict[str, Any]]]:
-    """method -> (task, item, turn) -> record."""
-    out: dict[str, dict[tuple, dict[str, Any]]] = {}
-    for r in records:
-        out.setdefault(r["method"], {})[(r["task"], r["item"], r["turn"])] = r
-    return out
-
-
-def tau_ratio(units: Sequence[dict[str, Any]]) -> RatioOfSums:
-    """tau over prompts as a ratio of sums: tokens emitted by drafted steps / steps. A prompt that
-    ran no step (it ended at the first token) counts as one step emitting one token."""
-    num = np.array([sum(n + 1 for n in u["num_accepted"]) if u["num_accepted"] else 1 for u in units], dtype=float)
-    den = np.array([max(len(u["num_accepted"]), 1) for u in units], dtype=float)
-    return RatioOfSums(num, den)
-
-
-def itl_ratio(units: Sequence[dict[str, Any]]) -> RatioOfSums:
-    """Time per token over prompts as a ratio of sums: decode seconds / tokens after the first."""
-    return RatioOfSums(np.array([u["decode_s"] for u in units], dtype=float),
-                       np.array([max(u["tokens"] - 1, 1) for u in units], dtype=float))
-
-
-def speedup_ratio(units: Sequence[dict[str, Any]]) -> RatioOfSums:
-    """Speedup over the plain decoding each record was interleaved with, as a ratio of sums: the time plain
-    decoding's ITL gives the record's tokens / the record's decode seconds. Needs the records' own plain
-    timing (`plain_decode_s`, `plain_tokens`, which `hspec eval` records), so records of evaluations run
-    apart (the shards of a merged evaluation, `eval/merge.py`) compare by their own plain decoding."""
-    plain_itl = np.array([u["plain_decode_s"] / max(u["plain_tokens"] - 1, 1) for u in units], dtype=float)
-    tokens = np.array([max(u["tokens"] - 1, 1) for u in units], dtype=float)
-    return RatioOfSums(plain_itl * tokens, np.array([u["decode_s"] for u in units], dtype=float))
-
-
-def speed_pair(ahead: Sequence[dict[str, Any]], behind: Sequence[dict[str, Any]]) -> tuple[RatioOfSums, RatioOfSums]:
-    """Two ratios whose relative difference is speedup(ahead) / speedup(behind) - 1 on paired records.
-
-    With every record's own plain timing, each side's speedup over its own plain decoding; without it
-    (records made before `hspec eval` kept it), ITL(behind) / ITL(ahead), which is the same number when
-    both ran beside one plain decoding and emitted the same tokens.
-    """
-    if all("plain_decode_s" in u for u in (*ahead, *behind)):
-        return speedup_ratio(ahead), speedup_ratio(behind)
-    return itl_ratio(behind), itl_ratio(ahead)
-
-
-def same_plain(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two records decoded after the same plain output: `plain_digest` (of plain decoding's tokens on
-    the record's turn) equal, or absent from either. Under greedy decoding a drafter's output is plain's, and a
-    later turn's prompt holds the earlier turns' plain answers, so two shards whose plain decoding parted on a
-    prompt (another CPU's kernels) ran their drafters on other text there, and are not paired on it."""
-    return a.get("plain_digest") is None or b.get("plain_digest") is None or a["plain_digest"] == b["plain_digest"]
-
-
-def paired_records(per_method, methods: list[str]) -> list[list[dict[str, Any]]]:
-    """Each method's records on the prompts every one of them ran after the same plain output (`same_plain`),
-    in one prompt order."""
-    keys = sorted(key for key in set.intersection(*(set(per_method[m]) for m in methods))
-                  if all(same_plain(per_method[methods[0]][key], per_method[m][key]) for m in methods[1:]))
-    return [[per_method[m][key] for key in keys] for m in methods]
+def claim_findings(records: Sequence[dict[str, Any]], K: int) -> list[dict[str, Any]]:
+    """`evaluate_claims` as the summary of `hspec eval` stores it (`eval.runner.summarize`'s `findings`)."""
+    return [f.to_dict() for f in evaluate_claims(records, K)]
 
 
 def _acceptance_columns(record: dict[str, Any], late: range) -> list[float]:

@@ -1,10 +1,10 @@
-"""`hspec eval-merge`: one evaluation made of several run apart ("shards").
+"""`hspec lab merge`: one evaluation made of several run apart ("shards").
 
 A long comparison (`scripts/compare_long.sh`) trains fourteen drafters for hours each. Its trained
 weights are too big to keep in the repository and are lost with the machine, so the comparison is run
 shard by shard: a few kinds are trained and at once evaluated, each shard on whatever machine is at
 hand, and only the shard's evaluation JSONs are kept. Merging the shards of one evaluation (the files of
-one stem) gives the file the comparison would have written in one run, which `hspec claims` and
+one stem) gives the file the comparison would have written in one run, which `hspec lab claims` and
 `hspec eval-report` read as they read any `hspec eval` JSON.
 
 What makes shards comparable, checked here:
@@ -13,8 +13,8 @@ What makes shards comparable, checked here:
   on another CPU, decodes other text and is refused);
 - each drafter label in one shard only, and every record carrying the plain decoding it ran beside
   (`plain_decode_s`, `plain_tokens`, `plain_digest`, which `hspec eval` records), so each drafter's
-  speedup is over its own shard's plain decoding (`findings.speedup_ratio`) and two drafters are paired
-  only on turns where their shards' plain decoding emitted the same tokens (`findings.same_plain`).
+  speedup is over its own shard's plain decoding (`eval/paired.py: speedup_ratio`) and two drafters are paired
+  only on turns where their shards' plain decoding emitted the same tokens (`paired.same_plain`).
 Plain decoding's own records ("none") are kept from the first shard (`merge_shards`: the first evaluated);
 on how many turns each other shard's plain output differs from them is recorded (`plain_turns_differing`).
 """
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hspec.eval.runner import summarize, write_report
+from hspec.lab.findings import claim_findings
 from hspec.provenance import provenance
 
 PLAIN = "none"
@@ -90,11 +91,12 @@ def merge_payloads(shards: Sequence[tuple[str, dict[str, Any]]], command: str) -
                                                                      "machine")}}
                       for name, p in shards]
     k_setting = common["K"]
-    summary = summarize(records, [PLAIN, *owner], k_setting if isinstance(k_setting, int) else k_setting[0])
+    summary = summarize(records, [PLAIN, *owner], k_setting if isinstance(k_setting, int) else k_setting[0],
+                        claim_findings)
     return {"provenance": meta, "summary": summary, "records": records}
 
 
-def merge_shards(shard_dirs: Sequence[Path], out_dir: Path, command: str = "hspec eval-merge") -> list[Path]:
+def merge_shards(shard_dirs: Sequence[Path], out_dir: Path, command: str = "hspec lab merge") -> list[Path]:
     """Merge, stem by stem, the `hspec eval` JSONs of `shard_dirs` into `out_dir` (JSON, markdown and plots
     as `hspec eval` writes them). A stem merges the shards that hold it in the order they were evaluated
     (the dates their files record; where dates tie, the order given), so the first shard evaluated gives

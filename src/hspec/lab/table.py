@@ -1,6 +1,6 @@
-"""`hspec eval-table`: every drafter of a comparison folder on one row, across its evaluations.
+"""`hspec lab table`: every drafter of a comparison folder on one row, across its evaluations.
 
-A comparison folder (scripts/compare_long.sh) holds the merged evaluations that `hspec claims` reads
+A comparison folder (scripts/compare_long.sh) holds the merged evaluations that `hspec lab claims` reads
 (`claims.EVAL_FILES`) and, under `shards/<shard>/runs/<run>/history.jsonl`, the training history of every
 drafter its shards trained. The table gives each drafter kind:
 
@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hspec.eval.claims import load_evals
 from hspec.eval.labels import split_sweep_label
+from hspec.lab.claims import load_evals
 from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.training.report import read_history, training_minutes
 
@@ -44,7 +44,7 @@ def column_title(settings: Mapping[str, Any]) -> str:
 def build_table(folder: Path) -> dict[str, Any]:
     """The table's rows, columns and plain decoding's ms/token for each evaluation of `folder`.
 
-    Raises FileNotFoundError when the folder holds no evaluation `hspec claims` reads, ValueError when two
+    Raises FileNotFoundError when the folder holds no evaluation `hspec lab claims` reads, ValueError when two
     shards kept a training history under the same run name.
     """
     evals = load_evals(folder)
@@ -94,7 +94,7 @@ def _histories(folder: Path) -> dict[str, tuple[str, dict[str, Any]]]:
 
 
 def _shard_of_labels(payload: Mapping[str, Any]) -> dict[str, str]:
-    """Method label -> the shard folder it was evaluated in, for a merged evaluation (`hspec eval-merge`)."""
+    """Method label -> the shard folder it was evaluated in, for a merged evaluation (`hspec lab merge`)."""
     out = {}
     for shard in payload["provenance"].get("shards", []):
         for label in str(shard.get("methods", "")).split(","):
@@ -147,7 +147,7 @@ def render_table(payload: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_table(folder: Path, out_dir: Path | None = None, command: str = "hspec eval-table") -> tuple[Path, Path]:
+def write_table(folder: Path, out_dir: Path | None = None, command: str = "hspec lab table") -> tuple[Path, Path]:
     """Write eval_table.json + eval_table.md for `folder` into `out_dir` (default: the folder)."""
     payload = {"provenance": provenance(command, {"folder": str(folder)}), "table": build_table(folder)}
     return write_results(out_dir or folder, STEM, payload, render_table(payload))

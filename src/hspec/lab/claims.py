@@ -1,4 +1,4 @@
-"""`hspec claims`: the H-Spec paper's claims, each tested on the evaluation JSONs of one results folder,
+"""`hspec lab claims`: the H-Spec paper's claims, each tested on the evaluation JSONs of one results folder,
 and after them what the later parallel drafters' own sources report of their gain over DFlash or EAGLE-3.
 
 A folder written by `scripts/compare_long.sh` (or `scripts/compare_smollm2.sh`) holds up to four
@@ -15,7 +15,7 @@ bootstrap (`eval/bootstrap.py`) gives a 95% CI of the difference, oriented so th
 
 The unit resampled is the item: the turns of a multi-turn item share a conversation, so they move
 together. Only items both drafters ran, on the same turns after the same plain outputs, are paired (a
-folder merged from shards run on other CPUs, `eval/merge.py`, may hold items whose plain decoding parted).
+folder merged from shards run on other CPUs, `lab/merge.py`, may hold items whose plain decoding parted).
 
 A comparison is `reproduced` when its CI lies above 0, `contradicted` when it lies below 0, else
 `unresolved`. A claim is `contradicted` when any of its comparisons is, `reproduced` when all are and
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from hspec.eval.bootstrap import BootstrapCI, RatioOfSums, paired_bootstrap, paired_bootstrap_relative_diff
-from hspec.eval.findings import same_plain, speed_pair, tau_ratio
 from hspec.eval.labels import split_sweep_label
+from hspec.eval.paired import same_plain, speed_pair, tau_ratio
 from hspec.metrics import acceptance_stats
 from hspec.provenance import provenance, provenance_markdown, write_results
 
@@ -247,7 +247,7 @@ def check_claims(evals: Mapping[str, Mapping[str, Any]], claims: Sequence[Claim]
     return results
 
 
-def write_claims(folder: Path, out_dir: Path | None = None, command: str = "hspec claims", seed: int = 0,
+def write_claims(folder: Path, out_dir: Path | None = None, command: str = "hspec lab claims", seed: int = 0,
                  num_resamples: int = 10_000) -> tuple[Path, Path]:
     """Test every claim on the eval JSONs of `folder`; write claims.json + claims.md to `out_dir`
     (default: `folder`). Returns the two paths."""
