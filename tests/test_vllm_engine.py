@@ -177,3 +177,21 @@ def test_hspec_proposer_batched_greedy_equals_vllm_plain(smollm2, plain, name):
     assert [r.token_ids for r in served] == expected
     assert all(r.num_drafts > 0 for r in served)
     assert len(sampled.outputs[0].token_ids) > 0
+
+
+def test_hspec_auto_times_the_engines_steps_caches_the_costs_and_greedy_equals_vllm_plain(smollm2, plain, tmp_path,
+                                                                                          monkeypatch):
+    """`hspec:auto` on lone requests: 0, 1 and K drafts in turn until the steps are timed, then each request's
+    cost-aware length; the fitted costs land in $HSPEC_CACHE/vllm_step_costs/ and the outputs stay vLLM's."""
+    prompts, expected, _ = plain
+    monkeypatch.setenv("HSPEC_CACHE", str(tmp_path))  # the worker reads it when it builds the proposer
+    config = vllm_engine.resolve_hspec(vllm_engine.parse_drafters("hspec:auto", 5)[1], smollm2.name)
+    vllm_engine.apply_environment(vllm_engine.cpu_environment())
+    llm = vllm_engine.open_llm(smollm2.path, config, "float32", max_model_len=256)
+    try:
+        served = [vllm_engine.generate_greedy(llm, ids, 2 * MAX_NEW_TOKENS) for ids in prompts]
+    finally:
+        del llm
+    assert [r.token_ids[:MAX_NEW_TOKENS] for r in served] == expected
+    assert sum(r.num_drafts for r in served) > 0
+    assert len(list((tmp_path / "vllm_step_costs").glob("*.json"))) == 1

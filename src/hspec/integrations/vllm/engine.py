@@ -29,10 +29,10 @@ from typing import Any
 # The vLLM release this integration is written and tested against (scripts/install_vllm.sh installs it).
 VLLM_VERSION = "0.32.0"
 ALLOWED_DRAFTERS = ("none", "ngram", "suffix", "dflash=PATH", "dflash=random", "peagle=PATH", "peagle=random",
-                    "hspec", "hspec=PATH", "hspec:P", "hspec@B", "hspec:P@B=PATH")
+                    "hspec", "hspec=PATH", "hspec:P", "hspec@B", "hspec:P@B=PATH", "hspec:auto")
 # `hspec:P`: each request keeps its leading drafts of confidence >= P; `hspec@B`: at most B drafts per step
-# over the whole batch (`proposer.DraftLength`).
-_HSPEC_NAME = re.compile(r"hspec(?::(?P<floor>[0-9.]+))?(?:@(?P<budget>[0-9]+))?")
+# over the whole batch; `hspec:auto`: each request the length that pays most per step cost (`proposer.DraftLength`).
+_HSPEC_NAME = re.compile(r"hspec(?::(?:(?P<auto>auto)|(?P<floor>[0-9.]+)))?(?:@(?P<budget>[0-9]+))?")
 # vLLM's suffix decoding runs on arctic-inference's suffix tree, at the version vLLM 0.32 names.
 SUFFIX_REQUIREMENT = "arctic-inference==0.1.1"
 # `dflash=random`, `peagle=random`: a random-initialised hspec drafter of that kind (seed 0): exercises
@@ -123,7 +123,8 @@ def parse_drafters(text: str, k: int) -> list[VllmDrafter]:
                                  "(`hspec train --drafter hspec`), or `hspec` alone for the shipped one")
             floor, budget = match["floor"], match["budget"]
             out.append(hspec_drafter(item, value or None, draft_budget=None if budget is None else int(budget),
-                                     confidence_floor=None if floor is None else float(floor)))  # K: `resolve_hspec`
+                                     confidence_floor=None if floor is None else float(floor),
+                                     adaptive=match["auto"] is not None))  # K: `resolve_hspec`
         else:
             raise ValueError(f"unknown drafter {item!r}; allowed: {', '.join(ALLOWED_DRAFTERS)}")
     if not any(d.speculative_config is None for d in out):
@@ -154,14 +155,18 @@ def resolve_export(drafter: VllmDrafter, export_dir: Path, target_dir: Path) -> 
 
 
 def hspec_drafter(name: str, path: str | Path | None, k: int | None = None, draft_budget: int | None = None,
-                  confidence_floor: float | None = None) -> VllmDrafter:
+                  confidence_floor: float | None = None, adaptive: bool = False,
+                  step_cost: str | None = None) -> VllmDrafter:
     """H-Spec through hspec's proposer (`proposer.HSpecProposer`): the checkpoint at `path`, or (None) the
     one shipped for the target; K = None until `resolve_hspec` reads the checkpoint's block size.
-    `draft_budget`, `confidence_floor`: the proposer's `DraftLength` settings (None: off)."""
+    `draft_budget`, `confidence_floor`, `adaptive` (`hspec:auto`, with `step_cost` "D,T,TS[,F]" or None:
+    timed in the engine): the proposer's `DraftLength` settings (None / False: off)."""
+    from hspec.drafters.step_cost import StepCost
     from hspec.integrations.vllm.proposer import DraftLength, hspec_config
 
-    DraftLength(k or 1, draft_budget, confidence_floor)  # bad values fail here, not in vLLM's worker
-    config, overrides = hspec_config(k, path, draft_budget, confidence_floor)
+    cost = None if step_cost is None else StepCost.parse(step_cost)
+    DraftLength(k or 1, draft_budget, confidence_floor, adaptive, cost)  # bad values fail here, not in vLLM's worker
+    config, overrides = hspec_config(k, path, draft_budget, confidence_floor, adaptive, step_cost)
     return VllmDrafter(name, config, overrides or None)
 
 
@@ -183,13 +188,14 @@ def resolve_hspec(drafter: VllmDrafter, target_name: str, k: int | None = None) 
     if config is None or config.get("model") != PROPOSER_CLASS:
         return drafter
     from hspec.drafters.checkpoint import read_checkpoint
-    from hspec.integrations.vllm.proposer import HF_BUDGET_KEY, HF_FLOOR_KEY
+    from hspec.integrations.vllm.proposer import HF_BUDGET_KEY, HF_COST_KEY, HF_FLOOR_KEY, HF_LENGTH_KEY
 
     path = hspec_checkpoint(drafter, target_name)
     max_draft_len = read_checkpoint(path).drafter_config.max_draft_len
     overrides = drafter.hf_overrides or {}
     return hspec_drafter(drafter.name, path, k or config.get("num_speculative_tokens") or max_draft_len,
-                         overrides.get(HF_BUDGET_KEY), overrides.get(HF_FLOOR_KEY))
+                         overrides.get(HF_BUDGET_KEY), overrides.get(HF_FLOOR_KEY), HF_LENGTH_KEY in overrides,
+                         overrides.get(HF_COST_KEY))
 
 
 def cpu_environment(threads: int = 1, kv_cache_gib: int = 1) -> dict[str, str]:

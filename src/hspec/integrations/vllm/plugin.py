@@ -94,7 +94,7 @@ def patch_runner() -> None:
         self._draft_probs = None
         self._draft_prob_req_ids = None
         return self.drafter.propose_with_target(sampled_token_ids, aux_hidden_states, common_attn_metadata,
-                                                spec_decode_metadata)
+                                                spec_decode_metadata, self.input_batch.req_ids)
 
     for patched in (setup_aux_outputs, propose_draft_token_ids):
         setattr(patched, _PATCHED, True)

@@ -27,8 +27,10 @@ How many drafts a request gets (`DraftLength`, docs/vllm.md#draft-length-under-l
 `hf_overrides={"hspec_draft_budget": B}` at most B drafts per step over the whole batch (K per request
 while N K <= B, then B // N, and a step with B < N drafts nothing), so a loaded batch verifies fewer rows;
 with `{"hspec_confidence_floor": P}` each request keeps only its leading drafts H-Spec gives at least
-P (at least one), as `hspec:P` does in hspec's engine. Neither looks at the target's verdict, so the
-output stays the target's.
+P (at least one), as `hspec:P` does in hspec's engine; with `{"hspec_draft_length": "auto"}` each request
+gets the length that pays most per step cost, as `hspec:auto` does in hspec's engine, from costs timed on
+the engine's own steps once per machine (`adaptive.AdaptiveLength`; `{"hspec_step_cost": "D,T,TS,F"}`
+gives them). None looks at the target's verdict, so the output stays the target's.
 
 Legend: B requests in the step, N requests drafted, T rows of the step's forward, K drafts, S context
 keys, H hidden, Hkv KV heads, D head dim, nb KV blocks, bs block size, n_sel tapped layers.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,19 +48,25 @@ from typing import Any
 
 import torch
 
+from hspec.decoding.step_cost import machine_key
 from hspec.drafters.checkpoint import load_drafter, read_checkpoint
 from hspec.drafters.common import BlockContext, NeuralDrafter, build_block
+from hspec.drafters.cost_aware import ADAPTIVE_LENGTH
 from hspec.drafters.early_stop import leading_confident
+from hspec.drafters.step_cost import StepCost
+from hspec.integrations.vllm.adaptive import AdaptiveLength
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import dtype_name
 from hspec.models.layers import rope_cos_sin
-from hspec.models.loading import read_config
+from hspec.models.loading import cache_root, read_config
 from hspec.runtime import prepare_for_inference
 
 PROPOSER_CLASS = "hspec.integrations.vllm.proposer.HSpecProposer"
 HF_OVERRIDE_KEY = "hspec_drafter"  # hf_overrides={"hspec_drafter": PATH}
 HF_BUDGET_KEY = "hspec_draft_budget"  # hf_overrides={"hspec_draft_budget": B}: drafts per step, whole batch
 HF_FLOOR_KEY = "hspec_confidence_floor"  # hf_overrides={"hspec_confidence_floor": P}: H-Spec's `:P` cut
+HF_LENGTH_KEY = "hspec_draft_length"  # hf_overrides={"hspec_draft_length": "auto"}: H-Spec's `:auto` length
+HF_COST_KEY = "hspec_step_cost"  # hf_overrides={"hspec_step_cost": "D,T,TS,F"}: `:auto`'s costs, given
 ENV_DRAFTER = "HSPEC_VLLM_DRAFTER"
 # Kinds whose drafter reads the target's K/V in place and keeps no KV of its own (H-Spec and its ablations).
 KV_FREE_KINDS = ("hspec", "hspec-lasttoken-only", "hspec-kvreuse-only", "hspec-nomarkov", "mamba-only",
@@ -68,10 +77,12 @@ _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.attn$")
 
 
 def hspec_config(k: int | None, drafter_path: str | Path | None = None, draft_budget: int | None = None,
-                 confidence_floor: float | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                 confidence_floor: float | None = None, adaptive: bool = False,
+                 step_cost: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(speculative_config, hf_overrides) for a `vllm.LLM` drafting K tokens with H-Spec from `drafter_path`
     (None: the drafter shipped for the target). K None leaves `num_speculative_tokens` for the caller to set.
-    `draft_budget`, `confidence_floor`: the `DraftLength` settings (None: off)."""
+    `draft_budget`, `confidence_floor`, `adaptive` (with `step_cost`, "D,T,TS[,F]" or None: timed): the
+    `DraftLength` settings (None / False: off)."""
     config: dict[str, Any] = {"method": "custom_class", "model": PROPOSER_CLASS}
     if k is not None:
         config["num_speculative_tokens"] = k
@@ -82,31 +93,47 @@ def hspec_config(k: int | None, drafter_path: str | Path | None = None, draft_bu
         overrides[HF_BUDGET_KEY] = draft_budget
     if confidence_floor is not None:
         overrides[HF_FLOOR_KEY] = confidence_floor
+    if adaptive:
+        overrides[HF_LENGTH_KEY] = ADAPTIVE_LENGTH
+        if step_cost is not None:
+            overrides[HF_COST_KEY] = step_cost
     return config, overrides
 
 
 @dataclass(frozen=True)
 class DraftLength:
     """How many drafts each request of a step gets (module docstring): K, a per-step budget over the
-    batch, and a confidence floor. budget None = no budget; confidence_floor None = no cut."""
+    batch, a confidence floor, or the cost-aware length. budget None = no budget; confidence_floor None = no
+    cut; adaptive: `:auto` (`adaptive.AdaptiveLength`), with step_cost given or (None) timed."""
 
     k: int
     budget: int | None = None
     confidence_floor: float | None = None
+    adaptive: bool = False
+    step_cost: StepCost | None = None
 
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget < 0:
             raise ValueError(f"{HF_BUDGET_KEY} must be >= 0 (drafts per step over the batch), got {self.budget}")
         if self.confidence_floor is not None and not 0.0 <= self.confidence_floor < 1.0:
             raise ValueError(f"{HF_FLOOR_KEY} must be in [0, 1), got {self.confidence_floor}")
+        if self.adaptive and (self.budget is not None or self.confidence_floor is not None):
+            raise ValueError(f"{HF_LENGTH_KEY}={ADAPTIVE_LENGTH!r} chooses each request's length itself; it takes "
+                             f"no {HF_BUDGET_KEY} or {HF_FLOOR_KEY}")
+        if self.step_cost is not None and not self.adaptive:
+            raise ValueError(f"{HF_COST_KEY} is read by {HF_LENGTH_KEY}={ADAPTIVE_LENGTH!r} only")
 
     @classmethod
     def of(cls, vllm_config: Any) -> DraftLength:
-        """K from the speculative config, budget and floor from the target's hf_overrides."""
+        """K from the speculative config, budget, floor and the adaptive length from the target's hf_overrides."""
         hf_config = vllm_config.model_config.hf_config
         budget, floor = getattr(hf_config, HF_BUDGET_KEY, None), getattr(hf_config, HF_FLOOR_KEY, None)
+        length, cost = getattr(hf_config, HF_LENGTH_KEY, None), getattr(hf_config, HF_COST_KEY, None)
+        if length not in (None, ADAPTIVE_LENGTH):
+            raise ValueError(f"{HF_LENGTH_KEY} must be {ADAPTIVE_LENGTH!r} (or absent), got {length!r}")
         return cls(int(vllm_config.speculative_config.num_speculative_tokens),
-                   None if budget is None else int(budget), None if floor is None else float(floor))
+                   None if budget is None else int(budget), None if floor is None else float(floor),
+                   length == ADAPTIVE_LENGTH, None if cost is None else StepCost.parse(str(cost)))
 
     def per_request(self, num_requests: int) -> int:
         """Drafts per request in a step drafting for `num_requests` requests: K, or budget // N if fewer."""
@@ -122,6 +149,15 @@ class DraftLength:
             return drafts
         sure = leading_confident(confidence, self.confidence_floor)  # (N,), the cut of `hspec:P`
         return [row[:n] for row, n in zip(drafts, sure.tolist())]
+
+
+def step_cost_path(vllm_config: Any, checkpoint: Path, k: int) -> Path:
+    """Where `:auto`'s costs for this machine, vLLM version, target, dtype, checkpoint and K are cached."""
+    import vllm
+
+    model_config = vllm_config.model_config
+    key = machine_key("vllm", vllm.__version__, model_config.model, model_config.dtype, checkpoint.resolve(), k)
+    return cache_root() / "vllm_step_costs" / f"{key}.json"
 
 
 def drafter_path(vllm_config: Any) -> Path:
@@ -253,6 +289,10 @@ class HSpecProposer:
         if list(self.aux_hidden_state_layers) != sorted(set(self.aux_hidden_state_layers)):
             raise ValueError(f"target_layers {self.aux_hidden_state_layers} must be ascending and distinct")
         self.drafter: NeuralDrafter | None = None
+        self.adaptive: AdaptiveLength | None = None
+        if self.draft_length.adaptive:
+            self.adaptive = AdaptiveLength(self.k, step_cost_path(vllm_config, self.checkpoint, self.k),
+                                           self.draft_length.step_cost)
 
     def load_model(self, model: Any) -> None:
         """Rebuild the drafter on vLLM's target (its embedding, LM head; hspec's RoPE), for inference."""
@@ -309,7 +349,7 @@ class HSpecProposer:
 
     def propose_with_target(self, sampled_token_ids: Sequence[Sequence[int]],
                             aux_hidden_states: Sequence[torch.Tensor], common_attn_metadata: Any,
-                            spec_decode_metadata: Any) -> list[list[int]]:
+                            spec_decode_metadata: Any, req_ids: Sequence[str] | None = None) -> list[list[int]]:
         """Greedy drafts (`DraftLength`: K by default) per request of the step that sampled a token, [] for
         the others.
 
@@ -317,12 +357,18 @@ class HSpecProposer:
         aux_hidden_states: n_sel tensors (T, H), the tapped layers' outputs for every row of the step.
         common_attn_metadata: vLLM's `CommonAttentionMetadata` of the step (query_start_loc_cpu,
         seq_lens, block_table_tensor). spec_decode_metadata: vLLM's `SpecDecodeMetadata` or None.
+        req_ids: the step's request ids in batch order (needed by the adaptive length, which follows requests).
         """
         if aux_hidden_states is None:
             raise RuntimeError("HSpecProposer got no aux hidden states: hspec's plugin did not turn them on")
         m = common_attn_metadata
         num_draft = spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None else None
         rows = draft_rows(sampled_token_ids, m.query_start_loc_cpu, m.seq_lens.cpu(), num_draft)
+        if self.adaptive is not None:
+            if req_ids is None:
+                raise RuntimeError("hspec_draft_length='auto' needs the step's request ids from hspec's plugin")
+            return self._propose_adaptive(self.adaptive, list(req_ids), sampled_token_ids, rows, aux_hidden_states,
+                                          m, num_draft)
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         k = self.draft_length.per_request(rows.requests.numel())
         if rows.requests.numel() == 0 or k == 0:
@@ -333,4 +379,36 @@ class HSpecProposer:
         drafts = self.draft_length.trim(drafter.head.to_target_ids(local).tolist(), confidence)
         for request, tokens in zip(rows.requests.tolist(), drafts):
             out[request] = tokens
+        return out
+
+    def _propose_adaptive(self, adaptive: AdaptiveLength, req_ids: list[str],
+                          sampled_token_ids: Sequence[Sequence[int]], rows: DraftRows,
+                          aux_hidden_states: Sequence[torch.Tensor], m: Any,
+                          num_draft: Sequence[int] | None) -> list[list[int]]:
+        """`propose_with_target` under `hspec_draft_length='auto'` (`adaptive.AdaptiveLength`)."""
+        starts = m.query_start_loc_cpu.tolist()
+        verified = list(num_draft) if num_draft is not None else [0] * len(req_ids)
+        adaptive.start_step(req_ids, [b - a for a, b in zip(starts, starts[1:])], verified,
+                            [len(s) - 1 if s else None for s in sampled_token_ids])
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        lone = len(req_ids) == 1 and rows.requests.numel() == 1
+        chosen = [i for i, request in enumerate(rows.requests.tolist())
+                  if adaptive.wants_drafts(req_ids[request], lone)]
+        if not chosen:
+            adaptive.end_step(0 if lone else None, None)
+            return out
+        started = time.perf_counter()
+        index = torch.tensor(chosen, dtype=torch.long)
+        picked = DraftRows(*(x[index] for x in (rows.requests, rows.hidden_rows, rows.positions, rows.anchors)))
+        drafter = self.drafter_model
+        ctx = self.block_context(picked, aux_hidden_states, m.block_table_tensor, self.k)
+        local, confidence = drafter.draft_greedy(ctx, ctx.block_tokens[:, 0])  # (N, K) x2
+        drafts = drafter.head.to_target_ids(local).tolist()
+        drafting_s = time.perf_counter() - started
+        given = 0
+        for request, tokens, sure, keys in zip(picked.requests.tolist(), drafts, confidence.float().tolist(),
+                                               picked.positions.tolist()):
+            given = adaptive.length(req_ids[request], sure, keys, lone)
+            out[request] = tokens[:given]
+        adaptive.end_step(given if lone else None, drafting_s)
         return out
