@@ -111,11 +111,14 @@ def hspec_counterpart(drafter: vllm_engine.VllmDrafter, target_name: str) -> tup
         exported = json.loads((Path(drafter.speculative_config["model"]) / "config.json").read_text())
         source = Path(exported.get("hspec_source", {}).get("path", ""))
         return (vllm_engine.EXPORTED_KINDS[method], source) if (source / "config.json").exists() else None
-    if method == "custom_class":  # the same cut (`hspec:P`); hspec's engine has no per-batch draft budget
-        from hspec.integrations.vllm.proposer import HF_FLOOR_KEY
+    if method == "custom_class":  # the same cut (`hspec:P`, `hspec:auto`); hspec's engine has no per-batch budget
+        from hspec.integrations.vllm.proposer import HF_FLOOR_KEY, HF_LENGTH_KEY
 
-        floor = (drafter.hf_overrides or {}).get(HF_FLOOR_KEY)
+        overrides = drafter.hf_overrides or {}
+        floor = overrides.get(HF_FLOOR_KEY)
         kind = "hspec" if floor is None else f"hspec:{floor:g}"
+        if HF_LENGTH_KEY in overrides:
+            kind = f"hspec:{overrides[HF_LENGTH_KEY]}"
         return kind, vllm_engine.hspec_checkpoint(drafter, target_name)
     return None
 

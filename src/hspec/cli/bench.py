@@ -138,7 +138,8 @@ def vllm_arguments(p: argparse.ArgumentParser) -> None:
                         "as vLLM's parallel EAGLE-3), hspec (the shipped H-Spec drafter as a vLLM "
                         "proposer) or hspec=PATH (an hspec H-Spec checkpoint); hspec:P keeps each request's drafts "
                         "of confidence >= P, hspec@B drafts at most B tokens per step over the batch (both combine: "
-                        "hspec:0.4@64=PATH); default none,ngram,dflash=random")
+                        "hspec:0.4@64=PATH), hspec:auto gives each request the draft length that pays most per "
+                        "step cost, timed on the engine's own steps once per machine; default none,ngram,dflash=random")
     p.add_argument("--prompts-file", default=None, metavar="F.jsonl",
                    help='one {"prompt": "..."} per line, chat-templated like `hspec generate` '
                         "(default: --num-prompts evenly spaced Spec-Bench items)")
