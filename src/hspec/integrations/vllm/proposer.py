@@ -49,10 +49,12 @@ from typing import Any
 import torch
 
 from hspec.decoding.step_cost import machine_key
+from hspec.drafters import DRAFTERS
 from hspec.drafters.checkpoint import load_drafter, read_checkpoint
 from hspec.drafters.common import BlockContext, NeuralDrafter, build_block
 from hspec.drafters.cost_aware import ADAPTIVE_LENGTH
 from hspec.drafters.early_stop import leading_confident
+from hspec.drafters.hspec.model import HSpecDrafter
 from hspec.drafters.step_cost import StepCost
 from hspec.integrations.vllm.adaptive import AdaptiveLength
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
@@ -68,9 +70,6 @@ HF_FLOOR_KEY = "hspec_confidence_floor"  # hf_overrides={"hspec_confidence_floor
 HF_LENGTH_KEY = "hspec_draft_length"  # hf_overrides={"hspec_draft_length": "auto"}: H-Spec's `:auto` length
 HF_COST_KEY = "hspec_step_cost"  # hf_overrides={"hspec_step_cost": "D,T,TS,F"}: `:auto`'s costs, given
 ENV_DRAFTER = "HSPEC_VLLM_DRAFTER"
-# Kinds whose drafter reads the target's K/V in place and keeps no KV of its own (H-Spec and its ablations).
-KV_FREE_KINDS = ("hspec", "hspec-lasttoken-only", "hspec-kvreuse-only", "hspec-nomarkov", "mamba-only",
-                 "attention-only")
 # vLLM CPU attention ISAs whose paged layout `paged_context_kv` reads (the others pack keys differently).
 READABLE_ISAS = ("vec",)
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.attn$")
@@ -278,9 +277,10 @@ class HSpecProposer:
         self.k = self.draft_length.k
         self.checkpoint = drafter_path(vllm_config)
         info = read_checkpoint(self.checkpoint)
-        if info.kind not in KV_FREE_KINDS:
-            raise ValueError(f"{self.checkpoint} holds a {info.kind!r} drafter; HSpecProposer serves the KV-free "
-                             f"kinds {KV_FREE_KINDS} (DFlash: vLLM's `dflash` method on an export, docs/vllm.md)")
+        if not issubclass(DRAFTERS.get(info.kind), HSpecDrafter):  # the family that reads the target's K/V in place
+            family = sorted(kind for kind in DRAFTERS.names() if issubclass(DRAFTERS.get(kind), HSpecDrafter))
+            raise ValueError(f"{self.checkpoint} holds a {info.kind!r} drafter; HSpecProposer serves the H-Spec "
+                             f"family {family} (DFlash: vLLM's `dflash` method on an export, docs/vllm.md)")
         if not 1 <= self.k <= info.drafter_config.max_draft_len:
             raise ValueError(f"num_speculative_tokens={self.k}: the drafter at {self.checkpoint} drafts 1.."
                              f"{info.drafter_config.max_draft_len} tokens (its trained draft length)")
