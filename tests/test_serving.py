@@ -182,3 +182,9 @@ def test_metrics_leave_early_stopped_steps_out_of_the_next_positions_denominator
     assert accepted == [2, 2, 1, 0, 0, 0, 0]
     assert verified == [3, 2, 2, 0, 0, 0, 0]  # row 1 verified no 4th draft: it is not a refusal at k = 4
     assert samples[("hspec_mean_accepted_length", None)] == pytest.approx(1 + 5 / 3)
+    # a `:auto` step where row 1 drafted nothing (a plain decode step): only the drafting rows count
+    metrics.observe_step(StepReport([], 2, [1, 0], [4, 0], 7, 0, 3, 0, 2, 0, 0.5, 0.01))
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    assert samples[("hspec_spec_decode_steps_total", None)] == 4
+    assert samples[("hspec_mean_accepted_length", None)] == pytest.approx(1 + 6 / 4)

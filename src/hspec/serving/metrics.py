@@ -3,7 +3,8 @@
 Names follow Prometheus conventions (counters end in `_total` in the exposition). Acceptance is
 exported as counters so any window can be computed from two scrapes:
 
-- `hspec_spec_decode_steps_total`: sequence-steps (one per running sequence per engine step);
+- `hspec_spec_decode_steps_total`: sequence-steps that verified at least one draft (one per drafting
+  sequence per engine step; a `KIND:auto` row that drafts nothing runs a plain decode step, not counted);
 - `hspec_spec_decode_accepted_tokens_total{position="k"}`: sequence-steps whose first k drafts were
   all accepted, k = 1..K; MAL tau = 1 + sum_k accepted[k] / steps (also exported as a gauge over the
   lifetime);
@@ -70,14 +71,14 @@ class ServingMetrics:
         self.prefill_tokens.inc(report.num_prefill_tokens)
         self.generation_tokens.inc(report.num_new_tokens)
         self.preemptions.inc(report.num_preempted)
-        if report.num_accepted:
-            self.spec_steps.inc(len(report.num_accepted))
+        drafted = [(n, d) for n, d in zip(report.num_accepted, report.num_drafted) if d > 0]  # (accepted, verified)
+        if drafted:
+            self.spec_steps.inc(len(drafted))
             for k in range(1, report.K + 1):
-                self.accepted.labels(str(k)).inc(sum(1 for n in report.num_accepted if n >= k))
-                self.verified.labels(str(k)).inc(sum(1 for n, d in zip(report.num_accepted, report.num_drafted)
-                                                     if n >= k - 1 and d >= k))
-            self._steps += len(report.num_accepted)
-            self._accepted_sum += sum(report.num_accepted)
+                self.accepted.labels(str(k)).inc(sum(1 for n, _ in drafted if n >= k))
+                self.verified.labels(str(k)).inc(sum(1 for n, d in drafted if n >= k - 1 and d >= k))
+            self._steps += len(drafted)
+            self._accepted_sum += sum(n for n, _ in drafted)
             self.mean_accepted_length.set(1.0 + self._accepted_sum / self._steps)
         for update in report.updates:
             if update.finished:
