@@ -19,9 +19,9 @@ def test_parses_every_form(text, expected):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("hspec:1", "a number in \\(0, 1\\).*or 'auto'.*got '1'"),
-    ("hspec:", "a number in \\(0, 1\\).*or 'auto'.*got ''"),
-    ("hspec+ngram:x", "a number in \\(0, 1\\).*or 'auto'.*got 'x'"),
+    ("hspec:1", "a number in \\(0, 1\\).*'auto'.*or 'tree'.*got '1'"),
+    ("hspec:", "a number in \\(0, 1\\).*'auto'.*or 'tree'.*got ''"),
+    ("hspec+ngram:x", "a number in \\(0, 1\\).*'auto'.*or 'tree'.*got 'x'"),
     ("ngram:0.5", "only trained drafters"),
     ("none+ngram", "in front of a trained drafter kind"),
 ])

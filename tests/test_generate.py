@@ -14,6 +14,7 @@ import torch
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
+from hspec.drafters.block_tree import BlockTreeDrafter
 from hspec.drafters.cost_aware import CostAwareDrafter
 from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
@@ -48,6 +49,10 @@ def _decoder(target, drafter, K):
 
 def _make(kind, target):
     spec = parse_drafter_spec(kind)  # the grammar `hspec.runtime.build_drafter` reads
+    if spec.tree:  # greedy rows verify token trees, sampled rows their chains as trees
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return BlockTreeDrafter(_make(spec.base, target), TREE_COST)
     if spec.adaptive_length:  # rows verify 0..K drafts and back off drafting, by the costs below
         with torch.random.fork_rng():
             torch.manual_seed(0)
@@ -79,7 +84,11 @@ EARLY_STOP = ("hspec:0.1", "hspec+ngram:0.1", "dflash:0.07", "random-test:0.05")
 # back off, and others verify several: a drafted token costs 0.05 decodes, drafting 0.02.
 ADAPTIVE_COST = StepCost(draft=0.02, per_token=0.05, per_token_key=0.0)
 ADAPTIVE = ("hspec:auto", "hspec+ngram:auto", "dflash:auto", "ngram:auto")
-ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test", *LOOKUP_FIRST, *EARLY_STOP, *ADAPTIVE]
+# Costs at which the random-weight drafters' trees range from one node to a few dozen.
+TREE_COST = StepCost(draft=0.02, per_token=0.005, per_token_key=0.0)
+TREES = ("hspec:tree", "dflash:tree")
+ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test", *LOOKUP_FIRST, *EARLY_STOP, *ADAPTIVE,
+                                                            *TREES]
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +235,7 @@ def test_batched_equals_one_by_one_when_sampling(tiny_target, kind):
 ABLATIONS = ("hspec-kvreuse-only", "hspec-lasttoken-only", "hspec-nomarkov", "mamba-only", "attention-only",
              "dflash-kvreuse")
 SAMPLED_IN_SLOW = (*ABLATIONS, "peagle+ngram", "hspec+ngram:0.1", "dflash:0.07", "random-test:0.05", "dels", "dfly",
-                   "dspark", "dflash2", "hspec+ngram:auto", "dflash:auto", "ngram:auto")
+                   "dspark", "dflash2", "hspec+ngram:auto", "dflash:auto", "ngram:auto", "dflash:tree")
 
 
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SAMPLED_IN_SLOW else k

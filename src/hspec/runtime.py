@@ -23,6 +23,7 @@ import torch
 from hspec.decoding.step_cost import cached_step_cost, measure_step_cost
 from hspec.drafters import DRAFTERS, Drafter, create_drafter
 from hspec.drafters.base import drafter_config, parse_config_options
+from hspec.drafters.block_tree import BlockTreeDrafter
 from hspec.drafters.checkpoint import load_drafter
 from hspec.drafters.common import NeuralDrafter
 from hspec.drafters.compile import compile_drafter
@@ -63,6 +64,9 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     (None: this machine's, measured once and cached, `step_cost_of`).
     """
     spec = parse_drafter_spec(kind)
+    if spec.tree:
+        model = build_drafter(spec.base, target, path, random_weights, compiled, precision, options)
+        return BlockTreeDrafter(model, step_cost or step_cost_of(model, target, K, path, precision, compiled))  # type: ignore[arg-type]
     if spec.wrapped:
         model = build_drafter(spec.base, target, path, random_weights, compiled, precision, options)
         if spec.confidence_floor is not None:

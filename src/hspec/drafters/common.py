@@ -325,16 +325,19 @@ class NeuralDrafter(Drafter, nn.Module):
 
     # ---- Drafter interface -----------------------------------------------------------------------
 
-    def propose(self, batch: DraftBatch, K: int) -> Proposal:
-        """One block forward, then the sequential Markov correction and sampling (module docstring)."""
+    def block_context(self, batch: DraftBatch, K: int) -> BlockContext:
+        """The block [x0, MASK x (K-1)] of each row with its context: hidden states and the pool's K/V."""
         if not 1 <= K <= self.config.max_draft_len:
             raise ValueError(f"K must be in 1..{self.config.max_draft_len} (the trained draft length), got {K}")
         lengths = batch.pool.lengths(batch.seq_ids)
-        device = batch.anchor_tokens.device
-        p = torch.tensor(lengths, dtype=torch.long, device=device)  # (B,)
+        p = torch.tensor(lengths, dtype=torch.long, device=batch.anchor_tokens.device)  # (B,)
         block_tokens, positions = build_block(batch.anchor_tokens, p, K, self.config.mask_token_id)
         context_kv, context_mask = self.context_kv_from_pool(batch.pool, batch.seq_ids, lengths, CONTEXT_MULTIPLE)
-        ctx = BlockContext(block_tokens, positions, self.last_hidden_of(batch.seq_ids), context_kv, context_mask)
+        return BlockContext(block_tokens, positions, self.last_hidden_of(batch.seq_ids), context_kv, context_mask)
+
+    def propose(self, batch: DraftBatch, K: int) -> Proposal:
+        """One block forward, then the sequential Markov correction and sampling (module docstring)."""
+        ctx = self.block_context(batch, K)
         if batch.sampling.all_greedy:
             native = self.native_greedy
             if native is not None and native.covers(ctx):  # one native call (drafters/hspec/native.py)
