@@ -220,11 +220,12 @@ def _pool_layout(k: torch.Tensor) -> torch.Tensor:
     return k.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
 
-@pytest.mark.parametrize("context,t", [(0, 1), (5, 4), (61, 8), (130, 16), (300, 3), (1000, 8)])
+@pytest.mark.parametrize("context,t", [(0, 1), (5, 4), (61, 8), (130, 16), (300, 3), (1000, 8), (2040, 8)])
 def test_hspecs_attention_gives_a_verify_row_the_bits_of_its_decode(context, t):
     """hspec's kernel computes each row alone over the keys it may see: a verify row equals its 1-token
     decode bit for bit, with the keys in the pool's K^T layout or gathered, whatever follows them, and
-    within bf16 rounding of the fused float32 attention."""
+    within bf16 rounding of the fused float32 attention. The verify's T x 3 rows of a KV head share its
+    tiles (6 rows, 2 and 3 at the ends, several key blocks), a decode's 3 rows one tile."""
     if not load_kernels():
         pytest.skip("hspec's CPU kernels do not run here")
     torch.manual_seed(context + t)
@@ -240,6 +241,26 @@ def test_hspecs_attention_gives_a_verify_row_the_bits_of_its_decode(context, t):
         assert torch.equal(verify[:, r : r + 1], decode), f"row {r} differs"
     reference = attend(q.float(), k[:, :s], v[:, :s], mask)  # float32: the fused kernel
     assert (verify.float() - reference).abs().max() < 0.02
+
+
+def test_hspecs_attention_gives_a_row_its_bits_at_any_thread_count():
+    """With more threads than (sequence, KV head) pairs the kernel splits a head's rows into groups, each
+    group reading the keys itself: every row keeps the bits it has on one thread."""
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    torch.manual_seed(11)
+    q = torch.randn(1, 8, 9, 64).bfloat16()
+    k, v = torch.randn(1, 600, 3, 64).bfloat16().float(), torch.randn(1, 600, 3, 64).bfloat16().float()
+    mask = (torch.arange(600) <= 592 + torch.arange(8)[:, None])[None, None]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attend(q, _pool_layout(k), v, mask, kernel=True)
+        torch.set_num_threads(3)
+        several = attend(q, _pool_layout(k), v, mask, kernel=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, several)
 
 
 def test_hspecs_attention_skips_the_keys_a_row_may_not_see():
@@ -261,8 +282,9 @@ def test_hspecs_attention_skips_the_keys_a_row_may_not_see():
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1), (10, 2)])
 def test_hspecs_attention_shares_no_sums_between_the_heads_of_a_kv_head(heads, kv_heads):
-    """The query heads of one KV head run in passes of up to 3 (1, 2 or 3 rows): each head's rows equal
-    that head run alone, bit for bit, and the fused float32 attention to bf16 rounding."""
+    """The rows of one KV head (its query heads, token by token) run in tiles of up to 6 rows (3 in AVX2):
+    each head's rows equal that head run alone, bit for bit, and the fused float32 attention to bf16
+    rounding."""
     if not load_kernels():
         pytest.skip("hspec's CPU kernels do not run here")
     torch.manual_seed(heads + kv_heads)
@@ -479,22 +501,27 @@ def test_the_vnni_tiles_give_the_avx2_tiles_bits(tmp_path):
 
 
 def test_the_wide_attention_gives_the_avx2_attentions_bits(tmp_path):
-    """Where the integer products take the VNNI tiles, the attention sums a 64-wide head's values in 512-bit
-    vectors (one pass over them instead of two): the same FMA chain per output element, so every output must
-    equal the AVX2 kernel's bit for bit: decodes and verifies with and without a mask, bf16 and fp32 queries,
-    head dims 64 and 80 (80 takes 64 and then 16 outputs)."""
+    """Where the integer products take the VNNI tiles, the attention runs in 512-bit vectors (the scores 16
+    keys and the value sums 64 outputs at a time, tiles of 6 rows): the same FMA chain per score and per
+    output element and the same softmax sums, so every output must equal the AVX2 kernel's bit for bit:
+    decodes and verifies without a mask, under a causal one, a tree's (random) and a padded batch's, bf16 and
+    fp32 queries, up to 2,100 keys, head dims 64, 128 and 80 (80 stays in AVX2)."""
     from hspec.models.native import integer_capability
 
     if not load_kernels() or integer_capability() not in ("avx512_vnni", "amx_int8"):
         pytest.skip("this CPU has no AVX512-VNNI (or hspec's kernels do not run here)")
     torch.manual_seed(6)
     cases = []
-    for d, t, s in [(64, 1, 300), (64, 8, 300), (80, 4, 70)]:
+    for d, t, s in [(64, 1, 300), (64, 8, 300), (80, 4, 70), (128, 3, 200), (64, 8, 2100)]:
         k, v = torch.randn(2, s + 5, 3, d), torch.randn(2, s + 5, 3, d)
-        mask = torch.ones(2, 1, t, s + 5, dtype=torch.bool).tril(diagonal=s - t)
+        causal = torch.ones(2, 1, t, s + 5, dtype=torch.bool).tril(diagonal=s - t)
+        tree = causal & (torch.rand(2, 1, t, s + 5) < 0.7)
+        tree[..., 0] = True
+        padded = causal.clone()
+        padded[1, ..., : s // 4] = False
         for dtype in (torch.float32, torch.bfloat16):
             q = torch.randn(2, t, 9, d).to(dtype)
-            cases += [("attention", (q, k, v, None, s)), ("attention", (q, k, v, mask, s))]
+            cases += [("attention", (q, k, v, mask, s)) for mask in (None, causal, tree, padded)]
     avx2 = _ops_on("avx2", cases, tmp_path)
     for (_, args), expected in zip(cases, avx2["outputs"]):
         assert torch.equal(torch.ops.hspec.attention(*args), expected), (tuple(args[0].shape), args[0].dtype)

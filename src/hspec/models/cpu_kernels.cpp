@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -38,6 +39,9 @@
 // madd), on 512-bit vectors of 16 outputs.
 #define HSPEC_VNNI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
 #endif
+// Before a loop over a register tile's rows or vectors: unrolled whole, so that GCC keeps the tile's
+// accumulators in registers (left to itself it stored all 24 of a 6-row tile's to the stack every step).
+#define HSPEC_UNROLL _Pragma("GCC unroll 32")
 
 namespace hspec {
 
@@ -514,37 +518,44 @@ HSPEC_AVX2 void score_block(const float* q, const float* kt, int64_t ld, int64_t
   const int64_t rest = n - 8 * (V - 1);  // keys in the last vector, 1-8
   const __m256i last = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rest)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256 acc[R][V];
+  HSPEC_UNROLL
   for (int r = 0; r < R; ++r)
+    HSPEC_UNROLL
     for (int c = 0; c < V; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; ++i) {
     __m256 qi[R];
+    HSPEC_UNROLL
     for (int r = 0; r < R; ++r) qi[r] = _mm256_broadcast_ss(q + r * d + i);
     const float* row = kt + i * ld + j0;
     // The same row two blocks on: a pass reads D rows of K^T side by side, more streams than the hardware
     // prefetcher follows, so each block's keys would otherwise come from memory at full latency.
     for (int c = 0; c < V; c += 2) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * V + 8 * c), _MM_HINT_T0);
+    HSPEC_UNROLL
     for (int c = 0; c < V; ++c) {
       const __m256 keys = c < V - 1 ? _mm256_loadu_ps(row + 8 * c) : _mm256_maskload_ps(row + 8 * c, last);
+      HSPEC_UNROLL
       for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(qi[r], keys, acc[r][c]);
     }
   }
+  HSPEC_UNROLL
   for (int r = 0; r < R; ++r) {
+    HSPEC_UNROLL
     for (int c = 0; c < V - 1; ++c) _mm256_storeu_ps(scores + r * lds + j0 + 8 * c, acc[r][c]);
     _mm256_maskstore_ps(scores + r * lds + j0 + 8 * (V - 1), last, acc[r][V - 1]);
   }
 }
 
-// The scores of R query rows q (R, D) of one KV head against keys j < s, K^T (D, S) with row stride ld,
-// into scores (R, lds): score_rj = sum over d = 0..D-1 of q_rd k_dj, one FMA chain per (row, key) in d
+// The scores of R query rows q (R, D) of one KV head against keys j_begin <= j < j_end, K^T (D, S) with row
+// stride ld, into scores (R, lds): score_rj = sum over d = 0..D-1 of q_rd k_dj, one FMA chain per (row, key) in d
 // order, whichever vector lane the key falls in and however many rows share the pass, so a score depends
 // on its row and key alone. KEYS keys at a time (64 for one row, 32 for up to 3, the accumulators fitting
 // the 16 registers).
 template <int R>
-HSPEC_AVX2 void key_scores(const float* q, const float* kt, int64_t ld, int64_t d, int64_t s, float* scores,
-                           int64_t lds) {
+HSPEC_AVX2 void key_scores(const float* q, const float* kt, int64_t ld, int64_t d, int64_t j_begin, int64_t j_end,
+                           float* scores, int64_t lds) {
   constexpr int64_t kKeys = R == 1 ? 64 : 32;
-  for (int64_t j = 0; j < s; j += kKeys) {
-    const int64_t n = std::min<int64_t>(kKeys, s - j);
+  for (int64_t j = j_begin; j < j_end; j += kKeys) {
+    const int64_t n = std::min<int64_t>(kKeys, j_end - j);
     switch ((n + 7) / 8) {
       case 8: score_block<R, R == 1 ? 8 : 4>(q, kt, ld, d, j, n, scores, lds); break;
       case 7: score_block<R, R == 1 ? 7 : 4>(q, kt, ld, d, j, n, scores, lds); break;
@@ -558,30 +569,111 @@ HSPEC_AVX2 void key_scores(const float* q, const float* kt, int64_t ld, int64_t 
   }
 }
 
-// out (R, D) = for each of R rows, the sum over the visible keys j (ascending) of p_rj v_j, V (s, D) with
-// row stride ld and p (R, ldp): one FMA chain per output element in j order, then times the row's
-// inverse total; each value vector is loaded once for the R rows. 64 outputs at a time for one row, 32
-// for up to 3, so that 8 or 12 chains run side by side.
+// The scores of R query rows q (R, D) against up to 16 V consecutive keys from j0 (n of them, 1 <= n <= 16 V)
+// of K^T (D, S) with row stride ld, in 512-bit vectors (AVX-512): `score_block`'s FMA chain per (row, key),
+// 16 keys a vector; lanes past the n keys load 0 and are not stored. scores: R rows of stride lds.
+template <int R, int V>
+HSPEC_VNNI void score_block_wide(const float* q, const float* kt, int64_t ld, int64_t d, int64_t j0, int64_t n,
+                                 float* scores, int64_t lds) {
+  __mmask16 used[V];
+  HSPEC_UNROLL
+  for (int c = 0; c < V; ++c) {
+    const int64_t rest = n - 16 * c;
+    used[c] = rest >= 16 ? 0xFFFF : rest <= 0 ? 0 : static_cast<__mmask16>((1u << rest) - 1);
+  }
+  __m512 acc[R][V];
+  HSPEC_UNROLL
+  for (int r = 0; r < R; ++r)
+    HSPEC_UNROLL
+    for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const float* row = kt + i * ld + j0;
+    HSPEC_UNROLL
+    for (int c = 0; c < V; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * V + 16 * c), _MM_HINT_T0);
+    HSPEC_UNROLL
+    for (int c = 0; c < V; ++c) {
+      const __m512 keys = _mm512_maskz_loadu_ps(used[c], row + 16 * c);
+      HSPEC_UNROLL
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + i]), keys, acc[r][c]);
+    }
+  }
+  HSPEC_UNROLL
+  for (int r = 0; r < R; ++r)
+    HSPEC_UNROLL
+    for (int c = 0; c < V; ++c) _mm512_mask_storeu_ps(scores + r * lds + j0 + 16 * c, used[c], acc[r][c]);
+}
+
+// `key_scores` in 512-bit vectors, for up to 6 rows: R x V accumulators of 16 keys (24 at most, of 32
+// registers), fewer vectors for the last keys. The same FMA chain per (row, key), so the same bits.
 template <int R>
-HSPEC_AVX2 void weighted_values(const float* p, int64_t ldp, const bool* visible, const float* v, int64_t ld,
-                                int64_t d, int64_t s, const float* inverse_total, float* out) {
+HSPEC_VNNI void key_scores_wide(const float* q, const float* kt, int64_t ld, int64_t d, int64_t j_begin,
+                                int64_t j_end, float* scores, int64_t lds) {
+  constexpr int kVectors = R <= 3 ? 8 : 4;
+  for (int64_t j = j_begin; j < j_end; j += 16 * kVectors) {
+    const int64_t n = std::min<int64_t>(16 * kVectors, j_end - j);
+    switch ((n + 15) / 16) {
+      case 8: score_block_wide<R, kVectors>(q, kt, ld, d, j, n, scores, lds); break;
+      case 7: score_block_wide<R, std::min(kVectors, 7)>(q, kt, ld, d, j, n, scores, lds); break;
+      case 6: score_block_wide<R, std::min(kVectors, 6)>(q, kt, ld, d, j, n, scores, lds); break;
+      case 5: score_block_wide<R, std::min(kVectors, 5)>(q, kt, ld, d, j, n, scores, lds); break;
+      case 4: score_block_wide<R, 4>(q, kt, ld, d, j, n, scores, lds); break;
+      case 3: score_block_wide<R, 3>(q, kt, ld, d, j, n, scores, lds); break;
+      case 2: score_block_wide<R, 2>(q, kt, ld, d, j, n, scores, lds); break;
+      default: score_block_wide<R, 1>(q, kt, ld, d, j, n, scores, lds); break;
+    }
+  }
+}
+
+// The keys of a tile's rows (`attend_head`): every row sees the keys j < common; row r sees a later key j
+// < s where seen[r][j] (seen[r] is nullptr only where common = s).
+struct Visible {
+  const bool* const* seen;
+  int64_t common;
+};
+
+// acc (R, D) += for each of R rows, p_rj v_j over the keys j_begin <= j < j_end past `common` that it sees,
+// in key order, one FMA an element (std::fma rounds once, as the vector FMAs do); a key the row does not see
+// leaves its sums as they are (skipped, not weighted 0, which a non-finite value would spoil). A verify's
+// last keys, a tree's branches, a batch's padding: few keys, so plain loops.
+HSPEC_AVX2 void weighted_values_seen(const float* p, int64_t ldp, const Visible& visible, int rows, const float* v,
+                                     int64_t ld, int64_t d, int64_t j_begin, int64_t j_end, float* acc) {
+  for (int64_t j = std::max(j_begin, visible.common); j < j_end; ++j) {
+    for (int r = 0; r < rows; ++r) {
+      if (!visible.seen[r][j]) continue;
+      const float weight = p[r * ldp + j];
+      for (int64_t i = 0; i < d; ++i) acc[r * d + i] = std::fma(weight, v[j * ld + i], acc[r * d + i]);
+    }
+  }
+}
+
+// acc (R, D) += for each of R rows, the sum over the keys j_begin <= j < j_end it sees (ascending) of p_rj
+// v_j, V (S, D) with row stride ld and p (R, ldp): one FMA chain per output element in key order, continued
+// from acc; the keys every row sees here, then `weighted_values_seen`. Each value vector is loaded once for
+// the R rows. 64 outputs at a time for one row, 32 for up to 3, so that 8 or 12 chains run side by side in
+// registers.
+template <int R>
+HSPEC_AVX2 void weighted_values(const float* p, int64_t ldp, const Visible& visible, const float* v, int64_t ld,
+                                int64_t d, int64_t j_begin, int64_t j_end, float* acc_rows) {
   constexpr int kChunks = R == 1 ? 8 : 4;
-  for (int64_t i0 = 0; i0 < d; i0 += 8 * kChunks) {
+  const int64_t shared_end = std::min(j_end, visible.common);
+  for (int64_t i0 = 0; i0 < d && j_begin < shared_end; i0 += 8 * kChunks) {
     const int chunks = static_cast<int>(std::min<int64_t>(d - i0, 8 * kChunks) / 8);
     __m256 acc[R][kChunks];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < s; ++j) {
-      if (visible != nullptr && !visible[j]) continue;
+      for (int c = 0; c < chunks; ++c) acc[r][c] = _mm256_loadu_ps(acc_rows + r * d + i0 + 8 * c);
+    for (int64_t j = j_begin; j < shared_end; ++j) {
       __m256 weight[R];
+      HSPEC_UNROLL
       for (int r = 0; r < R; ++r) weight[r] = _mm256_set1_ps(p[r * ldp + j]);
       const float* row = v + j * ld + i0;
       for (int c = 0; c < chunks; c += 2) {  // the values 8 keys on (measured: the hardware's prefetch lags)
         _mm_prefetch(reinterpret_cast<const char*>(row + 8 * ld + 8 * c), _MM_HINT_T0);
       }
       if (chunks == kChunks) {  // a constant bound: unrolled, the accumulators stay in registers
+        HSPEC_UNROLL
         for (int c = 0; c < kChunks; ++c) {
           const __m256 values = _mm256_loadu_ps(row + 8 * c);
+          HSPEC_UNROLL
           for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(weight[r], values, acc[r][c]);
         }
       } else {
@@ -592,46 +684,42 @@ HSPEC_AVX2 void weighted_values(const float* p, int64_t ldp, const bool* visible
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < chunks; ++c)
-        _mm256_storeu_ps(out + r * d + i0 + 8 * c, _mm256_mul_ps(acc[r][c], _mm256_set1_ps(inverse_total[r])));
+      for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(acc_rows + r * d + i0 + 8 * c, acc[r][c]);
   }
+  weighted_values_seen(p, ldp, visible, R, v, ld, d, j_begin, j_end, acc_rows);
 }
 
-// `weighted_values` with 512-bit vectors (AVX-512, where the integer products take the VNNI tiles): 64
-// outputs at a time for up to 3 rows, so a 64-wide head reads its values once instead of twice; every output
-// element is the same FMA chain in key order, then times the row's inverse total: the same bits. D a
-// multiple of 16.
+// The keys every row sees of `weighted_values`, in 512-bit vectors (AVX-512): 64 outputs at a time for up to
+// 6 rows (24 accumulators), so a 64-wide head reads each value vector once per tile; every output element
+// is the same FMA chain in key order: the same bits. D a multiple of 64.
 template <int R>
-HSPEC_VNNI void weighted_values_wide(const float* p, int64_t ldp, const bool* visible, const float* v, int64_t ld,
-                                     int64_t d, int64_t s, const float* inverse_total, float* out) {
+HSPEC_VNNI void weighted_values_wide(const float* p, int64_t ldp, const Visible& visible, const float* v,
+                                     int64_t ld, int64_t d, int64_t j_begin, int64_t j_end, float* acc_rows) {
   constexpr int kChunks = 4;
-  for (int64_t i0 = 0; i0 < d; i0 += 16 * kChunks) {
-    const int chunks = static_cast<int>(std::min<int64_t>(d - i0, 16 * kChunks) / 16);
+  const int64_t shared_end = std::min(j_end, visible.common);
+  for (int64_t i0 = 0; i0 < d && j_begin < shared_end; i0 += 16 * kChunks) {
     __m512 acc[R][kChunks];
+    HSPEC_UNROLL
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < s; ++j) {
-      if (visible != nullptr && !visible[j]) continue;
-      __m512 weight[R];
-      for (int r = 0; r < R; ++r) weight[r] = _mm512_set1_ps(p[r * ldp + j]);
+      HSPEC_UNROLL
+      for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm512_loadu_ps(acc_rows + r * d + i0 + 16 * c);
+    for (int64_t j = j_begin; j < shared_end; ++j) {
       const float* row = v + j * ld + i0;
-      for (int c = 0; c < chunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + 8 * ld + 16 * c), _MM_HINT_T0);
-      if (chunks == kChunks) {  // a constant bound: unrolled, the accumulators stay in registers
-        for (int c = 0; c < kChunks; ++c) {
-          const __m512 values = _mm512_loadu_ps(row + 16 * c);
-          for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(weight[r], values, acc[r][c]);
-        }
-      } else {
-        for (int c = 0; c < chunks; ++c) {
-          const __m512 values = _mm512_loadu_ps(row + 16 * c);
-          for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(weight[r], values, acc[r][c]);
-        }
+      HSPEC_UNROLL
+      for (int c = 0; c < kChunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + 8 * ld + 16 * c), _MM_HINT_T0);
+      HSPEC_UNROLL
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512 values = _mm512_loadu_ps(row + 16 * c);
+        HSPEC_UNROLL
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ldp + j]), values, acc[r][c]);
       }
     }
+    HSPEC_UNROLL
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < chunks; ++c)
-        _mm512_storeu_ps(out + r * d + i0 + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inverse_total[r])));
+      HSPEC_UNROLL
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc_rows + r * d + i0 + 16 * c, acc[r][c]);
   }
+  weighted_values_seen(p, ldp, visible, R, v, ld, d, j_begin, j_end, acc_rows);
 }
 
 // exp(x) of 8 softmax arguments x <= 0 at once, lane by lane (a lane's result depends on its x alone):
@@ -655,11 +743,27 @@ HSPEC_AVX2 inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
 }
 
-// A softmax's numerators and their sum over n scores (scaled, of the keys a row sees, in key order), in
-// place: e_i = exp(score_i - max); returns their total. The sum runs in 8 lanes, score i in lane i % 8,
-// the lanes added in `lane_sum`'s tree, so it depends on the n scores alone (not on keys the row does
-// not see, nor on where they sat).
-HSPEC_AVX2 float exponentiate(float* scores, int64_t n) {
+// `exp_nonpositive` of 16 arguments (AVX-512): the same steps lane by lane, so the same bits.
+HSPEC_VNNI inline __m512 exp_nonpositive_wide(__m512 x) {
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(normal, p, _mm512_castsi512_ps(exponent));
+}
+
+// The largest of n scores (exact in any order).
+HSPEC_AVX2 float largest(const float* scores, int64_t n) {
   __m256 high = _mm256_set1_ps(-INFINITY);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(scores + i));
@@ -668,14 +772,18 @@ HSPEC_AVX2 float exponentiate(float* scores, int64_t n) {
   _mm256_store_ps(lanes, high);
   for (float lane : lanes) top = std::max(top, lane);
   for (int64_t j = i; j < n; ++j) top = std::max(top, scores[j]);
-  const __m256 shift = _mm256_set1_ps(top);
-  __m256 total = _mm256_setzero_ps();
-  for (i = 0; i + 8 <= n; i += 8) {
+  return top;
+}
+
+// A softmax's numerators from score i on: e_j = exp(score_j - shift) in place for i <= j < n, each added to
+// lane j % 8 of total (i a multiple of 8); the unused lanes of the last vector add 0.
+HSPEC_AVX2 __m256 exponentiate_from(float* scores, int64_t i, int64_t n, __m256 shift, __m256 total) {
+  for (; i + 8 <= n; i += 8) {
     const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift));
     _mm256_storeu_ps(scores + i, e);
     total = _mm256_add_ps(total, e);
   }
-  if (i < n) {  // the last n % 8 scores, through the same lanes; the unused lanes add 0
+  if (i < n) {
     const __m256i used = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)),
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256 rest = _mm256_maskload_ps(scores + i, used);
@@ -683,11 +791,44 @@ HSPEC_AVX2 float exponentiate(float* scores, int64_t n) {
     _mm256_maskstore_ps(scores + i, used, e);
     total = _mm256_add_ps(total, e);
   }
-  return lane_sum(total);
+  return total;
 }
 
-// Query rows of one KV head that share a pass over its keys and values (`key_scores`, `weighted_values`).
-constexpr int kMaxSharedRows = 3;
+// A softmax's numerators and their sum over n scores (scaled, of the keys a row sees, in key order), in
+// place: e_i = exp(score_i - max); returns their total. The sum runs in 8 lanes, score i in lane i % 8,
+// the lanes added in `lane_sum`'s tree, so it depends on the n scores alone (not on keys the row does
+// not see, nor on where they sat).
+HSPEC_AVX2 float exponentiate(float* scores, int64_t n) {
+  const __m256 shift = _mm256_set1_ps(largest(scores, n));
+  return lane_sum(exponentiate_from(scores, 0, n, shift, _mm256_setzero_ps()));
+}
+
+// `exponentiate` 16 scores at a time (AVX-512): each vector's two halves added to the 8 lanes in order,
+// as two of `exponentiate`'s steps, so the same sum.
+HSPEC_VNNI float exponentiate_wide(float* scores, int64_t n) {
+  const float top = largest(scores, n);
+  const __m512 shift = _mm512_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp_nonpositive_wide(_mm512_sub_ps(_mm512_loadu_ps(scores + i), shift));
+    _mm512_storeu_ps(scores + i, e);
+    total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+    total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+  return lane_sum(exponentiate_from(scores, i, n, _mm256_set1_ps(top), total));
+}
+
+// Query rows of one KV head that share a tile, each key and value vector loaded once for them: their
+// accumulators fill the 16 AVX2 registers with 3 rows, the 32 AVX-512 ones with 6.
+constexpr int kTileRows = 3;
+constexpr int kWideTileRows = 6;
+// Keys a block: every tile of a head's rows takes a block of its keys (32 KB at D = 64, within the core's L1
+// cache) before the next, then likewise its values, so that each is read from memory once per call, not
+// once per tile.
+constexpr int64_t kKeyBlock = 128;
+// Most rows of one head one thread takes at a time (their scores, rows x S fp32, stay in its L2 cache).
+constexpr int64_t kMaxHeadRows = 48;
 
 // One KV head of one sequence: K^T (D, S) with row stride kt_ld, V (S, D) with row stride v_ld.
 struct Head {
@@ -697,35 +838,88 @@ struct Head {
   int64_t v_ld;
 };
 
-// Attention of R query rows q (R, D) of one head over its first s keys, the visible ones (visible: s
-// flags, or nullptr for all): scores, a softmax of the visible keys' scaled scores (`exponentiate`), the
-// weighted values into out (R, D). scores (R, s) and seen (s,) are the caller's scratch.
-template <int R>
-HSPEC_AVX2 void attend_rows(const float* q, const Head& head, const bool* visible, int64_t d, int64_t s, float scale,
-                            float* scores, float* seen, float* out) {
-  key_scores<R>(q, head.kt, head.kt_ld, d, s, scores, s);
-  float inverse_total[R];
-  for (int r = 0; r < R; ++r) {
-    float* row = scores + r * s;
-    if (visible == nullptr) {
-      for (int64_t j = 0; j < s; ++j) row[j] *= scale;
-      inverse_total[r] = 1.0f / exponentiate(row, s);
-    } else {  // the visible keys' scores side by side, exponentiated, and put back
-      int64_t n = 0;
-      for (int64_t j = 0; j < s; ++j) {
-        if (visible[j]) seen[n++] = row[j] * scale;
+// Which of the first s keys a query row sees: seen (s flags, nullptr for all), how many, and how many
+// before the first it does not see (`lead` = `count` when it sees a prefix, as a decode or a causal
+// verify row does).
+struct RowKeys {
+  const bool* seen;
+  int64_t count;
+  int64_t lead;
+};
+
+// body(std::integral_constant<int, R>, first) for the tiles of n rows, Tile rows each but the last.
+template <int Tile, typename Body>
+void for_each_query_tile(int64_t n, const Body& body) {
+  for (int64_t first = 0; first < n; first += Tile) {
+    switch (std::min<int64_t>(Tile, n - first)) {
+      case 6: if constexpr (Tile >= 6) body(std::integral_constant<int, 6>{}, first); break;
+      case 5: if constexpr (Tile >= 5) body(std::integral_constant<int, 5>{}, first); break;
+      case 4: if constexpr (Tile >= 4) body(std::integral_constant<int, 4>{}, first); break;
+      case 3: body(std::integral_constant<int, 3>{}, first); break;
+      case 2: body(std::integral_constant<int, 2>{}, first); break;
+      default: body(std::integral_constant<int, 1>{}, first); break;
+    }
+  }
+}
+
+// Attention of n query rows q (n, D) of one KV head over its first s keys, each row over the keys it sees
+// (keys[r]), into out (n, D): 1. the scores, key block by key block, tile by tile; 2. per row a softmax of
+// its seen keys' scaled scores (`exponentiate`); 3. the weighted values, key block by key block, tile by
+// tile, each output element one FMA chain over the row's seen keys in key order, then times the row's
+// inverse total. scores (n, s) and compact (s,) are the caller's scratch. Wide: the AVX-512 forms (the
+// same bits).
+template <bool Wide>
+void attend_head(const float* q, const RowKeys* keys, int64_t n, const Head& head, int64_t d, int64_t s,
+                 float scale, float* scores, float* compact, float* out) {
+  constexpr int kTile = Wide ? kWideTileRows : kTileRows;
+  for (int64_t j = 0; j < s; j += kKeyBlock) {  // 1.
+    const int64_t j_end = std::min(s, j + kKeyBlock);
+    for_each_query_tile<kTile>(n, [&](auto rows, int64_t first) {
+      constexpr int R = decltype(rows)::value;
+      if constexpr (Wide) {
+        key_scores_wide<R>(q + first * d, head.kt, head.kt_ld, d, j, j_end, scores + first * s, s);
+      } else {
+        key_scores<R>(q + first * d, head.kt, head.kt_ld, d, j, j_end, scores + first * s, s);
       }
-      inverse_total[r] = 1.0f / exponentiate(seen, n);
+    });
+  }
+  std::vector<float> inverse_total(static_cast<size_t>(n));
+  std::vector<const bool*> seen(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) {  // 2.
+    float* row = scores + r * s;
+    const RowKeys& own = keys[r];
+    seen[r] = own.seen;
+    if (own.lead == own.count) {  // a prefix of the keys, in place
+      for (int64_t j = 0; j < own.count; ++j) row[j] *= scale;
+      inverse_total[r] = 1.0f / (Wide ? exponentiate_wide(row, own.count) : exponentiate(row, own.count));
+    } else {  // the seen keys' scores side by side, exponentiated, and put back
+      int64_t m = 0;
+      for (int64_t j = 0; j < s; ++j) {
+        if (own.seen[j]) compact[m++] = row[j] * scale;
+      }
+      inverse_total[r] = 1.0f / (Wide ? exponentiate_wide(compact, m) : exponentiate(compact, m));
       for (int64_t j = 0, i = 0; j < s; ++j) {
-        if (visible[j]) row[j] = seen[i++];
+        if (own.seen[j]) row[j] = compact[i++];
       }
     }
   }
-  if (d % 16 == 0 && avx512_kernels()) {
-    weighted_values_wide<R>(scores, s, visible, head.v, head.v_ld, d, s, inverse_total, out);
-  } else {
-    weighted_values<R>(scores, s, visible, head.v, head.v_ld, d, s, inverse_total, out);
+  std::fill(out, out + n * d, 0.0f);
+  for (int64_t j = 0; j < s; j += kKeyBlock) {  // 3.
+    const int64_t j_end = std::min(s, j + kKeyBlock);
+    for_each_query_tile<kTile>(n, [&](auto rows, int64_t first) {
+      constexpr int R = decltype(rows)::value;
+      int64_t common = s;
+      for (int r = 0; r < R; ++r) common = std::min(common, keys[first + r].lead);
+      const Visible visible{seen.data() + first, common};
+      if constexpr (Wide) {
+        weighted_values_wide<R>(scores + first * s, s, visible, head.v, head.v_ld, d, j, j_end, out + first * d);
+      } else {
+        weighted_values<R>(scores + first * s, s, visible, head.v, head.v_ld, d, j, j_end, out + first * d);
+      }
+    });
   }
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] *= inverse_total[r];
 }
 
 // A product's (M, N) output in x's dtype: body(rows, out) gets x's rows and the output as bf16 or fp32 pointers.
@@ -934,14 +1128,15 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 // Attention of the rows q (B, T, Hq, D) over the first s keys of k and v (B, S', Hkv, D), fp32; mask
 // (B, 1, T, S') True where a row may see a key, or none (every row sees all s). Returns (B, T, Hq D) in q's
-// dtype. Each row's numbers are its own: its scores (`key_scores`), scaled by D^-1/2, a softmax over its
-// visible keys in fp32 (`exponentiate`: the max, then exp and their sum in the visible keys' order), and
-// the weighted sum of their values (`weighted_values`). Up to 3 query heads of one token that share a KV
-// head run together (`attend_rows`), each key and value loaded once for them, which changes no row's sums.
-// A thread takes the passes of one KV head token after token, so that head's keys and values stay in its
-// core's cache across a verify's tokens (at 2,048 keys one head's are 1 MB; ordered by token, the passes
-// read every head's keys from memory again for each token). A key a row may not see contributes nothing anywhere, so a verify row, whose call holds more keys,
-// computes exactly what its 1-token decode did.
+// dtype. Each row's numbers are its own: its scores (`key_scores`), scaled by D^-1/2, a softmax over the
+// keys it sees in fp32 (`exponentiate`: the max, then exp and their sum in the seen keys' order), and the
+// weighted sum of their values (`weighted_values`); a key a row may not see contributes nothing anywhere,
+// so a verify row, whose call holds more keys, computes exactly what its 1-token decode did.
+// The T G query rows of a sequence that share a KV head (the G = Hq / Hkv heads of each of its T tokens,
+// token-major) run together (`attend_head`): tiles of up to 6 rows (AVX-512; 3 in AVX2) take each block of
+// the head's keys, then of its values, in turn, so a call reads them from memory once, however many tokens
+// it verifies. None of this changes a row's sums. Threads split the (sequence, KV head) pairs, and a pair's
+// rows into groups where pairs are fewer than twice the threads.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
                      int64_t s) {
 #ifdef HSPEC_X86
@@ -964,39 +1159,60 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const at::Tensor kt = k.stride(1) == 1 ? k : k.permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2});
   const at::Tensor values = v.stride(3) == 1 ? v : v.contiguous();
   const at::Tensor rows = q.contiguous();  // bf16 or float32, converted row by row
-  std::optional<at::Tensor> visible;
+  // What each token's rows see (B T entries): its mask row, how many keys, how many before the first hidden.
+  std::vector<RowKeys> token_keys(static_cast<size_t>(b * t), RowKeys{nullptr, s, s});
+  at::Tensor visible;
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->device().is_cpu() && mask->dim() == 4 &&
                     mask->size(0) == b && mask->size(1) == 1 && mask->size(2) == t && mask->size(3) >= s,
                 "hspec::attention: mask must be bool (", b, ", 1, ", t, ", S >= ", s, "), got ", mask->sizes());
     visible = mask->slice(3, 0, s).contiguous();
+    const bool* flags = visible.data_ptr<bool>();
+    for (int64_t i = 0; i < b * t; ++i) {
+      const bool* seen = flags + i * s;
+      int64_t lead = 0;
+      while (lead < s && seen[lead]) ++lead;
+      const int64_t count = lead + std::count(seen + lead, seen + s, true);
+      token_keys[static_cast<size_t>(i)] = RowKeys{seen, count, lead};
+    }
   }
   at::Tensor out = at::empty({b, t, hq * d}, rows.options());
   const float* kp = kt.data_ptr<float>();
   const float* vp = values.data_ptr<float>();
-  const bool* mp = visible.has_value() ? visible->data_ptr<bool>() : nullptr;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t g = hq / hkv;
-  const int64_t chunks = (g + kMaxSharedRows - 1) / kMaxSharedRows;  // of the G query heads of one KV head
+  const bool wide = d % 64 == 0 && avx512_kernels();
+  const int64_t head_rows = t * g;
+  const int64_t tile = wide ? kWideTileRows : kTileRows;
+  const int64_t wanted = (2 * at::get_num_threads() + b * hkv - 1) / (b * hkv);  // groups per pair
+  int64_t group_rows = std::min(kMaxHeadRows, (head_rows + wanted - 1) / wanted);
+  group_rows = std::min(head_rows, (group_rows + tile - 1) / tile * tile);
+  const int64_t groups = (head_rows + group_rows - 1) / group_rows;
   const auto run = [&](const auto* qp, auto* op) {
-    at::parallel_for(0, b * t * hkv * chunks, std::max<int64_t>(1, 16384 / (s * d)), [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(static_cast<size_t>(kMaxSharedRows * s)), seen(static_cast<size_t>(s));
-      std::vector<float> query(static_cast<size_t>(kMaxSharedRows * d)), result(static_cast<size_t>(kMaxSharedRows * d));
-      for (int64_t item = begin; item < end; ++item) {  // (sequence, KV head, token, chunk of query heads)
-        const int64_t bi = item / (hkv * t * chunks), kv = (item / (t * chunks)) % hkv;
-        const int64_t ti = (item / chunks) % t, h = kv * g + (item % chunks) * kMaxSharedRows;
-        const int64_t r = (bi * t + ti) * hq + h;  // the first query row
-        const int64_t n = std::min<int64_t>(kMaxSharedRows, kv * g + g - h);  // rows in this pass
+    at::parallel_for(0, b * hkv * groups, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(static_cast<size_t>(group_rows * s)), compact(static_cast<size_t>(s));
+      std::vector<float> query(static_cast<size_t>(group_rows * d)), result(static_cast<size_t>(group_rows * d));
+      std::vector<RowKeys> keys(static_cast<size_t>(group_rows));
+      for (int64_t item = begin; item < end; ++item) {  // (sequence, KV head, group of its rows)
+        const int64_t bi = item / (hkv * groups), kv = (item / groups) % hkv, first = (item % groups) * group_rows;
+        const int64_t n = std::min(group_rows, head_rows - first);
         const Head head{kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3),
                         vp + bi * values.stride(0) + kv * values.stride(2), values.stride(1)};
-        const bool* visible = mp == nullptr ? nullptr : mp + (bi * t + ti) * s;
-        for (int64_t i = 0; i < n * d; ++i) query[i] = read(qp + r * d + i);
-        switch (n) {
-          case 3: attend_rows<3>(query.data(), head, visible, d, s, scale, scores.data(), seen.data(), result.data()); break;
-          case 2: attend_rows<2>(query.data(), head, visible, d, s, scale, scores.data(), seen.data(), result.data()); break;
-          default: attend_rows<1>(query.data(), head, visible, d, s, scale, scores.data(), seen.data(), result.data()); break;
+        const auto row_at = [&](int64_t r) {  // row first + r: token (first + r) / G, query head kv G + (first + r) % G
+          return ((bi * t + (first + r) / g) * hq + kv * g + (first + r) % g) * d;
+        };
+        for (int64_t r = 0; r < n; ++r) {
+          for (int64_t i = 0; i < d; ++i) query[r * d + i] = read(qp + row_at(r) + i);
+          keys[r] = token_keys[bi * t + (first + r) / g];
         }
-        for (int64_t i = 0; i < n * d; ++i) store(op + r * d + i, result[i]);  // bf16: rounded to nearest even
+        if (wide) {
+          attend_head<true>(query.data(), keys.data(), n, head, d, s, scale, scores.data(), compact.data(), result.data());
+        } else {
+          attend_head<false>(query.data(), keys.data(), n, head, d, s, scale, scores.data(), compact.data(), result.data());
+        }
+        for (int64_t r = 0; r < n; ++r) {  // bf16: rounded to nearest even
+          for (int64_t i = 0; i < d; ++i) store(op + row_at(r) + i, result[r * d + i]);
+        }
       }
     });
   };
