@@ -200,9 +200,9 @@ class DecodeStages:
         draft = self.drafter.propose_tree(
             DraftBatch(list(seq_ids), anchors, histories, pool, sampling, list(generators)), self.K)
         drafted = draft.depths().tolist()
-        if not all(1 <= d <= self.K for d in drafted):
+        if not all(0 <= d <= self.K for d in drafted):
             raise ValueError(f"drafter {self.drafter.kind!r} drafted trees of depth {drafted}; each must be in "
-                             f"1..K = 1..{self.K}")
+                             f"0..K = 0..{self.K} (0: the row drafted nothing)")
         t1 = time.perf_counter()
         result = tree_step(self.target, pool, seq_ids, anchors, draft, sampling, generators,
                            self.drafter.target_layers, self.drafter.draft_positions(self.K) + 1)

@@ -90,7 +90,7 @@ class TreeDraft:
     parents: (B, N) long, -1 = a child of x0, else an earlier node's index.
     draft_probs: (B, N+1, V): [:, 0] the distribution x0's children were drawn from, [:, j+1] node j's.
     num_nodes: (B,) long, row b's tree is its first num_nodes[b] nodes, the rest padding (never
-    verified); None: all N nodes of every row are real.
+    verified; 0: the row drafted nothing, its step is a plain decode); None: all N nodes of every row are real.
     """
 
     tokens: torch.Tensor
@@ -109,9 +109,9 @@ class TreeDraft:
             row, j = (int(i) for i in bad.nonzero()[0])
             raise ValueError(f"parents[{row}, {j}] = {int(self.parents[row, j])}: a node's parent must be -1 (the "
                              f"root) or an earlier node 0..{j - 1}")
-        if self.num_nodes is not None and (self.num_nodes.shape != (b,) or bool((self.num_nodes < 1).any())
+        if self.num_nodes is not None and (self.num_nodes.shape != (b,) or bool((self.num_nodes < 0).any())
                                            or bool((self.num_nodes > n).any())):
-            raise ValueError(f"num_nodes must be (B,) = ({b},) in 1..N = 1..{n}, got {self.num_nodes.tolist()}")
+            raise ValueError(f"num_nodes must be (B,) = ({b},) in 0..N = 0..{n}, got {self.num_nodes.tolist()}")
 
     def depths(self) -> torch.Tensor:
         """(B,) long, the depth of each row's tree (its longest root-to-leaf path, padding left out)."""

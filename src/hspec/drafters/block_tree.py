@@ -18,7 +18,10 @@ target keeps the longest path it agrees with (decoding/tree_step.py, tree_verify
 
    the same costs `KIND:auto` reads (measured once per machine, `hspec.runtime.step_cost_of`), or at
    `max_nodes`. With falling values the first node that does not pay ends the best tree of this order.
-4. A sampled row verifies the drafter's chain, drawn as `KIND` draws it, as a tree of one child per node:
+4. When even that tree emits less than one token per decode's cost, drafting does not pay for the row: it
+   skips the next 1, 2, 4, ... up to 32 steps (the back-off of `KIND:auto`, drafters/cost_aware.py), which
+   verify x0 alone, a plain decode, without running the drafter for it.
+5. A sampled row verifies the drafter's chain, drawn as `KIND` draws it, as a tree of one child per node:
    tree verification of a chain is the chain's own rejection sampling, so the output distribution is the
    target's; only greedy rows branch (a sampled tree's children would have to be independent draws).
 
@@ -37,6 +40,7 @@ import torch
 
 from hspec.drafters.base import DraftBatch, Proposal, TreeDraft
 from hspec.drafters.common import NeuralDrafter
+from hspec.drafters.cost_aware import MAX_BACKOFF, RowState
 from hspec.drafters.step_cost import StepCost
 from hspec.drafters.wrapping import WrappingDrafter
 
@@ -46,9 +50,10 @@ MAX_NODES = 16  # most nodes a tree may hold
 
 
 def grow_tree(backbone: torch.Tensor, anchor: int, drafter: NeuralDrafter, cost: StepCost, keys: int,
-              max_nodes: int = MAX_NODES) -> tuple[list[int], list[int], list[float]]:
+              max_nodes: int = MAX_NODES) -> tuple[list[int], list[int], list[float], float]:
     """One greedy row's tree (module docstring, steps 2-3): node tokens (draft-vocabulary ids), parents (-1
-    = a child of x0) and values, in the order they joined, which is topological.
+    = a child of x0) and values, in the order they joined, which is topological, and the tree's rate E / cost
+    in tokens per decode's cost.
 
     backbone: (K, Vp) the row's U_k; anchor: x0 (a target id)."""
     K = backbone.shape[0]
@@ -81,7 +86,7 @@ def grow_tree(backbone: torch.Tensor, anchor: int, drafter: NeuralDrafter, cost:
         depth_of.append(0 if parent < 0 else depth_of[parent] + 1)
         emitted, rate = emitted + value, grown
         offer(len(tokens) - 1, depth_of[-1] + 1, int(drafter.head.to_target_ids(torch.tensor(token))), value)
-    return tokens, parents, values
+    return tokens, parents, values, rate
 
 
 class BlockTreeDrafter(WrappingDrafter):
@@ -99,6 +104,7 @@ class BlockTreeDrafter(WrappingDrafter):
         self.cost = cost
         self.max_nodes = max_nodes
         self.kind = f"{model.kind}:{TREE}"
+        self._rows: dict[int, RowState] = {}  # each sequence's back-off (step 4)
 
     def draft_positions(self, K: int) -> int:
         return max(K, self.max_nodes)
@@ -111,36 +117,64 @@ class BlockTreeDrafter(WrappingDrafter):
     def propose_tree(self, batch: DraftBatch, K: int) -> TreeDraft:
         model = self.model
         assert isinstance(model, NeuralDrafter)  # checked in __init__
-        ctx = model.block_context(batch, K)
-        backbone = model.block_logits(ctx)  # (B, K, Vp)
-        device = backbone.device
+        device = batch.anchor_tokens.device
         greedy = (batch.sampling.temperature == 0).tolist()
-        chain_tokens = chain_probs = None
-        if not all(greedy):
-            chain_tokens, chain_probs, _ = model.sample_block(backbone, batch.anchor_tokens, batch.sampling,
-                                                              batch.generators)  # (B, K), (B, K, Vp)
-        keys = batch.pool.lengths(batch.seq_ids)
-        rows = []
-        for row, anchor in enumerate(batch.anchor_tokens.tolist()):
-            if greedy[row]:
-                tokens, parents, _ = grow_tree(backbone[row], anchor, model, self.cost, keys[row], self.max_nodes)
-            else:
-                assert chain_tokens is not None
-                tokens, parents = chain_tokens[row].tolist(), list(range(-1, K - 1))
-            rows.append((tokens, parents))
-        n = max(len(tokens) for tokens, _ in rows)
+        states = [self._rows.setdefault(s, RowState()) for s in batch.seq_ids]
+        drafting = [row for row, state in enumerate(states) if state.skip == 0 or not greedy[row]]
+        for state in states:
+            state.skip = max(state.skip - 1, 0)
+        rows: list[tuple[list[int], list[int]]] = [([], [])] * len(states)  # (tokens, parents) per row
+        chain_probs: dict[int, torch.Tensor] = {}  # sampled row -> (K, Vp) its chain's distributions
+        if drafting:
+            sub = batch.select(drafting)
+            backbone = model.block_logits(model.block_context(sub, K))  # (N, K, Vp)
+            sampled = [i for i, row in enumerate(drafting) if not greedy[row]]
+            if sampled:
+                chain, probs, _ = model.sample_block(backbone, sub.anchor_tokens, sub.sampling,
+                                                     sub.generators)  # (N, K), (N, K, Vp)
+                for i in sampled:
+                    rows[drafting[i]] = (chain[i].tolist(), list(range(-1, K - 1)))
+                    chain_probs[drafting[i]] = probs[i]
+            keys = batch.pool.lengths(sub.seq_ids)
+            for i, row in enumerate(drafting):
+                if greedy[row]:
+                    tokens, parents, _, rate = grow_tree(backbone[i], int(sub.anchor_tokens[i]), model, self.cost,
+                                                         keys[i], self.max_nodes)
+                    rows[row] = (tokens, parents)
+                    states[row].after_draft(rate, MAX_BACKOFF)
+        n = max(1, max(len(tokens) for tokens, _ in rows))  # a batch where nobody drafts verifies padding
         local = torch.zeros((len(rows), n), dtype=torch.long, device=device)  # (B, N)
         parents_t = torch.full((len(rows), n), -1, dtype=torch.long, device=device)  # (B, N)
         for row, (tokens, parents) in enumerate(rows):
             local[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=device)
             parents_t[row, : len(parents)] = torch.tensor(parents, dtype=torch.long, device=device)
         num_nodes = torch.tensor([len(tokens) for tokens, _ in rows], dtype=torch.long, device=device)
-        if chain_probs is None:  # all greedy: verified from the target's argmaxes, no distribution is read
+        if not chain_probs:  # all greedy: verified from the target's argmaxes, no distribution is read
             node_q = torch.zeros((1, 1, 1), device=device).expand(len(rows), n + 1, model.config.vocab_size)
             return TreeDraft(model.head.to_target_ids(local), parents_t, node_q, num_nodes)
         # A greedy row's q stays 0: its child is then accepted iff it is the target's argmax (tree_verify.py).
         # A chain's node j has children drawn from slot j + 1, x0's from slot 0.
-        q = torch.zeros((len(rows), n + 1, backbone.shape[-1]), dtype=torch.float32, device=device)  # (B, N+1, Vp)
-        for row in (r for r, g in enumerate(greedy) if not g):
-            q[row, :K] = chain_probs[row]
+        vp = next(iter(chain_probs.values())).shape[-1]
+        q = torch.zeros((len(rows), n + 1, vp), dtype=torch.float32, device=device)  # (B, N+1, Vp)
+        for row, probs in chain_probs.items():
+            q[row, :K] = probs
         return TreeDraft(model.head.to_target_ids(local), parents_t, model.head.to_full(q), num_nodes)
+
+    def release(self, seq_id: int) -> None:
+        self._rows.pop(seq_id, None)
+        super().release(seq_id)
+
+    def carried_state(self, seq_id: int) -> object | None:
+        state = self._rows.get(seq_id)
+        inner = self.model.carried_state(seq_id)
+        if state is None and inner is None:
+            return None
+        return (state.copy() if state else None, inner)
+
+    def restore_carried_state(self, seq_id: int, state: object | None) -> None:
+        if state is None:
+            return
+        own, inner = state  # what carried_state returned
+        if own is not None:
+            self._rows[seq_id] = own.copy()
+        self.model.restore_carried_state(seq_id, inner)
