@@ -190,6 +190,17 @@ def _single_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(autouse=True)
+def _no_project_function_replaced(monkeypatch):
+    """A test that replaced one of hspec's functions or methods fails: give the code a seam instead
+    (tests/project_patches.py)."""
+    from project_patches import replaced_project_functions
+
+    yield
+    replaced = replaced_project_functions(monkeypatch._setattr)
+    assert not replaced, f"the test replaced hspec's own {', '.join(replaced)}; pass it in through a seam"
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_targets")
@@ -254,16 +265,16 @@ def feature_dir(tmp_path, tiny_target) -> Path:
 
 @pytest.fixture()
 def train_tiny(tiny_target, feature_dir):
-    """`train_tiny(run_dir, override=False, **recipe)`: `hspec train --drafter hspec` of the tiny target on
-    `feature_dir` (2 steps of 2 sequences x 2 anchors, Vp 20, unless `recipe` says otherwise); the saved
-    drafter's directory."""
+    """`train_tiny(run_dir, override=False, cpu_flags=None, on_step=None, **recipe)`: `hspec train --drafter
+    hspec` of the tiny target on `feature_dir` (2 steps of 2 sequences x 2 anchors, Vp 20, unless `recipe` says
+    otherwise) on a CPU with `cpu_flags` (default: this one's), calling `on_step`; the saved drafter's directory."""
     from hspec.training.run import train
     from hspec.training.trainer import TrainConfig
 
-    def run(run_dir: Path, override: bool = False, **recipe) -> Path:
+    def run(run_dir: Path, override: bool = False, cpu_flags=None, on_step=None, **recipe) -> Path:
         config = TrainConfig(**{"steps": 2, "seqs_per_step": 2, "anchors_per_seq": 2, **recipe})
         return train("hspec", "tiny", [feature_dir], run_dir, config, val_every=2, draft_vocab_size=20,
-                     override=override, target=tiny_target)
+                     override=override, target=tiny_target, cpu_flags=cpu_flags, on_step=on_step)
 
     return run
 

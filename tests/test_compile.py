@@ -42,8 +42,8 @@ def _greedy(target, drafter, K=3, tokens=20):
 
 def test_a_failing_compile_warns_once_and_the_drafter_stays_eager(tiny_target, monkeypatch):
     monkeypatch.setattr(compile_module.torch, "compile", _failing_compile)
-    monkeypatch.setattr(AheadOfTimeForward, "covers", staticmethod(lambda ctx: False))  # torch.compile's path only
-    drafter = build_drafter("hspec", tiny_target, random_weights=True, compiled=True)
+    drafter = build_drafter("hspec", tiny_target, random_weights=True)
+    compile_drafter(drafter, ahead_of_time=False)  # torch.compile's path only
     block, greedy = drafter.block_logits, drafter.draft_greedy
     assert all(isinstance(w, CompiledForward) and w.is_compiled for w in (block, greedy))
     plain = _greedy(tiny_target, create_drafter("none", tiny_target.config), K=1)

@@ -155,13 +155,10 @@ def test_create_drafter_needs_the_target_model_for_trained_kinds(tiny_target):
     assert create_drafter("ngram", tiny_target.config, target_model=tiny_target.model).kind == "ngram"
 
 
-def test_pruned_vocab_head_tries_packing_once_per_refresh(monkeypatch):
+def test_pruned_vocab_head_tries_packing_once_per_refresh():
     """Drafting calls the head every step: a weight that cannot be packed must not be re-tried each call."""
-    from hspec.drafters import heads
-
     calls = []
-    monkeypatch.setattr(heads, "pack_weight", lambda rows: calls.append(rows.shape) or None)
-    head = PrunedVocabHead(12, 5)
+    head = PrunedVocabHead(12, 5, pack=lambda rows: calls.append(rows.shape) or None)
     head.attach(torch.randn(12, 4).bfloat16())
     hidden = torch.randn(1, 3, 4).bfloat16()
     first = head(hidden)

@@ -84,16 +84,17 @@ def test_a_bf16_target_runs_in_bf16_with_its_kv_in_float32_on_the_cpu(tiny_dirs)
     assert all(0 <= t < target.config.vocab_size for t in sampled.sequences[0].token_ids)
 
 
-def test_load_target_takes_a_dtype_name(monkeypatch, tiny_dirs):
+def test_load_target_takes_a_dtype_name(tiny_dirs):
     """The commands pass `--dtype` names straight to load_target (auto resolved for this machine)."""
-    from hspec.models import loading
+    from functools import partial
 
-    monkeypatch.setattr(loading, "resolve_target_dir", lambda name: ("tiny", tiny_dirs["llama"]))
-    monkeypatch.setattr(loading.ChatTokenizer, "from_directory", classmethod(lambda cls, d, c: None))
-    assert loading.load_target("tiny", dtype="bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16
-    assert loading.load_target("tiny", dtype="auto").model.embed_tokens.weight.dtype == resolve_dtype("auto")
+    from hspec.models.loading import load_target
+
+    load = partial(load_target, str(tiny_dirs["llama"]), tokenizer=lambda directory, config: None)  # no HF files
+    assert load(dtype="bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16
+    assert load(dtype="auto").model.embed_tokens.weight.dtype == resolve_dtype("auto")
     with pytest.raises(ValueError, match="float16x"):
-        loading.load_target("tiny", dtype="float16x")
+        load(dtype="float16x")
 
 
 def test_drafter_precision_auto_is_int8_under_a_bf16_int8_or_int4_target_on_a_cpu_only():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from hspec.eval.runner import render_markdown, summarize
@@ -117,6 +119,21 @@ def _tiny_eval_setup(tmp_path, tiny_target, monkeypatch):
     return dataclasses.replace(tiny_target, tokenizer=ChatStub(tiny_target.tokenizer))
 
 
+def _counting_decoder(calls: list, interrupt_at: int | None = None):
+    """A SpeculativeDecoder that records each prompt it decodes in `calls` and raises KeyboardInterrupt on
+    call number `interrupt_at` (a kill mid-run)."""
+    from hspec.decoding.generate import SpeculativeDecoder
+
+    class Counting(SpeculativeDecoder):
+        def generate(self, prompts, *args, **kwargs):
+            calls.append(prompts[0])
+            if len(calls) == interrupt_at:
+                raise KeyboardInterrupt
+            return super().generate(prompts, *args, **kwargs)
+
+    return Counting
+
+
 def test_run_eval_sweeps_K_on_a_tiny_target(tmp_path, tiny_target, monkeypatch):
     """Plain decoding once per turn, n-gram once per K; greedy outputs are checked equal inside."""
     from hspec.eval.runner import MethodSpec, run_eval
@@ -144,11 +161,8 @@ def test_run_eval_reports_the_share_of_steps_prompt_lookup_drafted(tmp_path, tin
     from hspec.sampling import SamplingParams
 
     target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
-    monkeypatch.setattr(runner, "build_drafter",
-                        lambda kind, target, path=None, **kw: build_drafter(kind, target, path, random_weights=True,
-                                                                            **kw))
     payload = runner.run_eval("tiny", [runner.MethodSpec("hspec+ngram")], ["mt_bench"], 2, 3, SamplingParams(), 24,
-                              tmp_path, "lookup", target=target)
+                              tmp_path, "lookup", target=target, build=partial(build_drafter, random_weights=True))
     rows = [r for r in payload["records"] if r["method"] == "hspec+ngram"]
     assert len(rows) == 4 and all(0 <= r["lookup_steps"] <= len(r["num_accepted"]) for r in rows)
     assert sum(r["lookup_steps"] for r in rows) > 0  # the tiny target repeats itself within 24 tokens
@@ -194,14 +208,12 @@ def test_run_eval_takes_every_trained_kind_greedy_and_sampled(tmp_path, tiny_tar
     from hspec.sampling import SamplingParams
 
     target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
-    monkeypatch.setattr(runner, "build_drafter",
-                        lambda kind, target, path=None, **kw: build_drafter(kind, target, path, random_weights=True,
-                                                                            **kw))
     kinds = [k for k in DRAFTERS.names() if DRAFTERS.get(k).needs_target_model]
     assert {"hspec", "dflash2", "dels", "dfly", "specblock"} <= set(kinds)
     methods = [runner.MethodSpec(k) for k in kinds]
     for name, sampling in (("greedy", SamplingParams()), ("t1", SamplingParams(temperature=1.0))):
-        payload = runner.run_eval("tiny", methods, ["mt_bench"], 1, 3, sampling, 8, tmp_path, name, target=target)
+        payload = runner.run_eval("tiny", methods, ["mt_bench"], 1, 3, sampling, 8, tmp_path, name, target=target,
+                                  build=partial(build_drafter, random_weights=True))
         done = {r["method"] for r in payload["records"]}
         assert done == {"none", *kinds}, name
 
@@ -209,33 +221,20 @@ def test_run_eval_takes_every_trained_kind_greedy_and_sampled(tmp_path, tiny_tar
 def test_a_killed_eval_resumes_with_its_first_unfinished_item(tmp_path, tiny_target, monkeypatch):
     """Finished items survive a crash in `<stem>.partial.jsonl`; the rerun decodes only the others, reports
     what an uninterrupted run reports, deletes the log, and refuses a log made with other settings."""
-    from hspec.decoding.generate import SpeculativeDecoder
     from hspec.eval.runner import MethodSpec, run_eval
     from hspec.sampling import SamplingParams
 
     target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
     calls = []
-    generate = SpeculativeDecoder.generate
-
-    def crash_on_the_second_item(self, prompts, *args, **kwargs):  # 2 methods x 2 turns per item, + warm-up
-        calls.append(prompts[0])
-        if len(calls) == 2 + 4 + 1:
-            raise KeyboardInterrupt
-        return generate(self, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(SpeculativeDecoder, "generate", crash_on_the_second_item)
     args = ("tiny", [MethodSpec("ngram")], ["mt_bench"], 3, 3, SamplingParams(), 12, tmp_path)
-    with pytest.raises(KeyboardInterrupt):
-        run_eval(*args, "resumed", target=target)
+    with pytest.raises(KeyboardInterrupt):  # 2 methods x 2 turns per item, + warm-up: killed in the second item
+        run_eval(*args, "resumed", target=target, decoder=_counting_decoder(calls, interrupt_at=2 + 4 + 1))
     log = tmp_path / "resumed.partial.jsonl"
     assert len(log.read_text().splitlines()) == 2  # the settings, then the one finished item
     with pytest.raises(ValueError, match="settings that differ: max_new_tokens"):
         run_eval(*args[:6], 16, tmp_path, "resumed", target=target)
-    monkeypatch.setattr(SpeculativeDecoder, "generate", generate)
     calls.clear()
-    monkeypatch.setattr(SpeculativeDecoder, "generate",
-                        lambda self, prompts, *a, **kw: calls.append(prompts[0]) or generate(self, prompts, *a, **kw))
-    resumed = run_eval(*args, "resumed", target=target)
+    resumed = run_eval(*args, "resumed", target=target, decoder=_counting_decoder(calls))
     assert len(calls) == 2 + 2 * 4  # the warm-ups and items 1 and 2 only
     assert not log.exists() and "commits" not in resumed["provenance"]
     whole = run_eval(*args, "whole", target=target)
@@ -271,7 +270,6 @@ def test_a_report_names_the_weights_it_evaluated_and_keep_current_keeps_it_only_
     the old weights is refused rather than mixed with the new ones."""
     import torch
 
-    from hspec.decoding.generate import SpeculativeDecoder
     from hspec.drafters import create_drafter
     from hspec.drafters.checkpoint import checkpoint_digest, save_drafter
     from hspec.eval.runner import MethodSpec, run_eval
@@ -293,21 +291,14 @@ def test_a_report_names_the_weights_it_evaluated_and_keep_current_keeps_it_only_
     first = run_eval(*args, "e", target=target)
     digest = checkpoint_digest(checkpoint)
     assert first["provenance"]["settings"]["checkpoints"] == {"hspec@run": digest}
-    generate = SpeculativeDecoder.generate
     calls = []
-
-    def counted(self, prompts, *a, **kw):
-        calls.append(prompts[0])
-        if len(calls) == 2 + 4 + 1:  # warm-ups, item 1 (2 methods x 2 turns), then the first call of item 2
-            raise KeyboardInterrupt
-        return generate(self, prompts, *a, **kw)
-
-    monkeypatch.setattr(SpeculativeDecoder, "generate", counted)
-    assert run_eval(*args, "e", target=target, keep_current=True) == first and calls == []
+    # warm-ups, item 1 (2 methods x 2 turns), then the first call of item 2
+    counted = _counting_decoder(calls, interrupt_at=2 + 4 + 1)
+    assert run_eval(*args, "e", target=target, keep_current=True, decoder=counted) == first and calls == []
     train(1)
     assert checkpoint_digest(checkpoint) != digest
     with pytest.raises(KeyboardInterrupt):  # retrained: decoded again, and cut short in its second item
-        run_eval(*args, "e", target=target, keep_current=True)
+        run_eval(*args, "e", target=target, keep_current=True, decoder=counted)
     train(0)  # other weights in place than the half-finished log's (the retrained ones): it is refused
     with pytest.raises(ValueError, match="settings that differ: checkpoints"):
         run_eval(*args, "e", target=target)
@@ -321,23 +312,23 @@ def test_decoding_options_reach_the_drafter_and_the_reports_settings(tmp_path, t
     from hspec.drafters import create_drafter
     from hspec.drafters.checkpoint import save_drafter
     from hspec.eval import runner
+    from hspec.runtime import build_drafter
     from hspec.sampling import SamplingParams
 
     target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
     save_drafter(create_drafter("specblock", target.config, target_model=target.model), tmp_path / "sb" / "drafter",
                  "tiny")
     built = []
-    build = runner.build_drafter
 
     def recording(kind, *args, **kwargs):
-        drafter = build(kind, *args, **kwargs)
+        drafter = build_drafter(kind, *args, **kwargs)
         built.append((kind, getattr(drafter, "config", None)))
         return drafter
 
-    monkeypatch.setattr(runner, "build_drafter", recording)
     methods = [runner.MethodSpec("specblock", str(tmp_path / "sb" / "drafter")), runner.MethodSpec("ngram")]
     payload = runner.run_eval("tiny", methods, ["mt_bench"], 1, 3, SamplingParams(), 8, tmp_path / "out", "e",
-                              target=target, drafter_options={"specblock": {"node_budget": 5, "adapt_tree": False}})
+                              target=target, drafter_options={"specblock": {"node_budget": 5, "adapt_tree": False}},
+                              build=recording)
     assert payload["provenance"]["settings"]["drafter_options"] == {"specblock@sb": {"node_budget": 5,
                                                                                    "adapt_tree": False}}
     (config,) = [c for kind, c in built if kind == "specblock"]

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from hspec.drafters import create_drafter
-from hspec.training import run as train_run
 from hspec.training.precision import precision_context, resolve_precision
 from hspec.training.precision_bench import compare_precisions
 from hspec.training.trainer import TrainConfig, Trainer
@@ -81,10 +80,13 @@ def _config_record(run_dir):
     return json.loads((run_dir / "history.jsonl").read_text().split("\n")[0])
 
 
-def test_the_run_records_its_resolved_precision_and_resume_keeps_it(tmp_path, train_tiny, monkeypatch, capsys):
-    monkeypatch.setattr(train_run, "resolve_precision", lambda name, device: "fp32")  # a CPU without bf16
+WITHOUT_BF16 = frozenset({"avx2", "fma"})  # an AVX2 CPU: bf16 emulated
+WITH_BF16 = frozenset({"avx2", "fma", "avx512_bf16"})  # bf16 dot products in hardware
+
+
+def test_the_run_records_its_resolved_precision_and_resume_keeps_it(tmp_path, train_tiny, capsys):
     auto = tmp_path / "auto"
-    train_tiny(auto, precision="auto")
+    train_tiny(auto, precision="auto", cpu_flags=WITHOUT_BF16)
     assert _config_record(auto)["settings"]["precision"] == "fp32" and _config_record(auto)["precision"] == "fp32"
 
     run = tmp_path / "run"
@@ -93,7 +95,8 @@ def test_the_run_records_its_resolved_precision_and_resume_keeps_it(tmp_path, tr
     with pytest.raises(ValueError, match=r"changed: --precision bf16-autocast -> fp32\. .*--override"):
         train_tiny(run, precision="fp32")
     capsys.readouterr()
-    train_tiny(run, precision="auto", steps=4, override=True)  # auto keeps the recorded bf16, on any machine
+    # auto keeps the recorded bf16, on any machine
+    train_tiny(run, precision="auto", steps=4, override=True, cpu_flags=WITHOUT_BF16)
     out = capsys.readouterr().out
     assert "precision bf16-autocast" in out and "--precision" not in out
     train_tiny(run, precision="fp32", steps=4, override=True)
@@ -101,15 +104,14 @@ def test_the_run_records_its_resolved_precision_and_resume_keeps_it(tmp_path, tr
     assert records[-1] == {"event": "override", "step": 4, "changed": {"precision": ["bf16-autocast", "fp32"]}}
 
 
-def test_a_run_recorded_before_precisions_existed_resumes_as_fp32(tmp_path, train_tiny, monkeypatch):
-    monkeypatch.setattr(train_run, "resolve_precision", lambda name, device: "bf16-autocast")  # a CPU with bf16
+def test_a_run_recorded_before_precisions_existed_resumes_as_fp32(tmp_path, train_tiny):
     run = tmp_path / "run"
     train_tiny(run, precision="fp32")
     lines = (run / "history.jsonl").read_text().split("\n")
     config = json.loads(lines[0])
     del config["precision"], config["settings"]["precision"]
     (run / "history.jsonl").write_text("\n".join([json.dumps(config), *lines[1:]]))
-    train_tiny(run, precision="auto")  # auto resolves to the fp32 it trained in, not this machine's bf16
+    train_tiny(run, precision="auto", cpu_flags=WITH_BF16)  # the fp32 it trained in, not this CPU's bf16
     with pytest.raises(ValueError, match=r"--precision fp32 -> bf16-autocast"):
         train_tiny(run, precision="bf16-autocast")
 

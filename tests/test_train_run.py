@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,54 +241,53 @@ def test_resume_of_a_run_recorded_before_settings_were(tmp_path, train_tiny):
         train_tiny(run, steps=3)
 
 
-def test_a_signal_stops_after_the_step_with_its_state_saved_and_the_rerun_resumes(tmp_path, train_tiny,
-                                                                                 monkeypatch, capsys):
+def test_a_signal_stops_after_the_step_with_its_state_saved_and_the_rerun_resumes(tmp_path, train_tiny, capsys):
     import os
     import signal
 
-    from hspec.training.trainer import Trainer
-
     run = tmp_path / "run"
-    step_once = Trainer.train_step
 
-    def step_then_sigterm(self, step):
-        log = step_once(self, step)
-        if step == 2:  # a SIGTERM arrives during step 3 of 5 (after the periodic save at step 2)
+    def sigterm_during_step_3(steps_done):  # of 5, after the periodic save at step 2
+        if steps_done == 3:
             os.kill(os.getpid(), signal.SIGTERM)
-        return log
 
-    monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as stopped:
-        train_tiny(run, steps=5)
+        train_tiny(run, steps=5, on_step=sigterm_during_step_3)
     assert stopped.value.code == 128 + signal.SIGTERM
     printed = capsys.readouterr()
     assert "stopped after step 3 with its state saved" in printed.out + printed.err
     assert sorted(p.name for p in (run / "state").iterdir())[-1] == "step-000000003"
     assert not (run / "drafter").exists()
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is handed back
-    monkeypatch.setattr(Trainer, "train_step", step_once)
     train_tiny(run, steps=5)
     assert "resuming hspec at step 3/5" in capsys.readouterr().out
     assert (run / "drafter" / "config.json").exists()
 
 
-def test_the_state_is_also_saved_once_the_save_interval_has_passed(tmp_path, tiny_target, feature_dir, monkeypatch):
+def _save_watcher(state: Path, saved: list[int]):
+    """An `on_step` hook noting the step of each training state saved under `state`: a step's update comes
+    before its save, so a save is seen at the next step (the last one's by calling the hook once more)."""
+    from hspec.training.checkpoint import training_states
+
+    def note(steps_done: int) -> None:
+        latest = training_states(state)[-1:]
+        if latest and int(latest[0].name.removeprefix("step-")) not in saved:
+            saved.append(int(latest[0].name.removeprefix("step-")))
+
+    return note
+
+
+def test_the_state_is_also_saved_once_the_save_interval_has_passed(tmp_path, tiny_target, feature_dir):
     """Between validations the state is saved when `save_minutes` have passed (a machine lost without a
     signal then costs at most that much), and not otherwise."""
-    saved_steps = []
-    save = train_run.save_training_state
-
-    def recording_save(directory, drafter, optimizer, step, extra=None):
-        saved_steps.append(step)
-        return save(directory, drafter, optimizer, step, extra)
-
-    monkeypatch.setattr(train_run, "save_training_state", recording_save)
     config = TrainConfig(steps=4, seqs_per_step=2, anchors_per_seq=2)
     for minutes, expected in ((0.0, [1, 2, 3, 4]), (60.0, [4])):
-        saved_steps.clear()
+        saved_steps: list[int] = []
+        watch = _save_watcher(tmp_path / f"run{minutes}" / "state", saved_steps)
         train_run.train("hspec", "tiny", [feature_dir], tmp_path / f"run{minutes}", config, val_every=100,
-                        draft_vocab_size=20, target=tiny_target, save_minutes=minutes)
+                        draft_vocab_size=20, target=tiny_target, save_minutes=minutes, on_step=watch)
+        watch(config.steps)
         assert saved_steps == expected
     with pytest.raises(ValueError, match="save_minutes must be >= 0, got -1"):
         train_run.train("hspec", "tiny", [feature_dir], tmp_path / "bad", config, target=tiny_target, save_minutes=-1)

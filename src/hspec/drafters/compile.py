@@ -46,11 +46,12 @@ class CompiledForward:
     export cannot trace) it warns once and every later call takes torch.compile's path; where that fails where
     the eager method succeeds (a compile failure), it warns once and the eager method takes over for good."""
 
-    def __init__(self, drafter: NeuralDrafter, name: str) -> None:
+    def __init__(self, drafter: NeuralDrafter, name: str, ahead_of_time: bool = True) -> None:
         self.kind, self.name = drafter.kind, name
         self.eager: Callable[..., object] = getattr(drafter, name)
         self.compiled: Callable[..., object] | None = torch.compile(self.eager, dynamic=True)
-        self.ahead_of_time: AheadOfTimeForward | None = AheadOfTimeForward(drafter, name)
+        # None: every call takes torch.compile's path (asked for, or the ahead-of-time path failed)
+        self.ahead_of_time: AheadOfTimeForward | None = AheadOfTimeForward(drafter, name) if ahead_of_time else None
 
     @property
     def is_compiled(self) -> bool:
@@ -80,14 +81,14 @@ class CompiledForward:
             return result
 
 
-def compile_drafter(drafter: NeuralDrafter) -> dict[str, CompiledForward]:
+def compile_drafter(drafter: NeuralDrafter, ahead_of_time: bool = True) -> dict[str, CompiledForward]:
     """Route `drafter`'s `COMPILED_METHODS` through torch.compile, or for one CPU sequence an AOTInductor library
-    (in place, once); returns the wrappers."""
+    unless `ahead_of_time` is False (in place, once); returns the wrappers."""
     wrappers = {}
     for name in COMPILED_METHODS:
         method = getattr(drafter, name)
         if not isinstance(method, CompiledForward):
-            method = CompiledForward(drafter, name)
+            method = CompiledForward(drafter, name, ahead_of_time)
             setattr(drafter, name, method)  # the instance's attribute, not the class's
         wrappers[name] = method
     return wrappers

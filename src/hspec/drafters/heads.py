@@ -6,6 +6,8 @@ Vp pruned vocab, r Markov rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,9 +34,11 @@ class PrunedVocabHead(nn.Module):
     (docs/fast-path.md#int8-drafter).
     """
 
-    def __init__(self, vocab_size: int, draft_vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, draft_vocab_size: int,
+                 pack: Callable[[torch.Tensor], torch.Tensor | None] = pack_weight) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.pack = pack  # (Vp, H) rows -> their oneDNN-packed copy, or None where packing would not pay
         self.register_buffer("draft_vocab_ids", torch.arange(draft_vocab_size))  # (Vp,) long
         self._weight: torch.Tensor | None = None  # (V, H) the target's head, detached, not registered
         self._rows: torch.Tensor | None = None  # (Vp, H) cached restricted rows
@@ -97,7 +101,7 @@ class PrunedVocabHead(nn.Module):
             rows, scale, packed = self._int8
             return rows, scale, packed
         if not self._pack_tried and not torch.compiler.is_compiling():
-            self._packed, self._pack_tried = pack_weight(self._rows), True
+            self._packed, self._pack_tried = self.pack(self._rows), True
         return self._rows, None, self._packed
 
     def to_full(self, probs: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
+from hspec.drafters.base import Drafter
 from hspec.drafters.checkpoint import checkpoint_digest
 from hspec.drafters.cost_aware import CostAwareDrafter
 from hspec.drafters.step_cost import StepCost
@@ -42,6 +43,8 @@ WARM_UP_TOKENS = 8  # untimed tokens each method decodes before the timed items
 # Claims tested on an evaluation's records at draft length K, each a dict `render_findings` reads: claim,
 # comparison, metric, ci (estimate, low, high), prompts, verdict.
 FindingsRule = Callable[[Sequence[dict[str, Any]], int], list[dict[str, Any]]]
+# Makes a method's drafter: (kind, target, checkpoint path or None, **how) as `hspec.runtime.build_drafter`.
+DrafterBuilder = Callable[..., Drafter]
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,9 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
              dtype: str = "auto", target: Target | None = None, compile_drafters: bool = False,
              drafter_precision: str = "auto", keep_current: bool = False,
              drafter_options: Mapping[str, Mapping[str, Any]] | None = None,
-             step_cost: StepCost | None = None, findings: FindingsRule | None = None) -> dict[str, Any]:
+             step_cost: StepCost | None = None, findings: FindingsRule | None = None,
+             build: DrafterBuilder = build_drafter, decoder: type[SpeculativeDecoder] = SpeculativeDecoder
+             ) -> dict[str, Any]:
     """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
 
     Every method first decodes WARM_UP_TOKENS untimed (first-call dispatch, and with `compile_drafters`
@@ -82,6 +87,9 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     every item, labelled "<method> k=<K>"; plain decoding runs once per item.
 
     `findings`: claims the summary tests on the records (`summarize`).
+    `build` makes each method's drafter, called as `hspec.runtime.build_drafter` is (the default; e.g. with
+    `random_weights=True` bound, untrained drafters), and `decoder` is the class each method decodes with
+    (a subclass may watch or interrupt its `generate` calls).
 
     The settings record each given checkpoint's digest (`checkpoint_digest`), so a retrained drafter is
     never mixed with items of its earlier weights. `keep_current`: where `<out_dir>/<stem>.json` was made
@@ -108,9 +116,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     options = {m.label: dict((drafter_options or {}).get(m.kind, {})) for m in specs}
     if any(options.values()):
         settings["drafter_options"] = {label: opts for label, opts in options.items() if opts}
-    drafters = {m.label: build_drafter(m.kind, target, m.path, compiled=compile_drafters,
-                                          precision=drafter_precision, options=options[m.label], K=max(ks),
-                                          step_cost=step_cost)
+    drafters = {m.label: build(m.kind, target, m.path, compiled=compile_drafters, precision=drafter_precision,
+                               options=options[m.label], K=max(ks), step_cost=step_cost)
                 for m in specs}
     costs = {label: d.cost.to_dict() for label, d in drafters.items() if isinstance(d, CostAwareDrafter)}
     if costs:  # `:auto` drafters: the step costs their lengths were chosen by (measured here or given)
@@ -127,7 +134,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     for m in specs:
         for k in ([ks[0]] if m.kind == "none" else ks):
             label = m.label if (len(ks) == 1 or m.kind == "none") else sweep_label(m.label, k)
-            runs[label] = (SpeculativeDecoder(target.model, drafters[m.label], k, target.tokenizer.eos_token_ids), k)
+            runs[label] = (decoder(target.model, drafters[m.label], k, target.tokenizer.eos_token_ids), k)
     warm_up = target.tokenizer.encode_chat([{"role": "user", "content": tasks[0].items[0].turns[0]}])
     for dec, _ in runs.values():
         dec.generate([warm_up], sampling, WARM_UP_TOKENS, seeds=[seed])

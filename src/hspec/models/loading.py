@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,20 +78,23 @@ def resolve_target_dir(name_or_path: str | None) -> tuple[str, Path]:
 
 
 def load_target(name_or_path: str | None = None, dtype: str | torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", native: bool = True) -> Target:
+                device: torch.device | str = "cpu", native: bool = True,
+                tokenizer: Callable[[Path, TargetConfig], ChatTokenizer] | None = None) -> Target:
     """Load the target's weights, config and tokenizer; errors name the bad file and what was expected.
 
     `dtype` is a torch dtype or a `--dtype` name (auto, fastest, float32, bfloat16, int8, int4, w4a8; see
     `models.dtype`): the weights, the KV pools the model makes and the drafters built on it all run in it.
     The library default stays float32 (training and cached features); the inference commands default to
-    auto, the demo to fastest (`fastest_dtype`). `native`: as in `build_model`.
+    auto, the demo to fastest (`fastest_dtype`). `native`: as in `build_model`. `tokenizer` reads the
+    tokenizer from the checkpoint directory and config (default `ChatTokenizer.from_directory`).
     """
+    tokenizer = ChatTokenizer.from_directory if tokenizer is None else tokenizer
     if dtype == FASTEST:
         dtype = fastest_dtype(device)
     name, directory = resolve_target_dir(name_or_path)
     config = read_config(directory)
     model = build_model(config, read_state_dict(directory), dtype, device, native)
-    return Target(name, directory, config, model, ChatTokenizer.from_directory(directory, config))
+    return Target(name, directory, config, model, tokenizer(directory, config))
 
 
 def fastest_dtype(device: torch.device | str = "cpu") -> str:

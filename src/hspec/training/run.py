@@ -17,7 +17,8 @@ import json
 import os
 import time
 import zlib
-from dataclasses import asdict, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +71,42 @@ def build_features(target_name: str, corpus_path: Path, out_dir: Path, max_seque
     return out_dir
 
 
+@dataclass
+class TrainingRun:
+    """A run set up to take its steps (`set_up_run`): what the step loop and the final save read."""
+
+    kind: str
+    run_dir: Path
+    config: TrainConfig  # its precision resolved
+    target: Target
+    drafter: NeuralDrafter
+    trainer: Trainer
+    val_ids: list[int]  # held-out sequences, validated on every `val_every` steps
+    start: int  # the first step to take: 0, or the step its saved state resumes at
+    rank: int  # this process's rank among `world` (data-parallel under torchrun)
+    world: int
+
+    @property
+    def history(self) -> Path:
+        return self.run_dir / "history.jsonl"
+
+
+# Called after each step's update with the steps done so far, before the step is logged, validated or saved:
+# a caller's progress display, or a test's signal arriving during the step.
+StepHook = Callable[[int], None]
+
+
 def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path, config: TrainConfig,
           log_every: int = 10, val_every: int = 100, val_sequences: int = 24,
           draft_vocab_size: int | None = None, init_from: Path | None = None,
           corpora: list[Path] | None = None, device: str = "cpu", override: bool = False,
           target: Target | None = None, save_minutes: float = 10.0,
-          drafter_options: dict[str, Any] | None = None) -> Path:
+          drafter_options: dict[str, Any] | None = None, cpu_flags: frozenset[str] | None = None,
+          on_step: StepHook | None = None) -> Path:
     """Train `kind` on the cached features; resumable; returns the saved drafter directory.
 
+    Three stages: `set_up_run` (the resume check, the target, features, drafter and trainer), `take_steps`
+    (the recipe's steps, logged, validated and saved) and `save_run` (the final drafter).
     `corpora` (generated JSONL files) replaces `features_dirs`: the target then computes each
     sequence's features when a step needs them (`OnlineFeatures`), which on a GPU beats a cache.
     `device` is where the target, the drafter and the features live ('auto', 'cpu', 'cuda', 'cuda:N').
@@ -88,15 +117,33 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     `drafters.base.parse_config_options`); a drafter from `init_from` keeps its own, so both raise.
     Resuming `run_dir` with settings other than the recorded ones raises ValueError listing them, unless
     `override` is True (the change is then logged in the history and the new settings apply).
-    `config.precision` 'auto' resolves for `device` (training/precision.py), or on a resume to the precision
-    the run recorded, so that moving a run to other hardware does not switch it.
+    `config.precision` 'auto' resolves for `device` and the CPU's feature flags `cpu_flags` (default: this
+    machine's; training/precision.py), or on a resume to the precision the run recorded, so that moving a
+    run to other hardware does not switch it.
     `target` is the target `target_name` names, already loaded on `device`; None loads it (after the
     resume check, so a refused rerun loads nothing).
     The training state is saved at every validation, on SIGINT/SIGTERM, and once `save_minutes` have
     passed since the last save, so a machine lost without a signal costs at most that much training.
+    `on_step` is called after every step (`StepHook`).
     """
     if save_minutes < 0:
         raise ValueError(f"save_minutes must be >= 0, got {save_minutes}")
+    run = set_up_run(kind, target_name, features_dirs, run_dir, config, val_every, val_sequences, draft_vocab_size,
+                     init_from, corpora, device, override, target, drafter_options, cpu_flags)
+    if run is None:  # a rerun of a finished run writes nothing
+        return run_dir / "drafter"
+    take_steps(run, log_every, val_every, save_minutes, on_step)
+    return save_run(run)
+
+
+def set_up_run(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path, config: TrainConfig,
+               val_every: int = 100, val_sequences: int = 24, draft_vocab_size: int | None = None,
+               init_from: Path | None = None, corpora: list[Path] | None = None, device: str = "cpu",
+               override: bool = False, target: Target | None = None,
+               drafter_options: dict[str, Any] | None = None,
+               cpu_flags: frozenset[str] | None = None) -> TrainingRun | None:
+    """The run `train` takes its steps in (its arguments are `train`'s), resumed from `run_dir/state` when
+    there is one; None when `run_dir` already holds the finished run."""
     drafter_options = dict(drafter_options or {})
     if drafter_options and init_from is not None:
         raise ValueError(f"--drafter-option {sorted(drafter_options)} sets a fresh drafter's config; --init-from "
@@ -106,7 +153,8 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
     history = run_dir / "history.jsonl"
     if config.precision == "auto":
         recorded = recorded_settings(history) if (run_dir / "state").exists() else None
-        config = replace(config, precision=(recorded or {}).get("precision") or resolve_precision("auto", where))
+        config = replace(config, precision=(recorded or {}).get("precision")
+                         or resolve_precision("auto", where, cpu_flags))
     features = "online: " + ",".join(map(str, corpora)) if corpora else ",".join(map(str, features_dirs))
     settings = run_settings(kind, target_name, features, config, draft_vocab_size, init_from, val_every,
                             val_sequences, world, drafter_options)
@@ -120,10 +168,10 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
         raise ValueError(f"{run_dir} holds a run made with other settings; changed: {_describe(changes)}. Rerun "
                          f"with the recorded settings to resume, pass --override to continue with the new ones "
                          f"(recorded in {history}), or train into another --out")
-    if world == 1 and not changes and _finished(run_dir, config.steps):  # a rerun of a finished run writes nothing
+    if world == 1 and not changes and _finished(run_dir, config.steps):
         print(f"[train] {run_dir} has finished its {config.steps} steps; its drafter is {run_dir / 'drafter'}",
               flush=True)
-        return run_dir / "drafter"
+        return None
     torch.manual_seed(config.seed)
     if target is None:
         target = load_target(target_name, device=where)
@@ -167,38 +215,54 @@ def train(kind: str, target_name: str, features_dirs: list[Path], run_dir: Path,
                                        "init_from": None if init_from is None else str(init_from),
                                        "features": features, "device": str(where),
                                        "world_size": world, **asdict(config), "settings": settings}])
-    bar = tqdm(total=config.steps, initial=start, desc=f"train {kind}", unit="step", disable=rank != 0)
+    return TrainingRun(kind, run_dir, config, target, drafter, trainer, val_ids, start, rank, world)
+
+
+def take_steps(run: TrainingRun, log_every: int = 10, val_every: int = 100, save_minutes: float = 10.0,
+               on_step: StepHook | None = None) -> None:
+    """The recipe's steps from `run.start` on: each logged every `log_every` steps, validated every `val_every`,
+    the state saved at each validation, once `save_minutes` have passed since the last save, and on
+    SIGINT/SIGTERM, after which the process exits (128 + the signal) for a rerun to resume."""
+    config, trainer, history = run.config, run.trainer, run.history
+    bar = tqdm(total=config.steps, initial=run.start, desc=f"train {run.kind}", unit="step", disable=run.rank != 0)
     last_save = time.monotonic()
     with StopRequest() as stop:
-        for step in range(start, config.steps):
+        for step in range(run.start, config.steps):
             log = trainer.train_step(step)
+            if on_step is not None:
+                on_step(step + 1)
             bar.update(1)
             bar.set_postfix(loss=f"{log.loss:.3f}", lr=f"{log.lr:.1e}")
             last = step + 1 == config.steps
-            if rank == 0 and (step % log_every == 0 or last):
+            if run.rank == 0 and (step % log_every == 0 or last):
                 append_record(history, {"event": "step", **asdict(log)})
-            if rank == 0 and val_ids and ((step + 1) % val_every == 0 or last):
-                stats = trainer.validate(val_ids)
-                in_order = trainer.validate_in_decode_order(val_ids)
+            if run.rank == 0 and run.val_ids and ((step + 1) % val_every == 0 or last):
+                stats = trainer.validate(run.val_ids)
+                in_order = trainer.validate_in_decode_order(run.val_ids)
                 append_record(history, {"event": "validation", "step": step + 1, **stats.to_dict(),
                                   "decode_order": in_order.to_dict()})
                 bar.write(f"[train] step {step + 1}: validation tau {stats.mean_accepted_length:.2f} "
                           f"(in decode order {in_order.mean_accepted_length:.2f}), "
                           f"acceptance {[round(a, 2) for a in stats.acceptance_by_position]}")
             due = time.monotonic() - last_save >= 60 * save_minutes
-            if rank == 0 and ((step + 1) % val_every == 0 or last or stop.requested or due):
-                save_training_state(run_dir / "state", drafter, trainer.optimizer, step + 1, {"kind": kind})
+            if run.rank == 0 and ((step + 1) % val_every == 0 or last or stop.requested or due):
+                save_training_state(run.run_dir / "state", run.drafter, trainer.optimizer, step + 1,
+                                    {"kind": run.kind})
                 last_save = time.monotonic()
             if stop.requested and not last:
                 bar.write(f"[train] signal {stop.signal_number}: stopped after step {step + 1} with its state "
-                          f"saved in {run_dir / 'state'}; rerun the same command to resume")
+                          f"saved in {run.run_dir / 'state'}; rerun the same command to resume")
                 raise SystemExit(128 + stop.signal_number)  # type: ignore[operator]
     bar.close()
-    out = run_dir / "drafter"
-    if rank == 0:
-        save_drafter(drafter, out, verifier_name_or_path=target.name,
-                     verifier_architectures=[target.config.architecture])
-    if world > 1:
+
+
+def save_run(run: TrainingRun) -> Path:
+    """The trained drafter saved in `run_dir/drafter` (by rank 0; every rank then leaves the process group)."""
+    out = run.run_dir / "drafter"
+    if run.rank == 0:
+        save_drafter(run.drafter, out, verifier_name_or_path=run.target.name,
+                     verifier_architectures=[run.target.config.architecture])
+    if run.world > 1:
         dist.barrier()
         dist.destroy_process_group()
     return out
