@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--contexts", default="256,2048", help="comma-separated context lengths S")
     parser.add_argument("--K", type=int, default=7, help="drafted tokens: a verify is K + 1 tokens")
     parser.add_argument("--repeats", type=int, default=20, help="interleaved rounds")
-    parser.add_argument("--llama-repeats", type=int, default=5, help="llama-bench -r")
+    parser.add_argument("--llama-repeats", type=int, default=5, help="llama-bench -r (0: no llama.cpp rows)")
     parser.add_argument("--out", default="results/attention_scaling")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -80,7 +80,7 @@ def main() -> int:
                    "wall_ms": summary(t["wall"]), "cpu_ms": summary(t["cpu"])} for (S, kind), t in times.items()]
     llama_rows, llama_build = [], None
     bin_dir = find_bin_dir()
-    if bin_dir is not None:
+    if bin_dir is not None and args.llama_repeats > 0:
         llama_build = build_id(bin_dir)
         for row in llama_bench(bin_dir, default_gguf_path(), 1, [], 64, [0, *contexts], args.llama_repeats):
             if row.get("n_gen", 0) > 0:
