@@ -1,4 +1,4 @@
-"""`hspec bench decode|serve|vllm|vllm-serve|draft`: the benchmarks that write results/*.json and *.md."""
+"""`hspec bench decode|serve|vllm|vllm-serve|draft|train`: the benchmarks that write results/*.json and *.md."""
 
 from __future__ import annotations
 
@@ -244,6 +244,56 @@ def run_bench_draft(args: argparse.Namespace) -> int:
                            drafter_precision=args.drafter_precision)
 
 
+def train_arguments(p: argparse.ArgumentParser) -> None:
+    add_target(p)
+    p.add_argument("--drafter", default="hspec", help="drafter kind to train (default hspec)")
+    p.add_argument("--features", default="runs/features/part1", help="feature cache dir(s), comma-separated")
+    p.add_argument("--corpus", default="results/train_data/corpus_part1.jsonl",
+                   help="corpus the first --features dir is built from when it does not exist yet")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="pruned draft vocabulary Vp (default 8192)")
+    p.add_argument("--seqs-per-step", default="4", help="axis: comma-separated sequences per step (default 4)")
+    p.add_argument("--anchors-per-seq", default="16", help="axis: comma-separated anchors per sequence (default 16)")
+    p.add_argument("--precision", default="bf16-autocast", help="axis: comma-separated fp32, bf16-autocast")
+    p.add_argument("--lr", default="6e-4", help="axis: comma-separated peak learning rates (default 6e-4)")
+    p.add_argument("--compile", default="off", help="axis: off, on or off,on: the step's forward and loss through "
+                                                    "torch.compile (compiled in the untimed round 0)")
+    p.add_argument("--blocks", type=int, default=2048, help="blocks each configuration trains (default 2048)")
+    p.add_argument("--round-blocks", type=int, default=None,
+                   help="blocks per interleaved round (default: one step of the largest configuration)")
+    p.add_argument("--val-sequences", type=int, default=8, help="held-out sequences validated on (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (default 1)")
+    p.add_argument("--device", default="auto", help="auto (a CUDA GPU when visible), cpu, cuda or cuda:N")
+    p.add_argument("--out", default="results/train_throughput", help="output directory")
+    p.add_argument("--name", default=None, help="stem of the result files (default train_throughput_<cpu|gpu>)")
+
+
+def run_bench_train(args: argparse.Namespace) -> int:
+    """Benchmark the trainer's configurations against each other (blocks/s and loss per block)."""
+    from pathlib import Path
+
+    import torch
+
+    from hspec.bench.train import bench_configs, run_train_bench
+    from hspec.training.precision import PRECISIONS
+
+    precisions, switches = names(args.precision), {"off": False, "on": True}
+    if not precisions or set(precisions) - set(PRECISIONS):
+        raise ValueError(f"--precision takes {', '.join(PRECISIONS)}, got {args.precision!r}")
+    if not names(args.compile) or set(names(args.compile)) - set(switches):
+        raise ValueError(f"--compile takes off, on or off,on, got {args.compile!r}")
+    torch.set_num_threads(args.threads)
+    configs = bench_configs(ints(args.seqs_per_step), ints(args.anchors_per_seq), precisions,
+                            [float(x) for x in names(args.lr)], [switches[x] for x in names(args.compile)])
+    name = args.name or f"train_throughput_{'gpu' if args.device != 'cpu' and torch.cuda.is_available() else 'cpu'}"
+    _, md = run_train_bench(args.target, args.drafter, [Path(f) for f in names(args.features)],
+                            Path(args.corpus) if args.corpus else None, configs, args.blocks, args.round_blocks,
+                            Path(args.out), name, args.command_line, args.draft_vocab, args.val_sequences,
+                            args.seed, args.device)
+    print(f"wrote {md}")
+    return 0
+
+
 BENCH_COMMANDS = (
     Command("decode", "plain decode per dtype vs transformers; verify cost vs K", decode_arguments, run_bench_decode,
             description="Interleaved plain-decode ms/token of this runtime in each --dtypes entry, of its float32 "
@@ -274,6 +324,12 @@ BENCH_COMMANDS = (
             description="Interleaved timing of one propose(K=7) per kind against the target's 8-token verify, for "
                         "several batch sizes and contexts (random drafter weights); writes "
                         "results/draft_cost_<device>.*"),
+    Command("train", "trainer throughput (blocks/s, ms/step) and loss per block, configurations interleaved",
+            train_arguments, run_bench_train,
+            description="Trains one drafter kind in every combination of the axes below from the same initial "
+                        "weights on the same number of blocks, in interleaved rounds (round 0 untimed); reports "
+                        "blocks/s, ms/step, the training loss by round, held-out loss and validation tau at the "
+                        "end (hspec/bench/train.py). Runs on a CUDA GPU under --device auto when one is visible."),
 )
 
 COMMANDS = (Command("bench", "benchmarks that write results/*.json and *.md", group(BENCH_COMMANDS, "bench")),)

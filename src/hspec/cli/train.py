@@ -119,6 +119,9 @@ def train_arguments(train: argparse.ArgumentParser) -> None:
                             "with native bf16 dot products (AVX512-BF16/AMX), else fp32 (measured: "
                             "results/train_precision_cpu.md); a resumed run keeps the precision it recorded "
                             "(default auto)")
+    train.add_argument("--compile-step", action="store_true",
+                       help="run each step's forward and loss through torch.compile (compiled on the first step: "
+                            "minutes on a CPU; results/train_throughput/ measures what it buys)")
     add_device(train)
 
 
@@ -126,12 +129,15 @@ def run_train(args: argparse.Namespace) -> int:
     """Train (or resume training) a drafter with the unified recipe."""
     from hspec.drafters import DRAFTERS
     from hspec.drafters.base import parse_config_options
+    from hspec.training.memory import retain_freed_memory
     from hspec.training.run import train as run_training
     from hspec.training.trainer import TrainConfig
 
+    retain_freed_memory()  # a step's large tensors reuse freed memory instead of faulting in fresh pages
     config = TrainConfig(steps=args.steps, lr=args.lr, seqs_per_step=args.seqs_per_step,
                          anchors_per_seq=args.anchors_per_seq, seed=args.seed,
-                         cod_keep=DRAFTERS.get(args.drafter).trains_with_cod, precision=args.precision)
+                         cod_keep=DRAFTERS.get(args.drafter).trains_with_cod, precision=args.precision,
+                         compile=args.compile_step)
     out = Path(args.out or f"runs/train/{args.drafter}")
     saved = run_training(args.drafter, args.target, paths(args.features), out,
                          config, val_every=args.val_every, draft_vocab_size=args.draft_vocab,

@@ -55,8 +55,8 @@ class BlockAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: KV | None,
                 context_mask: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
-        """x (N, T, in); cos/sin (N, T, D); context (k, v) each (N, S, Hkv, D) with context_mask (N, S),
-        or None for positions that see only each other.
+        """x (N, T, in); cos/sin (N, T, D); context (k, v) each (N, S, Hkv, D), or (G, S, Hkv, D) shared by
+        groups of rows (`attend_block`), with context_mask (N, S), or None for positions that see only each other.
 
         Returns the output (N, T, H) and the T positions' own (k, v), each (N, T, Hkv, D).
         """
@@ -70,7 +70,10 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  causal: bool) -> torch.Tensor:
     """Softmax attention of the block queries over [context keys ; block keys], with GQA.
 
-    q (N, K, Hq, D); k, v (N, K, Hkv, D); context (N, S, Hkv, D) x2 or None; context_mask (N, S) bool.
+    q (N, K, Hq, D); k, v (N, K, Hkv, D); context (G, S, Hkv, D) x2 or None; context_mask (N, S) bool.
+    G = N gives every row its own context; G < N (G dividing N) is training's grouped form: rows
+    n*N/G .. (n+1)*N/G - 1 share context n (blocks of one sequence), so a sequence's context products
+    are one matrix product for all its rows instead of one small product per row over a copied context.
     Scores against the context and the block are computed separately and share one softmax, so the
     context K/V are read where they are (a pool view) instead of being copied next to the block's.
     Returns (N, K, Hq * D).
@@ -88,8 +91,8 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if context is None:
         probs = torch.softmax(block_scores, dim=-1).to(v.dtype)
         out = probs @ v.transpose(1, 2)  # (N, Hkv, g*K, D)
-    else:  # the context may be in another dtype (a CPU target's float32 pool): its products are in its dtype
-        ck, cv = context
+    elif context[0].shape[0] == n:  # the context may be in another dtype (a CPU target's float32 pool): its
+        ck, cv = context  # products are in its dtype
         s = ck.shape[1]
         ctx_scores = (qg.to(ck.dtype) @ ck.permute(0, 2, 3, 1)).float() * scale  # (N, Hkv, g*K, S)
         if context_mask is not None:
@@ -97,6 +100,23 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         probs = torch.softmax(torch.cat([ctx_scores, block_scores], dim=-1), dim=-1)
         out = (probs[..., :s].to(cv.dtype) @ cv.transpose(1, 2)).to(v.dtype) \
             + probs[..., s:].to(v.dtype) @ v.transpose(1, 2)  # (N, Hkv, g*K, D)
+    else:  # grouped (docstring): the A = N/G rows of a group read its context in one product
+        ck, cv = context
+        groups, s = ck.shape[:2]
+        a = n // groups
+
+        def by_group(t: torch.Tensor) -> torch.Tensor:  # (N, Hkv, g*K, X) -> (G, Hkv, A*g*K, X)
+            return t.view(groups, a, hkv, g * K, -1).transpose(1, 2).reshape(groups, hkv, a * g * K, -1)
+
+        def by_row(t: torch.Tensor) -> torch.Tensor:  # (G, Hkv, A*g*K, X) -> (N, Hkv, g*K, X)
+            return t.view(groups, hkv, a, g * K, -1).transpose(1, 2).reshape(n, hkv, g * K, -1)
+
+        ctx_scores = by_row((by_group(qg).to(ck.dtype) @ ck.permute(0, 2, 3, 1)).float()) * scale  # (N, Hkv, g*K, S)
+        if context_mask is not None:
+            ctx_scores = ctx_scores.masked_fill(~context_mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(torch.cat([ctx_scores, block_scores], dim=-1), dim=-1)
+        ctx_out = by_row(by_group(probs[..., :s].to(cv.dtype)) @ cv.transpose(1, 2))  # (N, Hkv, g*K, D)
+        out = ctx_out.to(v.dtype) + probs[..., s:].to(v.dtype) @ v.transpose(1, 2)  # (N, Hkv, g*K, D)
     return out.view(n, hkv, g, K, d).permute(0, 3, 1, 2, 4).reshape(n, K, hq * d)
 
 

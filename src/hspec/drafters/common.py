@@ -91,6 +91,8 @@ class BlockContext:
     last_hidden: (N, n_sel, H) target hidden states of the selected layers at position p-1.
     context_kv: per attention module that reads context, (k, v) each (N, S, Hkv, D), K post-RoPE
         (views or expands allowed). Key index s need not equal its position: only the mask matters.
+        Training may pass (G, S, Hkv, D) with G dividing N instead: rows are G groups of N/G consecutive
+        rows, each group reading one context (the blocks of one sequence; `attend_block`).
     context_mask: (N, S) bool, True where key s is visible to row n (a position < p_n within the
         sliding window, and in row n's own sequence when sequences are packed).
     history: (N, W) long, the W tokens before x0 (-1 before the sequence start), for kinds whose head
@@ -114,9 +116,11 @@ class BlockContext:
         if self.context_mask.shape != (n, s):
             raise ValueError(f"context_mask must be ({n}, S), got {tuple(self.context_mask.shape)}")
         for i, (key, value) in enumerate(self.context_kv):
-            if key.shape[:2] != (n, s) or value.shape != key.shape:
-                raise ValueError(f"context_kv[{i}] must be ({n}, {s}, Hkv, D) twice, got "
-                                 f"{tuple(key.shape)} and {tuple(value.shape)}")
+            groups = key.shape[0]
+            grouped = key.dim() == 4 and (groups == n or (0 < groups and n % groups == 0))
+            if not grouped or key.shape[1] != s or value.shape != key.shape:
+                raise ValueError(f"context_kv[{i}] must be ({n}, {s}, Hkv, D) twice (or (G, {s}, Hkv, D), G "
+                                 f"dividing {n}), got {tuple(key.shape)} and {tuple(value.shape)}")
         if self.history is not None and (self.history.dim() != 2 or self.history.shape[0] != n):
             raise ValueError(f"history must be ({n}, W), got {tuple(self.history.shape)}")
 

@@ -71,12 +71,7 @@ class SequenceFeatures:
         """
         if self.target_lse is None or self.target_argmax is None:
             raise ValueError("these features lack the teacher's summary; call with_teacher(model) first")
-        distinct, where = torch.unique(positions, return_inverse=True)
-        h = self.final_hidden[distinct].to(head_rows.dtype)
-        with full_precision(h.device):
-            logits = F.linear(h, head_rows).float()  # (P, Vp)
-        probs = torch.exp(logits - self.target_lse[distinct, None])
-        return TeacherDistribution(probs[where], self.target_argmax[positions])
+        return teacher_at(self.final_hidden, self.target_lse, self.target_argmax, head_rows, positions)
 
 
 @dataclass(frozen=True)
@@ -85,6 +80,19 @@ class TeacherDistribution:
 
     on_vocab: torch.Tensor  # (..., Vp) fp32 probabilities of the draft-vocabulary tokens (they sum to <= 1)
     argmax: torch.Tensor  # (...,) long, the target's greedy token (over the full vocabulary)
+
+
+@torch.no_grad()
+def teacher_at(final_hidden: torch.Tensor, lse: torch.Tensor, argmax: torch.Tensor, head_rows: torch.Tensor,
+               positions: torch.Tensor) -> TeacherDistribution:
+    """`SequenceFeatures.teacher` over any positions: final_hidden (P, H), lse (P,), argmax (P,) at positions
+    0..P-1 (of one sequence, or of several laid end to end); positions (...) index them."""
+    distinct, where = torch.unique(positions, return_inverse=True)
+    h = final_hidden[distinct].to(head_rows.dtype)
+    with full_precision(h.device):
+        logits = F.linear(h, head_rows).float()  # (P', Vp)
+    probs = torch.exp(logits - lse[distinct, None])
+    return TeacherDistribution(probs[where], argmax[positions])
 
 
 TEACHER_ROWS_PER_PASS = 256  # positions per full-vocabulary LM-head product (256 x V fp32 logits at a time)

@@ -52,33 +52,44 @@ class LossParts:
 
 
 def drafter_loss(logits: torch.Tensor, target_on_vocab: torch.Tensor, labels: torch.Tensor, vocab_ids: torch.Tensor,
-                 valid: torch.Tensor | None = None, weights: LossWeights = LossWeights()) -> LossParts:
+                 valid: torch.Tensor | None = None, weights: LossWeights = LossWeights(), groups: int = 1) -> LossParts:
     """The weighted 0.1 CE + 0.9 TV loss over blocks.
 
     logits: (N, K, Vp) draft logits (after the Markov head). target_on_vocab: (N, K, Vp) the target's
     probabilities of the pruned vocabulary's tokens at the same positions (its full distribution
     restricted; the rest of its mass is 1 - their sum). labels: (N, K) ground-truth target token ids.
     vocab_ids: (Vp,) target ids of the pruned vocabulary. valid: (N, K) bool, False for positions past
-    the sequence end.
+    the sequence end. groups: G dividing N; the rows are G groups of N/G consecutive rows (a training
+    step's sequences) and each position's means are taken within a group, the loss and the means then
+    averaged over the groups, so every sequence weighs alike however many of its labels are valid (a group
+    without any valid label adds 0).
     """
     n, K, vp = logits.shape
+    if groups < 1 or n % groups:
+        raise ValueError(f"groups must be >= 1 and divide the {n} rows, got {groups}")
     valid = torch.ones((n, K), dtype=torch.bool, device=logits.device) if valid is None else valid
     log_q = F.log_softmax(logits.float(), dim=-1)  # (N, K, Vp)
     tv = total_variation(log_q.exp(), target_on_vocab.float())  # (N, K)
-    # Map target ids to pruned indices; tokens outside the pruned vocabulary get no CE term.
-    id_range = int(torch.maximum(vocab_ids.max(), labels.max())) + 1
-    to_local = torch.full((id_range,), -1, dtype=torch.long, device=logits.device)
-    to_local[vocab_ids] = torch.arange(vp, device=logits.device)
-    local = to_local[labels]  # (N, K)
+    local = local_ids(labels, vocab_ids)  # (N, K); tokens outside the pruned vocabulary get no CE term
     has_ce = valid & (local >= 0)
     ce = -log_q.gather(-1, local.clamp(min=0)[..., None]).squeeze(-1)  # (N, K)
     w = position_weights(K, weights.gamma, logits.device)  # (K,)
-    tv_sum = (tv * valid).sum(0)  # (K,)
-    ce_sum = (ce * has_ce).sum(0)  # (K,)
-    tv_mean = tv_sum / valid.sum(0).clamp(min=1)
-    ce_mean = ce_sum / has_ce.sum(0).clamp(min=1)
-    loss = (w * (weights.ce * ce_mean + weights.tv * tv_mean)).sum() / w.sum()
-    return LossParts(loss, ce_mean.detach(), tv_mean.detach())
+    tv_sum = (tv * valid).view(groups, -1, K).sum(1)  # (G, K)
+    ce_sum = (ce * has_ce).view(groups, -1, K).sum(1)  # (G, K)
+    tv_mean = tv_sum / valid.view(groups, -1, K).sum(1).clamp(min=1)  # (G, K)
+    ce_mean = ce_sum / has_ce.view(groups, -1, K).sum(1).clamp(min=1)  # (G, K)
+    loss = (w * (weights.ce * ce_mean + weights.tv * tv_mean)).sum() / (w.sum() * groups)
+    return LossParts(loss, ce_mean.detach().mean(0), tv_mean.detach().mean(0))
+
+
+def local_ids(ids: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Target ids (...) -> their indices in the pruned vocabulary `vocab_ids` (Vp,), -1 for ids outside it.
+
+    A binary search in the sorted vocabulary: no table sized by the largest id, so nothing here reads a
+    tensor's value on the host (a compiled or captured step cannot)."""
+    sorted_ids, order = vocab_ids.sort()  # (Vp,) each
+    at = torch.searchsorted(sorted_ids, ids).clamp(max=vocab_ids.shape[0] - 1)  # (...)
+    return torch.where(sorted_ids[at] == ids, order[at], -1)
 
 
 def greedy_acceptance(logits: torch.Tensor, target_argmax: torch.Tensor, vocab_ids: torch.Tensor,
