@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Spec-Bench greedy evaluation of the cost-aware draft length (`KIND:auto`, drafters/cost_aware.py) against
-# the same drafters verifying all K drafts, on the fastest plain path (--dtype w4a8): plain decoding
+# Spec-Bench greedy evaluation of the cost-aware draft length (`KIND:auto`, drafters/cost_aware.py) and the
+# cost-aware token tree (`hspec:tree`, drafters/block_tree.py) against the same drafters verifying all K
+# drafts, on the fastest plain path (--dtype w4a8): plain decoding
 # interleaved with every method item by item, SIZE items of each of Spec-Bench's five large tasks, one run per
 # entry of EVAL_RUNS, written to results/adaptive_length/<name>.{json,md} (speed = decode phase, prefill excluded;
 # every output checked equal to plain decoding). `:auto`'s step costs are measured on this machine at the
@@ -22,7 +23,7 @@ TASKS="${TASKS:-translation,summarization,qa,math_reasoning,rag}"
 EVAL_RUNS="${EVAL_RUNS:-w4a8:7:}"
 THREADS="${THREADS:-1}"
 export OMP_NUM_THREADS="$THREADS"
-DRAFTERS="${DRAFTERS:-ngram,ngram:auto,hspec,hspec:auto,hspec+ngram:0.4,hspec+ngram:auto}"
+DRAFTERS="${DRAFTERS:-ngram,ngram:auto,hspec,hspec:auto,hspec:tree,hspec+ngram:0.4,hspec+ngram:auto}"
 for run in $EVAL_RUNS; do
   IFS=: read -r dtype k compiled <<< "$run"
   name="eval_spec_bench_tasks_k${k}_greedy_${dtype}${compiled:+_compiled}_t${THREADS}"
