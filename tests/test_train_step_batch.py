@@ -103,3 +103,15 @@ def test_step_gradients_equal_one_batch_per_sequence(tiny_target, features, prec
     tolerance = {"fp32": 1e-5, "bf16-autocast": 3e-2}[precision]
     for a, p in zip(packed, reference.params):
         torch.testing.assert_close(a, p.grad, atol=tolerance * float(p.grad.abs().max()) + 1e-7, rtol=tolerance)
+
+
+@pytest.mark.slow
+def test_a_compiled_step_trains_as_the_eager_one(tiny_target, features):
+    """`TrainConfig.compile`: the step's forward and loss through torch.compile, over steps whose context length
+    changes (one graph, the length dynamic), give the eager step's losses to rounding."""
+    losses = {}
+    for compiled in (False, True):
+        config = TrainConfig(steps=3, seqs_per_step=2, anchors_per_seq=6, seed=3, compile=compiled)
+        trainer = Trainer(_drafter(tiny_target), tiny_target.model, features.__getitem__, list(range(4)), config)
+        losses[compiled] = [trainer.train_step(step).loss for step in range(3)]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
