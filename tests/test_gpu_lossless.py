@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_tiny, random_sequence_features
-from test_generate import ALL_KINDS, PROMPTS, _decoder, _make
 
+from conftest import load_tiny, random_sequence_features
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.common import NeuralDrafter
 from hspec.sampling import SamplingParams
+from test_generate import ALL_KINDS, PROMPTS, _decoder, _make
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
