@@ -146,18 +146,20 @@ HSPEC_AVX2 inline __m256 load8(const c10::BFloat16* p) {
 
 // Rows [row0, row0 + rows) of x (M, K) as int8 blocks of 32 (llama.cpp's Q8_1): per block of a row a step
 // d = max |x| / 127 and levels q = x * (127 / max |x|) rounded to nearest even (-127..127), block-major like
-// pack_rows ([K/32][rows][32]), with d and d * sum(q) per [K/32][rows]. A row's levels depend on that row
-// alone.
+// pack_rows ([K/32][rows][32]), with d, d * sum(q) and 128 * sum(q) (an int32, for the wide w8a8 tile) per
+// [K/32][rows]. A row's levels depend on that row alone.
 struct Int8Rows {
   std::vector<int8_t> levels;
   std::vector<float> step, step_sum;
+  std::vector<int32_t> shifted_sum;
 };
 
 template <typename In>
 HSPEC_AVX2 Int8Rows quantize_rows(const In* x, int64_t k, int64_t row0, int64_t rows) {
   const int64_t blocks = k / kBlock;
-  Int8Rows q{std::vector<int8_t>(static_cast<size_t>(rows * k)), std::vector<float>(static_cast<size_t>(blocks * rows)),
-             std::vector<float>(static_cast<size_t>(blocks * rows))};
+  const auto per_block = static_cast<size_t>(blocks * rows);
+  Int8Rows q{std::vector<int8_t>(static_cast<size_t>(rows * k)), std::vector<float>(per_block),
+             std::vector<float>(per_block), std::vector<int32_t>(per_block)};
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleaving
   for (int64_t r = 0; r < rows; ++r) {
@@ -183,8 +185,10 @@ HSPEC_AVX2 Int8Rows quantize_rows(const In* x, int64_t k, int64_t row0, int64_t 
       sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
       sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
       const float step = most / 127.0f;
+      const int32_t level_sum = _mm_cvtsi128_si32(sum);
       q.step[g * rows + r] = step;
-      q.step_sum[g * rows + r] = step * static_cast<float>(_mm_cvtsi128_si32(sum));
+      q.step_sum[g * rows + r] = step * static_cast<float>(level_sum);
+      q.shifted_sum[g * rows + r] = 128 * level_sum;
     }
   }
   return q;
@@ -297,8 +301,13 @@ HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, const int8_t* weight, co
 // The wide VNNI tiles: two adjacent tiles of 8 outputs side by side in 512-bit vectors (lanes 0-7 the
 // outputs from n0, 8-15 those from n0 + 8), each lane computing exactly what `w4a8_tile` and `w8a8_tile` do
 // for its output (the same integer sums, then the same floating-point steps). Per row and vector q of a
-// block, one vpdpbusd adds the 4 products of each output's weights with the row's inputs 4q .. 4q + 3 to
-// its int32 sum.
+// block, one vpdpbusd adds the 4 products of each output's unsigned weight bytes with the row's signed
+// inputs 4q .. 4q + 3 to its int32 sum, the inputs read as the instruction's broadcast memory operand.
+//
+// Register plan per block (docs/fast-path.md, "AVX512-VNNI tiles"): the 8 weight vectors, unpacked once for
+// all the tile's rows, stay in registers, with MT fp32 sums (2 MT for w4a8: the offset term apart), so up to
+// 8 rows fit the 32 zmm registers without a spill; a row then costs 8 vpdpbusd and 3-4 floating-point
+// instructions a block, and no broadcast or shift of its inputs.
 
 // 16 bf16 from two runs of 8 -> 16 fp32.
 HSPEC_VNNI inline __m512 bf16x16(const uint8_t* low, const uint8_t* high) {
@@ -314,21 +323,33 @@ HSPEC_VNNI inline __m512i join(const void* low, const void* high) {
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)), 1);
 }
 
-// 4 bytes of a row's int8 block, inputs 4q .. 4q + 3, in every 32-bit lane of a 512-bit vector.
-HSPEC_VNNI inline __m512i inputs_in_every_wide_lane(const int8_t* p) {
-  int32_t four;
-  std::memcpy(&four, p, sizeof(four));
-  return _mm512_set1_epi32(four);
+// sums + the 4-byte dot products of `weights` (unsigned bytes) with the 4 signed bytes at `inputs` in every
+// 32-bit lane: vpdpbusd with an embedded-broadcast memory operand. Written in assembly because GCC loads the
+// broadcast into a register first (one more instruction per row and vector q).
+HSPEC_VNNI inline __m512i dot_with_broadcast(__m512i sums, __m512i weights, const int8_t* inputs) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sums) : "v"(weights), "m"(*reinterpret_cast<const int32_t*>(inputs)));
+  return sums;
+}
+
+// 16 fp32 -> 16 bf16 rounded to nearest even, NaN to 0x7FC0: c10::BFloat16(float)'s bits, 16 lanes at once.
+HSPEC_VNNI inline __m256i bf16_of(__m512 values) {
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
+HSPEC_VNNI inline void store16(float* out, __m512 values) { _mm512_storeu_ps(out, values); }
+HSPEC_VNNI inline void store16(c10::BFloat16* out, __m512 values) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bf16_of(values));
 }
 
 // The 16 lanes of each of MT rows into outputs n0 .. n0 + 15 of out (MT, ldo).
 template <int MT, typename Out>
 HSPEC_VNNI inline void store_wide_rows(const __m512* sums, int64_t n0, Out* out, int64_t ldo) {
-  for (int m = 0; m < MT; ++m) {
-    alignas(64) float lanes[2 * kW4a8Outputs];
-    _mm512_store_ps(lanes, sums[m]);
-    for (int j = 0; j < 2 * kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, lanes[j]);
-  }
+  for (int m = 0; m < MT; ++m) store16(out + m * ldo + n0, sums[m]);
 }
 
 // `w4a8_tile` over the 16 outputs from n0 (n0 a multiple of 16).
@@ -351,14 +372,12 @@ HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, const uint8_t* weig
     }
     const __m512 step = bf16x16(a + 128, b + 128);
     const __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), step, bf16x16(a + 144, b + 144));
+    const int8_t* xg = x.levels.data() + g * MT * kBlock;
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
-      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
       __m512i sums = _mm512_setzero_si512();
 #pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) {
-        sums = _mm512_dpbusd_epi32(sums, w[q], inputs_in_every_wide_lane(xm + 4 * q));
-      }
+      for (int q = 0; q < 8; ++q) sums = dot_with_broadcast(sums, w[q], xg + m * kBlock + 4 * q);
       const __m512 scale = _mm512_mul_ps(step, _mm512_set1_ps(x.step[g * MT + m]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[m]);
       offsets[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
@@ -368,9 +387,10 @@ HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, const uint8_t* weig
   store_wide_rows<MT>(acc, n0, out, ldo);
 }
 
-// `w8a8_tile` over the 16 outputs from n0 (n0 a multiple of 16). AVX-512 has no byte sign instruction,
-// so each row's inputs enter vpdpbusd shifted to unsigned, x + 128, against the signed weights, and each
-// output's 128 * sum(w) over the block, computed once per block for all rows, comes off: the same exact sum.
+// `w8a8_tile` over the 16 outputs from n0 (n0 a multiple of 16). vpdpbusd takes unsigned bytes in its
+// register operand and signed ones in the broadcast, so the weights enter shifted to unsigned, w + 128
+// (one XOR per vector a block, shared by the tile's rows), against the row's signed inputs, and each row's
+// 128 * sum(q) over the block (`quantize_rows`) comes off: the exact sum of w x.
 template <int MT, typename Out, typename Scale>
 HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0,
                                Out* out, int64_t ldo) {
@@ -384,20 +404,14 @@ HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, const int8_t* weigh
     const int8_t* a = first + g * kBlock * kW4a8Outputs;
     const int8_t* b = second + g * kBlock * kW4a8Outputs;
     __m512i w[8];
-    __m512i correction = _mm512_setzero_si512();
-    for (int q = 0; q < 8; ++q) {
-      w[q] = join(a + 32 * q, b + 32 * q);
-      correction = _mm512_dpbusd_epi32(correction, shift, w[q]);
-    }
+    for (int q = 0; q < 8; ++q) w[q] = _mm512_xor_si512(join(a + 32 * q, b + 32 * q), shift);
+    const int8_t* xg = x.levels.data() + g * MT * kBlock;
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
-      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
       __m512i sums = _mm512_setzero_si512();
 #pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) {
-        sums = _mm512_dpbusd_epi32(sums, _mm512_xor_si512(inputs_in_every_wide_lane(xm + 4 * q), shift), w[q]);
-      }
-      sums = _mm512_sub_epi32(sums, correction);
+      for (int q = 0; q < 8; ++q) sums = dot_with_broadcast(sums, w[q], xg + m * kBlock + 4 * q);
+      sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(x.shifted_sum[g * MT + m]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(x.step[g * MT + m]), acc[m]);
     }
   }

@@ -17,6 +17,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "linear_product.h"
+
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -29,65 +31,9 @@ namespace {
 // The weights of one decoder layer, in the order `NativeDecoderStack` lists them; a None of Python is
 // std::nullopt (no bias, a floating weight's missing scale, an unpacked weight).
 constexpr int64_t kTensorsPerLayer = 15;
-// layers.W4A8_TILE_BYTES: the last dim of a w4a8 weight's tiles.
-constexpr int64_t kW4a8TileBytes = 160;
 
-struct LinearWeights {
-  Tensor weight;          // (N, K): floating, int8, or an int4 weight's floating values
-  OptionalTensor bias;    // (N,)
-  OptionalTensor scale;   // int8 (N,), int4 (K / group, N, 2)
-  OptionalTensor packed;  // oneDNN's prepacked bf16 copy, the int4 levels or w4a8 tiles (uint8), or an int8 kernel's matrix
-};
-
-// layers._product: one product of at most layers._ROW_BLOCK rows, flat (M, K) -> (M, N).
-Tensor product(const Tensor& flat, const LinearWeights& w) {
-  using Kernel = Tensor(const Tensor&, const Tensor&, const Tensor&);
-  using Tiles = Tensor(const Tensor&, const Tensor&);
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte && w.packed->dim() == 3 &&
-      w.packed->size(2) == kW4a8TileBytes) {  // w4a8, hspec's kernel
-    static auto w4a8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::w4a8_linear", "").typed<Tiles>();
-    Tensor out = w4a8_linear.call(flat, *w.packed);
-    return w.bias.has_value() ? out + *w.bias : out;
-  }
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kChar && w.packed->dim() == 3) {  // w4a8's int8 weights
-    static auto w8a8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::w8a8_linear", "").typed<Kernel>();
-    Tensor out = w8a8_linear.call(flat, *w.packed, *w.scale);
-    return w.bias.has_value() ? out + *w.bias : out;
-  }
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte && w.packed->dim() == 3) {  // int4, hspec's kernel
-    static auto int4_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::int4_linear", "").typed<Kernel>();
-    Tensor out = int4_linear.call(flat, *w.packed, *w.scale);
-    return w.bias.has_value() ? out + *w.bias : out;
-  }
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kChar) {  // int8, hspec's kernel
-    static auto int8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::int8_linear", "").typed<Kernel>();
-    Tensor out = int8_linear.call(flat, *w.packed, *w.scale);
-    return w.bias.has_value() ? out + *w.bias : out;
-  }
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte) {  // int4, torch's kernel
-    Tensor out = at::_weight_int4pack_mm_for_cpu(flat.contiguous(), *w.packed, w.weight.size(1) / w.scale->size(0),
-                                                 *w.scale);
-    return w.bias.has_value() ? out + *w.bias : out;
-  }
-  const bool padded = flat.size(0) == 1 && !w.scale.has_value();  // one floating row: the first of two
-  const Tensor rows = padded ? flat.expand({2, -1}) : flat;
-  Tensor out;
-  if (w.packed.has_value()) {
-    static auto linear_pointwise =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-            .typed<Tensor(const Tensor&, const Tensor&, const OptionalTensor&, c10::string_view,
-                          c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
-    out = linear_pointwise.call(rows, *w.packed, w.bias, "none", c10::List<std::optional<at::Scalar>>(),
-                                c10::string_view(""));
-  } else if (!w.scale.has_value()) {
-    out = at::linear(rows, w.weight, w.bias);
-  } else {
-    out = at::_weight_int8pack_mm(rows, w.weight, *w.scale);
-    if (w.bias.has_value()) out = out + *w.bias;
-  }
-  return padded ? out.slice(0, 0, 1) : out;
-}
+using hspec_native::LinearWeights;
+using hspec_native::product;
 
 // layers.linear: x (..., K) -> (..., N), in products of at most row_block rows.
 Tensor linear(const Tensor& x, const LinearWeights& w, int64_t row_block) {

@@ -26,6 +26,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "../../models/linear_product.h"
+
 #include <cmath>
 #include <optional>
 #include <type_traits>
@@ -36,72 +38,21 @@ using OptionalTensor = std::optional<Tensor>;
 
 namespace {
 
-// layers.W4A8_TILE_BYTES: the last dim of a w4a8 weight's tiles.
-constexpr int64_t kW4a8TileBytes = 160;
-
-// One linear as models/layers.py stores it (`Linear`: weight, bias, weight_scale, weight_packed), or a plain
-// nn.Linear (`row_invariant` false: F.linear on the input as it is).
-struct LinearWeights {
-  Tensor weight;          // (N, K): floating, int8, or an int4 weight's floating values
-  OptionalTensor bias;    // (N,)
-  OptionalTensor scale;   // int8 (N,), int4 (N, K / 32, 2)
-  OptionalTensor packed;  // oneDNN's prepacked bf16 copy, w4a8/w8a8 tiles, an int8 kernel's matrix
-  bool row_invariant;     // a `layers.Linear` (its `linear`), not a plain nn.Linear (F.linear)
+// One linear of the drafter: a `layers.Linear` (`row_invariant`: through layers.linear's product) or a plain
+// nn.Linear (F.linear on the input as it is).
+struct DrafterLinear {
+  hspec_native::LinearWeights weights;
+  bool row_invariant;
 };
-
-// layers._product: one product, flat (M, K) -> (M, N). The same as decoder_stack.cpp's `product`.
-Tensor product(const Tensor& flat, const LinearWeights& w) {
-  using Kernel = Tensor(const Tensor&, const Tensor&, const Tensor&);
-  using Tiles = Tensor(const Tensor&, const Tensor&);
-  const auto with_bias = [&](const Tensor& out) { return w.bias.has_value() ? out + *w.bias : out; };
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte && w.packed->dim() == 3 &&
-      w.packed->size(2) == kW4a8TileBytes) {  // w4a8, hspec's kernel
-    static auto w4a8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::w4a8_linear", "").typed<Tiles>();
-    return with_bias(w4a8_linear.call(flat, *w.packed));
-  }
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kChar && w.packed->dim() == 3) {  // w8a8
-    static auto w8a8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::w8a8_linear", "").typed<Kernel>();
-    return with_bias(w8a8_linear.call(flat, *w.packed, *w.scale));
-  }
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte && w.packed->dim() == 3) {  // int4, hspec's
-    static auto int4_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::int4_linear", "").typed<Kernel>();
-    return with_bias(int4_linear.call(flat, *w.packed, *w.scale));
-  }
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kChar) {  // int8, hspec's kernel
-    static auto int8_linear = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::int8_linear", "").typed<Kernel>();
-    return with_bias(int8_linear.call(flat, *w.packed, *w.scale));
-  }
-  if (w.packed.has_value() && w.packed->scalar_type() == at::kByte) {  // int4, torch's kernel
-    return with_bias(at::_weight_int4pack_mm_for_cpu(flat.contiguous(), *w.packed,
-                                                     w.weight.size(1) / w.scale->size(0), *w.scale));
-  }
-  if (w.scale.has_value()) return with_bias(at::_weight_int8pack_mm(flat, w.weight, *w.scale));  // int8, torch's
-  // One floating row of a row-invariant (reduced-precision CPU) tensor: the first of two (layers._product).
-  const bool padded = flat.size(0) == 1 && flat.scalar_type() != at::kFloat;
-  const Tensor rows = padded ? flat.expand({2, -1}) : flat;
-  Tensor out;
-  if (w.packed.has_value()) {
-    static auto linear_pointwise =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-            .typed<Tensor(const Tensor&, const Tensor&, const OptionalTensor&, c10::string_view,
-                          c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
-    out = linear_pointwise.call(rows, *w.packed, w.bias, "none", c10::List<std::optional<at::Scalar>>(),
-                                c10::string_view(""));
-  } else {
-    out = at::linear(rows, w.weight, w.bias);
-  }
-  return padded ? out.slice(0, 0, 1) : out;
-}
 
 // layers.linear (rows reshaped to (M, K), one product: a block's K rows are far below layers._ROW_BLOCK), or
 // F.linear for a plain nn.Linear. x (..., K) -> (..., N).
-Tensor linear(const Tensor& x, const LinearWeights& w) {
-  if (!w.row_invariant) return at::linear(x, w.weight, w.bias);
+Tensor linear(const Tensor& x, const DrafterLinear& w) {
+  if (!w.row_invariant) return at::linear(x, w.weights.weight, w.weights.bias);
   const int64_t k = x.size(-1);
   std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = w.weight.size(0);
-  return product(x.reshape({x.numel() / k, k}), w).reshape(shape);
+  shape.back() = w.weights.weight.size(0);
+  return hspec_native::product(x.reshape({x.numel() / k, k}), w.weights).reshape(shape);
 }
 
 // layers.RMSNorm without autograd: bf16 rows through hspec's kernel where the drafter's norms use it, else
@@ -142,11 +93,11 @@ class Cursor {
     return tensors_[next_++];
   }
 
-  LinearWeights linear(const char* what) {
+  DrafterLinear linear(const char* what) {
     TORCH_CHECK(linears_ < row_invariant_.size(), "native_propose: no row-invariance flag for ", what);
     const Tensor& weight = tensor(what);
-    LinearWeights w{weight, optional(), optional(), optional(), row_invariant_[linears_++]};
-    return w;
+    OptionalTensor bias = optional(), scale = optional(), packed = optional();
+    return {{weight, bias, scale, packed}, row_invariant_[linears_++]};
   }
 
   void check_end() const {
@@ -315,14 +266,14 @@ void mamba_mix(const T* zxbcdt, int64_t length, int64_t row_stride, const T* act
 
 // ssm.mixer.Mamba2Mixer.forward without its final state: hidden (1, K, H) from S_init (1, nh, P, N) or zeros.
 Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, const MambaSizes& m) {
-  const LinearWeights in_proj = w.linear("mamba.in_proj");
+  const DrafterLinear in_proj = w.linear("mamba.in_proj");
   const Tensor& taps = w.tensor("mamba.conv1d taps");  // (conv_dim, W) in the activations' dtype
   const OptionalTensor conv_bias = w.optional();         // (conv_dim,) in the activations' dtype
   const Tensor& A = w.tensor("mamba A");                 // (nh,) fp32, -exp(A_log)
   const Tensor& dt_bias = w.tensor("mamba.dt_bias");     // (nh,) fp32
   const Tensor& D = w.tensor("mamba.D");                 // (nh,) in the activations' dtype
   const Tensor& gate_weight = w.tensor("mamba.norm.weight");
-  const LinearWeights out_proj = w.linear("mamba.out_proj");
+  const DrafterLinear out_proj = w.linear("mamba.out_proj");
   const Tensor zxbcdt = linear(hidden, in_proj);  // (1, K, d_inner + conv_dim + nh), contiguous
   const int64_t length = hidden.size(1), d_inner = m.nheads * m.headdim;
   const int64_t conv_dim = d_inner + 2 * m.ngroups * m.d_state;
@@ -362,11 +313,11 @@ Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, cons
 // contiguous.
 Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& context_k,
                  const Tensor& context_v, const Tensor& context_mask, Cursor& w, const Sizes& c) {
-  const LinearWeights q_proj = w.linear("attn.q_proj"), k_proj = w.linear("attn.k_proj"),
+  const DrafterLinear q_proj = w.linear("attn.q_proj"), k_proj = w.linear("attn.k_proj"),
                       v_proj = w.linear("attn.v_proj");
   const Tensor& q_norm = w.tensor("attn.q_norm.weight");
   const Tensor& k_norm = w.tensor("attn.k_norm.weight");
-  const LinearWeights o_proj = w.linear("attn.o_proj");
+  const DrafterLinear o_proj = w.linear("attn.o_proj");
   const int64_t n = x.size(0), length = x.size(1), g = c.hq / c.hkv;
   Tensor q = linear(x, q_proj).view({n, length, c.hq, c.d});
   Tensor k = linear(x, k_proj).view({n, length, c.hkv, c.d});
@@ -405,7 +356,7 @@ Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Te
 
 // layers.SwiGLU with gate and up unfused: down(silu(gate(x)) * up(x)).
 Tensor mlp(const Tensor& x, Cursor& w) {
-  const LinearWeights gate = w.linear("mlp.gate_proj"), up = w.linear("mlp.up_proj"), down = w.linear("mlp.down_proj");
+  const DrafterLinear gate = w.linear("mlp.gate_proj"), up = w.linear("mlp.up_proj"), down = w.linear("mlp.down_proj");
   return linear(at::silu(linear(x, gate)) * linear(x, up), down);
 }
 
@@ -451,7 +402,7 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
   // 2. S_init
   OptionalTensor s_init;
   if (injects) {
-    const LinearWeights proj_r = w.linear("injection.proj_r"), proj_ds = w.linear("injection.proj_ds");
+    const DrafterLinear proj_r = w.linear("injection.proj_r"), proj_ds = w.linear("injection.proj_ds");
     const Tensor fused = linear(last_hidden.to(x.scalar_type()).flatten(1), proj_r);  // (1, r)
     s_init = linear(fused, proj_ds).view({-1, c.nheads, c.headdim, c.d_state});
   }
@@ -488,13 +439,13 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
 
   // 4. final norm, pruned-vocabulary head
   const Tensor& final_norm = w.tensor("norm.weight");
-  const LinearWeights head = w.linear("head");
+  const DrafterLinear head = w.linear("head");
   const Tensor logits = linear(rms_norm(x, final_norm, c.eps, c.norm_kernel), head);  // (1, K, Vp)
 
   // 5. the greedy Markov loop (NeuralDrafter.greedy_block)
   const Tensor& draft_vocab_ids = w.tensor("head.draft_vocab_ids");  // (Vp,) long
   OptionalTensor w1, w2;
-  std::optional<LinearWeights> w2_linear;
+  std::optional<DrafterLinear> w2_linear;
   if (markov == 1) {
     w1 = w.tensor("markov.W1");
     w2 = w.tensor("markov.W2");
