@@ -23,13 +23,15 @@ from hspec.drafters import create_drafter
 from hspec.drafters.base import DraftBatch
 from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, build_block
 from hspec.drafters.hspec.native import NativePropose, build_native_propose
+from hspec.models.layers import W4A8_TILE_BYTES, Linear
 from hspec.runtime import NATIVE_DRAFTER_ENV, for_inference, prepare_for_inference
 from hspec.sampling import SamplingBatch, SamplingParams
 
 K = 7
 # (target dtype, drafter precision): floating float32 and bf16 drafters, int8 rows under bf16 (hspec's int8 or
-# w8a8 kernel, by CPU), w8a8 rows under a w4a8 target.
-SETTINGS = [("float32", "floating"), ("bfloat16", "floating"), ("bfloat16", "int8"), ("w4a8", "auto")]
+# w8a8 kernel, by CPU), w8a8 rows under a w4a8 target, and w4a8 tiles under it (`--drafter-precision w4a8`).
+SETTINGS = [("float32", "floating"), ("bfloat16", "floating"), ("bfloat16", "int8"), ("w4a8", "auto"),
+            ("w4a8", "w4a8")]
 PROMPTS = ["the native drafter", "proposes in one call", "x", "a longer prompt with more words in it than most"]
 
 
@@ -112,6 +114,19 @@ def test_native_drafts_equal_the_python_path(targets, tiny_dirs, dtype, precisio
     assert len({tuple(d[0].tolist()) for d in drafts}) > 1, "every context drafted the same block"
 
 
+def test_a_w4a8_drafter_multiplies_w4a8_tiles(targets, tiny_dirs):
+    """`--drafter-precision w4a8` stores the layers' linears, the head's rows and the Markov head's W2 as the
+    w4a8 kernel's tiles wherever it takes the shape, which the native call then multiplies."""
+    target = _target(targets, tiny_dirs, "w4a8")
+    drafter = _drafter(target, "w4a8")
+    tiles = [m.weight_packed for m in drafter.modules() if isinstance(m, Linear) and m.weight_packed is not None]
+    assert tiles and any(p.dtype == torch.uint8 and p.shape[-1] == W4A8_TILE_BYTES for p in tiles)
+    _, _, head_tiles = drafter.head.inference_weights(torch.bfloat16)
+    _, _, w2_tiles = drafter.markov.int8_weights(torch.bfloat16)
+    for packed in (head_tiles, w2_tiles):
+        assert packed is not None and packed.dtype == torch.uint8 and packed.shape[-1] == W4A8_TILE_BYTES
+
+
 # H-Spec's ablations (paper §4.3, B.4) are the same class with other modules: no S_init, no Markov head, only
 # Mamba-2 or only attention layers. hspec-lasttoken-only's attention sees the block alone, which the native call
 # does not take (`NativePropose.unfit_reason`).
@@ -170,7 +185,7 @@ class _Counting:
         return self.native(ctx, anchor_tokens)
 
 
-@pytest.mark.parametrize("dtype,precision", [("bfloat16", "auto"), ("w4a8", "auto")])
+@pytest.mark.parametrize("dtype,precision", [("bfloat16", "auto"), ("w4a8", "auto"), ("w4a8", "w4a8")])
 def test_greedy_output_with_the_native_drafter_equals_plain(targets, tiny_dirs, dtype, precision):
     target = _target(targets, tiny_dirs, dtype)
     drafter = _drafter(target, precision)

@@ -37,7 +37,7 @@ from hspec.models.dtype import cpu_has_native_bf16, drafter_int8
 from hspec.models.layers import RMSNorm
 from hspec.models.loading import Target, cache_root
 from hspec.models.native import integer_capability, kernels_loaded
-from hspec.models.quantize import quantize_int8, quantize_w8a8
+from hspec.models.quantize import quantize_drafter_w4a8, quantize_int8, quantize_w8a8
 from hspec.models.weight_layout import store_linear_weights_in_fast_layout
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -128,9 +128,11 @@ def decoding_options_of(kinds: Sequence[str], options: Sequence[str]) -> dict[st
 
 
 def drafter_precision_of(precision: str, target: Target) -> str:
-    """What `--drafter-precision` means for `target`: "int8" or "floating" (what results files record)."""
-    return "int8" if drafter_int8(precision, target.model.dtype_name, target.model.embed_tokens.weight.device) \
-        else "floating"
+    """What `--drafter-precision` means for `target`: "w4a8", "int8" or "floating" (what results files record)."""
+    device = target.model.embed_tokens.weight.device
+    if not drafter_int8(precision, target.model.dtype_name, device):
+        return "floating"
+    return "w4a8" if precision == "w4a8" and int8_kernel(target.model.dtype_name, device) == "w8a8" else "int8"
 
 
 def for_inference(drafter: Drafter, target: Target, compiled: bool = False, precision: str = "auto") -> Drafter:
@@ -165,11 +167,14 @@ def prepare_for_inference(drafter: Drafter, target_dtype: str, device: torch.dev
         drafter.requires_grad_(False)
         compute_dtype = drafter.mask_embedding.dtype
         kernel = int8_kernel(target_dtype, device)
-        if kernel == "w8a8":
+        if kernel == "w8a8" and precision == "w4a8":  # the layers, the head's rows and W2 in w4a8 tiles
+            quantize_drafter_w4a8(drafter, compute_dtype)
+            kernel = "w4a8"
+        elif kernel == "w8a8":
             quantize_w8a8(drafter, compute_dtype)
         else:
             quantize_int8(drafter, compute_dtype, kernels=kernel == "int8")
-        if kernel == "w8a8" or (kernel == "int8" and not cpu_has_native_bf16()):  # else oneDNN's bf16 product
+        if kernel in ("w8a8", "w4a8") or (kernel == "int8" and not cpu_has_native_bf16()):  # else oneDNN's bf16
             drafter.head.store_int8(compute_dtype, kernel)
         drafter.store_int8(compute_dtype, kernel)
     if isinstance(drafter, NeuralDrafter) and torch.device(device).type == "cpu" and kernels_loaded():

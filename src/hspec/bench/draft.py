@@ -235,11 +235,21 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 
 def _create(kind: str, target_config, model: TargetModel, draft_vocab_size: int | None) -> Drafter:
-    """A kind with random weights; trained kinds get Vp = `draft_vocab_size` when it is given."""
+    """A kind with random weights; trained kinds get Vp = `draft_vocab_size` when it is given.
+
+    A Markov head's W2 starts at zero (an untrained head changes nothing); here it is drawn like W1, as a
+    trained head's is nonzero: an all-zero matrix stored as int4 groups gets steps of the smallest normal
+    float, whose products with a row's steps are subnormal and took the w4a8 kernel ~7x its time."""
     if draft_vocab_size is None or DRAFTERS.get(kind).config_class is None:
-        return create_drafter(kind, target_config, target_model=model)
-    config = drafter_config(kind, target_config, draft_vocab_size=draft_vocab_size)
-    return create_drafter(kind, target_config, target_model=model, config=config)
+        drafter = create_drafter(kind, target_config, target_model=model)
+    else:
+        config = drafter_config(kind, target_config, draft_vocab_size=draft_vocab_size)
+        drafter = create_drafter(kind, target_config, target_model=model, config=config)
+    markov = getattr(drafter, "markov", None)
+    if markov is not None:
+        with torch.no_grad():
+            markov.W2.normal_(std=markov.W2.shape[0] ** -0.5)
+    return drafter
 
 
 def _num_params(drafter: Drafter) -> int:

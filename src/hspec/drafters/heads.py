@@ -69,8 +69,8 @@ class PrunedVocabHead(nn.Module):
 
     def store_int8(self, compute_dtype: torch.dtype, kernel: str) -> None:
         """Draft with the restricted rows rounded to int8 (one scale per row), multiplied by hspec's `kernel`
-        ("int8" or "w8a8", `models.quantize.int8_weight`; loaded: `models.native.load_kernels`). The
-        floating rows are kept."""
+        ("int8" or "w8a8", `models.quantize.int8_weight`; loaded: `models.native.load_kernels`), or as w4a8
+        tiles ("w4a8"). The floating rows are kept."""
         self._int8_kind = (compute_dtype, kernel)
         self._refresh()
 
@@ -97,7 +97,7 @@ class PrunedVocabHead(nn.Module):
         (drafters/hspec/native.py) multiplies the same."""
         if self._rows is None:
             raise RuntimeError("the pruned vocabulary head has no LM head attached; call attach() first")
-        if self._int8 is not None and self._int8[1].dtype == dtype:
+        if self._int8 is not None and self._int8_kind is not None and self._int8_kind[0] == dtype:
             rows, scale, packed = self._int8
             return rows, scale, packed
         if not self._pack_tried and not torch.compiler.is_compiling():
@@ -141,15 +141,19 @@ class MarkovHead(nn.Module):
         self._w2_int8: torch.Tensor | None = None  # (Vp, r) int8 rows of W2^T, set by store_int8
         self._w2_scale: torch.Tensor | None = None  # (Vp,) their scales in the compute dtype
         self._w2_packed: torch.Tensor | None = None  # the copy hspec's kernel reads, where one multiplies it
+        self._w2_dtype: torch.dtype | None = None  # the compute dtype store_int8 ran for
 
     def store_int8(self, compute_dtype: torch.dtype, kernel: str = "torch") -> None:
         """Draft with W2 rounded to int8 (one scale per draft-vocabulary column); W2 itself is kept.
 
         A rank the int8 kernel cannot take (`int8_kernel_fits`) keeps drafting with W2. `kernel`: which one
-        multiplies it (`models.quantize.int8_weight`: torch, or hspec's int8 or w8a8).
+        multiplies it (`models.quantize.int8_weight`: torch, or hspec's int8 or w8a8), or "w4a8": W2 as w4a8
+        tiles (1.3 MB at r = 256 and Vp = 8,192 where int8 takes 2.1: one core's 2 MB L2 cache then keeps it
+        between the K slots, which stream it in sequence).
         """
         if int8_kernel_fits(self.W2.t()):
             self._w2_int8, self._w2_scale, self._w2_packed = int8_weight(self.W2.t(), compute_dtype, kernel)
+            self._w2_dtype = compute_dtype
 
     def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """prev_tokens (N, K) long target ids -> logit corrections (N, K, Vp)."""
@@ -164,7 +168,7 @@ class MarkovHead(nn.Module):
         """The int8 copy of W2 that rows of `dtype` are multiplied with (`store_int8`), as `models.layers.linear`
         takes it: rows (Vp, r), their scales, the kernel's copy or None; None where drafting multiplies W2 itself.
         The native proposal (drafters/hspec/native.py) multiplies the same."""
-        if self._w2_int8 is None or self._w2_scale is None or self._w2_scale.dtype != dtype:
+        if self._w2_int8 is None or self._w2_scale is None or self._w2_dtype != dtype:
             return None
         return self._w2_int8, self._w2_scale, self._w2_packed
 

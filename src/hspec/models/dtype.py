@@ -89,7 +89,7 @@ def quantized_weights(name: str | torch.dtype) -> bool:
     return name in QUANTIZED_DTYPES
 
 
-DRAFTER_PRECISION_CHOICES = ("auto", "floating", "int8")
+DRAFTER_PRECISION_CHOICES = ("auto", "floating", "int8", "w4a8")
 
 
 def drafter_int8(precision: str, target_dtype: str, device: torch.device | str = "cpu") -> bool:
@@ -100,13 +100,15 @@ def drafter_int8(precision: str, target_dtype: str, device: torch.device | str =
     is bound by reading ~50 MB of drafter weights, and int8 halves them (measured here: propose 7.3 ->
     6.4 ms, the same tau on Spec-Bench, docs/fast-path.md#int8-drafter); floating elsewhere (float32,
     the exact reference, and GPUs). floating keeps the target's floating dtype; int8 forces int8
-    (computing in the target's floating dtype).
+    (computing in the target's floating dtype); w4a8 is int8 where hspec's w8a8 kernel would multiply the
+    int8 weights, with the linears it takes stored as its w4a8 tiles instead (`runtime.prepare_for_inference`:
+    int4 levels in groups of 32, ~5/8 of int8's bytes).
     """
     if precision not in DRAFTER_PRECISION_CHOICES:
         raise ValueError(f"unknown drafter precision {precision!r}; allowed: {', '.join(DRAFTER_PRECISION_CHOICES)}")
     if precision == "auto":
         return quantized_weights(target_dtype) or (target_dtype == "bfloat16" and torch.device(device).type == "cpu")
-    return precision == "int8"
+    return precision in ("int8", "w4a8")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

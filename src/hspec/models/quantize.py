@@ -155,7 +155,9 @@ def pack_w4a8(levels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     groups = k // INT4_GROUP
     vectors = _output_vectors(levels)  # (N/8, K/G, 8, 32)
     nibbles = vectors[:, :, 0::2] | (vectors[:, :, 1::2] << 4)  # (N/8, K/G, 4, 32)
-    step_zero = scale.to(torch.bfloat16).permute(1, 2, 0).contiguous().view(torch.uint8)  # (N, 2, K/G x 2 bytes)
+    # (N, 2 K/G) bf16 -> (N, 2 K/G x 2 bytes); reshaped, not only made contiguous: with one group the permuted
+    # last dim has size 1 and keeps a stride other than 1, which a view as bytes refuses
+    step_zero = scale.to(torch.bfloat16).permute(1, 2, 0).reshape(n, 2 * groups).contiguous().view(torch.uint8)
     step_zero = step_zero.view(n // _W4A8_OUTPUTS, _W4A8_OUTPUTS, 2, groups, 2).permute(0, 3, 2, 1, 4)
     return torch.cat([nibbles.reshape(n // _W4A8_OUTPUTS, groups, 128),
                       step_zero.reshape(n // _W4A8_OUTPUTS, groups, 4 * _W4A8_OUTPUTS)], dim=-1).contiguous()
@@ -230,6 +232,14 @@ def quantize_w4a8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16)
     quantize_w8a8(model, compute_dtype)
 
 
+def quantize_drafter_w4a8(drafter: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+    """`--drafter-precision w4a8`: every floating linear weight under `drafter` that the int4 kernel takes as
+    int4 groups stored for the w4a8 kernel (as `quantize_w4a8` stores a target's layers), the rest as
+    `quantize_w8a8` stores them. Needs hspec's CPU kernels loaded (`models.native.load_kernels`)."""
+    _quantize(drafter, _w4a8, int4_kernel_fits, compute_dtype, True)
+    quantize_w8a8(drafter, compute_dtype)
+
+
 def quantize_w8a8(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16) -> None:
     """Every floating linear weight under `model` (a w4a8 target's, a drafter's under it) as int8 rows for the
     w8a8 kernel (`pack_w8a8`: each product's input rows rounded to int8 blocks, integer products), or for
@@ -242,9 +252,13 @@ def int8_weight(weight: torch.Tensor, compute_dtype: torch.dtype, kernel: str) -
                                                                                        torch.Tensor | None]:
     """One (N, K) floating weight as int8 rows, their scales and the copy a kernel reads (`models.layers.linear`
     takes all three): `kernel` "torch" (aten._weight_int8pack_mm, no copy), "int8" (hspec's int8 kernel),
-    "w8a8" (hspec's w8a8 kernel where it takes the shape, else its int8 one)."""
-    if kernel not in ("torch", "int8", "w8a8"):
-        raise ValueError(f"unknown int8 kernel {kernel!r}; allowed: torch, int8, w8a8")
+    "w8a8" (hspec's w8a8 kernel where it takes the shape, else its int8 one), "w4a8" (int4 groups for
+    hspec's w4a8 kernel where it takes the shape, as `quantize_w4a8` stores them: the levels' floating values,
+    their steps and offsets, the tiles; else as "w8a8")."""
+    if kernel not in ("torch", "int8", "w8a8", "w4a8"):
+        raise ValueError(f"unknown int8 kernel {kernel!r}; allowed: torch, int8, w8a8, w4a8")
+    if kernel == "w4a8":
+        return (_w4a8 if int4_kernel_fits(weight) else _w8a8)(weight, compute_dtype, True)
     return (_w8a8 if kernel == "w8a8" else _int8)(weight, compute_dtype, kernel != "torch")
 
 

@@ -51,6 +51,7 @@ class LocalHead(nn.Module):
     def store_int8(self, compute_dtype: torch.dtype, kernel: str) -> None:
         """Draft with int8 rows (one scale per row) of W_ih (3Hg, H), W_hh (3Hg, Hg) and U_r^T (Vp, r);
         the floating weights are kept. Nothing is stored where the int8 kernel cannot take a width."""
+        kernel = "w8a8" if kernel == "w4a8" else kernel  # its recurrence multiplies int8 rows only
         weights = {"ih": self.gru.weight_ih_l0, "hh": self.gru.weight_hh_l0, "up": self.up.t()}
         if all(int8_kernel_fits(w) for w in weights.values()):
             self._int8 = {name: int8_weight(w.detach(), compute_dtype, kernel) for name, w in weights.items()}

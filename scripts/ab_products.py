@@ -1,0 +1,125 @@
+"""The w4a8 and w8a8 products of this tree's CPU kernels against another commit's, interleaved in one process.
+
+A change to the product tiles must keep every output's bits (docs/fast-path.md, "Row invariance by
+construction") and is worth landing only if it is faster; timings from two processes on a shared CPU say
+little, so this builds the other commit's models/cpu_kernels.cpp as a second library whose operators live
+under another namespace (`hspec_baseline::`), then per shape and row count times both kernels call by call in
+alternation (each call's thread CPU time, medians), and checks their outputs equal bit for bit.
+
+Shapes: SmolLM2-135M's (the target's layers and LM head, w4a8 and w8a8) and H-Spec's drafter's (its
+layers, pruned head of 8,192 rows and Markov W2 of rank 256); rows 1 (a decode, the Markov head's slot), 7 (a
+drafted block) and 8 (a K = 7 verify).
+
+    .venv/bin/python scripts/ab_products.py --baseline 66df221 [--rounds 60] [--out results/native_drafter]
+
+Writes <out>/ab_products.{json,md}. One thread (OMP_NUM_THREADS=1 is set before torch loads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from hspec.models.native import integer_capability, load_kernels  # noqa: E402
+from hspec.models.quantize import pack_w4a8, pack_w8a8, quantize_groups, quantize_rows  # noqa: E402
+from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
+
+# (name, N outputs, K inputs)
+SHAPES = [("gate/up (1536 x 576)", 1536, 576), ("down (576 x 1536)", 576, 1536), ("q/o (576 x 576)", 576, 576),
+          ("k/v (192 x 576)", 192, 576), ("LM head (49152 x 576)", 49152, 576),
+          ("pruned head (8192 x 576)", 8192, 576), ("Markov W2 (8192 x 256)", 8192, 256)]
+ROWS = (1, 7, 8)
+SOURCE = "src/hspec/models/cpu_kernels.cpp"
+
+
+def build_baseline(commit: str, workdir: Path) -> None:
+    """`commit`'s cpu_kernels.cpp with its operators renamed to hspec_baseline::, built and loaded."""
+    from torch.utils import cpp_extension
+
+    text = subprocess.run(["git", "show", f"{commit}:{SOURCE}"], check=True, capture_output=True, text=True).stdout
+    text = text.replace("TORCH_LIBRARY(hspec,", "TORCH_LIBRARY(hspec_baseline,")
+    text = text.replace("TORCH_LIBRARY_IMPL(hspec,", "TORCH_LIBRARY_IMPL(hspec_baseline,")
+    source = workdir / "cpu_kernels_baseline.cpp"
+    source.write_text(text)
+    cpp_extension.load("hspec_cpu_kernels_baseline", [str(source)], extra_cflags=["-O3", "-fopenmp"],
+                       build_directory=str(workdir), is_python_module=False, verbose=False)
+
+
+def time_pair(calls: dict[str, object], rounds: int) -> dict[str, float]:
+    """Median thread CPU time (us) of each call, the calls alternating round by round."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.thread_time()
+            call()  # type: ignore[operator]
+            times[name].append(time.thread_time() - start)
+    return {name: 1e6 * statistics.median(t) for name, t in times.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", required=True, help="the commit whose kernels are timed against this tree's")
+    p.add_argument("--rounds", type=int, default=60, help="alternating calls per kernel, shape and rows (default 60)")
+    p.add_argument("--out", type=Path, default=Path("results/native_drafter"))
+    args = p.parse_args()
+    if not load_kernels():
+        raise SystemExit("hspec's CPU kernels do not run here")
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as workdir:
+        build_baseline(args.baseline, Path(workdir))
+    new, old = torch.ops.hspec, torch.ops.hspec_baseline
+    torch.manual_seed(0)
+    rows_out = []
+    for name, n, k in SHAPES:
+        q, scale = quantize_rows(torch.randn(n, k), torch.bfloat16)
+        w8 = pack_w8a8(q)
+        levels, steps = quantize_groups(torch.randn(n, k), torch.bfloat16)
+        w4 = pack_w4a8(levels, steps)
+        for m in ROWS:
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            pairs = {"w8a8": (new.w8a8_linear, old.w8a8_linear, (x, w8, scale)),
+                     "w4a8": (new.w4a8_linear, old.w4a8_linear, (x, w4))}
+            for kind, (now_op, before_op, args_) in pairs.items():
+                def now(op=now_op, a=args_):
+                    return op(*a)
+
+                def before(op=before_op, a=args_):
+                    return op(*a)
+
+                same = torch.equal(now(), before())
+                us = time_pair({"baseline": before, "this tree": now}, args.rounds)
+                rows_out.append({"shape": name, "N": n, "K": k, "rows": m, "kernel": kind, "same_bits": same,
+                                 "baseline_us": us["baseline"], "this_tree_us": us["this tree"]})
+                print(f"{name} {kind} M={m}: {us['baseline']:.0f} -> {us['this tree']:.0f} us"
+                      f"{'' if same else '  BITS DIFFER'}", flush=True)
+    command = f"python scripts/ab_products.py --baseline {args.baseline} --rounds {args.rounds} --out {args.out}"
+    settings = {"baseline": args.baseline, "rounds": args.rounds, "threads": 1, "rows_dtype": "bfloat16",
+                "integer_capability": integer_capability()}
+    payload = {"provenance": provenance(command, settings), "results": rows_out}
+    lines = ["# w4a8 and w8a8 products: this tree's kernels against the baseline's\n",
+             provenance_markdown(payload["provenance"]),
+             "\nMedian thread CPU time of one call (us), the two kernels alternating call by call in one process "
+             "(bf16 rows, one thread, weights hot in the caches after the first round); same bits: the two "
+             "outputs equal bit for bit.\n",
+             "| shape | kernel | rows | baseline (us) | this tree (us) | speedup | same bits |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows_out:
+        lines.append(f"| {r['shape']} | {r['kernel']} | {r['rows']} | {r['baseline_us']:.0f} | "
+                     f"{r['this_tree_us']:.0f} | {r['baseline_us'] / r['this_tree_us']:.2f}x | "
+                     f"{'yes' if r['same_bits'] else 'NO'} |")
+    write_results(args.out, "ab_products", payload, "\n".join(lines) + "\n")
+    print(f"wrote {args.out}/ab_products.json and .md")
+    return 0 if all(r["same_bits"] for r in rows_out) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
