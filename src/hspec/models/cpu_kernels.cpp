@@ -496,17 +496,25 @@ void tiled_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, const
 // Every output of x's m rows times w4a8 or w8a8 weights: tiles of up to 8 rows, each quantized once
 // (`quantize_rows`) and multiplied into `width` outputs at a time (8, or 16 for the wide VNNI tiles; the last
 // 8 alone where N / 8 is odd, by the AVX2 tile, which gives the same bits) by tile(rows, quantized, n0,
-// outputs, out), rows the tile's size as an integral constant, out the tile's first output row.
+// outputs, out), rows the tile's size as an integral constant, out the tile's first output row. Every row
+// tile runs over one unit of outputs before the next unit, so more than 8 rows (a tree's verify) read the
+// weights from memory once, not once per row tile; each output's sums are the same either way.
 template <typename In, typename Out, typename Tile>
 void quantized_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, int64_t width, const Tile& tile) {
+  std::vector<Int8Rows> quantized;
   for_each_row_tile(m, [&](auto rows, int64_t row0) {
-    const Int8Rows quantized = quantize_rows(x, k, row0, decltype(rows)::value);
-    const int64_t units = n / width;
-    at::parallel_for(0, units, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) tile(rows, quantized, t * width, width, out + row0 * n);
-    });
-    if (units * width < n) tile(rows, quantized, units * width, kW4a8Outputs, out + row0 * n);
+    quantized.push_back(quantize_rows(x, k, row0, decltype(rows)::value));
   });
+  const auto unit = [&](int64_t n0, int64_t outputs) {
+    for_each_row_tile(m, [&](auto rows, int64_t row0) {
+      tile(rows, quantized[row0 / kMaxTileRows], n0, outputs, out + row0 * n);
+    });
+  };
+  const int64_t units = n / width;
+  at::parallel_for(0, units, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) unit(t * width, width);
+  });
+  if (units * width < n) unit(units * width, kW4a8Outputs);
 }
 
 // 8 lanes over the first h - h % 8 values, then the rest one by one.
