@@ -122,7 +122,8 @@ def kernels_digest() -> str:
     """A digest of hspec's native sources (the CPU kernels, the decoder stack, native drafters) and of the
     cost model's fields: costs timed with other kernels, or fitted to another line, are measured again."""
     digest = hashlib.sha256(json.dumps(sorted(StepCost.__dataclass_fields__)).encode())
-    for source in sorted(Path(__file__).resolve().parents[1].rglob("*.cpp")):
+    root = Path(__file__).resolve().parents[1]
+    for source in sorted([*root.rglob("*.cpp"), *root.rglob("*.h")]):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
