@@ -83,7 +83,7 @@ def main() -> int:
                     times[name].append(elapsed)
     rows = {name: {"median_ms": 1000 * statistics.median(t), "min_ms": 1000 * min(t), "max_ms": 1000 * max(t)}
             for name, t in times.items()}
-    verify_ms = 1000 * statistics.median(setting.time_verify() for _ in range(args.rounds * args.block))
+    verify_ms = 1000 * statistics.median(setting.time_verify()[0] for _ in range(args.rounds * args.block))
     meta = provenance(f"python scripts/propose_after_gap.py --dtype {args.dtype} --rounds {args.rounds} "
                       f"--block {args.block} --threads {args.threads}",
                       {"drafter": "hspec (random weights, Vp 8192, compiled, drafter precision auto)", "B": 1,
