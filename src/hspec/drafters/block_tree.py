@@ -40,9 +40,8 @@ import torch
 
 from hspec.drafters.base import DraftBatch, Proposal, TreeDraft
 from hspec.drafters.common import NeuralDrafter
-from hspec.drafters.cost_aware import MAX_BACKOFF, RowState
+from hspec.drafters.cost_aware import MAX_BACKOFF, RowState, RowStateDrafter
 from hspec.drafters.step_cost import StepCost
-from hspec.drafters.wrapping import WrappingDrafter
 
 TREE = "tree"  # the suffix of `KIND:tree`
 BRANCH = 4  # candidates a node offers for its children
@@ -89,7 +88,7 @@ def grow_tree(backbone: torch.Tensor, anchor: int, drafter: NeuralDrafter, cost:
     return tokens, parents, values, rate
 
 
-class BlockTreeDrafter(WrappingDrafter):
+class BlockTreeDrafter(RowStateDrafter):
     """`model`'s drafts as a cost-aware token tree per greedy row, its chain per sampled row (module docstring)."""
 
     proposes_tree = True
@@ -103,8 +102,7 @@ class BlockTreeDrafter(WrappingDrafter):
         super().__init__(model)
         self.cost = cost
         self.max_nodes = max_nodes
-        self.kind = f"{model.kind}:{TREE}"
-        self._rows: dict[int, RowState] = {}  # each sequence's back-off (step 4)
+        self.kind = f"{model.kind}:{TREE}"  # `_rows`: each sequence's back-off (step 4)
 
     def draft_positions(self, K: int) -> int:
         return max(K, self.max_nodes)
@@ -159,22 +157,3 @@ class BlockTreeDrafter(WrappingDrafter):
         for row, probs in chain_probs.items():
             q[row, :K] = probs
         return TreeDraft(model.head.to_target_ids(local), parents_t, model.head.to_full(q), num_nodes)
-
-    def release(self, seq_id: int) -> None:
-        self._rows.pop(seq_id, None)
-        super().release(seq_id)
-
-    def carried_state(self, seq_id: int) -> object | None:
-        state = self._rows.get(seq_id)
-        inner = self.model.carried_state(seq_id)
-        if state is None and inner is None:
-            return None
-        return (state.copy() if state else None, inner)
-
-    def restore_carried_state(self, seq_id: int, state: object | None) -> None:
-        if state is None:
-            return
-        own, inner = state  # what carried_state returned
-        if own is not None:
-            self._rows[seq_id] = own.copy()
-        self.model.restore_carried_state(seq_id, inner)

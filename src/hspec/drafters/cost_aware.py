@@ -163,7 +163,35 @@ class RowState:
         return RowState(self.skip, self.backoff, self.model.copy(), self.lookup.copy(), self.pending)
 
 
-class CostAwareDrafter(WrappingDrafter):
+class RowStateDrafter(WrappingDrafter):
+    """A wrapper that keeps a `RowState` per sequence (`_rows`): forgotten on release, carried through a
+    preemption with the wrapped drafter's own state."""
+
+    def __init__(self, model: Drafter) -> None:
+        super().__init__(model)
+        self._rows: dict[int, RowState] = {}
+
+    def release(self, seq_id: int) -> None:
+        self._rows.pop(seq_id, None)
+        super().release(seq_id)
+
+    def carried_state(self, seq_id: int) -> object | None:
+        state = self._rows.get(seq_id)
+        inner = self.model.carried_state(seq_id)
+        if state is None and inner is None:
+            return None
+        return (state.copy() if state else None, inner)
+
+    def restore_carried_state(self, seq_id: int, state: object | None) -> None:
+        if state is None:
+            return
+        own, inner = state  # what carried_state returned
+        if own is not None:
+            self._rows[seq_id] = own.copy()
+        self.model.restore_carried_state(seq_id, inner)
+
+
+class CostAwareDrafter(RowStateDrafter):
     """`model`'s proposals, each row verifying the number of drafts that pays most per step cost, and drafting
     nothing while it backs off after drafts that did not pay (module docstring)."""
 
@@ -178,7 +206,6 @@ class CostAwareDrafter(WrappingDrafter):
         self.free_cost = replace(cost, draft=0.0)  # a row drafted without the model
         self.max_backoff = max_backoff
         self.kind = f"{model.kind}:{ADAPTIVE_LENGTH}"
-        self._rows: dict[int, RowState] = {}
 
     @property
     def lookup_rows(self) -> int | None:  # type: ignore[override]
@@ -234,22 +261,3 @@ class CostAwareDrafter(WrappingDrafter):
             if state is not None:
                 state.record(committed - 1)  # committed = x0 + the accepted drafts
         super().commit(pool, seq_ids, hidden, num_committed)
-
-    def release(self, seq_id: int) -> None:
-        self._rows.pop(seq_id, None)
-        super().release(seq_id)
-
-    def carried_state(self, seq_id: int) -> object | None:
-        state = self._rows.get(seq_id)
-        inner = self.model.carried_state(seq_id)
-        if state is None and inner is None:
-            return None
-        return (state.copy() if state else None, inner)
-
-    def restore_carried_state(self, seq_id: int, state: object | None) -> None:
-        if state is None:
-            return
-        own, inner = state  # what carried_state returned
-        if own is not None:
-            self._rows[seq_id] = own.copy()
-        self.model.restore_carried_state(seq_id, inner)
