@@ -29,8 +29,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from hspec.models.formats.int4 import quantize_groups  # noqa: E402
+from hspec.models.formats.int8 import quantize_rows  # noqa: E402
+from hspec.models.formats.w4a8 import pack_w4a8, pack_w8a8  # noqa: E402
 from hspec.models.native import integer_capability, load_kernels  # noqa: E402
-from hspec.models.quantize import pack_w4a8, pack_w8a8, quantize_groups, quantize_rows  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
 
 # (name, N outputs, K inputs)

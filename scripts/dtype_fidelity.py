@@ -38,7 +38,7 @@ def next_token_log_probs(model: TargetModel, prompt: list[int], path: list[int])
     but the whole (a prefill, then one 1-token decode per token of `path[:-1]`, as plain decoding runs)."""
     pool = model.new_pool(num_blocks=blocks_for(len(prompt) + len(path) + 1, 16))
     pool.add_sequence(0)
-    logits = [model(torch.tensor([prompt]), pool, [0], prefill=True, last_logits_only=True).logits[0, -1]]
+    logits = [model.prefill(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits[0, -1]]
     for token in path[:-1]:
         logits.append(model(torch.tensor([[token]]), pool, [0]).logits[0, -1])
     return torch.log_softmax(torch.stack(logits).float(), dim=-1)
@@ -48,7 +48,7 @@ def greedy_path(model: TargetModel, prompt: list[int], tokens: int) -> list[int]
     """`tokens` greedy tokens after `prompt`, decoded one at a time (no stop at EOS: a fixed length)."""
     pool = model.new_pool(num_blocks=blocks_for(len(prompt) + tokens + 1, 16))
     pool.add_sequence(0)
-    path = [int(model(torch.tensor([prompt]), pool, [0], prefill=True, last_logits_only=True).logits[0, -1].argmax())]
+    path = [int(model.prefill(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits[0, -1].argmax())]
     while len(path) < tokens:
         path.append(int(model(torch.tensor([[path[-1]]]), pool, [0]).logits[0, -1].argmax()))
     return path

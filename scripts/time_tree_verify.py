@@ -71,7 +71,7 @@ def main() -> int:
     for s in contexts:
         pool = model.new_pool(num_blocks=blocks_for(s + len(PARENTS), 16))
         pool.add_sequence(0)
-        model(torch.randint(0, vocab, (1, s), generator=generator), pool, [0], prefill=True)
+        model.prefill(torch.randint(0, vocab, (1, s), generator=generator), pool, [0])
         timed = forwards(model, pool, torch.randint(0, vocab, (1, len(PARENTS)), generator=generator))
         times: dict[str, list[float]] = {name: [] for name in timed}
         for round_ in range(args.rounds):

@@ -128,7 +128,7 @@ def assert_samples_follow(samples, exact: dict[tuple, float], min_p_value: float
 
 def exact_joint(target, prompt, params, n_tokens):
     """P(first n_tokens tokens) under the target alone, by enumerating every continuation, computed as
-    plain decoding computes it: the prompt prefilled (`prefill=True`, whose products may round otherwise
+    plain decoding computes it: the prompt prefilled (`TargetModel.prefill`, whose products may round otherwise
     than a decode's: w4a8's prefill multiplies bf16 rows), then each prefix's tokens in one forward."""
     from hspec.sampling import SamplingBatch
 
@@ -143,8 +143,8 @@ def exact_joint(target, prompt, params, n_tokens):
         for i in sequences:
             pool.add_sequence(i)
         with torch.no_grad():
-            logits = target.model(torch.tensor([prompt] * len(prefixes)), pool, sequences, last_logits_only=True,
-                                  prefill=True).logits
+            logits = target.model.prefill(torch.tensor([prompt] * len(prefixes)), pool, sequences,
+                                          last_logits_only=True).logits
             if prefixes[0]:
                 logits = target.model(torch.tensor([list(p) for p in prefixes]), pool, sequences,
                                       last_logits_only=True).logits

@@ -15,10 +15,6 @@ from typing import Any
 
 # Replacements that remain, by the replaced function's qualified name, each with why it has no seam yet.
 STILL_REPLACED = {
-    "hspec.models.dtype.cpu_has_native_bf16":
-        "tests/test_fast_path.py runs a prompt's int8 product as on a CPU with and without bf16 dot products; "
-        "models/layers.py reads the machine's flags itself and is being split into one class per weight format, "
-        "where the flags are to arrive as a value",
     "hspec.drafters.ahead_of_time.AheadOfTimeForward.__call__":
         "tests/test_train_run.py stands in for AOTInductor's compile of a real library (30-40 s) and records "
         "which of `hspec bench draft`'s rows reach it",

@@ -106,7 +106,7 @@ def test_int8_local_head_runs_the_gru_equations():
     x, state = torch.randn(3, 5, 32, generator=g), torch.randn(1, 3, 48, generator=g)
     expected, expected_state = head(x, state)
     head.store_int8(torch.float32, "torch")
-    assert head._int8["hh"][0].dtype == torch.int8
+    assert head._int8["hh"].weight.dtype == torch.int8
     got, got_state = head(x, state)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_state, expected_state, atol=1e-5, rtol=1e-5)
@@ -132,7 +132,7 @@ def test_drafting_under_a_bf16_target_stores_the_local_head_in_int8(tiny_target)
     drafter = DeLSDrafter(tiny_target.config, tiny_target.model, config=config, dtype=torch.bfloat16)
     drafter = prepare_for_inference(drafter, "bfloat16", "cpu")
     assert set(drafter.local._int8) == {"ih", "hh", "up"}  # every width a multiple of the kernel's 16
-    assert drafter.local._int8["up"][1].dtype == torch.bfloat16
+    assert drafter.local._int8["up"].scale.dtype == torch.bfloat16
 
 
 def test_training_leaves_the_dflash_part_unchanged(tiny_target, features):

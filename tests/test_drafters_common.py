@@ -117,7 +117,7 @@ def test_markov_head_drafts_with_int8_w2_once_stored_and_trains_with_w2():
     prev = torch.tensor([[3, 99, 3]])
     exact = head(prev)  # (1, 3, 48) through W2
     head.store_int8(torch.bfloat16)
-    assert head._w2_int8.dtype == torch.int8 and head._w2_int8.shape == (48, 32)
+    assert head._w2_int8.weight.dtype == torch.int8 and head._w2_int8.weight.shape == (48, 32)
     drafted = head(prev)
     assert not torch.equal(drafted, exact), "the int8 copy was not used"
     assert torch.allclose(drafted.float(), exact.float(), rtol=0.05, atol=0.05 * exact.abs().max().item())

@@ -1,9 +1,7 @@
-"""The fast path's kernels: row invariance of `linear` and `attend` in bf16, int8, int4 and w4a8, and the
-int8, int4 and w4a8 storage.
-
-Greedy speculative decoding is lossless only if a row comes out the same bits whether it is computed
-alone (a 1-token decode) or inside a (K+1)-token verify; these tests check that on random tensors and
-on the tiny target, where the kernels' rounding would show.
+"""The fast path's kernels: row invariance of `attend` in bf16, int8, int4 and w4a8 targets, the norms, RoPE,
+and hspec's kernels' own checks (the weight formats' products: tests/test_formats.py). Greedy speculative
+decoding is lossless only if a row comes out the same bits whether it is computed alone (a 1-token decode)
+or inside a (K+1)-token verify; these tests check that on random tensors and on the tiny target.
 """
 
 from __future__ import annotations
@@ -19,121 +17,9 @@ import pytest
 import torch
 
 from hspec.cache.paged_pool import blocks_for
-from hspec.models.layers import attend, linear, row_invariant
+from hspec.models.layers import attend, row_invariant
 from hspec.models.native import load_kernels
-from hspec.models.quantize import (
-    dequantize_groups,
-    int4_kernel_fits,
-    pack_int4,
-    pack_w4a8,
-    pack_w8a8,
-    quantize_groups,
-    quantize_int4,
-    quantize_int8,
-    quantize_rows,
-)
-
-# Weight storages `linear` takes: floating, int8 and int4 for torch's kernels or hspec's (models/cpu_kernels.cpp),
-# and w4a8's two (int4 and int8 weights times int8 rows; hspec's kernels only).
-STORAGES = ["floating", "int8", "int4", "int8 hspec", "int4 hspec", "w4a8 hspec", "w8a8 hspec"]
-
-
-def _stored(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`weight` as `linear` takes it in `storage` (one of STORAGES): weight, scale, packed. An hspec storage
-    skips the test where hspec's kernels do not run."""
-    hspec = storage.endswith(" hspec")
-    if hspec and not load_kernels():
-        pytest.skip("hspec's CPU kernels do not run here (no AVX2, or no compiler)")
-    if storage == "w4a8 hspec":
-        levels, scale = quantize_groups(weight, torch.bfloat16)
-        step_offset, _ = pack_int4(levels, scale)
-        return dequantize_groups(levels, scale, torch.bfloat16), step_offset, pack_w4a8(levels, scale)
-    if storage == "w8a8 hspec":
-        q, scale = quantize_rows(weight, torch.bfloat16)
-        return q, scale, pack_w8a8(q)
-    if storage.startswith("int8"):
-        q, scale = quantize_rows(weight, torch.bfloat16)
-        return q, scale, q if hspec else None
-    if storage.startswith("int4"):
-        levels, scale = quantize_groups(weight, torch.bfloat16)
-        floating = dequantize_groups(levels, scale, torch.bfloat16)
-        if hspec:
-            return (floating, *pack_int4(levels, scale))
-        return floating, scale, torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), 1)
-    return weight, None, None
-
-
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (3072, 576), (40, 48), (37, 64)])
-@pytest.mark.parametrize("storage", STORAGES)
-def test_linear_computes_a_row_the_same_alone_or_among_others(out_features, in_features, storage):
-    torch.manual_seed(0)
-    weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
-    if storage.startswith(("int4", "w4a8")) and not int4_kernel_fits(weight):
-        pytest.skip("the int4 kernels take inputs in groups of 32 and outputs in multiples of 16")
-    if storage == "w8a8 hspec" and (in_features % 32 or out_features % 8):
-        pytest.skip("the w8a8 kernel takes inputs in blocks of 32 and outputs in multiples of 8")
-    if storage == "int8 hspec" and in_features % 32:
-        pytest.skip("hspec's int8 kernel takes inputs in blocks of 32 (torch's takes the rest)")
-    weight, scale, packed = _stored(weight, storage)
-    x = torch.randn(1, 70, in_features).to(torch.bfloat16)  # more rows than one product takes (_ROW_BLOCK)
-    together = linear(x, weight, scale=scale, packed=packed)  # (1, 70, out)
-    alone = torch.cat([linear(x[:, i : i + 1], weight, scale=scale, packed=packed) for i in range(70)], dim=1)
-    assert torch.equal(together, alone)
-    for rows in (2, 5, 8, 32, 33, 65):
-        assert torch.equal(linear(x[:, :rows], weight, scale=scale, packed=packed), together[:, :rows])
-
-
-def test_a_product_autograd_records_runs_in_one_call():
-    """Training (a drafter's step under bf16 autocast) needs no row invariance: its products are F.linear's
-    in one call, however many rows (blocks of 32 would cost a training step time for nothing)."""
-    torch.manual_seed(1)
-    weight = (torch.randn(576, 1536) * 0.05).to(torch.bfloat16).requires_grad_()  # SmolLM2's down_proj
-    x = torch.randn(100, 1536).to(torch.bfloat16)
-    assert torch.equal(linear(x, weight), torch.nn.functional.linear(x, weight))
-    with torch.no_grad():  # inference: blocks of at most 32 rows, each row with the bits it has alone
-        assert torch.equal(linear(x, weight), torch.cat([linear(x[i : i + 1], weight) for i in range(100)]))
-
-
-@pytest.mark.skipif(not __import__("hspec.models.prepack").models.prepack.prepack_available(),
-                    reason="this torch has no oneDNN packed linear")
-@pytest.mark.parametrize("out_features,in_features", [(3072, 576), (960, 576), (576, 1536), (40, 48)])
-def test_a_packed_weight_gives_f_linears_bits_alone_or_among_others(out_features, in_features):
-    from hspec.models.prepack import pack_weight
-
-    torch.manual_seed(3)
-    weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
-    packed = pack_weight(weight)
-    assert packed is not None and pack_weight(weight.float()) is None  # bf16 only
-    bias = torch.randn(out_features).to(torch.bfloat16)
-    x = torch.randn(1, 70, in_features).to(torch.bfloat16)
-    together = linear(x, weight, bias, packed=packed)
-    assert torch.equal(together, linear(x, weight, bias))
-    alone = torch.cat([linear(x[:, i : i + 1], weight, bias, packed=packed) for i in range(70)], dim=1)
-    assert torch.equal(together, alone)
-
-
-def test_a_bf16_target_is_prepacked_and_keeps_the_logits_of_plain_weights(tiny_dirs):
-    from conftest import load_tiny
-    from hspec.models.prepack import drop_packed, prepack_available
-
-    if not prepack_available():
-        pytest.skip("this torch has no oneDNN packed linear")
-    target = load_tiny(tiny_dirs["llama"], dtype=torch.bfloat16)
-    model = target.model
-    layer = model.layers[0]
-    assert layer.self_attn.qkv.qkv_packed is not None and layer.mlp.gate_up_packed is not None
-    assert layer.mlp.down_proj.weight_packed is not None and model.lm_head.weight_packed is not None
-    assert layer.self_attn.qkv.q_proj.weight_packed is None  # a part of the stacked matrix: never used
-    assert "lm_head.weight_packed" not in model.state_dict()
-    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
-    pool = model.new_pool(4)
-    pool.add_sequence(0)
-    packed_logits = model(ids, pool, [0]).logits
-    drop_packed(model)  # the same model on F.linear
-    assert layer.self_attn.qkv.qkv_packed is None and model.lm_head.weight_packed is None
-    pool.truncate(0, 0)
-    assert torch.equal(model(ids, pool, [0]).logits, packed_logits)
-    assert load_tiny(tiny_dirs["llama"]).model.lm_head.weight_packed is None  # float32: nothing packed
+from test_formats import _stored
 
 
 @pytest.mark.parametrize("context", [37, 255, 700, 1023, 1024, 1500, 2100])
@@ -393,62 +279,6 @@ def test_rms_norm_on_bf16_without_autograd_keeps_the_fp32_paths_bits_alone_or_am
     assert reference.requires_grad and torch.equal(fast, reference.detach()) and torch.equal(rows_alone, fast)
 
 
-@pytest.mark.parametrize("storage", ["int8 hspec", "int4 hspec"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 13])
-def test_hspecs_kernels_compute_the_product_of_the_stored_weights(storage, rows):
-    """hspec's int8 and int4 kernels multiply exactly the weights the storage says (int8 rows times their
-    scale; level * step + offset), summed in fp32: float32 rows give the fp32 product to summation error,
-    bf16 rows that product rounded to bf16."""
-    torch.manual_seed(7)
-    weight, scale, packed = _stored(torch.randn(80, 96) * 0.05, storage)
-    if storage.startswith("int8"):
-        exact = weight.float() * scale.float()[:, None]
-    else:
-        levels = torch.cat((packed & 15, packed >> 4), dim=-1).view(80, 96).float()  # inputs 0-15 low, 16-31 high
-        step, offset = scale.repeat_interleave(32, dim=1).unbind(-1)  # (N, K) each
-        exact = levels * step + offset
-    x = torch.randn(rows, 96)
-    assert torch.allclose(linear(x, weight, scale=scale, packed=packed), x @ exact.T, rtol=1e-5, atol=1e-5)
-    rounded = linear(x.bfloat16(), weight, scale=scale, packed=packed)
-    assert rounded.dtype == torch.bfloat16
-    assert torch.allclose(rounded.float(), (x.bfloat16().float() @ exact.T), rtol=1e-2, atol=1e-3)
-
-
-def _int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows (M, K) -> their levels (M, K/32, 32) and steps (M, K/32, 1) as the w4a8 and w8a8 kernels round
-    them: per block of 32, levels x * (127 / max |x|) in fp32 rounded to nearest even (bf16 rows often land
-    on a tie), step max |x| / 127."""
-    blocks = x.float().view(x.shape[0], -1, 32)
-    most = blocks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(most > 0, torch.full_like(most, 127.0) / most, 0.0)  # (127.0 / most is 127 * (1 / most))
-    return torch.round(blocks * inverse), most / 127.0
-
-
-@pytest.mark.parametrize("storage", ["w4a8 hspec", "w8a8 hspec"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 13])
-def test_w4a8s_kernels_multiply_the_stored_weights_by_the_rows_rounded_to_int8_blocks(storage, rows):
-    """The w4a8 and w8a8 kernels compute, to fp32 summation error, the product of the stored weights with
-    the rows rounded to int8 blocks of 32 (`_int8_blocks`): a level off anywhere would show (~1e-3)."""
-    torch.manual_seed(11)
-    original = torch.randn(80, 96) * 0.05
-    weight, scale, packed = _stored(original, storage)
-    if storage == "w4a8 hspec":
-        levels, steps = quantize_groups(original, torch.bfloat16)
-        step, zero = steps.permute(1, 0, 2).double().repeat_interleave(32, dim=1).unbind(-1)  # (N, K) each
-        exact = levels.double() * step + (zero - 8 * step)
-    else:
-        exact = weight.double() * scale.double()[:, None]
-    for x in (torch.randn(rows, 96), torch.randn(rows, 96).bfloat16()):
-        levels, steps = _int8_blocks(x)
-        rounded = (levels.double() * steps.double()).view(rows, 96)
-        got = linear(x, weight, scale=scale, packed=packed)
-        assert got.dtype == x.dtype
-        tolerance = 1e-5 if x.dtype == torch.float32 else 8e-3  # bf16 output: half a bf16 step
-        assert torch.allclose(got.double(), rounded @ exact.T, rtol=tolerance, atol=1e-5)
-    zero_row = linear(torch.zeros(1, 96), weight, scale=scale, packed=packed)  # max |x| = 0: no division by it
-    assert torch.equal(zero_row, torch.zeros(1, 80))
-
-
 _OPS_ON = """
 import sys, torch
 from hspec.models.native import integer_capability, load_kernels
@@ -568,164 +398,6 @@ def test_hspecs_rms_norm_is_f_rms_norm_to_a_bf16_step_and_keeps_a_rows_bits_alon
     assert bool(((fast.float() - reference.float()).abs() <= step + 1e-30).all())
 
 
-def test_a_model_runs_hspecs_kernels_or_torchs_throughout(tiny_dirs):
-    from conftest import load_tiny
-    from hspec.models.layers import RMSNorm
-    from hspec.models.loading import build_model, read_state_dict
-
-    if not load_kernels():
-        pytest.skip("hspec's CPU kernels do not run here")
-    ours = load_tiny(tiny_dirs["llama"], dtype="int4").model
-    theirs = build_model(ours.config, read_state_dict(tiny_dirs["llama"]), "int4", "cpu", kernels=False)
-    norms = [m for m in ours.modules() if isinstance(m, RMSNorm)]
-    assert norms and all(m.kernel for m in norms) and ours.native.kernels
-    assert not any(m.kernel for m in theirs.modules() if isinstance(m, RMSNorm)) and not theirs.native.kernels
-    assert ours.layers[0].mlp.gate_up_packed.dim() == 3 and theirs.layers[0].mlp.gate_up_packed.dim() == 2
-    assert ours.lm_head.weight_packed is not None and theirs.lm_head.weight_packed is None
-    pool_a, pool_b = ours.new_pool(num_blocks=4), theirs.new_pool(num_blocks=4)
-    pool_a.add_sequence(0)
-    pool_b.add_sequence(0)
-    with torch.inference_mode():
-        a = ours(torch.tensor([[3, 4, 5]]), pool_a, [0]).logits
-        b = theirs(torch.tensor([[3, 4, 5]]), pool_b, [0]).logits
-    assert torch.allclose(a.float(), b.float(), atol=0.05, rtol=0.05)  # the same weights, other roundings
-
-
-def test_quantize_rows_bounds_the_error_by_half_a_step():
-    torch.manual_seed(2)
-    weight = torch.randn(30, 50)
-    weight[3] = 0.0  # an all-zero row must not divide by zero
-    q, scale = quantize_rows(weight, torch.float32)
-    assert q.dtype == torch.int8 and q.is_contiguous() and scale.shape == (30,)
-    error = (q.float() * scale[:, None] - weight).abs()
-    assert bool((error <= scale[:, None] / 2 + 1e-6).all())
-    assert int(q[3].abs().max()) == 0
-
-
-def test_quantize_groups_bounds_the_error_by_half_a_step_and_keeps_a_q4_1_checkpoints_levels():
-    torch.manual_seed(5)
-    weight = torch.randn(32, 128) * 0.05
-    weight[3, :32] = 0.25  # a constant group must not divide by zero
-    levels, scale = quantize_groups(weight, torch.float32)
-    assert levels.dtype == torch.uint8 and scale.shape == (4, 32, 2) and int(levels.max()) <= 15
-    step = scale[..., 0].T.repeat_interleave(32, dim=1)  # (N, K) each weight's step
-    assert bool(((dequantize_groups(levels, scale, torch.float32) - weight).abs() <= step / 2 + 1e-6).all())
-    assert torch.equal(dequantize_groups(levels[3:4, :32], scale[:1, 3:4], torch.float32), weight[3:4, :32])
-    # A Q4_1 block: w = d q + m with q spanning 0..15 and d, m as the checkpoint stores them (fp16).
-    q = torch.randint(0, 16, (32, 128))
-    q[:, ::32], q[:, 1::32] = 0, 15
-    d = (torch.rand(32, 4) * 0.01 + 0.001).half().float()
-    m = (-torch.rand(32, 4) * 0.05).half().float()
-    checkpoint = d.repeat_interleave(32, dim=1) * q + m.repeat_interleave(32, dim=1)
-    for scale_dtype in (torch.float32, torch.bfloat16):  # bf16 rounds the steps, not the levels
-        assert torch.equal(quantize_groups(checkpoint, scale_dtype)[0], q.to(torch.uint8))
-
-
-@pytest.mark.parametrize("storage", ["int4", "int4 hspec"])
-def test_an_int4_weight_is_the_kernels_weights_and_a_prefill_multiplies_it(storage):
-    torch.manual_seed(6)
-    weight, scale, packed = _stored(torch.randn(96, 64) * 0.05, storage)
-    eye = torch.eye(64, dtype=torch.bfloat16)
-    assert torch.equal(linear(eye, weight, scale=scale, packed=packed).T, weight)  # the kernel's weights, bit for bit
-    x = torch.randn(3, 40, 64).bfloat16()
-    wide = linear(x, weight, scale=scale, packed=packed, prefill=True)
-    assert torch.equal(wide, torch.nn.functional.linear(x, weight))
-    kernel = linear(x, weight, scale=scale, packed=packed)
-    assert torch.allclose(wide.float(), kernel.float(), atol=0.05, rtol=0.02)
-    with pytest.raises(ValueError, match="steps and zeros"):
-        linear(x, weight, packed=packed)
-    with pytest.raises(ValueError, match="packed levels"):  # never the int8 kernel on floating values
-        linear(x, weight, scale=scale)
-
-
-def test_quantize_int4_stores_what_its_kernel_takes_and_leaves_the_rest_to_int8(tiny_dirs):
-    from torch import nn
-
-    from conftest import load_tiny
-    from hspec.models.layers import Linear
-
-    odd = nn.Sequential(Linear(64, 40, bias=False), Linear(48, 64, bias=False), Linear(64, 48, bias=True))
-    odd.to(torch.bfloat16).requires_grad_(False)
-    assert quantize_int4(odd) == 1  # 40 outputs and 48 inputs do not fit
-    quantize_int8(odd)
-    assert [m.weight.dtype for m in odd] == [torch.int8, torch.int8, torch.bfloat16]
-    assert odd[2].weight_packed.dtype == torch.uint8 and odd[2].weight_scale.shape == (2, 48, 2)
-    assert odd[2](torch.randn(3, 64).bfloat16()).shape == (3, 48)
-
-    model = load_tiny(tiny_dirs["llama"], dtype="int4").model
-    assert model.dtype_name == "int4" and model.lm_head.weight.dtype == torch.int8  # the head stays int8
-    reference = load_tiny(tiny_dirs["llama"], dtype="bfloat16").model
-    assert set(model.state_dict()) == set(reference.state_dict())
-    qkv, mlp = model.layers[0].self_attn.qkv, model.layers[0].mlp
-    assert qkv.qkv_packed.dtype == torch.uint8 and mlp.gate_up_packed.dtype == torch.uint8
-    assert qkv.qkv_weight.dtype == torch.bfloat16  # the levels' values, what a prefill multiplies
-    assert qkv.k_proj.weight.untyped_storage().data_ptr() == qkv.qkv_weight.untyped_storage().data_ptr()
-    q_rows = qkv.q_proj.weight.shape[0]
-    if load_kernels():  # hspec's layout: levels (N, K/32, 16), steps and offsets (N, K/32, 2) in fp32
-        assert qkv.qkv_packed.shape == (qkv.qkv_weight.shape[0], 2, 16) and qkv.qkv_scale.dtype == torch.float32
-        assert torch.equal(qkv.k_proj.weight_scale, qkv.qkv_scale[q_rows : q_rows + 32])
-    else:  # torch's: steps and zeros (K/32, N, 2)
-        assert torch.equal(qkv.k_proj.weight_scale, qkv.qkv_scale[:, q_rows:][:, :32])
-    assert mlp.down_proj.weight_packed.dtype == torch.uint8
-
-
-def test_a_w4a8_target_holds_int4s_weights_for_the_integer_kernels_and_needs_them(tiny_dirs):
-    """--dtype w4a8: the decoder layers' weights are int4's (the same floating values, steps and offsets)
-    in the w4a8 kernel's tiles, the LM head int8 in the w8a8 kernel's; without hspec's kernels it is refused
-    by name (torch has no kernel for it)."""
-    from conftest import load_tiny, skip_without_kernels
-    from hspec.models.loading import build_model, read_state_dict
-
-    skip_without_kernels("w4a8")
-    w4a8 = load_tiny(tiny_dirs["llama"], dtype="w4a8").model
-    int4 = load_tiny(tiny_dirs["llama"], dtype="int4").model
-    assert w4a8.dtype_name == "w4a8" and int4.dtype_name == "int4"
-    gate_up = (w4a8.layers[0].mlp, int4.layers[0].mlp)
-    assert torch.equal(gate_up[0].gate_up_weight, gate_up[1].gate_up_weight)
-    assert torch.equal(gate_up[0].gate_up_scale, gate_up[1].gate_up_scale)
-    assert gate_up[0].gate_up_packed.shape == (gate_up[0].gate_up_weight.shape[0] // 8, 2, 160)
-    head = w4a8.lm_head
-    assert head.weight.dtype == torch.int8 and head.weight_packed.shape == (96 // 8, 2, 256)
-    assert torch.equal(head.weight, int4.lm_head.weight)
-    with pytest.raises(ValueError, match="--dtype w4a8 runs only in hspec's CPU kernels"):
-        build_model(w4a8.config, read_state_dict(tiny_dirs["llama"]), "w4a8", "cpu", kernels=False)
-
-
-def test_quantize_int8_leaves_floating_the_widths_the_kernel_cannot_take():
-    from torch import nn
-
-    from hspec.models.layers import Linear
-
-    model = nn.Sequential(Linear(24, 40, bias=False), Linear(32, 40, bias=False))
-    model.to(torch.bfloat16).requires_grad_(False)
-    quantize_int8(model)
-    assert model[0].weight.dtype == torch.bfloat16 and model[0].weight_scale is None
-    assert model[1].weight.dtype == torch.int8
-    assert model[0](torch.randn(3, 24).to(torch.bfloat16)).shape == (3, 40)
-    assert model[1](torch.randn(3, 32).to(torch.bfloat16)).shape == (3, 40)
-
-
-def test_quantize_int8_keeps_names_shares_stacked_rows_and_unties_the_head(tiny_dirs):
-    from conftest import load_tiny
-
-    target = load_tiny(tiny_dirs["llama"], dtype="bfloat16")
-    model = target.model
-    names = set(model.state_dict())
-    embedding = model.embed_tokens.weight.clone()
-    quantize_int8(model)
-    assert set(model.state_dict()) == names
-    qkv = model.layers[0].self_attn.qkv
-    assert qkv.qkv_weight.dtype == torch.int8 and qkv.q_proj.weight.dtype == torch.int8
-    assert qkv.q_proj.weight.untyped_storage().data_ptr() == qkv.qkv_weight.untyped_storage().data_ptr()
-    assert model.lm_head.weight.dtype == torch.int8
-    assert torch.equal(model.embed_tokens.weight, embedding)  # lookups keep the floating rows
-    if model.config.tie_word_embeddings:
-        assert model.lm_head_weight() is model.embed_tokens.weight
-    with pytest.raises(ValueError, match="frozen"):
-        trainable = load_tiny(tiny_dirs["llama"], dtype="bfloat16").model.requires_grad_(True)
-        quantize_int8(trainable)
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "w4a8"])
 def test_tiny_target_verify_logits_equal_decode_logits_bit_for_bit(tiny_dirs, dtype):
     from conftest import load_tiny
@@ -747,40 +419,6 @@ def test_tiny_target_verify_logits_equal_decode_logits_bit_for_bit(tiny_dirs, dt
             for start in range(0, 24, block):
                 verified.extend(model(torch.tensor([tokens[start : start + block]]), pool, [0]).logits[0])
             assert all(torch.equal(a, b) for a, b in zip(decoded, verified, strict=True))
-
-
-@pytest.mark.parametrize("dtype", ["int8", "int4", "w4a8"])
-def test_weight_only_dtypes_are_refused_off_the_cpu(dtype):
-    from hspec.models.loading import load_target
-
-    with pytest.raises(ValueError, match=f"--dtype {dtype}"):
-        load_target("smollm2", dtype=dtype, device="meta")
-
-
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_a_prompts_int8_product_is_the_floating_product_of_the_rounded_weight(native_bf16, monkeypatch):
-    """A prefill multiplies the dequantized weight in one call: in bf16 where the CPU has bf16 dot products,
-    in fp32 where torch would emulate bf16 (an AVX2-only CPU), rounded back to bf16 either way."""
-    import hspec.models.layers as layers
-    from hspec.models.quantize import quantize_rows
-
-    monkeypatch.setattr(layers, "cpu_has_native_bf16", lambda: native_bf16)
-    torch.manual_seed(0)
-    w = torch.randn(96, 64) * 0.05
-    q, scale = quantize_rows(w, torch.bfloat16)
-    x = torch.randn(3, 40, 64).bfloat16()
-
-    def floating_product(weight: torch.Tensor) -> torch.Tensor:
-        if native_bf16:
-            return torch.nn.functional.linear(x, weight)
-        return torch.nn.functional.linear(x.float(), weight.float()).bfloat16()
-
-    wide = layers.linear(x, q, scale=scale, prefill=True)
-    assert torch.equal(wide, floating_product(q.bfloat16() * scale[:, None]))
-    kernel = layers.linear(x, q, scale=scale)
-    assert not torch.equal(wide, kernel) and torch.allclose(wide.float(), kernel.float(), atol=0.05, rtol=0.02)
-    floating = torch.randn(96, 64).bfloat16()
-    assert torch.equal(layers.linear(x, floating, prefill=True), floating_product(floating))  # one call
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4", "w4a8"])
@@ -849,7 +487,7 @@ def test_smollm2_tree_rows_equal_the_decode_of_their_path_bit_for_bit(dtype):
     path = [0, 1, 4, 7, 10]
     differing = []
     with torch.inference_mode():
-        tokens = [int(model(torch.tensor([prompt]), pool, [0], last_logits_only=True, prefill=True).logits[0, -1]
+        tokens = [int(model.prefill(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits[0, -1]
                       .argmax())]
         for rep in range(12):
             start = pool.length(0)

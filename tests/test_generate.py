@@ -177,7 +177,7 @@ def test_a_drafter_under_a_w4a8_target_multiplies_int8_rows_as_its_target(target
     drafter = build_drafter("hspec", target, random_weights=True)
     packed = [m.weight_packed for m in drafter.modules() if isinstance(m, Linear) and m.weight.dtype == torch.int8]
     assert all(p is not None for p in packed) and any(p.dim() == 3 for p in packed)  # pack_w8a8's tiles where they fit
-    assert drafter.head._int8[2].dim() == 3 and drafter.markov._w2_packed.dim() == 3
+    assert drafter.head._int8.packed.dim() == 3 and drafter.markov._w2_int8.packed.dim() == 3
     prompts = [target.tokenizer.encode_prompt(p) for p in PROMPTS]
     plain = _decoder(target, create_drafter("none", target.config), 1).generate(prompts, SamplingParams(), 32)
     got = _decoder(target, drafter, 4).generate(prompts, SamplingParams(), 32)

@@ -36,7 +36,7 @@ class _Counting:
 def _prefilled(model, prompt: list[int], extra: int):
     pool = model.new_pool(num_blocks=blocks_for(len(prompt) + extra, 16))
     pool.add_sequence(0)
-    model(torch.tensor([prompt]), pool, [0], last_logits_only=True, prefill=True)
+    model.prefill(torch.tensor([prompt]), pool, [0], last_logits_only=True)
     return pool
 
 
@@ -86,8 +86,8 @@ def test_batches_of_ragged_sequences_on_scattered_blocks_keep_the_python_layers_
             for chunk in range(6):  # 6 x 8 tokens each, alternating: the two sequences' blocks interleave
                 for seq in (0, 1):
                     ids = torch.tensor([[3 + (5 * chunk + 11 * seq + i) % (vocab - 3) for i in range(8)]])
-                    model(ids, pool, [seq], prefill=True)
-            model(torch.tensor([[5, 6, 7]]), pool, [1], prefill=True)  # ragged: 48 and 51 tokens
+                    model.prefill(ids, pool, [seq])
+            model.prefill(torch.tensor([[5, 6, 7]]), pool, [1])  # ragged: 48 and 51 tokens
         assert pools[0].slot_table([0]).contiguous_start is None  # sequence 0 alone is a gather too
         for seq_ids, width in (([0, 1], 1), ([0, 1], 4), ([1, 0], 1), ([0], 1), ([0], 5), ([1], 2)):
             ids = torch.randint(3, vocab, (len(seq_ids), width), generator=generator)
@@ -110,17 +110,16 @@ def test_what_the_stack_leaves_to_the_python_layers(tiny_dirs, kernels):
         pytest.skip("hspec's CPU kernels do not run here")
     x = torch.zeros(1, 2, model.config.hidden_size, dtype=torch.bfloat16)
     group = model.config.num_heads // model.config.num_kv_heads
-    assert not stack.covers(x, node_tables=False, prefill=False)  # autograd on
+    assert not stack.covers(x, node_tables=False)  # autograd on
     with torch.inference_mode():
-        assert stack.covers(x, node_tables=False, prefill=False)
-        assert stack.covers(x.expand(3, -1, -1), node_tables=False, prefill=False)  # a batch
-        assert not stack.covers(x, node_tables=False, prefill=True)
-        assert not stack.covers(x.float(), node_tables=False, prefill=False)
-        assert not stack.covers(x, node_tables=True, prefill=False)
+        assert stack.covers(x, node_tables=False)
+        assert stack.covers(x.expand(3, -1, -1), node_tables=False)  # a batch
+        assert not stack.covers(x.float(), node_tables=False)
+        assert not stack.covers(x, node_tables=True)
         # hspec's attention computes each query row alone, a tree's under its mask; torch's products take
         # at most 32 rows, and a tree's nodes then read their own copies of their keys
         wide = torch.zeros(1, 32 // group + 1, model.config.hidden_size, dtype=torch.bfloat16)
-        assert stack.covers(wide, node_tables=False, prefill=False) == kernels
+        assert stack.covers(wide, node_tables=False) == kernels
         assert model.tree_shares_keys == kernels
     assert load_tiny(tiny_dirs["llama"]).model.native is None  # float32 takes the fused kernels
     assert load_tiny(tiny_dirs["qwen3"], dtype="bfloat16").model.native is None  # per-head q/k norm

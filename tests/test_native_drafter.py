@@ -23,7 +23,8 @@ from hspec.drafters import create_drafter
 from hspec.drafters.base import DraftBatch
 from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, build_block
 from hspec.drafters.hspec.native import NativePropose, build_native_propose
-from hspec.models.layers import W4A8_TILE_BYTES, Linear
+from hspec.models.formats.w4a8 import W4A8_TILE_BYTES
+from hspec.models.layers import Linear
 from hspec.runtime import NATIVE_DRAFTER_ENV, for_inference, prepare_for_inference
 from hspec.sampling import SamplingBatch, SamplingParams
 
@@ -76,7 +77,7 @@ def _contexts(target, drafter, lengths, seed=1):
         pool.add_sequence(0)
         ids = torch.randint(3, target.config.vocab_size, (1, n), generator=g)
         with torch.no_grad():
-            out = target.model(ids, pool, [0], hidden_layers=drafter.target_layers, prefill=True)
+            out = target.model.prefill(ids, pool, [0], hidden_layers=drafter.target_layers)
         drafter.commit(pool, [0], out.hidden, torch.tensor([n]))
         anchor = ids[:, -1]
         batch = DraftBatch([0], anchor, [ids[0].tolist()], pool, SamplingBatch.from_params([SamplingParams()]),

@@ -34,10 +34,10 @@ from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.spec import parse_drafter_spec
 from hspec.drafters.step_cost import StepCost
 from hspec.models.dtype import cpu_has_native_bf16, drafter_int8
+from hspec.models.formats.store import quantize_drafter_w4a8, quantize_int8, quantize_w8a8
 from hspec.models.layers import RMSNorm
 from hspec.models.loading import Target, cache_root
 from hspec.models.native import integer_capability, kernels_loaded
-from hspec.models.quantize import quantize_drafter_w4a8, quantize_int8, quantize_w8a8
 from hspec.models.weight_layout import store_linear_weights_in_fast_layout
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -142,7 +142,7 @@ def for_inference(drafter: Drafter, target: Target, compiled: bool = False, prec
 
 
 def int8_kernel(target_dtype: str, device: torch.device | str) -> str:
-    """Which kernel multiplies an int8 drafter's weights (`models.quantize.int8_weight`): on a CPU whose target
+    """Which kernel multiplies an int8 drafter's weights (`models.formats.store.int8_weight`): on a CPU whose target
     loaded hspec's kernels (`models.native.load_kernels`) its w8a8 one (the drafter's rows rounded to int8
     blocks) under a w4a8 target or where the CPU has AVX512-VNNI, its int8 one otherwise; elsewhere torch's.
     On an AVX2-only CPU, 7 drafted rows through a (1536, 576) linear took 249 us in torch's kernel, 99 in

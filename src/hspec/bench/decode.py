@@ -6,8 +6,8 @@
    - hspec in each dtype of `--dtypes` (the `--drafter none` path of `hspec generate`);
    - hspec float32 with q/k/v and gate/up as separate matmuls (the runtime before
      `models.weight_layout.fuse_projections`), so the gain of stacking is measured in the same run;
-   - hspec bfloat16 on F.linear's plain weights (the runtime before `models.prepack`), when bfloat16 is
-     among the dtypes, for the gain of oneDNN's prepacked weights;
+   - hspec bfloat16 on F.linear's plain weights (without `models.formats.floating`'s prepacked copies), when
+     bfloat16 is among the dtypes, for the gain of oneDNN's prepacked weights;
    - hspec in the last row-invariant dtype of `--dtypes` (int4 by default) with its decoder layers run by
      Python rather than the native decoder stack (`models.native`), for that stack's gain;
    - hspec in each weight-only dtype (int8, int4) on torch's products, F.rms_norm and the row-invariant
@@ -57,10 +57,10 @@ from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import create_drafter
 from hspec.models.dtype import KERNEL_ONLY_DTYPES, dtype_name, quantized_weights, resolve_dtype
+from hspec.models.formats.store import drop_packed
 from hspec.models.layers import QKVProjection, SwiGLU
 from hspec.models.llama import TargetModel
 from hspec.models.loading import Target, build_model, default_gguf_path, load_target, read_state_dict
-from hspec.models.prepack import drop_packed
 from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.sampling import SamplingParams
 
@@ -262,7 +262,7 @@ def _hspec_runner(model: TargetModel, max_new_tokens: int) -> Runner:
         pool = model.new_pool(num_blocks=blocks_for(len(ids), 16))
         pool.add_sequence(0)
         start = time.perf_counter()
-        model(torch.tensor([ids]), pool, [0], last_logits_only=True, prefill=True)  # as generate prefills
+        model.prefill(torch.tensor([ids]), pool, [0], last_logits_only=True)  # as generate prefills
         return time.perf_counter() - start
     return Runner(decode, prefill)
 
@@ -458,7 +458,7 @@ def row_differences(model: TargetModel, prompt: list[int], num_tokens: int, widt
     runtime has none; a differing row is a tie waiting to flip)."""
     pool = model.new_pool(num_blocks=blocks_for(len(prompt) + num_tokens + max(widths), 16))
     pool.add_sequence(0)
-    logits = model(torch.tensor([prompt]), pool, [0], last_logits_only=True, prefill=True).logits  # (1, 1, V)
+    logits = model.prefill(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits  # (1, 1, V)
     tokens, decoded = [int(logits[0, -1].argmax())], []
     for _ in range(num_tokens - 1):
         decoded.append(model(torch.tensor([tokens[-1:]]), pool, [0]).logits[0, -1])  # (V,)
@@ -480,7 +480,7 @@ def prefilled_pool(model: TargetModel, prompt: list[int]):
     """A pool holding sequence 0 with `prompt` cached and room for 32 more positions."""
     pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 32, 16))
     pool.add_sequence(0)
-    model(torch.tensor([prompt]), pool, [0], prefill=True)
+    model.prefill(torch.tensor([prompt]), pool, [0])
     return pool
 
 

@@ -99,7 +99,7 @@ class DecodeStages:
         Returns the last position's logits, (1, V).
 
         `prompt_length` (default: all of `tokens`): how many leading tokens are the prompt. They run as
-        a prompt's prefill (`TargetModel.forward(prefill=True)`) and the rest as decoding did, so a
+        a prompt's prefill (`TargetModel.prefill`) and the rest as decoding did, so a
         recompute writes the K/V bits the sequence had before it was preempted.
         """
         n = len(tokens) if prompt_length is None else prompt_length
@@ -108,7 +108,7 @@ class DecodeStages:
         pool.add_sequence(seq_id)
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # (1, T)
         layers = self.drafter.target_layers
-        out = self.target(ids[:, :n], pool, [seq_id], layers, last_logits_only=True, prefill=True)
+        out = self.target.prefill(ids[:, :n], pool, [seq_id], layers, last_logits_only=True)
         hidden = out.hidden  # (1, n, n_sel, H) or None
         if n < len(tokens):
             out = self.target(ids[:, n:], pool, [seq_id], layers, last_logits_only=True)

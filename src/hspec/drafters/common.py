@@ -282,8 +282,8 @@ class NeuralDrafter(Drafter, nn.Module):
 
     def store_int8(self, compute_dtype: torch.dtype, kernel: str) -> None:
         """Int8 copies (one scale per row) of the products the kind runs outside `nn.Linear`, which
-        `models.quantize` swaps by itself: here the Markov head's W2; kinds with more add theirs.
-        Inference only (`runtime.prepare_for_inference`); `kernel` as `models.quantize.int8_weight` takes it."""
+        `models.formats.store` swaps by itself: here the Markov head's W2; kinds with more add theirs.
+        Inference only (`runtime.prepare_for_inference`); `kernel` as `models.formats.store.int8_weight` takes it."""
         if self.markov is not None:
             self.markov.store_int8(compute_dtype, kernel)
 

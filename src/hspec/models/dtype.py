@@ -11,11 +11,11 @@
 
 `--dtype int8` and `--dtype int4` are never picked by auto: they store the target's linear weights as
 int8 (one scale per output row) or its decoder layers' as int4 (groups of 32, the LM head int8;
-`models.quantize`) and compute in bfloat16. They read a half or about a quarter of bf16's bytes per token
+`models.formats`) and compute in bfloat16. They read a half or about a quarter of bf16's bytes per token
 and decode fastest on a CPU, but change the model's numbers, so a user asks for them. `--dtype w4a8` stores
 the weights as int4 does and also rounds each product's input rows to int8 blocks of 32 (llama.cpp's
 Q4_1 x Q8_1 and Q8_0 x Q8_1 products): integer dot products, about twice as fast again for one row,
-another model again (`models.quantize`). It needs hspec's CPU kernels (x86-64 with AVX2 and FMA).
+another model again (`models.formats`). It needs hspec's CPU kernels (x86-64 with AVX2 and FMA).
 
 Greedy speculative decoding stays lossless in every dtype: the target verifies in the dtype it decodes in,
 and the decoding loop compares the two within one runtime and dtype (see docs/fast-path.md for where
@@ -85,7 +85,7 @@ def slow_dtype_note(name: str | torch.dtype, device: torch.device | str = "cpu",
 
 
 def quantized_weights(name: str | torch.dtype) -> bool:
-    """True when `--dtype` asks for quantized linear weights: int8, int4 or w4a8 (`models.quantize`)."""
+    """True when `--dtype` asks for quantized linear weights: int8, int4 or w4a8 (`models.formats`)."""
     return name in QUANTIZED_DTYPES
 
 

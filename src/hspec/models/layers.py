@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, GQA attention, SwiGLU.
+"""Building blocks of a Llama-family decoder: linear products, RMSNorm, rotary embedding, GQA attention, SwiGLU.
 
 Legend: B batch, T new tokens, S context length (keys), H hidden, Hq/Hkv heads, D head dim.
 
@@ -7,13 +7,12 @@ whether the target computes it alone (a 1-token decode) or as one row of a (K+1)
 float32 the kernels' rounding differences stay far below a logit gap. In bfloat16 on the CPU they do
 not: every op rounds to 8 bits of mantissa, and 4 of 62 greedy choices flipped between the two paths
 (docs/fast-path.md). So, for reduced-precision CPU tensors, every op here computes a row the same way
-however many rows share the call: every product gets at most `_ROW_BLOCK` rows and a floating one at
-least 2 (oneDNN's one-row kernel, and on AMX CPUs its kernel for more than 32 rows, accumulate in another
-order than the one in between; the int8 and int4 kernels give a row its bits alone too), and `attend`
-uses products whose reduction length does not depend on how many keys the other rows see (fixed-size
-key chunks). A prompt's prefill, which plain and speculative decoding
-share, need not keep a decode's bits and runs its linear products in one call. Float32 and GPU
-tensors take the fused kernels (`F.linear`, `F.scaled_dot_product_attention`).
+however many rows share the call: a linear product through its weight format (`models.formats`: at most
+`ROW_BLOCK` rows per product, each format's kernel giving a row its bits alone), and `attend` with
+products whose reduction length does not depend on how many keys the other rows see (fixed-size key
+chunks). A prompt's prefill, which plain and speculative decoding share, need not keep a decode's bits
+(`prefill=True`): its linear products run in one floating call and its attention in one product per KV
+head. Float32 and GPU tensors take the fused kernels (`F.linear`, `F.scaled_dot_product_attention`).
 """
 
 from __future__ import annotations
@@ -22,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hspec.models.dtype import cpu_has_native_bf16
+from hspec.models.formats.base import ROW_BLOCK as _ROW_BLOCK
+from hspec.models.formats.base import WeightFormat, row_invariant
+from hspec.models.formats.floating import FLOATING
 
 # Keys per product in the row-invariant attention: a query's weighted sum of values is accumulated chunk
 # by chunk in fp32, so the keys that other rows of a verify add at the end never change how the earlier
@@ -53,11 +54,6 @@ _QUERY_BLOCK = 128
 # keys share the call): a new product shape costs oneDNN ~0.7 ms to create, so shapes that change every 32
 # tokens rather than every token save that on most decoded tokens (`key_multiple`).
 _KEY_MULTIPLE = 32
-# Most rows one product of a decode or a verify takes. oneDNN's bf16 product gave each row the same bits
-# in calls of 2 to 32 rows; on an AMX CPU a call of 33 or more rows runs another kernel, and 1-57 of 64
-# rows of SmolLM2's products came out otherwise (and 132 of 5,872 verify rows of a 16-token attention).
-# So a larger call (a batch of sequences, a long verify, a recompute after preemption) runs in blocks.
-_ROW_BLOCK = 32
 # Fewest query rows one attention product gets. On an AVX2-only EPYC (Zen 3) MKL's fp32 product of 1-3
 # rows runs another kernel than one of 4 to 32 rows and rounds otherwise (softmax weights times values over
 # 32-256 keys, 1 and 2 threads): a decode's 3 query rows of a SmolLM2 KV head parted from its verify rows'
@@ -66,135 +62,31 @@ _ROW_BLOCK = 32
 _MIN_ATTENTION_ROWS = 4
 
 
-def row_invariant(x: torch.Tensor) -> bool:
-    """True when `x` takes the row-invariant kernels (reduced precision on the CPU; see the module doc)."""
-    return x.dtype != torch.float32 and x.device.type == "cpu"
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None, packed: torch.Tensor | None = None,
-           prefill: bool = False) -> torch.Tensor:
-    """`F.linear`, for floating, int8 or int4 weights; on a row-invariant tensor every product gets at most
-    `_ROW_BLOCK` rows (a larger call runs in blocks) and a floating one at least 2 (see `_product`).
-
-    x (..., K) -> (..., N). The weight comes in one of three storages (`models.quantize`):
-    - floating (N, K), `scale` None; `packed` the weight prepacked for oneDNN (`models.prepack`), which
-      gives F.linear's bits faster, or None; ignored inside a torch.compile graph, which cannot take
-      oneDNN's opaque tensors (inductor picks its own kernel);
-    - int8 (N, K), `scale` (N,) in x's dtype: weight ~= int8 * scale[:, None]; `packed` that int8 matrix
-      again where hspec's int8 kernel multiplies it (`models/cpu_kernels.cpp`), None where torch's does;
-    - w4a8 (`--dtype w4a8`): an int4 weight whose `packed` holds the w4a8 kernel's tiles instead (N/8, K/G,
-      `W4A8_TILE_BYTES`) uint8, and an int8 one whose `packed` holds the w8a8 kernel's (N/8, K/G, 8 G) int8:
-      those kernels round each row of x to int8 blocks of G (models.quantize.pack_w4a8, pack_w8a8);
-    - int4: `packed` the 4-bit levels (uint8, `int4_packed`) and `weight` (N, K) their weights in x's
-      dtype (`models.quantize.dequantize_groups`). For hspec's kernel the levels are (N, K/G, G/2) and
-      `scale` (N, K/G, 2) the fp32 step and offset of every group of G inputs of a row (a weight is
-      level * step + offset, computed in fp32; `weight` holds it rounded to x's dtype); for torch's kernel
-      they are its (N, K/2) layout and `scale` (K/G, N, 2) the step and zero in x's dtype (a weight is
-      (level - 8) * step + zero, rounded to x's dtype as `weight` holds it).
-    The second row of a padded single row is the same row again: a two-row bf16 product costs what a
-    one-row product costs (it is bound by reading the weight) and goes through the kernel larger calls use.
-    prefill: the rows are a prompt's (`TargetModel.forward(prefill=True)`), never a decode or a verify,
-    so they need not keep a decode's bits: the product runs in one call, as a floating product (an int8
-    weight dequantized for the call, an int4 one's floating copy). The int8 and int4 kernels work on a few
-    rows at a time: for 512 rows of SmolLM2's gate/up matrix they took 22 and 20 ms against 1.5 ms for
-    the bf16 product and 4.1 ms for dequantizing int8 and multiplying (1 thread, beside a training run);
-    the floating product gives other bits. On a CPU without native bf16 a bf16 prompt's product runs in
-    fp32 (`_emulated_bf16`). A product autograd records (a drafter's training step under
-    bf16 autocast) needs no row invariance either and also runs in one call.
-    """
-    emulated = prefill and _emulated_bf16(x)  # a prompt's rows then go in fp32 (torch's bf16 is software)
-    if prefill and (scale is not None or emulated):
-        floating = weight if scale is None or int4_packed(packed) else weight.to(x.dtype) * scale[:, None]
-        if emulated:
-            return F.linear(x.float(), floating.float(), None if bias is None else bias.float()).to(x.dtype)
-        return F.linear(x, floating, bias)
-    rows = x.numel() // x.shape[-1]
-    flat = x.reshape(rows, x.shape[-1])
-    trained = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # a drafter's training step
-    block = _ROW_BLOCK if row_invariant(x) and not (prefill or trained) else max(rows, 1)
-    if rows <= block:  # one product (a decode, a short verify): no slicing, which costs a dispatch per call
-        out = _product(flat, weight, bias, scale, packed)
-    else:
-        out = torch.cat([_product(flat[start : start + block], weight, bias, scale, packed)
-                         for start in range(0, rows, block)])
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _emulated_bf16(x: torch.Tensor) -> bool:
-    """Whether x is bf16 on a CPU without native bf16 dot products (AVX2 only), where torch computes a bf16
-    product in software: a prompt's 128 rows through SmolLM2's layers took 2.1 s in bf16 against 0.35 s in
-    fp32 on an AVX2-only EPYC (docs/fast-path.md#an-avx2-host). A decode's few rows stay bf16 (they are bound by
-    reading the weights, and the int8 and int4 kernels take bf16 rows)."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not cpu_has_native_bf16()
-
-
-# Bytes per 8 outputs and 32 inputs of a w4a8 weight (levels, bf16 steps and zeros; models.quantize.pack_w4a8).
-W4A8_TILE_BYTES = 160
-
-
-def int4_packed(packed: torch.Tensor | None) -> bool:
-    """Whether `packed` holds int4 levels (uint8: hspec's (N, K/32, 16), torch's (N, K/2) or the w4a8 kernel's
-    tiles), rather than a oneDNN bf16 copy or an int8 kernel's matrix."""
-    return packed is not None and packed.dtype == torch.uint8
-
-
-def _product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
-             packed: torch.Tensor | None) -> torch.Tensor:
-    """One product of `linear`: flat (M, K) -> (M, N). A single row of a row-invariant tensor times a
-    floating weight is computed as the first of two (oneDNN's one-row kernel rounds otherwise); the int8
-    and int4 kernels give one row alone the bits it gets among others, so it goes as it is (padding cost
-    them ~15-30% of a decode's products: 30 layers' int4 products 5.6 ms for one row, 7.4 for two)."""
-    if int4_packed(packed) or (scale is not None and weight.is_floating_point()):  # int4 or w4a8 (see `linear`)
-        if scale is None or not int4_packed(packed):
-            raise ValueError("an int4 weight needs its packed levels and their steps and zeros "
-                             "(models.quantize.quantize_int4)")
-        if packed.dim() == 3 and packed.shape[2] == W4A8_TILE_BYTES:  # w4a8 (models/cpu_kernels.cpp)
-            out = torch.ops.hspec.w4a8_linear(flat, packed)
-        elif packed.dim() == 3:  # hspec's int4 kernel (models/cpu_kernels.cpp)
-            out = torch.ops.hspec.int4_linear(flat, packed, scale)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), packed,
-                                                              weight.shape[1] // scale.shape[0], scale)
-        return out if bias is None else out + bias
-    if scale is not None:  # int8
-        if packed is not None and packed.dim() == 3:  # w4a8's int8 weights, int8 activations (models/cpu_kernels.cpp)
-            out = torch.ops.hspec.w8a8_linear(flat, packed, scale)
-        elif packed is not None:  # hspec's kernel (models/cpu_kernels.cpp; compiled graphs call it too)
-            out = torch.ops.hspec.int8_linear(flat, packed, scale)
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)
-        return out if bias is None else out + bias
-    padded = flat.shape[0] == 1 and row_invariant(flat)
-    if padded:
-        flat = flat.expand(2, -1)
-    if packed is not None and not torch.compiler.is_compiling():
-        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    else:
-        out = F.linear(flat, weight, bias)
-    return out[:1] if padded else out
-
-
 class Linear(nn.Linear):
-    """`nn.Linear` whose forward is `linear` (same parameters and checkpoint keys).
+    """`nn.Linear` whose product is its weight format's (`models.formats`; same parameters and checkpoint keys).
 
-    weight_scale: (out,) once `models.quantize.quantize_int8` stored the weight as int8, (in/G, out, 2)
-    once `quantize_int4` stored it as int4 levels (see `linear`), else None.
-    weight_packed: the weight prepacked for oneDNN once `models.prepack.prepack_bf16` ran, or its int4
-    levels packed for the int4 kernel (`weight` then their floating values), else None.
+    weight_format: how the tensors below are stored and multiplied, set once at load (`formats.store`);
+    `FLOATING` until then. weight: (out, in), floating or as the format stores it (int8 rows, an int4
+    weight's floating values). weight_scale: the format's scales, or None for a floating weight.
+    weight_packed: the copy the format's kernel reads (oneDNN's bf16 copy, int4 levels, w4a8 tiles, an int8
+    kernel's matrix), or None. The native stack and the native drafter read these four names.
     """
 
     weight_scale: torch.Tensor | None
     weight_packed: torch.Tensor | None
+    weight_format: WeightFormat
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.register_buffer("weight_scale", None, persistent=False)
         self.register_buffer("weight_packed", None, persistent=False)
+        self.weight_format = FLOATING
 
     def forward(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale, self.weight_packed, prefill)
+        """x (..., in) -> (..., out). prefill: the rows are a prompt's (`WeightFormat.prefill`)."""
+        product = self.weight_format.prefill if prefill else self.weight_format
+        return product(x, self.weight, self.bias, self.weight_scale, self.weight_packed)
 
 
 class RMSNorm(nn.Module):
@@ -255,21 +147,25 @@ class SwiGLU(nn.Module):
     gate_up_weight: torch.Tensor | None
     gate_up_scale: torch.Tensor | None
     gate_up_packed: torch.Tensor | None
+    gate_up_format: WeightFormat
 
     def __init__(self, hidden: int, inner: int) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden, inner, bias=False)
         self.up_proj = Linear(hidden, inner, bias=False)
         self.down_proj = Linear(inner, hidden, bias=False)
-        self.register_buffer("gate_up_weight", None, persistent=False)  # (2I, H) once fused
-        self.register_buffer("gate_up_scale", None, persistent=False)  # once quantized (see `linear`)
-        self.register_buffer("gate_up_packed", None, persistent=False)  # packed for its kernel (see `linear`)
+        # The stacked (2I, H) matrix once fused, stored as `Linear`'s weight is (see there).
+        self.register_buffer("gate_up_weight", None, persistent=False)
+        self.register_buffer("gate_up_scale", None, persistent=False)
+        self.register_buffer("gate_up_packed", None, persistent=False)
+        self.gate_up_format = FLOATING
 
     def forward(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
-        """prefill: as in `linear` (the rows are a prompt's)."""
+        """x (..., H) -> (..., H). prefill: the rows are a prompt's (`WeightFormat.prefill`)."""
         if self.gate_up_weight is not None:
-            gate, up = linear(x, self.gate_up_weight, scale=self.gate_up_scale, packed=self.gate_up_packed,
-                              prefill=prefill).chunk(2, dim=-1)  # (..., I) each
+            product = self.gate_up_format.prefill if prefill else self.gate_up_format
+            gate, up = product(x, self.gate_up_weight, None, self.gate_up_scale,
+                               self.gate_up_packed).chunk(2, dim=-1)  # (..., I) each
             return self.down_proj(F.silu(gate) * up, prefill)
         return self.down_proj(F.silu(self.gate_proj(x, prefill)) * self.up_proj(x, prefill), prefill)
 
@@ -288,6 +184,7 @@ class QKVProjection(nn.Module):
     qkv_bias: torch.Tensor | None
     qkv_scale: torch.Tensor | None
     qkv_packed: torch.Tensor | None
+    qkv_format: WeightFormat
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool, qk_norm: bool, eps: float) -> None:
@@ -298,19 +195,22 @@ class QKVProjection(nn.Module):
         self.v_proj = Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        # ((Hq + 2 Hkv) D, H) weight and bias once `fuse_projections` ran (inference only).
+        # ((Hq + 2 Hkv) D, H) weight and bias once `fuse_projections` ran (inference only), stored as
+        # `Linear`'s weight is (see there).
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
-        self.register_buffer("qkv_scale", None, persistent=False)  # once quantized (see `linear`)
-        self.register_buffer("qkv_packed", None, persistent=False)  # packed for its kernel (see `linear`)
+        self.register_buffer("qkv_scale", None, persistent=False)
+        self.register_buffer("qkv_packed", None, persistent=False)
+        self.qkv_format = FLOATING
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prefill: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, H) -> q (B, T, Hq, D), k and v (B, T, Hkv, D); q and k rotated. prefill: as in `linear`."""
+        """x (B, T, H) -> q (B, T, Hq, D), k and v (B, T, Hkv, D); q and k rotated. prefill: as in `Linear`."""
         b, t, _ = x.shape
         if self.qkv_weight is not None:
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale, self.qkv_packed, prefill)
+            product = self.qkv_format.prefill if prefill else self.qkv_format
+            qkv = product(x, self.qkv_weight, self.qkv_bias, self.qkv_scale, self.qkv_packed)  # (B, T, (Hq + 2 Hkv) D)
             if self.q_norm is None:  # q and k are adjacent heads of one tensor: rotate them in one pass
                 qk = apply_rope(qkv[..., : q_width + kv_width].view(b, t, -1, self.head_dim), cos, sin)
                 q, k = qk.split((self.num_heads, self.num_kv_heads), dim=2)
@@ -334,7 +234,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     mask (B, 1, T, S) bool, True = may attend, or None for full attention. Returns (B, T, Hq * D).
     Positions after the S keys must hold finite values and are never attended: a paged read may add them
     (`key_multiple`). Row-invariant tensors take `_attend_row_invariant`.
-    prefill: as in `linear` (the rows are a prompt's): a query block's rows share one product.
+    prefill: the rows are a prompt's (see the module doc): a query block's rows share one product.
     kernel: a decode's or a verify's row-invariant rows over float32 keys (a CPU target's pool) go to hspec's
     kernel (`torch.ops.hspec.attention`, models/cpu_kernels.cpp), which computes each row alone and skips
     the keys it may not see: one call where `_attend_row_invariant` makes ~25 (docs/fast-path.md#hspecs-cpu-kernels).

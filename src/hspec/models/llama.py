@@ -22,13 +22,11 @@ from hspec.cache.paged_pool import PagedKVPool, SlotTable
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import dtype_name
 from hspec.models.layers import (
-    W4A8_TILE_BYTES,
     Linear,
     QKVProjection,
     RMSNorm,
     SwiGLU,
     attend,
-    int4_packed,
     key_multiple,
     rope_cos_sin,
     row_invariant,
@@ -46,6 +44,19 @@ class TargetOutput:
     hidden: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class ForwardPass:
+    """What every decoder layer of one forward shares."""
+
+    cos: torch.Tensor  # (B, T, 1, D) RoPE tables of the new tokens' positions (`rope_cos_sin`)
+    sin: torch.Tensor  # (B, T, 1, D)
+    pool: PagedKVPool
+    write_slots: torch.Tensor  # (B, T) pool slots the new tokens' K/V go to
+    table: SlotTable  # the keys' slots: a row per sequence (B, S), or per tree node (B T, S') (`_tree_table`)
+    mask: torch.Tensor | None  # (rows, 1, T', S) bool, True = may attend
+    prefill: bool  # the rows are a prompt's (`TargetModel.prefill`): products in one call, other bits
+
+
 class Attention(nn.Module):
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()
@@ -55,19 +66,17 @@ class Attention(nn.Module):
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.kernel = False  # decodes and verifies attend with hspec's kernel (`layers.attend`; build_model sets it)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
-                layer_index: int, write_slots: torch.Tensor, table: SlotTable,
-                mask: torch.Tensor | None, prefill: bool = False) -> torch.Tensor:
-        """`table` has a row per sequence (B), or a row per new token (B T) for a tree, each token then
-        attending as a sequence of its own (`_tree_table`)."""
+    def forward(self, x: torch.Tensor, fwd: ForwardPass, layer_index: int) -> torch.Tensor:
+        """x (B, T, H) -> (B, T, H). `fwd.table` has a row per sequence (B), or a row per new token (B T) for a
+        tree, each token then attending as a sequence of its own (`_tree_table`)."""
         b, t = x.shape[:2]
-        q, k, v = self.qkv(x, cos, sin, prefill)  # (B, T, Hq, D), (B, T, Hkv, D) x2
-        pool.write(layer_index, write_slots, k, v)  # new tokens first, so they see themselves
-        keys, values = pool.gather(layer_index, table, key_multiple(x))  # (rows, S' >= S, Hkv, D)
-        rows, s = table.slots.shape
-        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, mask, prefill, s,
+        q, k, v = self.qkv(x, fwd.cos, fwd.sin, fwd.prefill)  # (B, T, Hq, D), (B, T, Hkv, D) x2
+        fwd.pool.write(layer_index, fwd.write_slots, k, v)  # new tokens first, so they see themselves
+        keys, values = fwd.pool.gather(layer_index, fwd.table, key_multiple(x))  # (rows, S' >= S, Hkv, D)
+        rows, s = fwd.table.slots.shape
+        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, fwd.mask, fwd.prefill, s,
                      self.kernel)  # (rows, T', Hq D)
-        return self.o_proj(out.reshape(b, t, -1), prefill)
+        return self.o_proj(out.reshape(b, t, -1), fwd.prefill)
 
 
 class DecoderLayer(nn.Module):
@@ -78,12 +87,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool,
-                layer_index: int, write_slots: torch.Tensor, table: SlotTable,
-                mask: torch.Tensor | None, prefill: bool = False) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool, layer_index, write_slots, table, mask,
-                               prefill)
-        return x + self.mlp(self.post_attention_layernorm(x), prefill)
+    def forward(self, x: torch.Tensor, fwd: ForwardPass, layer_index: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fwd, layer_index)  # (B, T, H)
+        return x + self.mlp(self.post_attention_layernorm(x), fwd.prefill)
 
 
 class TargetModel(nn.Module):
@@ -141,25 +147,26 @@ class TargetModel(nn.Module):
 
     @property
     def dtype_name(self) -> str:
-        """The `--dtype` this model runs in: 'w4a8', 'int4' or 'int8' once `models.quantize` stored its
+        """The `--dtype` this model runs in: 'w4a8', 'int4' or 'int8' once `models.formats.store` stored its
         linears that way (an int4 or w4a8 model keeps an int8 LM head), else its weights' floating dtype
         ('float32', 'bfloat16')."""
-        packed = [buffer for buffer in self.layers.buffers() if int4_packed(buffer)]
-        if any(buffer.dim() == 3 and buffer.shape[2] == W4A8_TILE_BYTES for buffer in packed):
-            return "w4a8"
-        if packed:
-            return "int4"
-        if self.lm_head.weight.dtype == torch.int8:
+        layer_formats = {getattr(module, name).name for module in self.layers.modules()
+                         for name in ("weight_format", "qkv_format", "gate_up_format") if hasattr(module, name)}
+        for quantized in ("w4a8", "int4"):
+            if quantized in layer_formats:
+                return quantized
+        if self.lm_head.weight_format.name in ("int8", "w8a8"):
             return "int8"
         return dtype_name(self.embed_tokens.weight.dtype)
 
     def lm_head_weight(self) -> torch.Tensor:
         """The LM head as a floating (V, H) matrix, for drafters that share it: the embedding when they
-        are tied, the int8 rows times their scales when `--dtype int8` stored it quantized."""
+        are tied, the int8 rows times their scales when a quantized dtype stored it so."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.weight
-        weight, scale = self.lm_head.weight, self.lm_head.weight_scale
-        return weight if scale is None else weight.to(scale.dtype) * scale[:, None]
+        head = self.lm_head
+        dtype = head.weight.dtype if head.weight_scale is None else head.weight_scale.dtype  # the compute dtype
+        return head.weight_format.floating_weight(head.weight, head.weight_scale, dtype)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (B, T, D) for `positions` (B, T); drafters reuse this to continue the prefix's RoPE."""
@@ -167,8 +174,10 @@ class TargetModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, pool: PagedKVPool, seq_ids: Sequence[int],
                 hidden_layers: Sequence[int] = (), last_logits_only: bool = False,
-                tree_mask: torch.Tensor | None = None, prefill: bool = False) -> TargetOutput:
-        """Run `input_ids` (B, T) as the next T tokens of each sequence in `pool`.
+                tree_mask: torch.Tensor | None = None) -> TargetOutput:
+        """A decode or a verify: run `input_ids` (B, T) as the next T tokens of each sequence in `pool`,
+        every row with the bits it gets alone (a token's logits are the same in a 1-token decode and as a
+        row of a verify; see models/layers.py).
 
         The new tokens' K/V are appended to the pool (the caller rolls back what it rejects with
         `pool.truncate`). Every sequence in the batch gets T new tokens; their context lengths may
@@ -183,14 +192,24 @@ class TargetModel(nn.Module):
         the keys a row may not see (`tree_shares_keys`: all rows read the sequence's keys under a tree
         mask, `_tree_mask`); elsewhere each token attends as a sequence of its own whose keys are its
         prefix and ancestors in position order (`_tree_table`).
-
-        prefill: the T tokens are a prompt's, never a verify or a decode. An int8 target then multiplies
-        with its weights dequantized for the call, an int4 one with its levels' floating values
-        (`models.layers.linear`): for int8 0.6x the kernel's time for a 512-token prompt here, logits
-        within int8 rounding of the kernel's but not its bits. Plain and speculative decoding share the
-        prompt's prefill, so their outputs stay equal; every later token goes through the kernel, whose
-        rows keep their bits however many share a call. A floating target ignores it.
         """
+        return self._run(input_ids, pool, seq_ids, hidden_layers, last_logits_only, tree_mask, prefill=False)
+
+    def prefill(self, input_ids: torch.Tensor, pool: PagedKVPool, seq_ids: Sequence[int],
+                hidden_layers: Sequence[int] = (), last_logits_only: bool = False) -> TargetOutput:
+        """A prompt's prefill: `forward` for T tokens that are a prompt's, never a verify or a decode.
+
+        Its decoder layers' products need not keep a decode's bits, so they run in one floating call each
+        (`WeightFormat.prefill`): an int8 target multiplies its weights dequantized for the call, an int4 or
+        w4a8 one its levels' floating values, for int8 0.6x the kernel's time for a 512-token prompt here,
+        logits within int8 rounding of the kernel's but not its bits. Plain and speculative decoding share
+        the prompt's prefill, so their outputs stay equal; every later token goes through `forward`.
+        """
+        return self._run(input_ids, pool, seq_ids, hidden_layers, last_logits_only, None, prefill=True)
+
+    def _run(self, input_ids: torch.Tensor, pool: PagedKVPool, seq_ids: Sequence[int], hidden_layers: Sequence[int],
+             last_logits_only: bool, tree_mask: torch.Tensor | None, prefill: bool) -> TargetOutput:
+        """`forward` (prefill False) or `prefill` (True)."""
         b, t = input_ids.shape
         if len(seq_ids) != b:
             raise ValueError(f"{len(seq_ids)} sequence ids for a batch of {b}")
@@ -221,14 +240,15 @@ class TargetModel(nn.Module):
         cos, sin = (angles[:, :, None] for angles in self.rope(positions, x.dtype))  # (B, T, 1, D), all layers
         wanted = set(hidden_layers)
         collected = {0: x} if 0 in wanted else {}
-        if self.native is not None and self.native.covers(x, node_tables, prefill):
+        if not prefill and self.native is not None and self.native.covers(x, node_tables):
             layers = sorted(wanted - {0})
             x, outputs = self.native(x, cos, sin, pool.k, pool.v, pool.capacity_tokens, write_slots, table.slots,
                                      table.contiguous_start, mask, layers)
             collected.update(zip(layers, outputs))
         else:
+            fwd = ForwardPass(cos, sin, pool, write_slots, table, mask, prefill)
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, pool, i, write_slots, table, mask, prefill)
+                x = layer(x, fwd, i)
                 if i + 1 in wanted:
                     collected[i + 1] = x
         if last_logits_only:

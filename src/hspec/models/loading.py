@@ -24,12 +24,11 @@ from safetensors.torch import load_file
 
 from hspec.models.config import TargetConfig, rope_inverse_frequencies
 from hspec.models.dtype import FASTEST, KERNEL_ONLY_DTYPES, quantized_weights, resolve_dtype, slow_dtype_note
+from hspec.models.formats.store import store_target_weights
 from hspec.models.gguf_cache import cached_conversion
 from hspec.models.layers import RMSNorm
 from hspec.models.llama import Attention, TargetModel
 from hspec.models.native import NativeDecoderStack, build_extension, load_kernels
-from hspec.models.prepack import prepack_bf16
-from hspec.models.quantize import quantize_int4, quantize_int8, quantize_w4a8
 from hspec.models.tokenizer import ChatTokenizer
 from hspec.models.weight_layout import fuse_projections, store_linear_weights_in_fast_layout
 
@@ -162,7 +161,7 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
 
     `dtype`: a torch dtype or a `--dtype` name; "int8" stores the linears as int8, "int4" the decoder
     layers' as int4 and the LM head as int8, "w4a8" the same weights for hspec's integer kernels, which
-    round the activations to int8 too (`models.quantize`; ValueError where those kernels cannot run).
+    round the activations to int8 too (`models.formats`; ValueError where those kernels cannot run).
     `native`: run decodes and verifies through the C++ decoder stack (`models.native`;
     built on first use, the same bits) where the model is row-invariant (bf16, int8, int4 on the CPU);
     False keeps the Python layers (for comparing the two).
@@ -209,15 +208,8 @@ def build_model(config: TargetConfig, hf_state: dict[str, torch.Tensor], dtype: 
     if dtype in KERNEL_ONLY_DTYPES and not use_kernels:
         raise ValueError("--dtype w4a8 runs only in hspec's CPU kernels (an x86-64 CPU with AVX2 and FMA, a C++ "
                          "compiler; kernels not disabled); use --dtype int4, the same weights with bf16 activations")
-    if dtype == "w4a8":
-        quantize_w4a8(model, compute_dtype)
-    elif dtype == "int4" and not quantize_int4(model.layers, compute_dtype, use_kernels):
-        warnings.warn(f"--dtype int4: no linear of this {config.architecture} fits the int4 kernel (inputs a "
-                      "multiple of 32, outputs of 16); it runs as int8", stacklevel=2)
-    if quantized_weights(dtype):  # int4 and w4a8 leave the LM head, and what their kernels cannot take
-        quantize_int8(model, compute_dtype, use_kernels)
-    else:
-        prepack_bf16(model)  # bf16 on a CPU: oneDNN's packed copies, F.linear's bits faster (else a no-op)
+    # the one place a target's weight formats are chosen (bf16 on a CPU: oneDNN's packed copies)
+    store_target_weights(model, dtype, compute_dtype, use_kernels)
     if use_kernels:
         for module in model.modules():
             if isinstance(module, (RMSNorm, Attention)):

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hspec.models.config import TargetConfig
-from hspec.models.layers import _FP32_VALUE_CHUNK, _KEY_MULTIPLE, _MIN_ATTENTION_ROWS, _ROW_BLOCK, _VALUE_CHUNK
+from hspec.models.formats.base import ROW_BLOCK
+from hspec.models.layers import _FP32_VALUE_CHUNK, _KEY_MULTIPLE, _MIN_ATTENTION_ROWS, _VALUE_CHUNK
 
 _SOURCE = Path(__file__).with_name("decoder_stack.cpp")
 _KERNELS_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -82,7 +83,7 @@ def integer_capability() -> str:
 def _register_product_shapes() -> None:
     """Tell torch.compile what the int8 products a drafter runs return, (M, N) in x's dtype, so that a compiled
     drafter calls hspec's kernels rather than leaving the graph: `hspec::int8_linear` (x (M, K), weight
-    (N, K)) and `hspec::w8a8_linear` (weight (N / 8, K / 32, 256), models.quantize.pack_w8a8); and its norms,
+    (N, K)) and `hspec::w8a8_linear` (weight (N / 8, K / 32, 256), models.formats.w4a8.pack_w8a8); and its norms,
     `hspec::rms_norm` (x's shape)."""
     @torch.library.register_fake("hspec::int8_linear")
     def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -211,15 +212,16 @@ class NativeDecoderStack:
                    and layer.self_attn.qkv.q_norm is None and layer.self_attn.o_proj.bias is None
                    and layer.mlp.down_proj.bias is None for layer in layers)
 
-    def covers(self, x: torch.Tensor, node_tables: bool, prefill: bool) -> bool:
-        """Whether a forward of embeddings x (B, T, H) runs here: not a prompt's prefill, not a tree whose
-        nodes each read their own copy of their keys (`node_tables`: a table row per node, where the target
-        does not share a tree's keys, `TargetModel.tree_shares_keys`), no autograd, on the CPU in a
+    def covers(self, x: torch.Tensor, node_tables: bool) -> bool:
+        """Whether a decode's or verify's forward of embeddings x (B, T, H) runs here (a prompt's prefill never
+        does, `TargetModel.prefill`): not a tree whose nodes each read their own copy of their keys
+        (`node_tables`: a table row per node, where the target does not share a tree's keys,
+        `TargetModel.tree_shares_keys`), no autograd, on the CPU in a
         row-invariant dtype, and either attending with hspec's kernel, which computes each query row alone
         (any T, a tree under its mask included), or with each sequence's T * G query rows in one product
         (the Python layers keep every other case)."""
         rows = x.shape[1] * self.num_heads // self.num_kv_heads
-        return (not prefill and not node_tables and (self.kernels or rows <= _ROW_BLOCK) and x.device.type == "cpu"
+        return (not node_tables and (self.kernels or rows <= ROW_BLOCK) and x.device.type == "cpu"
                 and x.dtype != torch.float32 and not torch.is_grad_enabled())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor,
@@ -241,6 +243,6 @@ class NativeDecoderStack:
             key_end = start + width if start + width <= capacity else start + s
         out = self.extension.decoder_stack(x, cos, sin, self.weights, pool_k, pool_v, write_slots, gathered, start,
                                            key_end, s, width, mask, self.num_heads, self.num_kv_heads, self.head_dim,
-                                           self.eps, _ROW_BLOCK, _MIN_ATTENTION_ROWS, _VALUE_CHUNK, _FP32_VALUE_CHUNK,
+                                           self.eps, ROW_BLOCK, _MIN_ATTENTION_ROWS, _VALUE_CHUNK, _FP32_VALUE_CHUNK,
                                            self.kernels, hidden_layers)
         return out[0], out[1:]

@@ -29,8 +29,9 @@ from hspec.drafters.dels.config import DeLSConfig
 from hspec.drafters.dflash.model import DFlashDrafter
 from hspec.drafters.sequential import inference_context, sample_slots
 from hspec.models.config import TargetConfig
-from hspec.models.layers import linear
-from hspec.models.quantize import int8_kernel_fits, int8_weight
+from hspec.models.formats.base import StoredWeight
+from hspec.models.formats.int8 import int8_kernel_fits
+from hspec.models.formats.store import int8_weight
 
 
 class LocalHead(nn.Module):
@@ -46,7 +47,7 @@ class LocalHead(nn.Module):
         self.gru = nn.GRU(hidden, local_hidden, batch_first=True)
         self.down = nn.Linear(local_hidden, rank, bias=False)
         self.up = nn.Parameter(torch.zeros(rank, draft_vocab_size))  # (r, Vp), stored as the Markov head's W2
-        self._int8: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}  # set by store_int8
+        self._int8: dict[str, StoredWeight] = {}  # set by store_int8
 
     def store_int8(self, compute_dtype: torch.dtype, kernel: str) -> None:
         """Draft with int8 rows (one scale per row) of W_ih (3Hg, H), W_hh (3Hg, Hg) and U_r^T (Vp, r);
@@ -59,10 +60,9 @@ class LocalHead(nn.Module):
     def forward(self, embeddings: torch.Tensor, state: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """embeddings (N, T, H), state (1, N, Hg) or None -> logits (N, T, Vp) and the new state."""
-        if self._int8 and not self.up.requires_grad and embeddings.dtype == self._int8["up"][1].dtype:
+        if self._int8 and not self.up.requires_grad and embeddings.dtype == self._int8["up"].scale.dtype:
             out, state = self._recurrence_int8(embeddings, state)
-            rows, scale, packed = self._int8["up"]
-            return linear(self.down(out), rows, scale=scale, packed=packed), state
+            return self._int8["up"](self.down(out)), state
         out, state = self.gru(embeddings, state)  # (N, T, Hg), (1, N, Hg)
         return self.down(out) @ self.up, state
 
@@ -73,14 +73,13 @@ class LocalHead(nn.Module):
         embeddings (N, T, H), state (1, N, Hg) or None -> outputs (N, T, Hg) and the last state (1, N, Hg)."""
         n, steps, _ = embeddings.shape
         gru = self.gru
-        rows, scale, packed = self._int8["ih"]
-        gates_x = linear(embeddings, rows, gru.bias_ih_l0, scale=scale, packed=packed)  # (N, T, 3Hg)
-        rows, scale, packed = self._int8["hh"]
+        gates_x = self._int8["ih"](embeddings, gru.bias_ih_l0)  # (N, T, 3Hg)
+        hidden_gates = self._int8["hh"]
         h = (embeddings.new_zeros(n, gru.hidden_size) if state is None else state[0])  # (N, Hg)
         outputs = []
         for t in range(steps):
             r_x, z_x, n_x = gates_x[:, t].chunk(3, dim=-1)  # (N, Hg) each
-            r_h, z_h, n_h = linear(h, rows, gru.bias_hh_l0, scale=scale, packed=packed).chunk(3, dim=-1)
+            r_h, z_h, n_h = hidden_gates(h, gru.bias_hh_l0).chunk(3, dim=-1)
             r, z = torch.sigmoid(r_x + r_h), torch.sigmoid(z_x + z_h)
             candidate = torch.tanh(n_x + r * n_h)
             h = candidate + z * (h - candidate)  # (1 - z) n + z h

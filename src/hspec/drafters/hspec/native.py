@@ -11,7 +11,7 @@ draft either way.
 
 What goes native: a proposal of one sequence whose rows are all greedy, on the CPU, without autograd
 (`NativePropose.covers`), for a drafter whose modules it knows (`NativePropose.fits`): H-Spec's layers with
-unfused q/k/v and gate/up, weights floating, int8 or w8a8 (`models.quantize`), a Markov head or none. Sampled
+unfused q/k/v and gate/up, weights floating, int8 or w8a8 (`models.formats`), a Markov head or none. Sampled
 rows, batches and every other drafter keep the Python path (DFlash's native proposal is a follow-up).
 
 Built like the native decoder stack (`models.native._build`: torch's C++ extension loader, one build per
@@ -121,7 +121,7 @@ class NativePropose:
         self.weights.append(drafter.norm.weight)
         rows, scale, packed = drafter.head.inference_weights(drafter.mask_embedding.dtype)
         self.weights += [rows, None, scale, packed]
-        self.row_invariant.append(True)  # the head multiplies through `layers.linear`
+        self.row_invariant.append(True)  # the head multiplies through its weight format (`models.formats`)
         self.weights.append(drafter.head.draft_vocab_ids)
         self.markov = _NO_MARKOV
         markov = drafter.markov
