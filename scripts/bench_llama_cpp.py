@@ -198,11 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[Completion]] = {name: [] for name in configs}
     hspec_runs: dict[str, list[dict[str, Any]]] = {}
     hspec_targets: dict[str, tuple[Any, str, Path | None, int]] = {}
+    drafted_in_fast_dtype: list[str] = []  # the rows checked against hspec's own plain row
     if not args.no_hspec:
         fast = load_target(target_name, args.hspec_dtype)
         hspec_targets[f"plain {args.hspec_dtype}"] = (fast, "none", None, 1)
         for kind in [d for d in args.hspec_drafters.split(",") if d]:
-            hspec_targets[f"{kind} {args.hspec_dtype}, K={args.k}"] = (fast, kind, None, args.k)
+            drafted_in_fast_dtype.append(f"{kind} {args.hspec_dtype}, K={args.k}")
+            hspec_targets[drafted_in_fast_dtype[-1]] = (fast, kind, None, args.k)
         for kind, path in drafters:
             from hspec.drafters.checkpoint import read_checkpoint
 
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt_lens = [len(ids) for ids in prompts]
     own_plain = [r["tokens"] for r in hspec_runs.get(f"plain {args.hspec_dtype}", [])]
     rows += [hspec_row(name, runs_, plain_tokens, prompt_lens,
-                       own_plain if name.endswith(f"{args.hspec_dtype}, K={args.k}") else None)
+                       own_plain if name in drafted_in_fast_dtype else None)
              for name, runs_ in hspec_runs.items()]
     bench = []
     if args.bench_prompt:
