@@ -55,7 +55,7 @@ def grow_tree(backbone: torch.Tensor, anchor: int, drafter: NeuralDrafter, cost:
     in tokens per decode's cost.
 
     backbone: (K, Vp) the row's U_k; anchor: x0 (a target id)."""
-    K = backbone.shape[0]
+    K, device = backbone.shape[0], backbone.device
     tokens: list[int] = []
     parents: list[int] = []
     values: list[float] = []
@@ -65,7 +65,8 @@ def grow_tree(backbone: torch.Tensor, anchor: int, drafter: NeuralDrafter, cost:
     def offer(parent: int, depth: int, parent_token: int, parent_value: float) -> None:
         if depth >= K:
             return
-        logits = drafter.slot_logits(backbone[depth][None], torch.tensor([parent_token]))[0].float()  # (Vp,)
+        prev = torch.tensor([parent_token], device=device)  # (1,) a target id
+        logits = drafter.slot_logits(backbone[depth][None], prev)[0].float()  # (Vp,)
         probs, top = torch.softmax(logits, -1).topk(min(BRANCH, logits.shape[-1]))
         for prob, token in zip(probs.tolist(), top.tolist()):
             heapq.heappush(candidates, (-parent_value * prob, next(order), parent, token))
@@ -84,7 +85,8 @@ def grow_tree(backbone: torch.Tensor, anchor: int, drafter: NeuralDrafter, cost:
         values.append(value)
         depth_of.append(0 if parent < 0 else depth_of[parent] + 1)
         emitted, rate = emitted + value, grown
-        offer(len(tokens) - 1, depth_of[-1] + 1, int(drafter.head.to_target_ids(torch.tensor(token))), value)
+        target_id = int(drafter.head.to_target_ids(torch.tensor(token, device=device)))
+        offer(len(tokens) - 1, depth_of[-1] + 1, target_id, value)
     return tokens, parents, values, rate
 
 
