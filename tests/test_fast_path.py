@@ -576,7 +576,8 @@ def test_hspecs_kernels_refuse_what_would_crash_the_process():
         "mask of 2 heads": r"mask must be bool \(1, 1, 1, S >= 4\), got \[1, 2, 1, 4\]",
         "rows of 0": r"rms_norm takes rows \(\.\.\., H\) with H >= 1, got \[2, 0\]",
         "a scalar row": r"rms_norm takes rows \(\.\.\., H\) with H >= 1, got \[\]",
-        "short v pool": r"the pool's layers must be float32 CPU \(20 slots, 1, 8\), got Float \[4, 1, 8\]",
+        "short v pool": r"the pool's layers must be both float32 or both bfloat16 CPU \(20 slots, 1, 8\), got Float "
+                            r"\[4, 1, 8\]",
         "hkv 0": "rope_and_write needs hq and hkv >= 1, got hq = 4, hkv = 0",
         "cos of D 0": r"cos must be \(B, T, 1, D >= 1\), got \[1, 2, 1, 0\]",
     }

@@ -132,15 +132,21 @@ def test_a_pool_returns_what_was_written_and_a_transposed_one_hands_out_k_transp
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
-def test_a_target_pool_is_float32_on_the_cpu_and_transposed_where_attention_is_row_invariant(tiny_target, dtype):
-    """bf16/int8/int4 targets on the CPU keep K/V in float32 (their attention's products are fp32 GEMMs,
-    `TargetModel.kv_dtype`) with K transposed; a float32 target's fused attention gets K slot-major.
-    A bf16 K/V value is exact in float32, so the pool holds what the layers computed."""
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_target_pool_is_bf16_where_hspecs_kernel_reads_it_and_transposed_where_attention_is_row_invariant(
+        tiny_target, dtype, kernels):
+    """bf16/int8/int4 targets on the CPU keep K/V in bfloat16 where hspec's attention kernel reads it (widening
+    each value to fp32), in float32 where torch's fp32 GEMMs do (`TargetModel.kv_dtype`), with K transposed;
+    either way torch products over it take float32 (`product_dtype`). A float32 target's fused attention gets
+    K slot-major in float32. Their K/V values are bf16 numbers, so either pool holds what the layers computed."""
     from hspec.models.loading import build_model
+    from hspec.models.native import load_kernels
 
-    model = build_model(tiny_target.config, tiny_target.model.state_dict(), dtype, "cpu")
+    model = build_model(tiny_target.config, tiny_target.model.state_dict(), dtype, "cpu", kernels=kernels)
     pool = model.new_pool(num_blocks=4, block_size=4)
-    assert pool.k.dtype == model.kv_dtype == torch.float32
+    bf16_pool = dtype != "float32" and kernels and load_kernels()
+    assert pool.k.dtype == pool.v.dtype == model.kv_dtype == (torch.bfloat16 if bf16_pool else torch.float32)
+    assert pool.product_dtype == model.kv_product_dtype == torch.float32
     assert model.row_invariant_attention is (dtype != "float32")
     assert (pool.k.permute(0, 2, 3, 1).stride(-1) == 1) is model.row_invariant_attention  # K^T row-major
 

@@ -23,6 +23,17 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_
     return num_layers * 2 * num_kv_heads * head_dim * bytes_per_element
 
 
+def widened(kv: torch.Tensor) -> torch.Tensor:
+    """K or V (B, S, Hkv, D) of a pool as float32 (a bf16 value is exact in fp32): a copy laid out as the pool
+    laid it out, each head's keys consecutive for a transposed pool's K (`PagedKVPool`'s transposed_k), so
+    that a product over it gets the operands, and the bits, a float32 pool's view of the same values gives."""
+    if kv.dtype == torch.float32:
+        return kv
+    if kv.stride(1) == 1 and kv.shape[1] > 1:  # K^T (D, S) of each head row-major: keep it so
+        return kv.permute(0, 2, 3, 1).to(torch.float32, memory_format=torch.contiguous_format).permute(0, 3, 1, 2)
+    return kv.to(torch.float32)
+
+
 def blocks_for(length: int, block_size: int) -> int:
     """KV blocks of `block_size` token slots that hold `length` positions (ceiling division)."""
     return -(-length // block_size)
@@ -78,24 +89,33 @@ class PagedKVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         transposed_k: bool = False,
+        product_dtype: torch.dtype | None = None,
     ) -> None:
         """transposed_k: K lives in memory as (L_all, Hkv, D, slots), seen as the usual (L_all, slots, Hkv,
         D), so that one head's K^T over consecutive slots is a row-major (D, S) matrix the score product
         of the row-invariant attention (models/layers.py) reads in place instead of copying it out of a
         strided view (same bits; docs/fast-path.md); the fused attention of float32 and GPU models prefers
-        K slot-major (`TargetModel.new_pool` chooses)."""
+        K slot-major (`TargetModel.new_pool` chooses).
+
+        product_dtype: the dtype torch products over the pool's K/V take them in, None for `dtype`: float32
+        for a CPU target's bfloat16 pool, which hspec's attention kernel widens as it reads it
+        (`TargetModel.kv_dtype`), so that a drafter reading it (`gather_window`) multiplies what it would
+        over a float32 pool of the same values."""
         for name, value in (("num_target_layers", num_target_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("num_blocks", num_blocks), ("block_size", block_size)):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if num_drafter_layers < 0:
             raise ValueError(f"num_drafter_layers must be >= 0, got {num_drafter_layers}")
+        if product_dtype not in (None, dtype, torch.float32):
+            raise ValueError(f"a {dtype} pool's K/V are multiplied in {dtype} or float32, not {product_dtype}")
         self.num_target_layers = num_target_layers
         self.num_drafter_layers = num_drafter_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.product_dtype = dtype if product_dtype is None else product_dtype
         num_layers = num_target_layers + num_drafter_layers
         num_slots = num_blocks * block_size
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
@@ -119,8 +139,9 @@ class PagedKVPool:
     def from_memory_budget(cls, budget_bytes: int, num_target_layers: int, num_kv_heads: int,
                            head_dim: int, block_size: int = 16, num_drafter_layers: int = 0,
                            dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                           transposed_k: bool = False) -> PagedKVPool:
-        """As many blocks as fit in `budget_bytes` for all layers (target + drafter)."""
+                           transposed_k: bool = False, product_dtype: torch.dtype | None = None) -> PagedKVPool:
+        """As many blocks as fit in `budget_bytes` for all layers (target + drafter); the other arguments as
+        in `__init__`."""
         per_token = cls.bytes_per_token(num_target_layers + num_drafter_layers, num_kv_heads, head_dim, dtype)
         num_blocks = budget_bytes // (per_token * block_size)
         if num_blocks < 1:
@@ -129,7 +150,7 @@ class PagedKVPool:
                 f"({per_token} B per token); raise the budget"
             )
         return cls(num_target_layers, num_kv_heads, head_dim, int(num_blocks), block_size,
-                   num_drafter_layers, dtype, device, transposed_k)
+                   num_drafter_layers, dtype, device, transposed_k, product_dtype)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -284,8 +305,8 @@ class PagedKVPool:
         Keys are right-aligned: key j of row b is position ends[b] - S + j, S = min(max(ends), window);
         keys at negative positions are masked. A lone sequence with consecutive blocks gets views, as
         in `gather`. `multiple`: as in `gather`, S' = S rounded up to it where the pool has the slots, the
-        keys after the S masked. Returns ([(k, v) each (B, S', Hkv, D)] in `layers` order, visible (B, S')
-        bool).
+        keys after the S masked. Returns ([(k, v) each (B, S', Hkv, D)] in `layers` order, in
+        `product_dtype` (copies where it is not the pool's dtype, `widened`), visible (B, S') bool).
         """
         device = self.k.device
         if not layers:
@@ -299,12 +320,16 @@ class PagedKVPool:
             if start + s + pad >= self.capacity_tokens:  # not to the pool's end: a compiled drafter guards on
                 pad = 0  # whether its keys span the whole pool (K's stride is the slot count) and would recompile
             visible = torch.arange(s + pad, device=device)[None, :] < s  # (1, S')
-            return [self._view(i, start, start + s + pad) for i in layers], visible
+            return [self._for_products(*self._view(i, start, start + s + pad)) for i in layers], visible
         ends_t = torch.as_tensor(list(ends), dtype=torch.long, device=device)
         positions = ends_t[:, None] - s + torch.arange(s + pad, device=device)  # (B, S')
         visible = (positions >= 0) & (positions < ends_t[:, None])
         slots = table.slots.gather(1, torch.where(visible, positions, 0))  # (B, S')
-        return [self._gather(i, slots) for i in layers], visible
+        return [self._for_products(*self._gather(i, slots)) for i in layers], visible
+
+    def _for_products(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V read from the pool, in `product_dtype`."""
+        return (k, v) if k.dtype == self.product_dtype else (widened(k), widened(v))
 
     def _view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the consecutive slots start..end-1 of one layer, each (1, end - start, Hkv, D), as views."""

@@ -144,6 +144,19 @@ HSPEC_AVX2 inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+// The first n (1-8) of 8 values as fp32, the other lanes 0, nothing read past them; `used` has lane i set
+// for i < n. bf16 has no masked 16-bit load in AVX2: the n values go through a zeroed buffer.
+HSPEC_AVX2 inline __m256 load8_first(const float* p, int64_t, __m256i used) { return _mm256_maskload_ps(p, used); }
+HSPEC_AVX2 inline __m256 load8_first(const c10::BFloat16* p, int64_t n, __m256i) {
+  c10::BFloat16 first[8] = {};
+  std::memcpy(first, p, static_cast<size_t>(n) * sizeof(c10::BFloat16));
+  return load8(first);
+}
+
+// 8-value vectors of KV keys or values in a 64-byte cache line: the attention prefetches one address a line.
+template <typename KV>
+constexpr int kVectorsPerLine = 64 / (8 * static_cast<int>(sizeof(KV)));
+
 // Rows [row0, row0 + rows) of x (M, K) as int8 blocks of 32 (llama.cpp's Q8_1): per block of a row a step
 // d = max |x| / 127 and levels q = x * (127 / max |x|) rounded to nearest even (-127..127), block-major like
 // pack_rows ([K/32][rows][32]), with d, d * sum(q) and 128 * sum(q) (an int32, for the wide w8a8 tile) per
@@ -534,8 +547,8 @@ HSPEC_AVX2 float sum_of_squares(const c10::BFloat16* row, int64_t h) {
 // The scores of R query rows q (R, D) of one KV head against up to 8 V consecutive keys from j0 (n of
 // them) of K^T (D, S) with row stride ld: V vectors side by side per row, the last one masked where n is
 // not a multiple of 8; each key vector is loaded once for the R rows. scores: R rows of stride lds.
-template <int R, int V>
-HSPEC_AVX2 void score_block(const float* q, const float* kt, int64_t ld, int64_t d, int64_t j0, int64_t n,
+template <int R, int V, typename KV>
+HSPEC_AVX2 void score_block(const float* q, const KV* kt, int64_t ld, int64_t d, int64_t j0, int64_t n,
                             float* scores, int64_t lds) {
   const int64_t rest = n - 8 * (V - 1);  // keys in the last vector, 1-8
   const __m256i last = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rest)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -548,13 +561,16 @@ HSPEC_AVX2 void score_block(const float* q, const float* kt, int64_t ld, int64_t
     __m256 qi[R];
     HSPEC_UNROLL
     for (int r = 0; r < R; ++r) qi[r] = _mm256_broadcast_ss(q + r * d + i);
-    const float* row = kt + i * ld + j0;
+    const KV* row = kt + i * ld + j0;
     // The same row two blocks on: a pass reads D rows of K^T side by side, more streams than the hardware
-    // prefetcher follows, so each block's keys would otherwise come from memory at full latency.
-    for (int c = 0; c < V; c += 2) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * V + 8 * c), _MM_HINT_T0);
+    // prefetcher follows, so each block's keys would otherwise come from memory at full latency. One
+    // prefetch per 64-byte line: 2 vectors of fp32 keys, 4 of bf16.
+    for (int c = 0; c < V; c += kVectorsPerLine<KV>) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + 16 * V + 8 * c), _MM_HINT_T0);
+    }
     HSPEC_UNROLL
     for (int c = 0; c < V; ++c) {
-      const __m256 keys = c < V - 1 ? _mm256_loadu_ps(row + 8 * c) : _mm256_maskload_ps(row + 8 * c, last);
+      const __m256 keys = c < V - 1 || rest == 8 ? load8(row + 8 * c) : load8_first(row + 8 * c, rest, last);
       HSPEC_UNROLL
       for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(qi[r], keys, acc[r][c]);
     }
@@ -572,30 +588,44 @@ HSPEC_AVX2 void score_block(const float* q, const float* kt, int64_t ld, int64_t
 // order, whichever vector lane the key falls in and however many rows share the pass, so a score depends
 // on its row and key alone. KEYS keys at a time (64 for one row, 32 for up to 3, the accumulators fitting
 // the 16 registers).
-template <int R>
-HSPEC_AVX2 void key_scores(const float* q, const float* kt, int64_t ld, int64_t d, int64_t j_begin, int64_t j_end,
+template <int R, typename KV>
+HSPEC_AVX2 void key_scores(const float* q, const KV* kt, int64_t ld, int64_t d, int64_t j_begin, int64_t j_end,
                            float* scores, int64_t lds) {
   constexpr int64_t kKeys = R == 1 ? 64 : 32;
   for (int64_t j = j_begin; j < j_end; j += kKeys) {
     const int64_t n = std::min<int64_t>(kKeys, j_end - j);
     switch ((n + 7) / 8) {
-      case 8: score_block<R, R == 1 ? 8 : 4>(q, kt, ld, d, j, n, scores, lds); break;
-      case 7: score_block<R, R == 1 ? 7 : 4>(q, kt, ld, d, j, n, scores, lds); break;
-      case 6: score_block<R, R == 1 ? 6 : 4>(q, kt, ld, d, j, n, scores, lds); break;
-      case 5: score_block<R, R == 1 ? 5 : 4>(q, kt, ld, d, j, n, scores, lds); break;
-      case 4: score_block<R, 4>(q, kt, ld, d, j, n, scores, lds); break;
-      case 3: score_block<R, 3>(q, kt, ld, d, j, n, scores, lds); break;
-      case 2: score_block<R, 2>(q, kt, ld, d, j, n, scores, lds); break;
-      default: score_block<R, 1>(q, kt, ld, d, j, n, scores, lds); break;
+      case 8: score_block<R, R == 1 ? 8 : 4, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 7: score_block<R, R == 1 ? 7 : 4, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 6: score_block<R, R == 1 ? 6 : 4, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 5: score_block<R, R == 1 ? 5 : 4, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 4: score_block<R, 4, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 3: score_block<R, 3, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 2: score_block<R, 2, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      default: score_block<R, 1, KV>(q, kt, ld, d, j, n, scores, lds); break;
     }
   }
+}
+
+// 16 fp32 values from 16 fp32 or bf16 ones (a bf16 value widened exactly: its bits, then 16 zero bits).
+HSPEC_VNNI inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+HSPEC_VNNI inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// `load16` of the lanes set in `used`, the others 0, nothing read past them.
+HSPEC_VNNI inline __m512 load16_used(const float* p, __mmask16 used) { return _mm512_maskz_loadu_ps(used, p); }
+HSPEC_VNNI inline __m512 load16_used(const c10::BFloat16* p, __mmask16 used) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(used, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 // The scores of R query rows q (R, D) against up to 16 V consecutive keys from j0 (n of them, 1 <= n <= 16 V)
 // of K^T (D, S) with row stride ld, in 512-bit vectors (AVX-512): `score_block`'s FMA chain per (row, key),
 // 16 keys a vector; lanes past the n keys load 0 and are not stored. scores: R rows of stride lds.
-template <int R, int V>
-HSPEC_VNNI void score_block_wide(const float* q, const float* kt, int64_t ld, int64_t d, int64_t j0, int64_t n,
+template <int R, int V, typename KV>
+HSPEC_VNNI void score_block_wide(const float* q, const KV* kt, int64_t ld, int64_t d, int64_t j0, int64_t n,
                                  float* scores, int64_t lds) {
   __mmask16 used[V];
   HSPEC_UNROLL
@@ -609,12 +639,14 @@ HSPEC_VNNI void score_block_wide(const float* q, const float* kt, int64_t ld, in
     HSPEC_UNROLL
     for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < d; ++i) {
-    const float* row = kt + i * ld + j0;
+    const KV* row = kt + i * ld + j0;
     HSPEC_UNROLL
-    for (int c = 0; c < V; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + 32 * V + 16 * c), _MM_HINT_T0);
+    for (int c = 0; c < V; c += kVectorsPerLine<KV> / 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + 32 * V + 16 * c), _MM_HINT_T0);
+    }
     HSPEC_UNROLL
     for (int c = 0; c < V; ++c) {
-      const __m512 keys = _mm512_maskz_loadu_ps(used[c], row + 16 * c);
+      const __m512 keys = load16_used(row + 16 * c, used[c]);
       HSPEC_UNROLL
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + i]), keys, acc[r][c]);
     }
@@ -627,21 +659,21 @@ HSPEC_VNNI void score_block_wide(const float* q, const float* kt, int64_t ld, in
 
 // `key_scores` in 512-bit vectors, for up to 6 rows: R x V accumulators of 16 keys (24 at most, of 32
 // registers), fewer vectors for the last keys. The same FMA chain per (row, key), so the same bits.
-template <int R>
-HSPEC_VNNI void key_scores_wide(const float* q, const float* kt, int64_t ld, int64_t d, int64_t j_begin,
+template <int R, typename KV>
+HSPEC_VNNI void key_scores_wide(const float* q, const KV* kt, int64_t ld, int64_t d, int64_t j_begin,
                                 int64_t j_end, float* scores, int64_t lds) {
   constexpr int kVectors = R <= 3 ? 8 : 4;
   for (int64_t j = j_begin; j < j_end; j += 16 * kVectors) {
     const int64_t n = std::min<int64_t>(16 * kVectors, j_end - j);
     switch ((n + 15) / 16) {
-      case 8: score_block_wide<R, kVectors>(q, kt, ld, d, j, n, scores, lds); break;
-      case 7: score_block_wide<R, std::min(kVectors, 7)>(q, kt, ld, d, j, n, scores, lds); break;
-      case 6: score_block_wide<R, std::min(kVectors, 6)>(q, kt, ld, d, j, n, scores, lds); break;
-      case 5: score_block_wide<R, std::min(kVectors, 5)>(q, kt, ld, d, j, n, scores, lds); break;
-      case 4: score_block_wide<R, 4>(q, kt, ld, d, j, n, scores, lds); break;
-      case 3: score_block_wide<R, 3>(q, kt, ld, d, j, n, scores, lds); break;
-      case 2: score_block_wide<R, 2>(q, kt, ld, d, j, n, scores, lds); break;
-      default: score_block_wide<R, 1>(q, kt, ld, d, j, n, scores, lds); break;
+      case 8: score_block_wide<R, kVectors, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 7: score_block_wide<R, std::min(kVectors, 7), KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 6: score_block_wide<R, std::min(kVectors, 6), KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 5: score_block_wide<R, std::min(kVectors, 5), KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 4: score_block_wide<R, 4, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 3: score_block_wide<R, 3, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      case 2: score_block_wide<R, 2, KV>(q, kt, ld, d, j, n, scores, lds); break;
+      default: score_block_wide<R, 1, KV>(q, kt, ld, d, j, n, scores, lds); break;
     }
   }
 }
@@ -657,13 +689,14 @@ struct Visible {
 // in key order, one FMA an element (std::fma rounds once, as the vector FMAs do); a key the row does not see
 // leaves its sums as they are (skipped, not weighted 0, which a non-finite value would spoil). A verify's
 // last keys, a tree's branches, a batch's padding: few keys, so plain loops.
-HSPEC_AVX2 void weighted_values_seen(const float* p, int64_t ldp, const Visible& visible, int rows, const float* v,
+template <typename KV>
+HSPEC_AVX2 void weighted_values_seen(const float* p, int64_t ldp, const Visible& visible, int rows, const KV* v,
                                      int64_t ld, int64_t d, int64_t j_begin, int64_t j_end, float* acc) {
   for (int64_t j = std::max(j_begin, visible.common); j < j_end; ++j) {
     for (int r = 0; r < rows; ++r) {
       if (!visible.seen[r][j]) continue;
       const float weight = p[r * ldp + j];
-      for (int64_t i = 0; i < d; ++i) acc[r * d + i] = std::fma(weight, v[j * ld + i], acc[r * d + i]);
+      for (int64_t i = 0; i < d; ++i) acc[r * d + i] = std::fma(weight, read(v + j * ld + i), acc[r * d + i]);
     }
   }
 }
@@ -673,8 +706,8 @@ HSPEC_AVX2 void weighted_values_seen(const float* p, int64_t ldp, const Visible&
 // from acc; the keys every row sees here, then `weighted_values_seen`. Each value vector is loaded once for
 // the R rows. 64 outputs at a time for one row, 32 for up to 3, so that 8 or 12 chains run side by side in
 // registers.
-template <int R>
-HSPEC_AVX2 void weighted_values(const float* p, int64_t ldp, const Visible& visible, const float* v, int64_t ld,
+template <int R, typename KV>
+HSPEC_AVX2 void weighted_values(const float* p, int64_t ldp, const Visible& visible, const KV* v, int64_t ld,
                                 int64_t d, int64_t j_begin, int64_t j_end, float* acc_rows) {
   constexpr int kChunks = R == 1 ? 8 : 4;
   const int64_t shared_end = std::min(j_end, visible.common);
@@ -687,20 +720,20 @@ HSPEC_AVX2 void weighted_values(const float* p, int64_t ldp, const Visible& visi
       __m256 weight[R];
       HSPEC_UNROLL
       for (int r = 0; r < R; ++r) weight[r] = _mm256_set1_ps(p[r * ldp + j]);
-      const float* row = v + j * ld + i0;
-      for (int c = 0; c < chunks; c += 2) {  // the values 8 keys on (measured: the hardware's prefetch lags)
+      const KV* row = v + j * ld + i0;
+      for (int c = 0; c < chunks; c += kVectorsPerLine<KV>) {  // the values 8 keys on (the hardware's prefetch lags)
         _mm_prefetch(reinterpret_cast<const char*>(row + 8 * ld + 8 * c), _MM_HINT_T0);
       }
       if (chunks == kChunks) {  // a constant bound: unrolled, the accumulators stay in registers
         HSPEC_UNROLL
         for (int c = 0; c < kChunks; ++c) {
-          const __m256 values = _mm256_loadu_ps(row + 8 * c);
+          const __m256 values = load8(row + 8 * c);
           HSPEC_UNROLL
           for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(weight[r], values, acc[r][c]);
         }
       } else {
         for (int c = 0; c < chunks; ++c) {
-          const __m256 values = _mm256_loadu_ps(row + 8 * c);
+          const __m256 values = load8(row + 8 * c);
           for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(weight[r], values, acc[r][c]);
         }
       }
@@ -714,8 +747,8 @@ HSPEC_AVX2 void weighted_values(const float* p, int64_t ldp, const Visible& visi
 // The keys every row sees of `weighted_values`, in 512-bit vectors (AVX-512): 64 outputs at a time for up to
 // 6 rows (24 accumulators), so a 64-wide head reads each value vector once per tile; every output element
 // is the same FMA chain in key order: the same bits. D a multiple of 64.
-template <int R>
-HSPEC_VNNI void weighted_values_wide(const float* p, int64_t ldp, const Visible& visible, const float* v,
+template <int R, typename KV>
+HSPEC_VNNI void weighted_values_wide(const float* p, int64_t ldp, const Visible& visible, const KV* v,
                                      int64_t ld, int64_t d, int64_t j_begin, int64_t j_end, float* acc_rows) {
   constexpr int kChunks = 4;
   const int64_t shared_end = std::min(j_end, visible.common);
@@ -726,12 +759,14 @@ HSPEC_VNNI void weighted_values_wide(const float* p, int64_t ldp, const Visible&
       HSPEC_UNROLL
       for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm512_loadu_ps(acc_rows + r * d + i0 + 16 * c);
     for (int64_t j = j_begin; j < shared_end; ++j) {
-      const float* row = v + j * ld + i0;
+      const KV* row = v + j * ld + i0;
       HSPEC_UNROLL
-      for (int c = 0; c < kChunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + 8 * ld + 16 * c), _MM_HINT_T0);
+      for (int c = 0; c < kChunks; c += kVectorsPerLine<KV> / 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + 8 * ld + 16 * c), _MM_HINT_T0);
+      }
       HSPEC_UNROLL
       for (int c = 0; c < kChunks; ++c) {
-        const __m512 values = _mm512_loadu_ps(row + 16 * c);
+        const __m512 values = load16(row + 16 * c);
         HSPEC_UNROLL
         for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ldp + j]), values, acc[r][c]);
       }
@@ -852,11 +887,13 @@ constexpr int64_t kKeyBlock = 128;
 // Most rows of one head one thread takes at a time (their scores, rows x S fp32, stay in its L2 cache).
 constexpr int64_t kMaxHeadRows = 48;
 
-// One KV head of one sequence: K^T (D, S) with row stride kt_ld, V (S, D) with row stride v_ld.
+// One KV head of one sequence: K^T (D, S) with row stride kt_ld, V (S, D) with row stride v_ld, in fp32 or
+// bf16 (KV: a pool's dtype; each key and value is widened to fp32 exactly as it is loaded).
+template <typename KV>
 struct Head {
-  const float* kt;
+  const KV* kt;
   int64_t kt_ld;
-  const float* v;
+  const KV* v;
   int64_t v_ld;
 };
 
@@ -890,8 +927,8 @@ void for_each_query_tile(int64_t n, const Body& body) {
 // tile, each output element one FMA chain over the row's seen keys in key order, then times the row's
 // inverse total. scores (n, s) and compact (s,) are the caller's scratch. Wide: the AVX-512 forms (the
 // same bits).
-template <bool Wide>
-void attend_head(const float* q, const RowKeys* keys, int64_t n, const Head& head, int64_t d, int64_t s,
+template <bool Wide, typename KV>
+void attend_head(const float* q, const RowKeys* keys, int64_t n, const Head<KV>& head, int64_t d, int64_t s,
                  float scale, float* scores, float* compact, float* out) {
   constexpr int kTile = Wide ? kWideTileRows : kTileRows;
   for (int64_t j = 0; j < s; j += kKeyBlock) {  // 1.
@@ -1148,7 +1185,9 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 #endif
 }
 
-// Attention of the rows q (B, T, Hq, D) over the first s keys of k and v (B, S', Hkv, D), fp32; mask
+// Attention of the rows q (B, T, Hq, D) over the first s keys of k and v (B, S', Hkv, D), both fp32 or both
+// bf16 (a pool's dtype: each key and value is widened to fp32 as it is loaded, exactly, so a bf16 pool gives
+// the bits a fp32 pool holding the same values gives, at half the bytes read); mask
 // (B, 1, T, S') True where a row may see a key, or none (every row sees all s). Returns (B, T, Hq D) in q's
 // dtype. Each row's numbers are its own: its scores (`key_scores`), scaled by D^-1/2, a softmax over the
 // keys it sees in fp32 (`exponentiate`: the max, then exp and their sum in the seen keys' order), and the
@@ -1173,10 +1212,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
               "hspec::attention takes bfloat16 or float32 queries, got ", q.scalar_type());
   const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3), hkv = k.size(2);
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.sizes() == v.sizes() &&
-                  k.size(0) == b && k.size(3) == d && hq % hkv == 0 && d % 8 == 0 && s >= 1 && s <= k.size(1),
-              "hspec::attention: k and v must be float32 (", b, ", S' >= ", s, ", Hkv dividing ", hq, ", ", d,
-              "), D a multiple of 8; got ", k.scalar_type(), " ", k.sizes(), " and ", v.scalar_type(), " ", v.sizes());
+  TORCH_CHECK((k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) &&
+                  v.scalar_type() == k.scalar_type() && k.sizes() == v.sizes() && k.size(0) == b &&
+                  k.size(3) == d && hq % hkv == 0 && d % 8 == 0 && s >= 1 && s <= k.size(1),
+              "hspec::attention: k and v must be both float32 or both bfloat16 (", b, ", S' >= ", s,
+              ", Hkv dividing ", hq, ", ", d, "), D a multiple of 8; got ", k.scalar_type(), " ", k.sizes(), " and ",
+              v.scalar_type(), " ", v.sizes());
   // K^T of each (sequence, KV head) as rows over consecutive keys: the pool's own layout (a view), else a copy.
   const at::Tensor kt = k.stride(1) == 1 ? k : k.permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2});
   const at::Tensor values = v.stride(3) == 1 ? v : v.contiguous();
@@ -1199,8 +1240,6 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     }
   }
   at::Tensor out = at::empty({b, t, hq * d}, rows.options());
-  const float* kp = kt.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t g = hq / hkv;
   const bool wide = d % 64 == 0 && avx512_kernels();
@@ -1210,7 +1249,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   int64_t group_rows = std::min(kMaxHeadRows, (head_rows + wanted - 1) / wanted);
   group_rows = std::min(head_rows, (group_rows + tile - 1) / tile * tile);
   const int64_t groups = (head_rows + group_rows - 1) / group_rows;
-  const auto run = [&](const auto* qp, auto* op) {
+  const auto run = [&](const auto* qp, auto* op, const auto* kp, const auto* vp) {
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     at::parallel_for(0, b * hkv * groups, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(static_cast<size_t>(group_rows * s)), compact(static_cast<size_t>(s));
       std::vector<float> query(static_cast<size_t>(group_rows * d)), result(static_cast<size_t>(group_rows * d));
@@ -1218,7 +1258,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       for (int64_t item = begin; item < end; ++item) {  // (sequence, KV head, group of its rows)
         const int64_t bi = item / (hkv * groups), kv = (item / groups) % hkv, first = (item % groups) * group_rows;
         const int64_t n = std::min(group_rows, head_rows - first);
-        const Head head{kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3),
+        const Head<KV> head{kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3),
                         vp + bi * values.stride(0) + kv * values.stride(2), values.stride(1)};
         const auto row_at = [&](int64_t r) {  // row first + r: token (first + r) / G, query head kv G + (first + r) % G
           return ((bi * t + (first + r) / g) * hq + kv * g + (first + r) % g) * d;
@@ -1238,10 +1278,17 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       }
     });
   };
+  const auto with_kv = [&](const auto* qp, auto* op) {
+    if (kt.scalar_type() == at::kBFloat16) {
+      run(qp, op, kt.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>());
+    } else {
+      run(qp, op, kt.data_ptr<float>(), values.data_ptr<float>());
+    }
+  };
   if (rows.scalar_type() == at::kBFloat16) {
-    run(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+    with_kv(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
   } else {
-    run(rows.data_ptr<float>(), out.data_ptr<float>());
+    with_kv(rows.data_ptr<float>(), out.data_ptr<float>());
   }
   return out;
 #else
@@ -1250,11 +1297,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // The new tokens' queries and keys rotated by position, and their keys and values written to one layer of
-// a float32 KV pool: what decoder_stack.cpp's apply_rope, split, index_copy_ and .to(float32) did with ~20
+// a float32 or bfloat16 KV pool: what decoder_stack.cpp's apply_rope, split, index_copy_ and .to(pool) did with ~20
 // operators, in one call and with the same bits (each bf16 product and sum rounded as torch's bf16 mul and
 // add round: the fp32 result to nearest even). projected (B T, (Hq + 2 Hkv) D) or (B, T, (Hq + 2 Hkv) D)
 // bf16 (q, k, v side by side), cos and the signed sin (B, T, 1, D) bf16 (layers.rope_cos_sin), pool_k and pool_v one layer's
-// (slots, Hkv, D) float32 views (any strides: the pool keeps K transposed), slots (B T,) long. Returns the
+// (slots, Hkv, D) views, both float32 or both bf16 (any strides: the pool keeps K transposed; a rotated key is
+// a bf16 value, so either holds it exactly), slots (B T,) long. Returns the
 // rotated queries (B, T, Hq, D) bf16.
 at::Tensor rope_and_write(const at::Tensor& projected, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& pool_k,
                           at::Tensor& pool_v, const at::Tensor& slots, int64_t hq, int64_t hkv) {
@@ -1274,10 +1322,11 @@ at::Tensor rope_and_write(const at::Tensor& projected, const at::Tensor& cos, co
                 table->scalar_type(), " ", table->sizes());
   }
   for (const at::Tensor* pool : {&pool_k, &pool_v}) {
-    TORCH_CHECK(pool->scalar_type() == at::kFloat && pool->device().is_cpu() && pool->dim() == 3 &&
+    TORCH_CHECK((pool->scalar_type() == at::kFloat || pool->scalar_type() == at::kBFloat16) &&
+                    pool->scalar_type() == pool_k.scalar_type() && pool->device().is_cpu() && pool->dim() == 3 &&
                     pool->size(0) == pool_k.size(0) && pool->size(1) == hkv && pool->size(2) == d,
-                "hspec::rope_and_write: the pool's layers must be float32 CPU (", pool_k.size(0), " slots, ", hkv,
-                ", ", d, "), got ", pool->scalar_type(), " ", pool->sizes());
+                "hspec::rope_and_write: the pool's layers must be both float32 or both bfloat16 CPU (",
+                pool_k.size(0), " slots, ", hkv, ", ", d, "), got ", pool->scalar_type(), " ", pool->sizes());
   }
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.device().is_cpu() && slots.numel() == b * t,
               "hspec::rope_and_write: ", b * t, " long CPU write slots needed, got ", slots.scalar_type(), " ",
@@ -1293,32 +1342,38 @@ at::Tensor rope_and_write(const at::Tensor& projected, const at::Tensor& cos, co
   const c10::BFloat16* cp = c.data_ptr<c10::BFloat16>();
   const c10::BFloat16* sp = sn.data_ptr<c10::BFloat16>();
   c10::BFloat16* qp = queries.data_ptr<c10::BFloat16>();
-  float* kp = pool_k.data_ptr<float>();
-  float* vp = pool_v.data_ptr<float>();
   const int64_t half = d / 2, width = (hq + 2 * hkv) * d;
-  for (int64_t i = 0; i < b * t; ++i) {  // token i: its heads q (Hq), k (Hkv), v (Hkv)
-    const c10::BFloat16* row = xp + i * width;
-    const c10::BFloat16* ci = cp + i * d;
-    const c10::BFloat16* si = sp + i * d;
-    for (int64_t h = 0; h < hq + hkv; ++h) {
-      const c10::BFloat16* head = row + h * d;
-      for (int64_t e = 0; e < d; ++e) {
-        const c10::BFloat16 turned(static_cast<float>(head[e]) * static_cast<float>(ci[e]));
-        const c10::BFloat16 swapped(static_cast<float>(head[e < half ? e + half : e - half]) * static_cast<float>(si[e]));
-        const c10::BFloat16 rotated(static_cast<float>(turned) + static_cast<float>(swapped));
-        if (h < hq) {
-          qp[(i * hq + h) * d + e] = rotated;
-        } else {
-          kp[slot[i] * pool_k.stride(0) + (h - hq) * pool_k.stride(1) + e * pool_k.stride(2)] = static_cast<float>(rotated);
+  const auto write = [&](auto* kp, auto* vp) {  // float or c10::BFloat16, the pool's dtype
+    using KV = std::remove_pointer_t<decltype(kp)>;
+    for (int64_t i = 0; i < b * t; ++i) {  // token i: its heads q (Hq), k (Hkv), v (Hkv)
+      const c10::BFloat16* row = xp + i * width;
+      const c10::BFloat16* ci = cp + i * d;
+      const c10::BFloat16* si = sp + i * d;
+      for (int64_t h = 0; h < hq + hkv; ++h) {
+        const c10::BFloat16* head = row + h * d;
+        for (int64_t e = 0; e < d; ++e) {
+          const c10::BFloat16 turned(static_cast<float>(head[e]) * static_cast<float>(ci[e]));
+          const c10::BFloat16 swapped(static_cast<float>(head[e < half ? e + half : e - half]) * static_cast<float>(si[e]));
+          const c10::BFloat16 rotated(static_cast<float>(turned) + static_cast<float>(swapped));
+          if (h < hq) {
+            qp[(i * hq + h) * d + e] = rotated;
+          } else {
+            kp[slot[i] * pool_k.stride(0) + (h - hq) * pool_k.stride(1) + e * pool_k.stride(2)] = static_cast<KV>(rotated);
+          }
+        }
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        const c10::BFloat16* head = row + (hq + hkv + h) * d;
+        for (int64_t e = 0; e < d; ++e) {
+          vp[slot[i] * pool_v.stride(0) + h * pool_v.stride(1) + e * pool_v.stride(2)] = static_cast<KV>(head[e]);
         }
       }
     }
-    for (int64_t h = 0; h < hkv; ++h) {
-      const c10::BFloat16* head = row + (hq + hkv + h) * d;
-      for (int64_t e = 0; e < d; ++e) {
-        vp[slot[i] * pool_v.stride(0) + h * pool_v.stride(1) + e * pool_v.stride(2)] = static_cast<float>(head[e]);
-      }
-    }
+  };
+  if (pool_k.scalar_type() == at::kBFloat16) {
+    write(pool_k.data_ptr<c10::BFloat16>(), pool_v.data_ptr<c10::BFloat16>());
+  } else {
+    write(pool_k.data_ptr<float>(), pool_v.data_ptr<float>());
   }
   return queries;
 }

@@ -119,14 +119,14 @@ Tensor attend(const Tensor& q, Tensor keys, Tensor values, const OptionalTensor&
 }
 
 // layers.attend with hspec's kernel (cpu_kernels.cpp): q (B, T, Hq, D) over the first s of keys and values
-// (B, S', Hkv, D) float32, mask (B, 1, T, S) or nullopt. Returns (B, T, Hq D).
+// (B, S', Hkv, D) float32 or bfloat16 (the pool's), mask (B, 1, T, S) or nullopt. Returns (B, T, Hq D).
 Tensor kernel_attend(const Tensor& q, const Tensor& keys, const Tensor& values, const OptionalTensor& mask, int64_t s) {
   static auto kernel = c10::Dispatcher::singleton().findSchemaOrThrow("hspec::attention", "")
                            .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&, int64_t)>();
   return kernel.call(q, keys, values, mask, s);
 }
 
-// apply_rope of q and k, then k and v written to a float32 pool's layer at slots, with hspec's kernel
+// apply_rope of q and k, then k and v written to a float32 or bfloat16 pool's layer at slots, with hspec's kernel
 // (cpu_kernels.cpp): projected (B T, (Hq + 2 Hkv) D). Returns q rotated, (B, T, Hq, D).
 Tensor rope_and_write(const Tensor& projected, const Tensor& cos, const Tensor& sin, Tensor& layer_k, Tensor& layer_v,
                       const Tensor& slots, int64_t hq, int64_t hkv) {
@@ -162,8 +162,10 @@ std::vector<Tensor> decoder_stack(Tensor x, const Tensor& cos, const Tensor& sin
   const int64_t b = x.size(0), t = x.size(1), g = hq / hkv, h = x.size(2);
   x = x.reshape({b * t, h});  // the layers run on rows (B T, H): no reshape around each product
   const Tensor flat_slots = write_slots.reshape({-1});
-  // hspec's attention kernel takes the float32 pool and the mask as they are; the other path's mask is inverted.
-  const bool kernel_attention = kernels && pool_v.scalar_type() == at::kFloat;
+  // hspec's attention kernel takes the pool (float32 or bfloat16) and the mask as they are; the other path's mask
+  // is inverted.
+  const bool kernel_attention =
+      kernels && (pool_v.scalar_type() == at::kFloat || pool_v.scalar_type() == at::kBFloat16);
   OptionalTensor hidden_not;  // (B, 1, max(T G, min_attention_rows), S), computed once, not once per layer
   if (mask.has_value() && !kernel_attention) {
     hidden_not = mask->unsqueeze(3).expand({b, 1, t, g, s}).reshape({b, 1, t * g, s}).logical_not();

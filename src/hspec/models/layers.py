@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hspec.cache.paged_pool import widened
 from hspec.models.formats.base import ROW_BLOCK as _ROW_BLOCK
 from hspec.models.formats.base import WeightFormat, row_invariant
 from hspec.models.formats.floating import FLOATING
@@ -235,15 +236,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     Positions after the S keys must hold finite values and are never attended: a paged read may add them
     (`key_multiple`). Row-invariant tensors take `_attend_row_invariant`.
     prefill: the rows are a prompt's (see the module doc): a query block's rows share one product.
-    kernel: a decode's or a verify's row-invariant rows over float32 keys (a CPU target's pool) go to hspec's
-    kernel (`torch.ops.hspec.attention`, models/cpu_kernels.cpp), which computes each row alone and skips
-    the keys it may not see: one call where `_attend_row_invariant` makes ~25 (docs/fast-path.md#hspecs-cpu-kernels).
-    A model uses one or the other for every decode and verify (`loading.build_model` decides).
+    kernel: the model attends with hspec's kernel over its pool, float32 or bfloat16 (`TargetModel.kv_dtype`):
+    a decode's or a verify's row-invariant rows go to `torch.ops.hspec.attention` (models/cpu_kernels.cpp),
+    which widens each key and value to fp32 as it reads it, computes each row alone and skips the keys it may
+    not see: one call where `_attend_row_invariant` makes ~25 (docs/fast-path.md#hspecs-cpu-kernels). A
+    prompt's rows take `_attend_row_invariant` over the keys widened to float32, so a bf16 pool gives them
+    the fp32 pool's products and bits. A model uses the kernel for every decode and verify or for none
+    (`loading.build_model` decides).
     """
     s = k.shape[1] if num_keys is None else num_keys
     if row_invariant(q):
-        if kernel and not prefill and k.dtype == torch.float32:
+        kernel_pool = kernel and k.dtype in (torch.float32, torch.bfloat16)
+        if kernel_pool and not prefill:
             return torch.ops.hspec.attention(q, k, v, mask, s)
+        if kernel_pool and k.dtype != torch.float32:
+            k, v = widened(k), widened(v)
         return _attend_row_invariant(q, k, v, mask, s, prefill)
     b, t, hq, d = q.shape
     out = F.scaled_dot_product_attention(

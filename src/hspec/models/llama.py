@@ -115,12 +115,12 @@ class TargetModel(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
 
     def new_pool(self, num_blocks: int, block_size: int = 16, num_drafter_layers: int = 0) -> PagedKVPool:
-        """A KV pool shaped for this model, on its device, in `kv_dtype`, K transposed for the row-invariant
-        attention (`PagedKVPool`)."""
+        """A KV pool shaped for this model, on its device, in `kv_dtype` (torch products over it in
+        `kv_product_dtype`), K transposed for the row-invariant attention (`PagedKVPool`)."""
         c = self.config
         return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, num_drafter_layers,
                            dtype=self.kv_dtype, device=self.embed_tokens.weight.device,
-                           transposed_k=self.row_invariant_attention)
+                           transposed_k=self.row_invariant_attention, product_dtype=self.kv_product_dtype)
 
     @property
     def row_invariant_attention(self) -> bool:
@@ -135,15 +135,32 @@ class TargetModel(nn.Module):
         prefix and ancestors (`_tree_table`): where every layer attends with hspec's kernel over the float32
         pool, which sums a row's visible keys alone, in key order, whatever sits between them
         (`layers.attend`). At 1,536 keys a 17-token tree's forward then reads the prefix once, not 17 times."""
-        return self.kv_dtype == torch.float32 and all(layer.self_attn.kernel for layer in self.layers)
+        return self.attention_kernel
+
+    @property
+    def attention_kernel(self) -> bool:
+        """Whether every layer's decodes and verifies attend with hspec's kernel (`layers.attend`)."""
+        return all(layer.self_attn.kernel for layer in self.layers)
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The dtype of this model's KV pool: float32 where the attention is row-invariant, whose two small
-        products per layer then run as fp32 GEMMs (a bf16 K/V value is exact in fp32): oneDNN's bf16
-        product cost ~35 us each for a decode's 3 x 64 x S shapes, MKL's fp32 one ~8, so about 1.5 ms of
-        a SmolLM2 token (docs/fast-path.md), for twice the KV memory; the weights' dtype elsewhere."""
-        return torch.float32 if self.row_invariant_attention else self.embed_tokens.weight.dtype
+        """The dtype of this model's KV pool. Where the attention is row-invariant, its keys and values are bf16
+        numbers (the bf16 layers compute them), which a float32 or bfloat16 pool holds exactly: bfloat16 where
+        hspec's kernel attends (it widens each key and value to fp32 as it reads it: the bits of a float32
+        pool, half the bytes; a decode at 2,048 SmolLM2 keys reads 47 MB of K/V instead of 94), float32 where
+        torch's products do (`layers._attend_row_invariant`: MKL's fp32 product ~8 us for a decode's 3 x 64 x
+        S shapes, oneDNN's bf16 one ~35; docs/fast-path.md); the weights' dtype elsewhere."""
+        weights = self.embed_tokens.weight.dtype
+        if not self.row_invariant_attention:
+            return weights
+        return torch.bfloat16 if self.attention_kernel and weights == torch.bfloat16 else torch.float32
+
+    @property
+    def kv_product_dtype(self) -> torch.dtype:
+        """The dtype torch products over this model's pool take its K/V in (a drafter's context products, a
+        prompt's attention): float32 for a row-invariant target, whatever the pool holds, so a bfloat16 pool
+        changes no number (`PagedKVPool`'s product_dtype); `kv_dtype` elsewhere."""
+        return torch.float32 if self.row_invariant_attention else self.kv_dtype
 
     @property
     def dtype_name(self) -> str:

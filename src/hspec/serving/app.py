@@ -74,7 +74,8 @@ def build_engine(target: TargetModel, drafter: Drafter, tokenizer: ServingTokeni
     elif kv_budget_bytes is not None:
         pool = PagedKVPool.from_memory_budget(int(kv_budget_bytes), c.num_layers, c.num_kv_heads, c.head_dim,
                                               block_size, drafter.num_drafter_layers, target.kv_dtype,
-                                              target.embed_tokens.weight.device, target.row_invariant_attention)
+                                              target.embed_tokens.weight.device, target.row_invariant_attention,
+                                              target.kv_product_dtype)
     stages = DecodeStages(target, drafter, K, tokenizer.eos_token_ids, tokenizer.decode)
     return Engine(stages, pool, max_running, speculate_max_batch)
 

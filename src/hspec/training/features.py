@@ -129,7 +129,7 @@ def compute_features(model: TargetModel, tokens: Sequence[int], prompt_length: i
     kv = {}
     for layer in kv_layers:
         k, v = pool.gather(layer, table)  # (1, S, Hkv, D) views into the temporary pool
-        kv[layer] = (k[0].clone(), v[0].clone())
+        kv[layer] = (k[0].to(pool.product_dtype, copy=True), v[0].to(pool.product_dtype, copy=True))
     return SequenceFeatures(
         tokens=ids[0].clone(),
         prompt_length=prompt_length,
