@@ -231,6 +231,8 @@ def draft_arguments(p: argparse.ArgumentParser) -> None:
                    help="pruned draft vocabulary Vp of every trained kind (default: the paper's 32,000)")
     add_compile_drafter(p)
     add_drafter_precision(p)
+    p.add_argument("--breakdown", action="store_true",
+                   help="instead: H-Spec's native proposal (B = 1) timed section by section against the verify")
     p.add_argument("--out", default="results", help="output directory")
 
 
@@ -238,6 +240,12 @@ def run_bench_draft(args: argparse.Namespace) -> int:
     """Benchmark the draft forward cost T_D(K) against the verify cost T_T per drafter kind."""
     from hspec.bench.draft import run_draft_bench
 
+    if args.breakdown:
+        from hspec.bench.draft_breakdown import run_draft_breakdown
+
+        return run_draft_breakdown(args.target, args.out, ints(args.contexts), args.repeats,
+                                   draft_vocab_size=args.draft_vocab, dtype=args.dtype,
+                                   drafter_precision=args.drafter_precision)
     return run_draft_bench(args.target, names(args.drafters), args.out, args.repeats,
                            ints(args.batch_sizes), ints(args.contexts), draft_vocab_size=args.draft_vocab,
                            dtype=args.dtype, compile_drafters=args.compile_drafter,

@@ -191,11 +191,22 @@ class NativePropose:
     def forward(self, ctx: BlockContext, anchor_tokens: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The drafts (1, K), their confidence (1, K) fp32 and the backbone logits U (1, K, Vp)."""
+        drafts, confidence, logits, _ = self._propose(ctx, anchor_tokens, timed=False)
+        return drafts, confidence, logits
+
+    def breakdown(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> dict[str, tuple[float, float]]:
+        """One proposal timed by section (native_propose.cpp's `Section`): name -> (this thread's CPU time,
+        wall time) in milliseconds, each summed over the drafter's layers."""
+        _, _, _, sections = self._propose(ctx, anchor_tokens, timed=True)  # (sections, 2) ns
+        names = self.extension.section_names()
+        return {name: (row[0] / 1e6, row[1] / 1e6) for name, row in zip(names, sections.tolist(), strict=True)}
+
+    def _propose(self, ctx: BlockContext, anchor_tokens: torch.Tensor, timed: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         dtype = self.weights[1].dtype  # type: ignore[union-attr]  # the mask embedding's: the drafter's
         cos, sin = self.rope(ctx.positions, dtype)  # (1, K, D) each, the target's RoPE
         context = [t for pair in ctx.context_kv for t in pair]
-        drafts, confidence, logits = self.extension.propose(
+        return self.extension.propose(
             ctx.block_tokens, cos, sin, ctx.last_hidden, context, ctx.context_mask, anchor_tokens, self.weights,
             self.row_invariant, self.layers, self.mask_token_id, self.vocab_size, self.injects, self.markov,
-            self.dims, self.eps, self.mamba_eps, self.norm_kernel)
-        return drafts, confidence, logits
+            self.dims, self.eps, self.mamba_eps, self.norm_kernel, timed)

@@ -28,8 +28,13 @@
 
 #include "../../models/linear_product.h"
 
+#include <time.h>
+
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -37,6 +42,53 @@ using at::Tensor;
 using OptionalTensor = std::optional<Tensor>;
 
 namespace {
+
+// The sections of a proposal its optional breakdown times (`propose(..., timed=true)`, `hspec bench draft
+// --breakdown`), in the order `section_names` lists them; a section's time adds up over the layers.
+enum Section : int {
+  kEmbed, kInjection, kNorm, kMambaInProj, kMambaConv, kMambaScan, kMambaOutProj, kAttentionQkv,
+  kAttentionNormRope, kAttentionScores, kAttentionSoftmax, kAttentionValues, kAttentionOutProj, kMlpGateUp,
+  kMlpActivation, kMlpDown, kResidual, kHead, kMarkovProduct, kMarkovSelect, kOutputs, kSections
+};
+constexpr std::array<const char*, kSections> kSectionNames = {
+    "embed", "injection", "norms", "mamba.in_proj", "mamba.conv_silu", "mamba.scan_gate_norm",
+    "mamba.out_proj", "attention.qkv_proj", "attention.qk_norm_rope", "attention.scores", "attention.softmax",
+    "attention.values", "attention.o_proj", "mlp.gate_up", "mlp.silu_mul", "mlp.down", "residual_adds",
+    "head", "markov.w2_product", "markov.argmax_softmax", "outputs"};
+
+// Nanoseconds per section of one proposal: this thread's CPU time (what the section cost the calling core;
+// the products' second thread, where torch has two, is not in it) and wall time.
+struct Timings {
+  std::array<double, kSections> thread_ns{}, wall_ns{};
+};
+
+inline double thread_cpu_ns() {
+  timespec now{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+  return 1e9 * static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec);
+}
+
+// Adds the time from its construction to its destruction to `section` of `timings` (nothing where null).
+class Timed {
+ public:
+  Timed(Timings* timings, Section section) : timings_(timings), section_(section) {
+    if (timings_ != nullptr) thread_ = thread_cpu_ns(), wall_ = std::chrono::steady_clock::now();
+  }
+  ~Timed() {
+    if (timings_ == nullptr) return;
+    timings_->thread_ns[section_] += thread_cpu_ns() - thread_;
+    timings_->wall_ns[section_] +=
+        std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - wall_).count();
+  }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  Timings* timings_;
+  Section section_;
+  double thread_ = 0.0;
+  std::chrono::steady_clock::time_point wall_;
+};
 
 // One linear of the drafter: a `layers.Linear` (`row_invariant`: through layers.linear's product) or a plain
 // nn.Linear (F.linear on the input as it is).
@@ -265,7 +317,7 @@ void mamba_mix(const T* zxbcdt, int64_t length, int64_t row_stride, const T* act
 }
 
 // ssm.mixer.Mamba2Mixer.forward without its final state: hidden (1, K, H) from S_init (1, nh, P, N) or zeros.
-Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, const MambaSizes& m) {
+Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, const MambaSizes& m, Timings* t) {
   const DrafterLinear in_proj = w.linear("mamba.in_proj");
   const Tensor& taps = w.tensor("mamba.conv1d taps");  // (conv_dim, W) in the activations' dtype
   const OptionalTensor conv_bias = w.optional();         // (conv_dim,) in the activations' dtype
@@ -274,7 +326,10 @@ Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, cons
   const Tensor& D = w.tensor("mamba.D");                 // (nh,) in the activations' dtype
   const Tensor& gate_weight = w.tensor("mamba.norm.weight");
   const DrafterLinear out_proj = w.linear("mamba.out_proj");
-  const Tensor zxbcdt = linear(hidden, in_proj);  // (1, K, d_inner + conv_dim + nh), contiguous
+  const Tensor zxbcdt = [&] {
+    Timed timed(t, kMambaInProj);
+    return linear(hidden, in_proj);  // (1, K, d_inner + conv_dim + nh), contiguous
+  }();
   const int64_t length = hidden.size(1), d_inner = m.nheads * m.headdim;
   const int64_t conv_dim = d_inner + 2 * m.ngroups * m.d_state;
   TORCH_CHECK(!s_init.has_value() || s_init->sizes() == at::IntArrayRef({1, m.nheads, m.headdim, m.d_state}),
@@ -283,8 +338,10 @@ Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, cons
   const OptionalTensor state = s_init.has_value() ? OptionalTensor(s_init->to(zxbcdt.scalar_type()).contiguous())
                                                   : std::nullopt;
   // 2. the causal conv of [x, B, C] and SiLU; SiLU(z) for the gate
+  std::optional<Timed> timed(std::in_place, t, kMambaConv);
   const Tensor activated = at::silu(causal_depthwise_conv(zxbcdt.slice(2, d_inner, d_inner + conv_dim), taps, conv_bias));
   const Tensor gates = at::silu(zxbcdt.slice(2, 0, d_inner).to(at::kFloat)).contiguous();  // (1, K, d_inner)
+  timed.emplace(t, kMambaScan);
   Tensor out = at::empty({1, length, d_inner}, zxbcdt.options());
   const auto run = [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
@@ -305,6 +362,7 @@ Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, cons
   } else {
     run(static_cast<c10::BFloat16*>(nullptr));
   }
+  timed.emplace(t, kMambaOutProj);
   return linear(out, out_proj);
 }
 
@@ -312,16 +370,18 @@ Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, cons
 // block: x (1, K, H), cos/sin (1, K, 1, D), context k and v (1, S, Hkv, D) with context_mask (1, S) bool,
 // contiguous.
 Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& context_k,
-                 const Tensor& context_v, const Tensor& context_mask, Cursor& w, const Sizes& c) {
+                 const Tensor& context_v, const Tensor& context_mask, Cursor& w, const Sizes& c, Timings* t) {
   const DrafterLinear q_proj = w.linear("attn.q_proj"), k_proj = w.linear("attn.k_proj"),
                       v_proj = w.linear("attn.v_proj");
   const Tensor& q_norm = w.tensor("attn.q_norm.weight");
   const Tensor& k_norm = w.tensor("attn.k_norm.weight");
   const DrafterLinear o_proj = w.linear("attn.o_proj");
   const int64_t n = x.size(0), length = x.size(1), g = c.hq / c.hkv;
+  std::optional<Timed> timed(std::in_place, t, kAttentionQkv);
   Tensor q = linear(x, q_proj).view({n, length, c.hq, c.d});
   Tensor k = linear(x, k_proj).view({n, length, c.hkv, c.d});
   const Tensor v = linear(x, v_proj).view({n, length, c.hkv, c.d});
+  timed.emplace(t, kAttentionNormRope);
   q = apply_rope(rms_norm(q, q_norm, c.eps, c.norm_kernel), cos, sin);
   k = apply_rope(rms_norm(k, k_norm, c.eps, c.norm_kernel), cos, sin);
 
@@ -329,6 +389,7 @@ Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Te
   // one softmax, the context read where it is.
   const Tensor qg = q.view({n, length, c.hkv, g, c.d}).permute({0, 2, 3, 1, 4}).reshape({n, c.hkv, g * length, c.d});
   const int64_t s = context_k.size(1), rows = g * length;
+  timed.emplace(t, kAttentionScores);
   const Tensor block_raw = at::matmul(qg, k.permute({0, 2, 3, 1})).to(at::kFloat).contiguous();  // (1, Hkv, G K, K)
   const Tensor ctx_raw = at::matmul(qg.to(context_k.scalar_type()), context_k.permute({0, 2, 3, 1}))
                              .to(at::kFloat).contiguous();  // (1, Hkv, G K, S)
@@ -346,18 +407,26 @@ Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Te
     const int64_t t = r % length;
     for (int64_t j = 0; j < length; ++j) row[s + j] = j <= t ? from_block[r * length + j] * scale : -INFINITY;
   }
+  timed.emplace(t, kAttentionSoftmax);
   const Tensor probs = at::softmax(scores, -1);
+  timed.emplace(t, kAttentionValues);
   const Tensor out = at::matmul(probs.slice(-1, 0, s).to(context_v.scalar_type()), context_v.transpose(1, 2))
                          .to(v.scalar_type()) +
                      at::matmul(probs.slice(-1, s).to(v.scalar_type()), v.transpose(1, 2));  // (1, Hkv, G K, D)
   const Tensor merged = out.view({n, c.hkv, g, length, c.d}).permute({0, 3, 1, 2, 4}).reshape({n, length, c.hq * c.d});
+  timed.emplace(t, kAttentionOutProj);
   return linear(merged, o_proj);
 }
 
 // layers.SwiGLU with gate and up unfused: down(silu(gate(x)) * up(x)).
-Tensor mlp(const Tensor& x, Cursor& w) {
+Tensor mlp(const Tensor& x, Cursor& w, Timings* t) {
   const DrafterLinear gate = w.linear("mlp.gate_proj"), up = w.linear("mlp.up_proj"), down = w.linear("mlp.down_proj");
-  return linear(at::silu(linear(x, gate)) * linear(x, up), down);
+  std::optional<Timed> timed(std::in_place, t, kMlpGateUp);
+  const Tensor gated = linear(x, gate), lifted = linear(x, up);
+  timed.emplace(t, kMlpActivation);
+  const Tensor hidden = at::silu(gated) * lifted;
+  timed.emplace(t, kMlpDown);
+  return linear(hidden, down);
 }
 
 }  // namespace
@@ -369,15 +438,18 @@ Tensor mlp(const Tensor& x, Cursor& w) {
 // (pool views), context_mask (1, S) bool; anchor (1,) long; weights and row_invariant as `NativePropose`
 // writes them; layers: per drafter layer 1 (Mamba) + 2 (attention); mask_token_id, vocab_size (V);
 // injects: S_init is projected (else zeros); markov: 0 none, 1 W2 as a (r, Vp) matrix, 2 W2 as an int8 linear.
-// Returns the drafts as draft-vocabulary indices (1, K) long, their confidence (1, K) fp32 and the backbone
-// logits U (1, K, Vp).
+// timed: also time the sections (`Section`). Returns the drafts as draft-vocabulary indices (1, K) long, their
+// confidence (1, K) fp32, the backbone logits U (1, K, Vp) and, where timed, the sections' nanoseconds
+// (kSections, 2) fp64, this thread's CPU time then wall time (else an empty tensor).
 std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const Tensor& sin,
                             const Tensor& last_hidden, const std::vector<Tensor>& context,
                             const Tensor& context_mask, const Tensor& anchor,
                             const std::vector<OptionalTensor>& weights, const std::vector<bool>& row_invariant,
                             const std::vector<int64_t>& layers, int64_t mask_token_id, int64_t vocab_size,
                             bool injects, int64_t markov, const std::vector<int64_t>& dims, double eps,
-                            double mamba_eps, bool norm_kernel) {
+                            double mamba_eps, bool norm_kernel, bool timed) {
+  Timings timings;
+  Timings* t = timed ? &timings : nullptr;
   TORCH_CHECK(dims.size() == 7, "native_propose: dims must be (nh, P, N, G, Hq, Hkv, D), got ", dims.size(), " values");
   const Sizes c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], eps, mamba_eps, norm_kernel};
   TORCH_CHECK(block_tokens.dim() == 2 && block_tokens.size(0) == 1, "native_propose takes one sequence's block (1, K), got ",
@@ -394,6 +466,7 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
   const Tensor& mask_embedding = w.tensor("mask_embedding");
 
   // 1. embed_block
+  std::optional<Timed> section(std::in_place, t, kEmbed);
   const Tensor is_mask = block_tokens.eq(mask_token_id);
   const Tensor emb = at::embedding(embed_weight, block_tokens.clamp_max(vocab_size - 1));  // (1, K, H)
   Tensor x = at::where(is_mask.unsqueeze(-1), mask_embedding.to(emb.scalar_type()), emb);
@@ -401,6 +474,7 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
 
   // 2. S_init
   OptionalTensor s_init;
+  section.emplace(t, kInjection);
   if (injects) {
     const DrafterLinear proj_r = w.linear("injection.proj_r"), proj_ds = w.linear("injection.proj_ds");
     const Tensor fused = linear(last_hidden.to(x.scalar_type()).flatten(1), proj_r);  // (1, r)
@@ -413,14 +487,23 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
   const MambaSizes mamba_sizes{c.nheads, c.headdim, c.d_state, c.ngroups, c.mamba_eps};
 
   // 3. the layers
+  section.reset();
+  const auto norm = [&](const Tensor& rows, const Tensor& weight) {
+    Timed timed_norm(t, kNorm);
+    return rms_norm(rows, weight, c.eps, c.norm_kernel);
+  };
+  const auto residual = [&](const Tensor& rows, const Tensor& update) {
+    Timed timed_add(t, kResidual);
+    return rows + update;
+  };
   size_t attention_index = 0;
   for (const int64_t layout : layers) {
     if (layout & 1) {
-      const Tensor& norm = w.tensor("mamba_norm.weight");
-      x = x + mamba(rms_norm(x, norm, c.eps, c.norm_kernel), s_init, w, mamba_sizes);
+      const Tensor& weight = w.tensor("mamba_norm.weight");
+      x = residual(x, mamba(norm(x, weight), s_init, w, mamba_sizes, t));
     }
     if (layout & 2) {
-      const Tensor& norm = w.tensor("attn_norm.weight");
+      const Tensor& weight = w.tensor("attn_norm.weight");
       TORCH_CHECK(2 * attention_index + 1 < context.size(), "native_propose: no context K/V for attention module ",
                   attention_index, " (", context.size(), " tensors)");
       const Tensor& ck = context[2 * attention_index];
@@ -428,11 +511,11 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
       TORCH_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == context_mask.size(1) && cv.sizes() == ck.sizes(),
                   "native_propose: context K/V ", attention_index, " must be (1, ", context_mask.size(1),
                   ", Hkv, D) twice, got ", ck.sizes(), " and ", cv.sizes());
-      x = x + attention(rms_norm(x, norm, c.eps, c.norm_kernel), cos4, sin4, ck, cv, visible, w, c);
+      x = residual(x, attention(norm(x, weight), cos4, sin4, ck, cv, visible, w, c, t));
       ++attention_index;
     }
-    const Tensor& norm = w.tensor("mlp_norm.weight");
-    x = x + mlp(rms_norm(x, norm, c.eps, c.norm_kernel), w);
+    const Tensor& weight = w.tensor("mlp_norm.weight");
+    x = residual(x, mlp(norm(x, weight), w, t));
   }
   TORCH_CHECK(2 * attention_index == context.size(), "native_propose: ", context.size(), " context tensors for ",
               attention_index, " attention modules");
@@ -440,7 +523,10 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
   // 4. final norm, pruned-vocabulary head
   const Tensor& final_norm = w.tensor("norm.weight");
   const DrafterLinear head = w.linear("head");
-  const Tensor logits = linear(rms_norm(x, final_norm, c.eps, c.norm_kernel), head);  // (1, K, Vp)
+  const Tensor normed = norm(x, final_norm);
+  section.emplace(t, kHead);
+  const Tensor logits = linear(normed, head);  // (1, K, Vp)
+  section.reset();
 
   // 5. the greedy Markov loop (NeuralDrafter.greedy_block)
   const Tensor& draft_vocab_ids = w.tensor("head.draft_vocab_ids");  // (Vp,) long
@@ -466,10 +552,12 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
     if (markov != 0) {
       TORCH_CHECK(prev >= 0 && prev < w1->size(0), "native_propose: token ", prev, " outside the Markov head's ",
                   w1->size(0), " rows");
+      Timed timed_product(t, kMarkovProduct);
       const Tensor low_rank = w1->select(0, prev).view({1, 1, -1});  // (1, 1, r): W1[prev], as its embedding
       const Tensor correction = markov == 1 ? at::matmul(low_rank, *w2) : linear(low_rank, *w2_linear);
       l_k = l_k + correction.view({-1});  // l_k = U_k + W2(W1[prev]), rounded to the logits' dtype
     }
+    Timed timed_select(t, kMarkovSelect);
     // argmax (the first of equal maxima, as torch.max) and 1 / sum(exp(l - max)) in fp32
     const Tensor values = l_k.to(at::kFloat).contiguous();
     const float* v = values.data_ptr<float>();
@@ -484,10 +572,23 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
     confidence.push_back(1.0f / total);
     prev = vocab[best];
   }
+  section.emplace(t, kOutputs);
   const Tensor drafts = at::tensor(tokens, at::TensorOptions().dtype(at::kLong)).view({1, length});
-  return {drafts, at::tensor(confidence, at::TensorOptions().dtype(at::kFloat)).view({1, length}), logits};
+  const Tensor confidences = at::tensor(confidence, at::TensorOptions().dtype(at::kFloat)).view({1, length});
+  section.reset();
+  Tensor sections = at::empty({0}, at::TensorOptions().dtype(at::kDouble));
+  if (timed) {
+    sections = at::empty({kSections, 2}, sections.options());
+    double* out = sections.data_ptr<double>();
+    for (int i = 0; i < kSections; ++i) out[2 * i] = timings.thread_ns[i], out[2 * i + 1] = timings.wall_ns[i];
+  }
+  return {drafts, confidences, logits, sections};
 }
+
+// The names of the sections `propose` times, in the rows' order of its timings.
+std::vector<std::string> section_names() { return {kSectionNames.begin(), kSectionNames.end()}; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("propose", &propose, "H-Spec's greedy proposal for one sequence (native_propose.cpp)");
+  module.def("section_names", &section_names, "the sections `propose` times where asked, in its rows' order");
 }
