@@ -100,11 +100,11 @@ class NativePropose:
                 m = layer.mamba
                 self.weights.append(layer.mamba_norm.weight)
                 self._add_linear(m.in_proj)
-                # as Mamba2Mixer.forward turns them before use: taps and D to the activations' dtype, A and
-                # dt_bias to fp32
+                # as Mamba2Mixer.forward turns them before use: taps (W, conv_dim) and D to the activations' dtype,
+                # A and dt_bias to fp32
                 dtype = drafter.mask_embedding.dtype
                 bias = None if m.conv1d.bias is None else m.conv1d.bias.detach().to(dtype).contiguous()
-                self.weights += [m.conv1d.weight.detach()[:, 0].to(dtype).contiguous(), bias,
+                self.weights += [m.conv1d.weight.detach()[:, 0].t().to(dtype).contiguous(), bias,
                                  -torch.exp(m.A_log.detach().float()), m.dt_bias.detach().float().contiguous(),
                                  m.D.detach().to(dtype).contiguous(), m.norm.weight]
                 self._add_linear(m.out_proj)
@@ -137,12 +137,19 @@ class NativePropose:
                 self.markov = _MARKOV_MATRIX
                 self.weights.append(markov.W2)
         self.weights = [None if w is None else w.detach() for w in self.weights]
+        self.proposer = self._bind()
+
+    def _bind(self):  # the extension's Proposer: the weights and sizes, converted to C++ once
+        return self.extension.Proposer(self.weights, self.row_invariant, self.layers, self.mask_token_id,
+                                       self.vocab_size, self.injects, self.markov, self.dims, self.eps,
+                                       self.mamba_eps, self.norm_kernel)
 
     def __deepcopy__(self, memo: dict) -> NativePropose:
         """A deep copy of its drafter binds the copy's tensors (`memo`); the compiled extension is shared."""
         copied = copy.copy(self)
         copied.weights = copy.deepcopy(self.weights, memo)
         copied.rope = copy.deepcopy(self.rope, memo)
+        copied.proposer = copied._bind()
         return copied
 
     def _add_linear(self, module: nn.Linear) -> None:
@@ -206,7 +213,5 @@ class NativePropose:
         dtype = self.weights[1].dtype  # type: ignore[union-attr]  # the mask embedding's: the drafter's
         cos, sin = self.rope(ctx.positions, dtype)  # (1, K, D) each, the target's RoPE
         context = [t for pair in ctx.context_kv for t in pair]
-        return self.extension.propose(
-            ctx.block_tokens, cos, sin, ctx.last_hidden, context, ctx.context_mask, anchor_tokens, self.weights,
-            self.row_invariant, self.layers, self.mask_token_id, self.vocab_size, self.injects, self.markov,
-            self.dims, self.eps, self.mamba_eps, self.norm_kernel, timed)
+        return self.proposer.propose(ctx.block_tokens, cos, sin, ctx.last_hidden, context, ctx.context_mask,
+                                     anchor_tokens, timed)
