@@ -115,6 +115,23 @@ def test_native_drafts_equal_the_python_path(targets, tiny_dirs, dtype, precisio
     assert len({tuple(d[0].tolist()) for d in drafts}) > 1, "every context drafted the same block"
 
 
+def test_the_breakdown_times_each_section_of_a_proposal(targets, tiny_dirs):
+    """`NativePropose.breakdown` (hspec bench draft --breakdown) returns every section native_propose.cpp
+    times, each once, with a positive wall time wherever the drafter runs that section."""
+    target = _target(targets, tiny_dirs, "bfloat16")
+    drafter = _drafter(target, "int8")
+    native = drafter.native_greedy
+    with torch.inference_mode():
+        for batch, ctx in _contexts(target, drafter, (17,)):
+            sections = native.breakdown(ctx, batch.anchor_tokens)
+    assert list(sections) == native.extension.section_names() and len(sections) == 21
+    assert all(cpu >= 0.0 and wall >= 0.0 for cpu, wall in sections.values())
+    ran = ("embed", "injection", "norms", "mamba.in_proj", "mamba.conv_silu", "mamba.scan_gate_norm",
+           "attention.qkv_proj", "attention.scores", "attention.values", "mlp.gate_up", "mlp.down", "head",
+           "markov.w2_product", "markov.argmax_softmax")
+    assert all(sections[name][1] > 0.0 for name in ran), {name: sections[name] for name in ran}
+
+
 def test_a_w4a8_drafter_multiplies_w4a8_tiles(targets, tiny_dirs):
     """`--drafter-precision w4a8` stores the layers' linears, the head's rows and the Markov head's W2 as the
     w4a8 kernel's tiles wherever it takes the shape, which the native call then multiplies."""
