@@ -7,18 +7,19 @@
 # time includes the pause).
 #
 # Settings (environment; defaults in brackets):
-#   KIND [hspec]   drafter kind;  BUDGETS [12800,25600,51200,102400]  blocks of each run (multiples of 64)
+#   KIND [hspec]   drafter kind;  BUDGETS [6400,12800,...,204800: doublings]  blocks of each run (multiples of 64)
 #   RUNS [runs/scaling]  run directories, kept across sessions (outside the repository is best)
 #   FEATURES_DIR [runs/features]  the feature caches of parts 1-7 (made or finished here, as
 #                                 scripts/train_hspec_smollm2.sh makes them; a finished cache is only checked)
 #   REFERENCE [shipped]  a drafter measured beside the curve ('none' for none)
 #   THREADS [1]  torch threads;  OUT [results/scaling_curve];  DRY_RUN [unset]: print the commands only
 # What the committed files were made with: scripts/scaling_curve.sh under `nice -n 19` (one thread), with
-# RUNS=/work/scaling_runs FEATURES_DIR=/work/scaling_runs/features; KIND=dflash BUDGETS=... for DFlash.
+# RUNS=/work/scaling_runs FEATURES_DIR=/work/scaling_runs/features; DFlash with KIND=dflash BUDGETS=12800,25600
+# REFERENCE=none (no shipped DFlash drafter). The report keeps the finished runs only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIND=${KIND:-hspec}
-BUDGETS=${BUDGETS:-12800,25600,51200,102400}
+BUDGETS=${BUDGETS:-6400,12800,25600,51200,102400,204800}
 RUNS=${RUNS:-runs/scaling}
 FEATURES_DIR=${FEATURES_DIR:-runs/features}
 REFERENCE=${REFERENCE:-shipped}

@@ -68,9 +68,9 @@ def run_table(args: argparse.Namespace) -> int:
 def scaling_arguments(scaling: argparse.ArgumentParser) -> None:
     scaling.add_argument("--target", default="smollm2", help="the target (default: the embedded SmolLM2-135M-Instruct)")
     scaling.add_argument("--kind", default="hspec", help="drafter kind to train (default hspec)")
-    scaling.add_argument("--budgets", default="12800,25600,51200,102400",
+    scaling.add_argument("--budgets", default="6400,12800,25600,51200,102400,204800",
                          help="blocks of each run, comma-separated, each a multiple of one step's blocks "
-                              "(default 12800,25600,51200,102400)")
+                              "(default 6400,12800,25600,51200,102400,204800: doublings from 100 steps)")
     scaling.add_argument("--features", default=",".join(f"runs/features/part{i}" for i in range(1, 8)),
                          help="training feature caches, comma-separated (default: parts 1-7 of "
                               "results/train_data, the shipped drafter's first run's, as "
