@@ -73,7 +73,7 @@ def _contexts(target, drafter, lengths, seed=1):
     and BlockContext of its next proposal."""
     g = torch.Generator().manual_seed(seed)
     for n in lengths:
-        pool = target.model.new_pool(num_blocks=2 * (n // 8 + 2), block_size=8)
+        pool = target.model.new_pool(2 * (n // 8 + 2), 8, drafter.num_drafter_layers)  # DFlash: its own K/V
         pool.add_sequence(0)
         ids = torch.randint(3, target.config.vocab_size, (1, n), generator=g)
         with torch.no_grad():
@@ -162,6 +162,36 @@ def test_native_drafts_of_the_ablations_equal_the_python_path(targets, tiny_dirs
             expected_local, expected_confidence = drafter.draft_greedy(ctx, batch.anchor_tokens)
             assert torch.equal(local, expected_local)
             torch.testing.assert_close(confidence, expected_confidence)
+
+
+# The DFlash family runs through the same native call: attention over its context (DFlash and DSpark: their
+# own K/V in the pool; DFlash-KVReuse: the target's) attending to the whole block, no Mamba-2, DSpark with the
+# Markov head.
+DFLASH_FAMILY = ("dflash", "dspark", "dflash-kvreuse")
+
+
+@pytest.mark.parametrize("kind", DFLASH_FAMILY)
+@pytest.mark.parametrize("dtype,precision", [("bfloat16", "int8"), ("w4a8", "auto")])
+def test_native_drafts_of_the_dflash_family_equal_the_python_path(targets, tiny_dirs, kind, dtype, precision):
+    target = _target(targets, tiny_dirs, dtype)
+    drafter = _drafter(target, precision, kind=kind)
+    assert not drafter.native_greedy.causal
+    with torch.inference_mode():
+        for batch, ctx in _contexts(target, drafter, (9, 33)):
+            local, confidence, logits = drafter.native_greedy.forward(ctx, batch.anchor_tokens)
+            torch.testing.assert_close(logits.float(), drafter.block_logits(ctx).float(), rtol=1e-2, atol=1e-2)
+            expected_local, expected_confidence = drafter.draft_greedy(ctx, batch.anchor_tokens)
+            assert torch.equal(local, expected_local)
+            torch.testing.assert_close(confidence, expected_confidence)
+
+
+@pytest.mark.parametrize("kind", ("dflash2", "dfly", "specblock"))
+def test_kinds_with_their_own_proposal_on_dflash_layers_propose_in_python(targets, tiny_dirs, kind):
+    """Kinds built on DFlash's backbone that override what the native call computes keep their own proposal."""
+    target = _target(targets, tiny_dirs, "bfloat16")
+    drafter = create_drafter(kind, target.config, target_model=target.model)
+    assert "overrides" in NativePropose.unfit_reason(drafter)
+    assert prepare_for_inference(drafter, "bfloat16", "cpu").native_greedy is None
 
 
 def test_a_drafter_whose_attention_sees_the_block_alone_proposes_in_python(targets, tiny_dirs):

@@ -1,4 +1,4 @@
-"""H-Spec's greedy proposal for one sequence as one native call (`native_propose.cpp`).
+"""H-Spec's greedy proposal for one sequence as one native call (`native_propose.cpp`), and the DFlash family's.
 
 In Python a proposal of K = 7 drafts runs ~500 small ATen operators and ~40 products (the Mamba-2 scans,
 norms, RoPE, attention over the target's K/V, the head and the Markov loop); on a 2-core CPU the interpreter
@@ -10,9 +10,12 @@ them as loops, so its drafts are the Python path's but where two logits lie with
 draft either way.
 
 What goes native: a proposal of one sequence whose rows are all greedy, on the CPU, without autograd
-(`NativePropose.covers`), for a drafter whose modules it knows (`NativePropose.fits`): H-Spec's layers with
-unfused q/k/v and gate/up, weights floating, int8 or w8a8 (`models.formats`), a Markov head or none. Sampled
-rows, batches and every other drafter keep the Python path (DFlash's native proposal is a follow-up).
+(`NativePropose.covers`), for a drafter whose modules it knows (`NativePropose.unfit_reason`): H-Spec's layers,
+or the DFlash family's (DFlash, DSpark, DFlash-KVReuse: attention over their context, bidirectional in the
+block, and MLP), with unfused q/k/v and gate/up, weights floating, int8, w8a8 or w4a8 (`models.formats`), a
+Markov head or none. Sampled rows, batches and every other drafter (kinds that override the proposal, such as
+DFlash2 or SpecBlock) keep the Python path. The two families share every line of it, so `hspec bench draft`
+compares them like for like.
 
 Built like the native decoder stack (`models.native._build`: torch's C++ extension loader, one build per
 machine under hspec's build lock, a warning and the Python path where it cannot be built), bound once per
@@ -32,6 +35,8 @@ import torch
 from torch import nn
 
 from hspec.drafters.common import BlockContext
+from hspec.drafters.dflash.layers import DraftLayer
+from hspec.drafters.dflash.model import DFlashBackbone
 from hspec.drafters.hspec.model import HSpecDrafter
 from hspec.models.layers import Linear, RMSNorm
 from hspec.models.native import _build
@@ -39,6 +44,11 @@ from hspec.models.native import _build
 __all__ = ["NativePropose", "build_native_propose", "native_propose_for"]
 
 _SOURCE = Path(__file__).with_name("native_propose.cpp")
+# The drafter classes it runs (`NativePropose`), and the methods of theirs it computes: a subclass that
+# overrides one proposes otherwise, in Python.
+NATIVE_FAMILIES = (HSpecDrafter, DFlashBackbone)
+_REPLACED = ("propose", "block_logits", "draft_greedy", "greedy_block", "slot_logits", "embed_block",
+             "markov_logits", "block_hidden")
 # native_propose.cpp's layer codes: which modules a drafter layer has.
 _MAMBA, _ATTENTION = 1, 2
 # native_propose.cpp's Markov head forms.
@@ -53,52 +63,67 @@ def build_native_propose() -> ModuleType | None:
 
 
 def native_propose_for(drafter: nn.Module) -> NativePropose | None:
-    """The native proposal of `drafter` where it fits (`NativePropose.fits`) and the extension builds, else None."""
-    if not isinstance(drafter, HSpecDrafter) or NativePropose.unfit_reason(drafter) is not None:
+    """The native proposal of `drafter` where it fits (`NativePropose.unfit_reason`) and the extension builds,
+    else None."""
+    if not isinstance(drafter, NATIVE_FAMILIES) or NativePropose.unfit_reason(drafter) is not None:
         return None
     extension = build_native_propose()
     return None if extension is None else NativePropose(extension, drafter)
 
 
+def _layer_modules(layer: nn.Module) -> tuple[nn.Module | None, ...]:
+    """(mamba_norm, mamba, attn_norm, attn, mlp_norm, mlp) of an H-Spec layer or a DFlash-family `DraftLayer`
+    (attention and MLP), None where the layer has no such module."""
+    if isinstance(layer, DraftLayer):
+        return None, None, layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp
+    return layer.mamba_norm, layer.mamba, layer.attn_norm, layer.attn, layer.mlp_norm, layer.mlp
+
+
 class NativePropose:
-    """`native_propose.cpp` bound to one H-Spec drafter: `native(ctx, anchor_tokens)` is `drafter.draft_greedy`
-    for a context it `covers`.
+    """`native_propose.cpp` bound to one drafter of H-Spec's or the DFlash family's (DFlash, DSpark,
+    DFlash-KVReuse: the same attention, MLP, head and Markov head, without Mamba-2 or S_init, attending to the
+    whole block): `native(ctx, anchor_tokens)` is `drafter.draft_greedy` for a context it `covers`.
 
     It keeps references to the drafter's tensors as they are stored when it is built (quantized, the head's
     restricted rows made); weights replaced afterwards (a new draft vocabulary, a reload) are not seen, so
     build it after the last change (`runtime.prepare_for_inference` does).
     """
 
-    def __init__(self, extension: ModuleType, drafter: HSpecDrafter) -> None:
+    def __init__(self, extension: ModuleType, drafter: HSpecDrafter | DFlashBackbone) -> None:
         reason = self.unfit_reason(drafter)
         if reason is not None:
             raise ValueError(f"the native proposal does not take this {drafter.kind!r} drafter: {reason}")
         c = drafter.config
         self.extension = extension
-        self.chunk_size = c.mamba_config().chunk_size
+        hspec = isinstance(drafter, HSpecDrafter)
+        # a block fits one SSD chunk (`covers`); without Mamba-2 any block the drafter takes
+        self.chunk_size = c.mamba_config().chunk_size if hspec else c.max_draft_len  # type: ignore[union-attr]
         self.mask_token_id, self.vocab_size = c.mask_token_id, c.vocab_size
-        self.injects = drafter.injection is not None
+        injection = drafter.injection if hspec else None  # type: ignore[union-attr]
+        self.injects = injection is not None
         self.eps = c.rms_norm_eps
-        mamba = next((layer.mamba for layer in drafter.layers if layer.mamba is not None), None)
+        modules = [_layer_modules(layer) for layer in drafter.layers]
+        mamba = next((m[1] for m in modules if m[1] is not None), None)
         self.mamba_eps = mamba.norm.eps if mamba is not None else 0.0
-        self.dims = [c.mamba_nheads, c.mamba_headdim, c.mamba_d_state, c.mamba_ngroups, c.num_heads,
-                     c.num_kv_heads, c.head_dim]
+        # Mamba-2's (nh, P, N, G) where it has any (G = 1 and no heads where not), the attention's heads
+        mamba_dims = [c.mamba_nheads, c.mamba_headdim, c.mamba_d_state, c.mamba_ngroups] if hspec else [0, 0, 0, 1]  # type: ignore[union-attr]
+        self.dims = [*mamba_dims, c.num_heads, c.num_kv_heads, c.head_dim]
+        attention = next((m[3] for m in modules if m[3] is not None), None)
+        self.causal = attention is None or attention.causal  # causal in the block (H-Spec), or not (DFlash)
         self.norm_kernel = all(m.kernel for m in drafter.modules() if isinstance(m, RMSNorm))
-        self.layers = [_MAMBA * (layer.mamba is not None) + _ATTENTION * (layer.attn is not None)
-                       for layer in drafter.layers]
+        self.layers = [_MAMBA * (m[1] is not None) + _ATTENTION * (m[3] is not None) for m in modules]
         self.rope = drafter.target_parts.rope  # the target's: (1, K) positions, dtype -> cos, sin (1, K, D)
         # The flat list native_propose.cpp reads in this order, and per linear whether it is a `layers.Linear`.
         self.weights: list[torch.Tensor | None] = []
         self.row_invariant: list[bool] = []
         parts = drafter.target_parts
         self.weights += [parts.embed_weight, drafter.mask_embedding.detach()]
-        if drafter.injection is not None:
-            self._add_linear(drafter.injection.proj_r)
-            self._add_linear(drafter.injection.proj_ds)
-        for layer in drafter.layers:
-            if layer.mamba is not None and layer.mamba_norm is not None:
-                m = layer.mamba
-                self.weights.append(layer.mamba_norm.weight)
+        if injection is not None:
+            self._add_linear(injection.proj_r)
+            self._add_linear(injection.proj_ds)
+        for mamba_norm, m, attn_norm, attn, mlp_norm, mlp in modules:
+            if m is not None and mamba_norm is not None:
+                self.weights.append(mamba_norm.weight)
                 self._add_linear(m.in_proj)
                 # as Mamba2Mixer.forward turns them before use: taps (W, conv_dim) and D to the activations' dtype,
                 # A and dt_bias to fp32
@@ -108,15 +133,15 @@ class NativePropose:
                                  -torch.exp(m.A_log.detach().float()), m.dt_bias.detach().float().contiguous(),
                                  m.D.detach().to(dtype).contiguous(), m.norm.weight]
                 self._add_linear(m.out_proj)
-            if layer.attn is not None and layer.attn_norm is not None:
-                qkv = layer.attn.qkv
-                self.weights.append(layer.attn_norm.weight)
+            if attn is not None and attn_norm is not None:
+                qkv = attn.qkv
+                self.weights.append(attn_norm.weight)
                 for projection in (qkv.q_proj, qkv.k_proj, qkv.v_proj):
                     self._add_linear(projection)
                 self.weights += [qkv.q_norm.weight, qkv.k_norm.weight]  # type: ignore[union-attr]
-                self._add_linear(layer.attn.o_proj)
-            self.weights.append(layer.mlp_norm.weight)
-            for projection in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                self._add_linear(attn.o_proj)
+            self.weights.append(mlp_norm.weight)  # type: ignore[union-attr]
+            for projection in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # type: ignore[union-attr]
                 self._add_linear(projection)
         self.weights.append(drafter.norm.weight)
         rows, scale, packed = drafter.head.inference_weights(drafter.mask_embedding.dtype)
@@ -142,7 +167,7 @@ class NativePropose:
     def _bind(self):  # the extension's Proposer: the weights and sizes, converted to C++ once
         return self.extension.Proposer(self.weights, self.row_invariant, self.layers, self.mask_token_id,
                                        self.vocab_size, self.injects, self.markov, self.dims, self.eps,
-                                       self.mamba_eps, self.norm_kernel)
+                                       self.mamba_eps, self.norm_kernel, self.causal)
 
     def __deepcopy__(self, memo: dict) -> NativePropose:
         """A deep copy of its drafter binds the copy's tensors (`memo`); the compiled extension is shared."""
@@ -159,29 +184,37 @@ class NativePropose:
         self.row_invariant.append(isinstance(module, Linear))
 
     @staticmethod
-    def unfit_reason(drafter: HSpecDrafter) -> str | None:
+    def unfit_reason(drafter: HSpecDrafter | DFlashBackbone) -> str | None:
         """Why the native proposal cannot run `drafter`'s modules, or None where it can."""
         c = drafter.config
+        family = HSpecDrafter if isinstance(drafter, HSpecDrafter) else DFlashBackbone
+        overridden = [name for name in _REPLACED
+                      if getattr(type(drafter), name, None) is not getattr(family, name, None)]
+        if overridden:  # DFlash2, DFly, DeLS, SpecBlock: their own proposal on DFlash's backbone
+            return f"it overrides {', '.join(overridden)}, which the native call computes as {family.__name__}'s"
         if drafter.mask_embedding.device.type != "cpu":
             return f"it runs on the CPU only, the drafter is on {drafter.mask_embedding.device}"
         if drafter.mask_embedding.dtype not in (torch.float32, torch.bfloat16):
             return f"it runs float32 or bfloat16 drafters, not {drafter.mask_embedding.dtype}"
         if drafter._target is None:
             return "no target attached"
-        if c.num_attention and not c.attend_target:
+        if isinstance(drafter, HSpecDrafter) and c.num_attention and not c.attend_target:  # type: ignore[union-attr]
             return "its attention reads the target's K/V (attend_target)"
         norms = {m.kernel for m in drafter.modules() if isinstance(m, RMSNorm)}
         if len(norms) > 1:
             return "its norms run one kernel throughout"
-        for layer in drafter.layers:
-            mamba = layer.mamba.config if layer.mamba is not None else None
+        modules = [_layer_modules(layer) for layer in drafter.layers]
+        if len({m[3].causal for m in modules if m[3] is not None}) > 1:
+            return "its attention modules are all causal in the block or none is"
+        for _, mixer, _, attn, _, mlp in modules:
+            mamba = mixer.config if mixer is not None else None
             if mamba is not None and (mamba.use_kernel or mamba.chunk_size < c.max_draft_len):
                 return "its Mamba-2 scans run in PyTorch over one chunk"
-            if layer.attn is not None:
-                qkv = layer.attn.qkv
+            if attn is not None:
+                qkv = attn.qkv
                 if qkv.qkv_weight is not None or qkv.q_norm is None or qkv.k_norm is None:
                     return "its attention has unfused q/k/v with per-head q/k norms"
-            if layer.mlp.gate_up_weight is not None:
+            if mlp.gate_up_weight is not None:
                 return "its MLP has unfused gate and up"
         return None
 

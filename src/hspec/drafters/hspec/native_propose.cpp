@@ -1,4 +1,6 @@
-// H-Spec's greedy proposal for one sequence in C++ (drafters/hspec/native.py builds and binds it).
+// H-Spec's greedy proposal for one sequence in C++ (drafters/hspec/native.py builds and binds it), and the
+// DFlash family's (DFlash, DSpark, DFlash-KVReuse): their layers are H-Spec's attention and MLP without Mamba-2
+// or S_init, attending to the whole block, with the same head and (DSpark) Markov head.
 //
 // The Python proposal (`HSpecDrafter.block_logits`, then `NeuralDrafter.greedy_block`) is ~500 small ATen
 // operators and ~40 products; on a 2-core CPU the interpreter and dispatch between them cost as much as the
@@ -240,6 +242,7 @@ struct Sizes {
   int64_t nheads, headdim, d_state, ngroups, hq, hkv, d;
   double eps, mamba_eps;
   bool norm_kernel;
+  bool causal;  // a block's query t sees its keys <= t (H-Spec), or all of them (the DFlash family)
 };
 
 // mixer.causal_depthwise_conv of one sequence in one pass: out[t] = x[t - W + 1] tap_0 + ... + x[t] tap_{W-1}
@@ -495,7 +498,9 @@ Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Te
     float* row = out_scores + r * (s + length);
     for (int64_t j = 0; j < s; ++j) row[j] = visible[j] ? from_context[r * s + j] * scale : -INFINITY;
     const int64_t t = r % length;
-    for (int64_t j = 0; j < length; ++j) row[s + j] = j <= t ? from_block[r * length + j] * scale : -INFINITY;
+    for (int64_t j = 0; j < length; ++j) {
+      row[s + j] = j <= t || !c.causal ? from_block[r * length + j] * scale : -INFINITY;
+    }
   }
   timed.emplace(t, kAttentionSoftmax);
   const Tensor probs = at::softmax(scores, -1);
@@ -521,13 +526,14 @@ Tensor mlp(const Tensor& x, Cursor& w, Timings* t) {
 
 }  // namespace
 
-// HSpecDrafter.block_logits then NeuralDrafter.greedy_block for one sequence.
+// HSpecDrafter.block_logits (or DFlashBackbone.block_logits) then NeuralDrafter.greedy_block for one sequence.
 //
 // block_tokens (1, K) long [x0, MASK, ...]; cos, sin (1, K, D) the target's RoPE at the block's positions in the
 // drafter's dtype; last_hidden (1, n_sel, H); context: per attention module its context k and v (1, S, Hkv, D)
 // (pool views), context_mask (1, S) bool; anchor (1,) long; weights and row_invariant as `NativePropose`
 // writes them; layers: per drafter layer 1 (Mamba) + 2 (attention); mask_token_id, vocab_size (V);
-// injects: S_init is projected (else zeros); markov: 0 none, 1 W2 as a (r, Vp) matrix, 2 W2 as an int8 linear.
+// injects: S_init is projected (else zeros); markov: 0 none, 1 W2 as a (r, Vp) matrix, 2 W2 as an int8 linear;
+// causal: the block attends causally (H-Spec) or bidirectionally (the DFlash family).
 // timed: also time the sections (`Section`). Returns the drafts as draft-vocabulary indices (1, K) long, their
 // confidence (1, K) fp32, the backbone logits U (1, K, Vp) and, where timed, the sections' nanoseconds
 // (kSections, 2) fp64, this thread's CPU time then wall time (else an empty tensor).
@@ -537,11 +543,11 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
                             const std::vector<OptionalTensor>& weights, const std::vector<bool>& row_invariant,
                             const std::vector<int64_t>& layers, int64_t mask_token_id, int64_t vocab_size,
                             bool injects, int64_t markov, const std::vector<int64_t>& dims, double eps,
-                            double mamba_eps, bool norm_kernel, bool timed) {
+                            double mamba_eps, bool norm_kernel, bool causal, bool timed) {
   Timings timings;
   Timings* t = timed ? &timings : nullptr;
   TORCH_CHECK(dims.size() == 7, "native_propose: dims must be (nh, P, N, G, Hq, Hkv, D), got ", dims.size(), " values");
-  const Sizes c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], eps, mamba_eps, norm_kernel};
+  const Sizes c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], eps, mamba_eps, norm_kernel, causal};
   TORCH_CHECK(block_tokens.dim() == 2 && block_tokens.size(0) == 1, "native_propose takes one sequence's block (1, K), got ",
               block_tokens.sizes());
   TORCH_CHECK(c.hkv > 0 && c.hq % c.hkv == 0 && c.ngroups > 0 && c.nheads % c.ngroups == 0,
@@ -706,17 +712,17 @@ class Proposer {
  public:
   Proposer(std::vector<OptionalTensor> weights, std::vector<bool> row_invariant, std::vector<int64_t> layers,
            int64_t mask_token_id, int64_t vocab_size, bool injects, int64_t markov, std::vector<int64_t> dims,
-           double eps, double mamba_eps, bool norm_kernel)
+           double eps, double mamba_eps, bool norm_kernel, bool causal)
       : weights_(std::move(weights)), row_invariant_(std::move(row_invariant)), layers_(std::move(layers)),
         dims_(std::move(dims)), mask_token_id_(mask_token_id), vocab_size_(vocab_size), markov_(markov),
-        eps_(eps), mamba_eps_(mamba_eps), injects_(injects), norm_kernel_(norm_kernel) {}
+        eps_(eps), mamba_eps_(mamba_eps), injects_(injects), norm_kernel_(norm_kernel), causal_(causal) {}
 
   std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const Tensor& sin,
                               const Tensor& last_hidden, const std::vector<Tensor>& context,
                               const Tensor& context_mask, const Tensor& anchor, bool timed) const {
     return ::propose(block_tokens, cos, sin, last_hidden, context, context_mask, anchor, weights_, row_invariant_,
                      layers_, mask_token_id_, vocab_size_, injects_, markov_, dims_, eps_, mamba_eps_, norm_kernel_,
-                     timed);
+                     causal_, timed);
   }
 
  private:
@@ -725,13 +731,13 @@ class Proposer {
   std::vector<int64_t> layers_, dims_;
   int64_t mask_token_id_, vocab_size_, markov_;
   double eps_, mamba_eps_;
-  bool injects_, norm_kernel_;
+  bool injects_, norm_kernel_, causal_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<Proposer>(module, "Proposer", "`propose` bound to one drafter's weights (native.py)")
       .def(pybind11::init<std::vector<OptionalTensor>, std::vector<bool>, std::vector<int64_t>, int64_t, int64_t,
-                          bool, int64_t, std::vector<int64_t>, double, double, bool>())
+                          bool, int64_t, std::vector<int64_t>, double, double, bool, bool>())
       .def("propose", &Proposer::propose, "H-Spec's greedy proposal for one sequence (native_propose.cpp)");
   module.def("section_names", &section_names, "the sections `propose` times where asked, in its rows' order");
 }
