@@ -170,16 +170,19 @@ def test_a_target_over_its_bf16_pool_gives_the_float32_pools_logits_bit_for_bit(
 
 
 @pytest.mark.parametrize("kind", ["hspec", "dflash"])
-def test_speculative_decoding_over_a_bf16_pool_drafts_and_emits_what_it_does_over_a_float32_pool(tiny_dirs, kind):
+def test_a_drafter_over_a_bf16_pool_proposes_what_it_does_over_a_float32_pool(tiny_dirs, kind):
     """H-Spec reads the target's pool in place, DFlash its own layers of it: each takes its context as
-    float32 (`PagedKVPool.product_dtype`), so the drafts, the accepted counts and the tokens are those of a
-    float32 pool, and the tokens those of plain decoding."""
+    float32 (`PagedKVPool.product_dtype`), so its draft distributions over the model's bf16 pool have the bits
+    they have over a float32 pool (random weights: the drafts would rarely be accepted, so the sampled
+    distributions themselves are compared); and speculative decoding over the bf16 pool emits plain decoding's
+    tokens."""
     _kernels()
     from conftest import load_tiny
     from hspec.decoding.generate import SpeculativeDecoder
     from hspec.drafters import create_drafter
+    from hspec.drafters.base import DraftBatch
     from hspec.runtime import build_drafter
-    from hspec.sampling import SamplingParams
+    from hspec.sampling import SamplingBatch, SamplingParams
 
     target = load_tiny(tiny_dirs["llama"], dtype="w4a8")
     torch.manual_seed(0)
@@ -188,9 +191,18 @@ def test_speculative_decoding_over_a_bf16_pool_drafts_and_emits_what_it_does_ove
     prompt = [3 + (i * 7) % (target.config.vocab_size - 3) for i in range(90)]
     own = decoder.new_pool([prompt], 24)
     assert own.k.dtype == torch.bfloat16 and own.product_dtype == torch.float32
-    outputs = [decoder.generate([prompt], SamplingParams(), 24, pool=pool).sequences[0]
-               for pool in (own, _float32_pool(target.model, own.num_blocks, drafter.num_drafter_layers))]
-    assert outputs[0].token_ids == outputs[1].token_ids
-    assert outputs[0].num_accepted == outputs[1].num_accepted
+    proposals = []
+    for pool in (own, _float32_pool(target.model, own.num_blocks, drafter.num_drafter_layers)):
+        with torch.inference_mode():
+            x0 = int(decoder.stages.prefill(pool, 0, prompt)[0].argmax())
+            batch = DraftBatch([0], torch.tensor([x0]), [[*prompt, x0]], pool,
+                               SamplingBatch.from_params([SamplingParams(temperature=1.0)], torch.device("cpu")),
+                               [torch.Generator().manual_seed(0)])
+            proposals.append(drafter.propose(batch, 3))
+        drafter.release(0)
+    ours, theirs = proposals
+    assert torch.equal(ours.draft_tokens, theirs.draft_tokens)
+    assert torch.equal(ours.draft_probs, theirs.draft_probs)
+    spec = decoder.generate([prompt], SamplingParams(), 24).sequences[0].token_ids
     plain = SpeculativeDecoder(target.model, create_drafter("none", target.config), 1, eos_token_ids=())
-    assert plain.generate([prompt], SamplingParams(), 24).sequences[0].token_ids == outputs[0].token_ids
+    assert plain.generate([prompt], SamplingParams(), 24).sequences[0].token_ids == spec
