@@ -13,7 +13,14 @@ from hspec.data.tasks import load_task
 from hspec.drafters.checkpoint import load_drafter
 from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.lab.scaling import CurvePlan, Recipe, plan_settings, reference_point, run_curve, spec_bench_subset
-from hspec.lab.scaling_report import blocks_at, curve_statistics, fit_line, tau_and_first, write_curve_report
+from hspec.lab.scaling_report import (
+    blocks_at,
+    curve_statistics,
+    fit_line,
+    reference_statistics,
+    tau_and_first,
+    write_curve_report,
+)
 from hspec.training.run import is_validation
 from hspec.training.store import FeatureStore, FeatureStores
 from hspec.training.trainer import TrainConfig, Trainer
@@ -60,6 +67,19 @@ def test_the_slope_interval_pairs_sequences_across_points():
     assert slope["estimate"] > 0 and slope["high"] - slope["low"] < 0.5 * point_width
     tau = [t["estimate"] for t in stats["tau"]]
     assert tau[0] < tau[1] < tau[2]
+
+
+def test_the_reference_is_compared_with_the_line_at_its_own_budget():
+    # Each doubling moves one step per sequence from 0 to 1 accepted; the reference, at 8x the last point's blocks,
+    # is exactly where the line continues, so it is 0 above it.
+    base = [[40, 10, 0], [30, 20, 0]]
+    points = [_point(1000 * 2**d, [[h[0] - d, h[1] + d, 0] for h in base]) for d in range(3)]
+    on_line = _point(0, [[h[0] - 5, h[1] + 5, 0] for h in base])
+    stats = reference_statistics({"blocks": 32000, "measured": on_line["measured"]}, points, "held_out", resamples=200)
+    assert stats["above_fit"]["estimate"] == pytest.approx(0.0, abs=1e-12)
+    assert stats["fit_at_blocks"]["estimate"] == pytest.approx(stats["tau"]["estimate"])
+    assert reference_statistics({"blocks": None, "measured": on_line["measured"]}, points, "held_out").keys() == {
+        "blocks", "tau", "first_acceptance"}
 
 
 def _validation_ids(count: int) -> list[str]:

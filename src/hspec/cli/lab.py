@@ -87,6 +87,10 @@ def scaling_arguments(scaling: argparse.ArgumentParser) -> None:
     scaling.add_argument("--reference", default="shipped",
                          help="a drafter measured alongside, apart from the curve: a directory, 'shipped' (the "
                               "kind's shipped drafter for the target, where there is one) or 'none'")
+    scaling.add_argument("--reference-blocks", type=int, default=None,
+                         help="the blocks the reference was trained on, to place it on the x axis and compare it "
+                              "with the line (default: 1,152,000 for the shipped H-Spec drafter, the 18,000 steps "
+                              "of 64 blocks of docs/results.md#the-shipped-drafter; none otherwise)")
     scaling.add_argument("--seqs-per-step", type=int, default=4)
     scaling.add_argument("--anchors-per-seq", type=int, default=16)
     scaling.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
@@ -103,8 +107,14 @@ def scaling_arguments(scaling: argparse.ArgumentParser) -> None:
     scaling.add_argument("--name", default=None, help="file stem (default scaling_<kind>)")
 
 
+# The shipped H-Spec drafter's training: 5,000 + 3,500 + 6,000 + 2,000 + 1,500 steps of 4 x 16 blocks
+# (scripts/train_hspec_smollm2.sh, results/train_hspec_smollm2.md).
+SHIPPED_HSPEC_BLOCKS = 18_000 * 64
+
+
 def run_scaling(args: argparse.Namespace) -> int:
     """Train the budgets (resuming), measure them and write the curve's report."""
+    import os
     import time
 
     from hspec.cli.options import ints, names
@@ -121,13 +131,18 @@ def run_scaling(args: argparse.Namespace) -> int:
     target = load_target(args.target)
     reference = None if args.reference == "none" else (
         shipped_drafter_path(args.kind, target.name) if args.reference == "shipped" else Path(args.reference))
+    reference_blocks = args.reference_blocks
+    if reference is not None and args.reference == "shipped":
+        reference = Path(os.path.relpath(reference)) if reference.is_relative_to(Path.cwd()) else reference
+        if reference_blocks is None and args.kind == "hspec":
+            reference_blocks = SHIPPED_HSPEC_BLOCKS
     if reference is not None and not (reference / "config.json").exists():
         if args.reference != "shipped":
             raise FileNotFoundError(f"no drafter at --reference {reference}")
         reference = None  # the kind ships no drafter for this target
     plan = CurvePlan(recipe, tuple(ints(args.budgets)), tuple(Path(p) for p in names(args.features)),
                      Path(args.runs_dir), Path(args.spec_bench_corpus), args.spec_bench_per_category,
-                     args.val_sequences, reference, args.target)
+                     args.val_sequences, reference, reference_blocks, args.target)
 
     def progress(message: str) -> None:
         print(f"[scaling {time.strftime('%H:%M:%S')}] {message}", flush=True)

@@ -92,6 +92,7 @@ class CurvePlan:
     spec_bench_per_category: int = 16  # responses measured per Spec-Bench category
     val_sequences: int = 24  # held-out sequences measured
     reference: Path | None = None  # a drafter measured alongside, not part of the curve (e.g. the shipped one)
+    reference_blocks: int | None = None  # the blocks the reference was trained on (shown on the x axis), if known
     target: str = "smollm2"
     save_minutes: float = 5.0  # the longest a run's unsaved training may be (a lost machine costs at most this)
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in the report's settings as they are
@@ -244,7 +245,7 @@ def reference_point(plan: CurvePlan) -> dict[str, Any] | None:
     cache = plan.runs_dir / f"reference_{EVAL_FILE}"
     if plan.reference is None or not cache.exists():
         return None
-    return {"drafter": str(plan.reference), "measured": json.loads(cache.read_text())}
+    return {"drafter": str(plan.reference), "blocks": plan.reference_blocks, "measured": json.loads(cache.read_text())}
 
 
 def plan_settings(plan: CurvePlan) -> dict[str, Any]:
@@ -253,4 +254,5 @@ def plan_settings(plan: CurvePlan) -> dict[str, Any]:
             "features": [str(p) for p in plan.features], "runs_dir": str(plan.runs_dir),
             "spec_bench_corpus": str(plan.spec_bench_corpus), "spec_bench_per_category": plan.spec_bench_per_category,
             "val_sequences": plan.val_sequences, "reference": None if plan.reference is None else str(plan.reference),
+            "reference_blocks": plan.reference_blocks,
             **plan.extra}

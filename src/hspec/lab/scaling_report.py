@@ -90,14 +90,26 @@ def curve_statistics(points: Sequence[Mapping[str, Any]], name: str, tau_goal: f
     return out
 
 
-def reference_statistics(reference: Mapping[str, Any], name: str, ids: Sequence[str], resamples: int = 2000,
-                         seed: int = 0, confidence: float = 0.95) -> dict[str, Any]:
-    """The reference drafter's tau and first-position acceptance on the curve's sequences `ids` of `name`."""
-    hist = np.array([reference["measured"][name][seq] for seq in ids], dtype=np.float64)[None]  # (1, N, K+1)
-    tau, first = tau_and_first(hist)
-    draws = np.random.default_rng(seed).integers(0, len(ids), size=(resamples, len(ids)))
-    tau_r, first_r = tau_and_first(hist[0][draws])  # (R,)
-    return {"tau": _interval(tau_r, tau[0], confidence), "first_acceptance": _interval(first_r, first[0], confidence)}
+def reference_statistics(reference: Mapping[str, Any], points: Sequence[Mapping[str, Any]], name: str,
+                         resamples: int = 2000, seed: int = 0, confidence: float = 0.95) -> dict[str, Any]:
+    """The reference drafter's tau and first-position acceptance on the curve's sequences of `name`; where the
+    reference states its blocks and the curve has 2+ points, what the curve's line predicts there and the
+    reference's tau less that prediction (resampled with the same draws as `curve_statistics`)."""
+    ids, hist = histogram_matrix(points, name)  # (P, N, K+1)
+    ref = np.array([reference["measured"][name][seq] for seq in ids], dtype=np.float64)  # (N, K+1)
+    tau, first = tau_and_first(ref[None])
+    draws = np.random.default_rng(seed).integers(0, len(ids), size=(resamples, len(ids)))  # (R, N)
+    tau_r, first_r = tau_and_first(ref[draws])  # (R,)
+    out: dict[str, Any] = {"blocks": reference.get("blocks"), "tau": _interval(tau_r, tau[0], confidence),
+                           "first_acceptance": _interval(first_r, first[0], confidence)}
+    if reference.get("blocks") and len(points) >= 2:
+        x = np.log2([p["blocks"] for p in points]).astype(np.float64)
+        at = np.log2(reference["blocks"])
+        a, b = fit_line(x, tau_and_first(hist)[0])
+        a_r, b_r = fit_line(x, tau_and_first(hist[:, draws].transpose(1, 0, 2, 3))[0])
+        out["fit_at_blocks"] = _interval(a_r + b_r * at, a + b * at, confidence)
+        out["above_fit"] = _interval(tau_r - (a_r + b_r * at), tau[0] - (a + b * at), confidence)
+    return out
 
 
 def build_report(points: Sequence[Mapping[str, Any]], reference: Mapping[str, Any] | None,
@@ -111,8 +123,7 @@ def build_report(points: Sequence[Mapping[str, Any]], reference: Mapping[str, An
             break
         stats = curve_statistics(points, name, tau_goals[name], seed=seed)
         if reference is not None:
-            ids, _ = histogram_matrix(points, name)
-            stats["reference"] = reference_statistics(reference, name, ids, seed=seed)
+            stats["reference"] = reference_statistics(reference, points, name, seed=seed)
         summary["sets"][name] = stats
     return summary
 
@@ -122,7 +133,9 @@ def _ci(entry: Mapping[str, float], digits: int = 3) -> str:
 
 
 def _blocks(x: float | None) -> str:
-    return "never" if x is None else f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k"
+    if x is None:
+        return "never"
+    return f"{x / 1e3:.1f}k" if x < 1e6 else f"{x / 1e6:.2f}M" if x < 1e9 else f"{x:.1e}"
 
 
 def render_markdown(payload: Mapping[str, Any], image: str | None) -> str:
@@ -148,7 +161,9 @@ def render_markdown(payload: Mapping[str, Any], image: str | None) -> str:
             row += f" {_ci(sets[name]['tau'][i])} | {_ci(sets[name]['first_acceptance'][i])} |"
         lines.append(row)
     if payload.get("reference"):
-        row = f"| reference `{payload['reference']}` (another, longer history) | | | |"
+        blocks = payload["provenance"]["settings"].get("reference_blocks")
+        row = (f"| reference `{payload['reference']}` ({f'{blocks:,} blocks, ' if blocks else ''}another, longer "
+               f"history) | | | |")
         for name in sets:
             ref = sets[name].get("reference")
             row += f" {_ci(ref['tau'])} | {_ci(ref['first_acceptance'])} |" if ref else " | |"
@@ -165,6 +180,12 @@ def render_markdown(payload: Mapping[str, Any], image: str | None) -> str:
                      f"{_ci(fit['first_slope_per_doubling'])} | tau {fit['tau_goal']}: {_blocks(goal['estimate'])} "
                      f"[{_blocks(goal['low'])}, {_blocks(goal['high'])}] | "
                      f"{fit['resamples_never_reaching_goal']:.0%} |")
+    for name, stats in sets.items():
+        ref = stats.get("reference") or {}
+        if "fit_at_blocks" in ref:
+            lines += ["", f"{SETS[name]}: at the reference's {ref['blocks']:,} blocks the line predicts tau "
+                          f"{_ci(ref['fit_at_blocks'])}; the reference measures {_ci(ref['tau'])}, "
+                          f"{_ci(ref['above_fit'])} above the line."]
     lines += ["", "The fit is least squares of tau on log2(blocks) over the rows; its interval resamples the "
                   "sequences jointly for every row. The budget at the goal extrapolates that line, which holds only "
                   "while the trend does."]
@@ -186,14 +207,20 @@ def plot_curve(summary: Mapping[str, Any], path: Path, title: str) -> Path:
         ax.errorbar(blocks, tau, yerr=err, fmt="o", color=color, capsize=3, label=f"{SETS[name]}")
         fit = stats.get("fit")
         if fit is not None:
-            xs = np.geomspace(blocks.min(), blocks.max() * 4, 50)
+            ref_blocks = (stats.get("reference") or {}).get("blocks") or 0
+            xs = np.geomspace(blocks.min(), max(blocks.max() * 4, ref_blocks), 50)
             slope = fit["slope_per_doubling"]["estimate"]
             ax.plot(xs, fit["intercept"] + slope * np.log2(xs), "--", color=color,
                     label=f"fit: {slope:+.3f} per doubling")
         ref = stats.get("reference")
-        if ref is not None:
+        if ref is not None and ref.get("blocks"):
+            t = ref["tau"]
+            yerr = [[t["estimate"] - t["low"]], [t["high"] - t["estimate"]]]
+            ax.errorbar([ref["blocks"]], [t["estimate"]], yerr=yerr, fmt="*", markersize=11, color=color, capsize=3,
+                        label=f"{SETS[name]}, reference drafter (another, longer history)")
+        elif ref is not None:
             ax.axhline(ref["tau"]["estimate"], color=color, linestyle=":",
-                       label=f"{SETS[name]}, shipped drafter (longer history)")
+                       label=f"{SETS[name]}, reference drafter (another, longer history)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("training blocks (anchors), each run from scratch")
     ax.set_ylabel("tau (greedy, decode order)")
