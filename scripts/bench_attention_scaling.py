@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hspec.cache.paged_pool import PagedKVPool, blocks_for
+from hspec.cache.paged_pool import PagedKVPool, pages_for
 from hspec.data.tasks import load_task
 from hspec.integrations.llama_cpp.binaries import build_id, find_bin_dir, llama_bench
 from hspec.models.dtype import dtype_name
@@ -36,12 +36,12 @@ from hspec.provenance import provenance, provenance_markdown, write_results
 POOL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def new_pool(model: TargetModel, num_blocks: int, pool: str) -> PagedKVPool:
+def new_pool(model: TargetModel, num_pages: int, pool: str) -> PagedKVPool:
     """The model's own pool (`pool` "own") or one in another dtype laid out as the model lays out its own."""
     if pool == "own":
-        return model.new_pool(num_blocks, 16)
+        return model.new_pool(num_pages, 16)
     c = model.config
-    return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, 16, dtype=POOL_DTYPES[pool],
+    return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_pages, 16, dtype=POOL_DTYPES[pool],
                        device=model.embed_tokens.weight.device, transposed_k=model.row_invariant_attention,
                        product_dtype=model.kv_product_dtype)
 
@@ -67,7 +67,7 @@ def greedy_logits(model: TargetModel, prompt: list[int], tokens: int, pool_name:
                   ) -> tuple[list[int], torch.Tensor]:
     """`tokens` greedy tokens after `prompt` over a fresh pool (a prefill, then 1-token decodes) and the
     logits (tokens, V) that chose them."""
-    pool = new_pool(model, blocks_for(len(prompt) + tokens + 1, 16), pool_name)
+    pool = new_pool(model, pages_for(len(prompt) + tokens + 1, 16), pool_name)
     pool.add_sequence(0)
     logits = [model.prefill(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits[0, -1]]
     path = [int(logits[-1].argmax())]
@@ -126,7 +126,7 @@ def main() -> int:
             k = torch.randn((c.num_layers, S + args.K + 1, c.num_kv_heads, c.head_dim), generator=g).bfloat16()
             v = torch.randn(k.shape, generator=g).bfloat16()
             for name in pools:  # the same values in every pool
-                pool = new_pool(model, blocks_for(S + args.K + 1, 16), name)
+                pool = new_pool(model, pages_for(S + args.K + 1, 16), name)
                 pool.add_sequence(0)
                 pool.k[:, : k.shape[1]].copy_(k)
                 pool.v[:, : v.shape[1]].copy_(v)

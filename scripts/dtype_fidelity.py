@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.cache.paged_pool import pages_for
 from hspec.data.tasks import load_task
 from hspec.models.llama import TargetModel
 from hspec.models.loading import load_target
@@ -36,7 +36,7 @@ from hspec.provenance import provenance, provenance_markdown, write_results
 def next_token_log_probs(model: TargetModel, prompt: list[int], path: list[int]) -> torch.Tensor:
     """(len(path), V) fp32 log-probabilities of the next token after the prompt and each prefix of `path`
     but the whole (a prefill, then one 1-token decode per token of `path[:-1]`, as plain decoding runs)."""
-    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + len(path) + 1, 16))
+    pool = model.new_pool(num_pages=pages_for(len(prompt) + len(path) + 1, 16))
     pool.add_sequence(0)
     logits = [model.prefill(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits[0, -1]]
     for token in path[:-1]:
@@ -46,7 +46,7 @@ def next_token_log_probs(model: TargetModel, prompt: list[int], path: list[int])
 
 def greedy_path(model: TargetModel, prompt: list[int], tokens: int) -> list[int]:
     """`tokens` greedy tokens after `prompt`, decoded one at a time (no stop at EOS: a fixed length)."""
-    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + tokens + 1, 16))
+    pool = model.new_pool(num_pages=pages_for(len(prompt) + tokens + 1, 16))
     pool.add_sequence(0)
     path = [int(model.prefill(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits[0, -1].argmax())]
     while len(path) < tokens:

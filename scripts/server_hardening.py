@@ -127,10 +127,10 @@ class BrokenDecodeStages:
 
 
 def start_server(target, limits: ServingLimits | None = None, wrap: Callable[[Any], Any] | None = None,
-                 max_running: int = 16, num_blocks: int = 512, kind: str = "ngram") -> ServerThread:
+                 max_running: int = 16, num_pages: int = 512, kind: str = "ngram") -> ServerThread:
     """A loopback server of `target` (use it in `with`); `wrap` turns its engine into what the app serves."""
     drafter = create_drafter(kind, target.config, target_model=target.model)
-    engine = build_engine(target.model, drafter, target.tokenizer, K, num_blocks=num_blocks, block_size=8,
+    engine = build_engine(target.model, drafter, target.tokenizer, K, num_pages=num_pages, page_size=8,
                           max_running=max_running)
     served = wrap(engine) if wrap is not None else engine
     server = ServerThread(create_app(served, target.tokenizer, MODEL, limits=limits))

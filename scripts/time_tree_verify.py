@@ -24,7 +24,7 @@ from unittest import mock
 
 import torch
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.cache.paged_pool import pages_for
 from hspec.decoding.tree_verify import tree_attention_mask
 from hspec.models.llama import TargetModel
 from hspec.models.loading import load_target
@@ -69,7 +69,7 @@ def main() -> int:
     generator = torch.Generator().manual_seed(0)
     rows = []
     for s in contexts:
-        pool = model.new_pool(num_blocks=blocks_for(s + len(PARENTS), 16))
+        pool = model.new_pool(num_pages=pages_for(s + len(PARENTS), 16))
         pool.add_sequence(0)
         model.prefill(torch.randint(0, vocab, (1, s), generator=generator), pool, [0])
         timed = forwards(model, pool, torch.randint(0, vocab, (1, len(PARENTS)), generator=generator))

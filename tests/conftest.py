@@ -138,7 +138,7 @@ def exact_joint(target, prompt, params, n_tokens):
     for _ in range(n_tokens):
         new = {}
         prefixes = list(probs)
-        pool = target.model.new_pool(num_blocks=len(prefixes) * 4, block_size=8)
+        pool = target.model.new_pool(num_pages=len(prefixes) * 4, page_size=8)
         sequences = list(range(len(prefixes)))
         for i in sequences:
             pool.add_sequence(i)
@@ -292,10 +292,10 @@ def chat_target(tiny_dirs) -> Target:
 
 @pytest.fixture(scope="module")
 def server(chat_target):
-    """A live server of `chat_target` on loopback: n-gram drafts over 512 KV blocks of 8."""
+    """A live server of `chat_target` on loopback: n-gram drafts over 512 KV pages of 8."""
     from serving_helpers import start_server
 
-    with start_server(chat_target, "ngram", num_blocks=512) as srv:
+    with start_server(chat_target, "ngram", num_pages=512) as srv:
         yield srv
 
 

@@ -25,10 +25,10 @@ class ChatByteTokenizer(_ByteTokenizer):
         return "".join(chr(0x100 + i) for i in ids if not (skip_special_tokens and i in self.eos_token_ids))
 
 
-def start_server(target, kind: str, num_blocks: int, block_size: int = 8, tokenizer=None, **app_options
+def start_server(target, kind: str, num_pages: int, page_size: int = 8, tokenizer=None, **app_options
                  ) -> ServerThread:
-    """A server of `target` with a `kind` drafter over a pool of `num_blocks` (use it in `with`)."""
+    """A server of `target` with a `kind` drafter over a pool of `num_pages` (use it in `with`)."""
     tokenizer = tokenizer or target.tokenizer
     drafter = create_drafter(kind, target.config, target_model=target.model)
-    engine = build_engine(target.model, drafter, tokenizer, K, num_blocks=num_blocks, block_size=block_size)
+    engine = build_engine(target.model, drafter, tokenizer, K, num_pages=num_pages, page_size=page_size)
     return ServerThread(create_app(engine, tokenizer, MODEL, **app_options))

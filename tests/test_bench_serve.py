@@ -14,7 +14,7 @@ from serving_helpers import MODEL, start_server
 
 
 def test_kv_capacity_counts_drafter_layers(chat_target):
-    rows = {r["drafter"]: r for r in kv_capacity_table(chat_target, 4 << 20, block_size=16)}
+    rows = {r["drafter"]: r for r in kv_capacity_table(chat_target, 4 << 20, page_size=16)}
     assert set(rows) == set(DRAFTERS.names())
     plain = rows["none"]
     assert plain["drafter_kv_layers"] == 0 and plain["kv_inflation"] == 1.0
@@ -27,7 +27,7 @@ def test_kv_capacity_counts_drafter_layers(chat_target):
 
 def test_one_level_against_a_live_server(chat_target, tmp_path):
     settings = ServeBenchSettings(drafters=("ngram",), concurrency=(3,), K=4, max_tokens=12, level_seconds=1.5)
-    with start_server(chat_target, "ngram", num_blocks=256) as srv:
+    with start_server(chat_target, "ngram", num_pages=256) as srv:
         result = asyncio.run(run_level(srv.url, MODEL, ["hello there", "abcabcabc", "zz top"], 3, settings))
     assert result["num_requests"] >= 3 and result["output_tokens"] > 0 and result["throughput_tok_s"] > 0
     assert 0 < result["mean_kv_utilization"] <= 1 and result["mean_accepted_length"] >= 1
@@ -48,8 +48,8 @@ def test_command_line_parses():
     args = build_parser().parse_args(["bench", "serve", "--drafters", "none,ngram", "--concurrency", "8,16",
                                       "--drafter-path", "hspec=/x"])
     assert args.concurrency == "8,16" and args.drafter_path == ["hspec=/x"]
-    args = build_parser().parse_args(["serve", "--port", "0", "--drafter", "none", "--kv-blocks", "64"])
-    assert args.port == 0 and args.kv_blocks == 64 and args.host == "127.0.0.1"
+    args = build_parser().parse_args(["serve", "--port", "0", "--drafter", "none", "--kv-pages", "64"])
+    assert args.port == 0 and args.kv_pages == 64 and args.host == "127.0.0.1"
     with pytest.raises(ValueError, match="not in --drafters"):
         ServeBenchSettings(drafters=("none",), drafter_paths=(("hspec", "/x"),))
     with pytest.raises(ValueError, match="unknown drafter kind"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hspec.cache.paged_pool import PagedKVPool, blocks_for, widened
+from hspec.cache.paged_pool import PagedKVPool, pages_for, widened
 from hspec.models.layers import attend
 from hspec.models.native import integer_capability, load_kernels
 from test_fast_path import _ops_on, _pool_layout
@@ -115,7 +115,7 @@ def test_rope_and_write_stores_a_bf16_pool_the_bits_torchs_cast_gives():
 
 
 def test_widened_keeps_a_transposed_pools_key_layout_and_the_values():
-    pool = PagedKVPool(2, num_kv_heads=3, head_dim=8, num_blocks=4, block_size=4, dtype=torch.bfloat16,
+    pool = PagedKVPool(2, num_kv_heads=3, head_dim=8, num_pages=4, page_size=4, dtype=torch.bfloat16,
                        transposed_k=True, product_dtype=torch.float32)
     pool.add_sequence(0)
     k, v = torch.randn(2, 1, 10, 3, 8).bfloat16()
@@ -130,10 +130,10 @@ def test_widened_keeps_a_transposed_pools_key_layout_and_the_values():
         PagedKVPool(1, 1, 8, 1, dtype=torch.bfloat16, product_dtype=torch.float16)
 
 
-def _float32_pool(model, num_blocks: int, drafter_layers: int = 0) -> PagedKVPool:
+def _float32_pool(model, num_pages: int, drafter_layers: int = 0) -> PagedKVPool:
     """The pool a row-invariant target kept before its K/V went to bf16: float32, K transposed."""
     c = model.config
-    return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, 16, drafter_layers,
+    return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_pages, 16, drafter_layers,
                        dtype=torch.float32, transposed_k=True)
 
 
@@ -151,7 +151,7 @@ def test_a_target_over_its_bf16_pool_gives_the_float32_pools_logits_bit_for_bit(
     vocab = model.config.vocab_size
     prompt = [3 + (i * 5) % (vocab - 3) for i in range(300)]
     results = []
-    for pool in (model.new_pool(blocks_for(340, 16)), _float32_pool(model, blocks_for(340, 16))):
+    for pool in (model.new_pool(pages_for(340, 16)), _float32_pool(model, pages_for(340, 16))):
         pool.add_sequence(0)
         with torch.inference_mode():
             logits = [model.prefill(torch.tensor([prompt]), pool, [0]).logits[0]]
@@ -192,7 +192,7 @@ def test_a_drafter_over_a_bf16_pool_proposes_what_it_does_over_a_float32_pool(ti
     own = decoder.new_pool([prompt], 24)
     assert own.k.dtype == torch.bfloat16 and own.product_dtype == torch.float32
     proposals = []
-    for pool in (own, _float32_pool(target.model, own.num_blocks, drafter.num_drafter_layers)):
+    for pool in (own, _float32_pool(target.model, own.num_pages, drafter.num_drafter_layers)):
         with torch.inference_mode():
             x0 = int(decoder.stages.prefill(pool, 0, prompt)[0].argmax())
             batch = DraftBatch([0], torch.tensor([x0]), [[*prompt, x0]], pool,

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.cache.paged_pool import pages_for
 from hspec.decoding.step import DecodeStages
 from hspec.drafters import create_drafter
 from hspec.drafters.base import DraftBatch
@@ -31,16 +31,16 @@ def _tokens(n: int, seed: int, vocab: int = 96) -> list[int]:
 
 def _fresh_hidden(target, tokens: list[int], layers) -> torch.Tensor:
     """(1, S, n_sel, H) hidden states of `tokens` from one fresh target forward."""
-    pool = target.model.new_pool(num_blocks=blocks_for(len(tokens), 16), block_size=16)
+    pool = target.model.new_pool(num_pages=pages_for(len(tokens), 16), page_size=16)
     pool.add_sequence(0)
     with torch.no_grad():
         return target.model(torch.tensor([tokens]), pool, [0], layers).hidden
 
 
-def _run_steps(target, drafter, prompts: list[list[int]], steps: int, block_size: int = 8):
+def _run_steps(target, drafter, prompts: list[list[int]], steps: int, page_size: int = 8):
     """Prefill `prompts` and run `steps` greedy speculative steps; returns (pool, histories)."""
     stages = DecodeStages(target.model, drafter, 4, eos_token_ids=())
-    pool = target.model.new_pool(64, block_size, drafter.num_drafter_layers)
+    pool = target.model.new_pool(64, page_size, drafter.num_drafter_layers)
     histories = []
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
@@ -101,7 +101,7 @@ def test_drafter_kv_grows_exactly_per_context_token(tiny_target, kind):
                                        [torch.Generator()]), 2)
         L = pool.num_target_layers
         assert pool.num_drafter_layers == expected_layers and pool.k.shape[0] == L + expected_layers
-        used_slots = (pool.num_blocks - pool.num_free_blocks) * pool.block_size
+        used_slots = (pool.num_pages - pool.num_free_pages) * pool.page_size
         drafter_bytes_per_slot = (pool.k[L:].nbytes + pool.v[L:].nbytes) // pool.capacity_tokens
         allocated.append(used_slots * drafter_bytes_per_slot)
         # (layer, slot) rows the drafter actually wrote, K and V.

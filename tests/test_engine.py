@@ -23,7 +23,7 @@ from hspec.sampling import SamplingBatch, SamplingParams, draw_uniforms, sample_
 from hspec.serving.engine import Engine, Request
 
 TEXTS = ["hello world, hello world", "abcabcabcabc", "the quick brown fox", "zz", "one two one two one two",
-         "a much longer prompt that spans several blocks of the pool, a much longer prompt"]
+         "a much longer prompt that spans several pages of the pool, a much longer prompt"]
 K = 4
 
 
@@ -101,9 +101,9 @@ def _run(engine, requests, join_every=0, max_steps=2000):
     return outputs, reasons
 
 
-def _engine(target, drafter, num_blocks, block_size=8, max_running=64):
+def _engine(target, drafter, num_pages, page_size=8, max_running=64):
     stages = DecodeStages(target.model, drafter, K, target.tokenizer.eos_token_ids, target.tokenizer.decode)
-    return Engine(stages, target.model.new_pool(num_blocks, block_size, drafter.num_drafter_layers), max_running)
+    return Engine(stages, target.model.new_pool(num_pages, page_size, drafter.num_drafter_layers), max_running)
 
 
 # Model-free kinds run every schedule; each other registered kind (random weights here) runs the
@@ -116,18 +116,18 @@ _CASES = [(k, n, j) for k in ("none", "ngram") for n, j in ((400, 0), (400, 3), 
      if k not in ("none", "ngram")]
 
 
-@pytest.mark.parametrize("kind,num_blocks,join_every", _CASES)
-def test_engine_equals_single_request_loop(tiny_target, kind, num_blocks, join_every):
+@pytest.mark.parametrize("kind,num_pages,join_every", _CASES)
+def test_engine_equals_single_request_loop(tiny_target, kind, num_pages, join_every):
     drafter = _drafter(tiny_target, kind)
     requests = _mixed_requests(tiny_target, stop_text="ab")
     if kind not in ("none", "ngram"):
         requests = requests[:5]
     expected = {r.request_id: _alone(tiny_target, drafter, r) for r in requests}
-    engine = _engine(tiny_target, drafter, num_blocks)
+    engine = _engine(tiny_target, drafter, num_pages)
     outputs, reasons = _run(engine, requests, join_every)
     for r in requests:
         assert (outputs[r.request_id], reasons[r.request_id]) == expected[r.request_id], r.request_id
-    if num_blocks < 100:
+    if num_pages < 100:
         assert engine.num_preemptions > 0, "the small pool should have forced preemption"
     assert engine.pool.utilization() == 0.0 and engine.pool.sequence_ids() == []
 
@@ -136,7 +136,7 @@ def test_full_pool_queues_instead_of_failing(tiny_target):
     """A pool that holds about one request: the others wait (or are preempted) and all finish exactly."""
     drafter = _drafter(tiny_target, "ngram")
     requests = [Request(f"q{i}", tuple(tiny_target.tokenizer.encode_prompt(t)), 20) for i, t in enumerate(TEXTS[:4])]
-    engine = _engine(tiny_target, drafter, num_blocks=7, block_size=8)  # 56 positions
+    engine = _engine(tiny_target, drafter, num_pages=7, page_size=8)  # 56 positions
     for r in requests:
         engine.add(r)
     outputs: dict[str, list[int]] = {}
@@ -152,9 +152,9 @@ def test_full_pool_queues_instead_of_failing(tiny_target):
     assert all(outputs[r.request_id] == _alone(tiny_target, drafter, r)[0] for r in requests)
 
 
-def test_cancel_frees_blocks_and_sends_nothing_more(tiny_target):
+def test_cancel_frees_pages_and_sends_nothing_more(tiny_target):
     drafter = _drafter(tiny_target, "ngram")
-    engine = _engine(tiny_target, drafter, num_blocks=100)
+    engine = _engine(tiny_target, drafter, num_pages=100)
     a, b = (Request(n, tuple(tiny_target.tokenizer.encode_prompt(t)), 40) for n, t in zip("ab", TEXTS))
     engine.add(a)
     engine.add(b)
@@ -167,7 +167,7 @@ def test_cancel_frees_blocks_and_sends_nothing_more(tiny_target):
 
 def test_requests_that_can_never_run_are_refused(tiny_target):
     drafter = _drafter(tiny_target, "none")
-    engine = _engine(tiny_target, drafter, num_blocks=4, block_size=8)  # 32 positions
+    engine = _engine(tiny_target, drafter, num_pages=4, page_size=8)  # 32 positions
     with pytest.raises(ValueError, match="more than the pool's capacity of 32 tokens"):
         engine.add(Request("long", tuple(range(3, 23)), 20))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):

@@ -101,7 +101,7 @@ def test_pool_full_mid_generation_is_an_error_not_corruption(tiny_target):
     from hspec.cache.paged_pool import PoolFullError
 
     decoder = _decoder(tiny_target)
-    pool = tiny_target.model.new_pool(num_blocks=1, block_size=4)
+    pool = tiny_target.model.new_pool(num_pages=1, page_size=4)
     with pytest.raises(PoolFullError):
         decoder.generate([[1, 5, 6, 7, 8, 9, 10]], SamplingParams(), 4, pool=pool)
     assert torch.all(pool.k == 0) and pool.sequence_ids() == []

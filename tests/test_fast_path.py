@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.cache.paged_pool import pages_for
 from hspec.models.layers import attend, row_invariant
 from hspec.models.native import load_kernels
 from test_formats import _stored
@@ -404,7 +404,7 @@ def test_tiny_target_verify_logits_equal_decode_logits_bit_for_bit(tiny_dirs, dt
 
     model = load_tiny(tiny_dirs["llama"], dtype=dtype).model
     prompt = [3 + i % (model.config.vocab_size - 3) for i in range(290)]  # crosses a value chunk while decoding
-    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 40, 16))
+    pool = model.new_pool(num_pages=pages_for(len(prompt) + 40, 16))
     pool.add_sequence(0)
     with torch.inference_mode():
         tokens = [int(model(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits[0, -1].argmax())]
@@ -445,7 +445,7 @@ def test_tiny_target_tree_rows_equal_the_decode_of_their_path_bit_for_bit(tiny_d
             decoder_stack=lambda *args: stack_calls.append(1) or extension.decoder_stack(*args))
     vocab = model.config.vocab_size
     prompt = [3 + i % (vocab - 3) for i in range(290)]  # the path crosses a value chunk
-    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 40, 16))
+    pool = model.new_pool(num_pages=pages_for(len(prompt) + 40, 16))
     pool.add_sequence(0)
     with torch.inference_mode():
         tokens = [int(model(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits[0, -1].argmax())]
@@ -481,7 +481,7 @@ def test_smollm2_tree_rows_equal_the_decode_of_their_path_bit_for_bit(dtype):
     target = load_target("smollm2", dtype=dtype)
     model = target.model
     prompt = target.tokenizer.encode_prompt("Summarize the history of the Roman empire, with dates. " * 16)
-    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 80, 16))
+    pool = model.new_pool(num_pages=pages_for(len(prompt) + 80, 16))
     pool.add_sequence(0)
     parents = torch.tensor([[-1, 0, 0, 0, 1, 1, 1, 4, 4, 4, 7, 7, 7, 10, 10, 10]])
     path = [0, 1, 4, 7, 10]

@@ -370,7 +370,7 @@ def test_a_model_runs_hspecs_kernels_or_torchs_throughout(tiny_dirs):
     assert not any(m.kernel for m in theirs.modules() if isinstance(m, RMSNorm)) and not theirs.native.kernels
     assert ours.layers[0].mlp.gate_up_packed.dim() == 3 and theirs.layers[0].mlp.gate_up_packed.dim() == 2
     assert ours.lm_head.weight_packed is not None and theirs.lm_head.weight_packed is None
-    pool_a, pool_b = ours.new_pool(num_blocks=4), theirs.new_pool(num_blocks=4)
+    pool_a, pool_b = ours.new_pool(num_pages=4), theirs.new_pool(num_pages=4)
     pool_a.add_sequence(0)
     pool_b.add_sequence(0)
     with torch.inference_mode():

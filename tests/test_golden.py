@@ -21,7 +21,7 @@ def test_full_forward_matches_transformers(tiny_dirs, family):
     target = load_tiny(tiny_dirs[family])
     ids = torch.randint(0, target.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(1))
     reference = _hf_logits(tiny_dirs[family], ids)
-    pool = target.model.new_pool(num_blocks=32, block_size=16)
+    pool = target.model.new_pool(num_pages=32, page_size=16)
     for s in (0, 1):
         pool.add_sequence(s)
     with torch.no_grad():
@@ -35,7 +35,7 @@ def test_incremental_matches_full_forward(tiny_dirs, family):
     target = load_tiny(tiny_dirs[family])
     ids = torch.randint(0, target.config.vocab_size, (1, 90), generator=torch.Generator().manual_seed(2))
     reference = _hf_logits(tiny_dirs[family], ids)
-    pool = target.model.new_pool(num_blocks=16, block_size=8)
+    pool = target.model.new_pool(num_pages=16, page_size=8)
     pool.add_sequence(7)
     pieces, start = [], 0
     with torch.no_grad():
@@ -54,7 +54,7 @@ def test_hidden_states_match_transformers(tiny_dirs):
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_dirs["qwen3"]), dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True).hidden_states
-        pool = target.model.new_pool(num_blocks=4, block_size=8)
+        pool = target.model.new_pool(num_pages=4, page_size=8)
         pool.add_sequence(0)
         out = target.model(ids, pool, [0], hidden_layers=(0, 1, 3))
     for j, layer in enumerate((0, 1, 3)):
@@ -70,7 +70,7 @@ def test_smollm2_matches_transformers(smollm2):
         ids = torch.tensor([smollm2.tokenizer.encode_prompt(prompt)])
         with torch.no_grad():
             reference = hf(ids).logits
-            pool = smollm2.model.new_pool(num_blocks=8)
+            pool = smollm2.model.new_pool(num_pages=8)
             pool.add_sequence(0)
             ours = smollm2.model(ids, pool, [0]).logits
         assert (ours - reference).abs().max().item() <= 1e-4

@@ -85,7 +85,7 @@ def _context_from_scratch(target, drafter, tokens, anchor, K):
     """BlockContext for one sequence with every target K/V recomputed from a fresh full forward."""
     model = target.model
     L = target.config.num_layers
-    pool = model.new_pool(num_blocks=8, block_size=64)
+    pool = model.new_pool(num_pages=8, page_size=64)
     pool.add_sequence(0)
     out = model(torch.tensor([tokens]), pool, [0], tuple(range(L + 1)))
     hidden = out.hidden[0]  # (p, L+1, H): HF index l = the input of decoder layer l
@@ -106,11 +106,11 @@ def _context_from_scratch(target, drafter, tokens, anchor, K):
 @pytest.mark.parametrize("kind", ["hspec", "attention-only", "hspec-lasttoken-only"])
 @torch.no_grad()
 def test_attention_over_the_pool_equals_a_fresh_recompute(tiny_target, kind):
-    """Two ragged sequences with interleaved (non-contiguous) pool blocks and a sliding window that
+    """Two ragged sequences with interleaved (non-contiguous) pool pages and a sliding window that
     cuts one of them: batched block logits read from the pool equal per-sequence logits from K/V
     recomputed from scratch."""
     drafter = _drafter(tiny_target, kind, sliding_window=10)
-    pool = tiny_target.model.new_pool(num_blocks=16, block_size=4)
+    pool = tiny_target.model.new_pool(num_pages=16, page_size=4)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (13, 7)]
     _prefill(tiny_target, drafter, pool, 0, seqs[0][:5])
@@ -131,8 +131,8 @@ def test_attention_over_the_pool_equals_a_fresh_recompute(tiny_target, kind):
     assert not kv or (mask.shape[1] == CONTEXT_MULTIPLE and int(mask.sum()) == 10 + 7)
     rounded = drafter.block_logits(BlockContext(block_tokens, positions, drafter.last_hidden_of([0, 1]), kv, mask))
     assert torch.allclose(rounded, batched, atol=1e-5), kind
-    # A lone sequence whose blocks are consecutive reads zero-copy views of the pool.
-    lone = tiny_target.model.new_pool(num_blocks=16, block_size=4)
+    # A lone sequence whose pages are consecutive reads zero-copy views of the pool.
+    lone = tiny_target.model.new_pool(num_pages=16, page_size=4)
     _prefill(tiny_target, drafter, lone, 0, seqs[0])
     lone_kv, lone_mask = drafter.context_kv_from_pool(lone, [0], [13])
     for k, _ in lone_kv:
@@ -144,7 +144,7 @@ def test_attention_over_the_pool_equals_a_fresh_recompute(tiny_target, kind):
 
 
 def _propose(target, drafter, prompts, K, params):
-    pool = target.model.new_pool(num_blocks=32, block_size=8)
+    pool = target.model.new_pool(num_pages=32, page_size=8)
     for i, prompt in enumerate(prompts):
         _prefill(target, drafter, pool, i, prompt)
     batch = DraftBatch(list(range(len(prompts))), torch.tensor([p[-1] for p in prompts]), prompts, pool,
@@ -202,7 +202,7 @@ def test_nothing_grows_with_the_context(tiny_target):
     weights = sum(t.numel() for t in drafter.state_dict().values())
     sizes = []
     for n in (16, 200):
-        pool = tiny_target.model.new_pool(num_blocks=16, block_size=16)
+        pool = tiny_target.model.new_pool(num_pages=16, page_size=16)
         _prefill(tiny_target, drafter, pool, 7, torch.randint(3, 96, (n,)).tolist())
         assert pool.num_drafter_layers == 0
         state = drafter.last_hidden_of([7])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.cache.paged_pool import pages_for
 from hspec.models import native as native_module
 from hspec.models.native import NativeDecoderStack, build_extension
 
@@ -34,7 +34,7 @@ class _Counting:
 
 
 def _prefilled(model, prompt: list[int], extra: int):
-    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + extra, 16))
+    pool = model.new_pool(num_pages=pages_for(len(prompt) + extra, 16))
     pool.add_sequence(0)
     model.prefill(torch.tensor([prompt]), pool, [0], last_logits_only=True)
     return pool
@@ -67,9 +67,9 @@ def test_the_native_stack_gives_the_python_layers_bits(tiny_dirs, family, dtype)
     assert counter.calls == len(widths) - (not fast.native.kernels)
 
 
-def test_batches_of_ragged_sequences_on_scattered_blocks_keep_the_python_layers_bits(tiny_dirs):
-    """Two sequences of different lengths whose blocks interleave in the pool (a gather, as in the server),
-    then one of them alone on its scattered blocks, decoding and verifying side by side."""
+def test_batches_of_ragged_sequences_on_scattered_pages_keep_the_python_layers_bits(tiny_dirs):
+    """Two sequences of different lengths whose pages interleave in the pool (a gather, as in the server),
+    then one of them alone on its scattered pages, decoding and verifying side by side."""
     from conftest import load_tiny
 
     fast = load_tiny(tiny_dirs["llama"], dtype="int4").model
@@ -78,12 +78,12 @@ def test_batches_of_ragged_sequences_on_scattered_blocks_keep_the_python_layers_
     fast.native.extension = counter
     vocab = fast.config.vocab_size
     generator = torch.Generator().manual_seed(1)
-    pools = [model.new_pool(num_blocks=64, block_size=8) for model in (fast, slow)]
+    pools = [model.new_pool(num_pages=64, page_size=8) for model in (fast, slow)]
     with torch.inference_mode():
         for model, pool in zip((fast, slow), pools, strict=True):
             for seq in (0, 1):
                 pool.add_sequence(seq)
-            for chunk in range(6):  # 6 x 8 tokens each, alternating: the two sequences' blocks interleave
+            for chunk in range(6):  # 6 x 8 tokens each, alternating: the two sequences' pages interleave
                 for seq in (0, 1):
                     ids = torch.tensor([[3 + (5 * chunk + 11 * seq + i) % (vocab - 3) for i in range(8)]])
                     model.prefill(ids, pool, [seq])

@@ -89,7 +89,7 @@ def test_every_format_matches_the_reference(tiny_dirs, family, dtype):
     reference = ReferenceDecoder(target.config)
     reference.load_state_dict(_stored_floating_weights(model))
     ids = _ids(target.config.vocab_size, 51, 3)  # (1, 51)
-    pool = model.new_pool(num_blocks=8, block_size=16)
+    pool = model.new_pool(num_pages=8, page_size=16)
     pool.add_sequence(0)
     with torch.inference_mode():
         logits = [model.prefill(ids[:, :40], pool, [0]).logits]  # (1, 40, V)

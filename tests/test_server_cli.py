@@ -35,7 +35,7 @@ def _cli_error(capsys, *args: str) -> str:
 @pytest.mark.parametrize("args, expected", [
     (("--kv-budget-mib", "0"), "--kv-budget-mib must be > 0"),
     (("--kv-budget-mib", "-3"), "--kv-budget-mib must be > 0"),
-    (("--kv-blocks", "0"), "--kv-blocks must be >= 1"),
+    (("--kv-pages", "0"), "--kv-pages must be >= 1"),
     (("--port", "99999"), "--port must be in 0..65535"),
     (("--port", "-1"), "--port must be in 0..65535"),
     (("--max-request-bytes", "0"), "--max-request-bytes must be >= 1"),
@@ -53,6 +53,15 @@ def _cli_error(capsys, *args: str) -> str:
 ])
 def test_bad_settings_get_one_line_errors_before_loading(capsys, args, expected):
     assert expected in _cli_error(capsys, *args)
+
+
+@pytest.mark.parametrize("argv, new", [(("serve", "--kv-blocks", "64"), "--kv-pages"),
+                                       (("serve", "--block-size", "8"), "--page-size"),
+                                       (("bench", "serve", "--block-size", "8"), "--page-size")])
+def test_the_kv_pool_flags_spelled_before_pages_name_their_new_spelling(capsys, argv, new):
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    assert exit_.value.code == 2 and f"{argv[-2]} is now {new}" in capsys.readouterr().err
 
 
 def test_the_api_key_comes_from_hspec_api_key_when_not_given(capsys, monkeypatch):
@@ -83,26 +92,26 @@ def test_without_the_serve_extra_it_says_what_to_install(capsys, monkeypatch):
     assert "uvicorn" in err and "pip install 'hspec[serve]'" in err
 
 
-def _engine(target, num_blocks: int, block_size: int, K: int = 4):
+def _engine(target, num_pages: int, page_size: int, K: int = 4):
     drafter = create_drafter("ngram", target.config, target_model=target.model)
-    return build_engine(target.model, drafter, target.tokenizer, K, num_blocks=num_blocks, block_size=block_size)
+    return build_engine(target.model, drafter, target.tokenizer, K, num_pages=num_pages, page_size=page_size)
 
 
 def test_a_pool_that_cannot_hold_one_request_is_refused_naming_the_minimum(chat_target):
-    # a 1-token prompt with max_tokens=1 at K=4 holds 1 + 1 + 4 + 1 = 7 positions: 2 blocks of 4
-    with pytest.raises(ValueError, match=r"too few for any request.*--kv-blocks >= 2"):
-        check_pool(_engine(chat_target, num_blocks=1, block_size=4), default_max_tokens=256)
+    # a 1-token prompt with max_tokens=1 at K=4 holds 1 + 1 + 4 + 1 = 7 positions: 2 pages of 4
+    with pytest.raises(ValueError, match=r"too few for any request.*--kv-pages >= 2"):
+        check_pool(_engine(chat_target, num_pages=1, page_size=4), default_max_tokens=256)
 
 
 def test_a_pool_too_small_for_the_default_output_is_warned_of(chat_target):
-    warning = check_pool(_engine(chat_target, num_blocks=1, block_size=16), default_max_tokens=256)
-    # 1 + 256 + 4 + 1 = 262 positions: 17 blocks of 16
-    assert warning is not None and "16 tokens" in warning and "--kv-blocks >= 17" in warning
-    assert check_pool(_engine(chat_target, num_blocks=17, block_size=16), default_max_tokens=256) is None
+    warning = check_pool(_engine(chat_target, num_pages=1, page_size=16), default_max_tokens=256)
+    # 1 + 256 + 4 + 1 = 262 positions: 17 pages of 16
+    assert warning is not None and "16 tokens" in warning and "--kv-pages >= 17" in warning
+    assert check_pool(_engine(chat_target, num_pages=17, page_size=16), default_max_tokens=256) is None
 
 
 def test_port_0_announces_the_port_bound_and_the_settings_reach_the_app(chat_target):
-    app, sock, announcement = open_server(ServeSettings(target="tiny", drafter="none", kv_blocks=64, port=0,
+    app, sock, announcement = open_server(ServeSettings(target="tiny", drafter="none", kv_pages=64, port=0,
                                                         max_request_bytes=200), chat_target)
     with ServerThread(app, sock=sock) as srv:
         assert srv.port != 0 and announcement.endswith(f"on http://127.0.0.1:{srv.port}")
@@ -112,7 +121,7 @@ def test_port_0_announces_the_port_bound_and_the_settings_reach_the_app(chat_tar
 
 
 def test_spec_max_batch_reaches_the_engine_and_the_announcement(chat_target):
-    settings = ServeSettings(target="tiny", drafter="ngram", kv_blocks=64, port=0, speculate_max_batch=3)
+    settings = ServeSettings(target="tiny", drafter="ngram", kv_pages=64, port=0, speculate_max_batch=3)
     app, sock, announcement = open_server(settings, chat_target)
     sock.close()
     assert app.state.engine.speculate_max_batch == 3
@@ -120,7 +129,7 @@ def test_spec_max_batch_reaches_the_engine_and_the_announcement(chat_target):
 
 
 def test_drafter_options_reach_the_served_drafter(chat_target):
-    settings = ServeSettings(target="tiny", drafter="specblock", kv_blocks=64, port=0, random_drafter_weights=True,
+    settings = ServeSettings(target="tiny", drafter="specblock", kv_pages=64, port=0, random_drafter_weights=True,
                              drafter_options=("node_budget=5", "adapt_tree=false"))
     app, sock, _ = open_server(settings, chat_target)
     sock.close()
@@ -131,27 +140,27 @@ def test_drafter_options_reach_the_served_drafter(chat_target):
 def test_a_pool_too_small_is_refused_at_start_and_the_port_freed(chat_target):
     with bind_socket("127.0.0.1", 0) as probe:
         port = probe.getsockname()[1]
-    # a 1-token prompt with max_tokens=1 at K=7 holds 10 positions: 3 blocks of 4
-    settings = ServeSettings(target="tiny", drafter="ngram", K=7, kv_blocks=1, block_size=4, port=port)
-    with pytest.raises(ValueError, match="--kv-blocks >= 3"):
+    # a 1-token prompt with max_tokens=1 at K=7 holds 10 positions: 3 pages of 4
+    settings = ServeSettings(target="tiny", drafter="ngram", K=7, kv_pages=1, page_size=4, port=port)
+    with pytest.raises(ValueError, match="--kv-pages >= 3"):
         open_server(settings, chat_target)
     with bind_socket("127.0.0.1", port) as again:
         again.listen()  # nothing holds the port any more
 
 
-def test_a_small_pool_starts_with_a_warning_naming_the_blocks_needed(chat_target, capsys):
-    # plain decoding (K=0): the default 256 tokens after a 1-token prompt hold 258 positions, 17 blocks of 16
-    _, sock, _ = open_server(ServeSettings(target="tiny", drafter="none", kv_blocks=2, port=0), chat_target)
+def test_a_small_pool_starts_with_a_warning_naming_the_pages_needed(chat_target, capsys):
+    # plain decoding (K=0): the default 256 tokens after a 1-token prompt hold 258 positions, 17 pages of 16
+    _, sock, _ = open_server(ServeSettings(target="tiny", drafter="none", kv_pages=2, port=0), chat_target)
     sock.close()
     err = capsys.readouterr().err
-    assert "warning" in err and "32 tokens (2 blocks of 16)" in err and "--kv-blocks >= 17" in err
+    assert "warning" in err and "32 tokens (2 pages of 16)" in err and "--kv-pages >= 17" in err
 
 
 @pytest.mark.slow
 def test_hspec_serve_port_0_on_the_real_target(tmp_path):
     """The real command: it announces the port it bound, and answers there."""
     process = subprocess.Popen([sys.executable, "-m", "hspec.cli", "serve", "--port", "0", "--drafter", "none",
-                                "--kv-blocks", "64", "--threads", "1", "--log-level", "warning"],
+                                "--kv-pages", "64", "--threads", "1", "--log-level", "warning"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300

@@ -88,7 +88,7 @@ def test_a_50_mb_body_gets_413_at_once_and_health_keeps_answering(server):
 def test_a_chunked_body_is_counted_as_it_arrives(chat_target):
     """Without a Content-Length the server counts bytes and stops reading past the limit."""
     limit = 64 * 1024
-    with start_server(chat_target, "none", num_blocks=64, max_request_bytes=limit) as srv, \
+    with start_server(chat_target, "none", num_pages=64, max_request_bytes=limit) as srv, \
             socket.create_connection((srv.host, srv.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
@@ -106,7 +106,7 @@ def test_a_chunked_body_is_counted_as_it_arrives(chat_target):
 
 
 def test_a_body_under_the_limit_is_served(chat_target):
-    with start_server(chat_target, "none", num_blocks=64, max_request_bytes=300) as srv:
+    with start_server(chat_target, "none", num_pages=64, max_request_bytes=300) as srv:
         ok = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         big = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "h" * 400, "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
@@ -126,7 +126,7 @@ class _SlowTokenizer(ChatByteTokenizer):
 def test_tokenising_runs_off_the_event_loop(chat_target):
     """While one request tokenises for 1.5 s, /health answers at once."""
     tokenizer = _SlowTokenizer(chat_target.config.vocab_size)
-    with start_server(chat_target, "none", num_blocks=64, tokenizer=tokenizer) as srv:
+    with start_server(chat_target, "none", num_pages=64, tokenizer=tokenizer) as srv:
         result: dict = {}
 
         def post() -> None:
@@ -202,8 +202,8 @@ def test_without_max_tokens_a_long_prompt_is_clamped_to_the_room_left(server, cl
 
 
 def test_without_max_tokens_the_pool_bounds_the_output_too(chat_target):
-    """8 blocks of 8 = 64 positions: a chat's default 256 tokens is clamped to what the pool holds."""
-    with start_server(chat_target, "none", num_blocks=8) as small, \
+    """8 pages of 8 = 64 positions: a chat's default 256 tokens is clamped to what the pool holds."""
+    with start_server(chat_target, "none", num_pages=8) as small, \
             openai.OpenAI(base_url=f"{small.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         messages = [{"role": "user", "content": "hello"}]
         prompt_tokens = len(ChatByteTokenizer(96).encode_chat(messages))
@@ -226,8 +226,8 @@ def long_server(tiny_dirs, tmp_path_factory):
     tokenizer = ChatByteTokenizer(target.config.vocab_size, eos=target.config.vocab_size)
     from hspec.drafters import create_drafter
 
-    engine = build_engine(target.model, create_drafter("none", target.config), tokenizer, K, num_blocks=1100,
-                          block_size=8, max_running=1)
+    engine = build_engine(target.model, create_drafter("none", target.config), tokenizer, K, num_pages=1100,
+                          page_size=8, max_running=1)
     with ServerThread(create_app(engine, tokenizer, MODEL)) as srv:
         srv.engine = engine
         yield srv
@@ -273,4 +273,4 @@ def test_clients_that_leave_free_their_slot_and_kv_within_seconds(long_server):
     assert time.monotonic() - left < 5
     assert _metric(url, 'hspec_requests_finished_total{reason="cancelled"}') == cancelled + 2
     assert _metric(url, 'hspec_requests_finished_total{reason="length"}') == 0  # neither ran to the end
-    _wait_until(lambda: engine.pool.num_free_blocks == engine.pool.num_blocks, 5, "the KV blocks being freed")
+    _wait_until(lambda: engine.pool.num_free_pages == engine.pool.num_pages, 5, "the KV pages being freed")

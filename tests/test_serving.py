@@ -100,9 +100,9 @@ def test_32_concurrent_requests_equal_each_alone(server, client):
 
 
 def test_full_pool_queues_or_preempts_instead_of_failing(chat_target):
-    """24 blocks of 8 hold about two of these requests at full length; eight arrive at once."""
+    """24 pages of 8 hold about two of these requests at full length; eight arrive at once."""
     requests = [dict(model=MODEL, prompt=p, max_tokens=90, temperature=0) for p in PROMPTS]
-    with start_server(chat_target, "ngram", num_blocks=24) as small:
+    with start_server(chat_target, "ngram", num_pages=24) as small:
         with openai.OpenAI(base_url=f"{small.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
             alone = [c.completions.create(**r).choices[0].text for r in requests]
         assert _texts_concurrently(small.url, requests) == alone
@@ -133,7 +133,7 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(server
 
 
 def test_oversize_for_the_pool_is_refused(chat_target):
-    with start_server(chat_target, "none", num_blocks=4) as small:  # 32 KV positions
+    with start_server(chat_target, "none", num_pages=4) as small:  # 32 KV positions
         response = httpx.post(f"{small.url}/v1/completions",
                               json=dict(model=MODEL, prompt="a prompt of forty characters, give or take", max_tokens=4))
         assert response.status_code == 400 and "pool's capacity" in response.json()["error"]["message"]

@@ -161,7 +161,7 @@ def tree_generate(target, prompts, params, max_new_tokens, seeds, branching=(3, 
 
     model = target.model
     b = len(prompts)
-    pool = model.new_pool(num_blocks=b * 8, block_size=8)
+    pool = model.new_pool(num_pages=b * 8, page_size=8)
     sampling = SamplingBatch.from_params([params] * b)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     drafts = [torch.Generator().manual_seed(10_000 + s) for s in seeds]
@@ -202,7 +202,7 @@ def test_greedy_tree_decoding_equals_plain(vocab8_dir):
     for row, (prompt, out) in enumerate(zip(prompts, outputs)):
         tokens = prompt + out[:-1]
         assert pool.length(row) == len(tokens)
-        fresh = target.model.new_pool(num_blocks=8, block_size=8)
+        fresh = target.model.new_pool(num_pages=8, page_size=8)
         fresh.add_sequence(0)
         with torch.no_grad():
             target.model(torch.tensor([tokens]), fresh, [0])

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from hspec.cache.paged_pool import blocks_for  # noqa: E402
+from hspec.cache.paged_pool import pages_for  # noqa: E402
 from hspec.integrations.vllm.proposer import (  # noqa: E402
     DraftLength,
     DraftRows,
@@ -85,7 +85,7 @@ def test_block_context_from_a_paged_cache_drafts_as_hspec_does(smollm2):
     expected = own.propose(batch, k).draft_tokens[0].tolist()
 
     # The same prefix K/V in vLLM's paged layout, blocks in reverse order; the hidden states as aux outputs.
-    n_blocks = blocks_for(len(ids), block_size)
+    n_blocks = pages_for(len(ids), block_size)
     block_ids = torch.arange(n_blocks).flip(0) + 1
     positions = torch.arange(len(ids))
     slots = block_ids[positions // block_size] * block_size + positions % block_size

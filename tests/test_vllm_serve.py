@@ -109,7 +109,7 @@ def test_settings_and_command_line():
 
 def test_one_level_streams_against_a_live_hspec_server(chat_target):
     prompts = ["hello there", "abcabcabc", "zz top"]
-    with start_server(chat_target, "ngram", num_blocks=256) as srv:
+    with start_server(chat_target, "ngram", num_pages=256) as srv:
         level = asyncio.run(run_level(srv.url, MODEL, prompts, 2, 6, HSPEC_METRICS.kv_usage, 0.05))
         again = asyncio.run(run_level(srv.url, MODEL, prompts, 1, 6, HSPEC_METRICS.kv_usage, 0.05))
     assert [r.index for r in level.requests] == [0, 1, 2]

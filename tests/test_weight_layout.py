@@ -142,7 +142,7 @@ def test_fused_projections_keep_names_values_and_outputs(tiny_dirs):
         ids = torch.randint(0, target.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
         logits = []
         for model in (target.model, plain):
-            pool = model.new_pool(num_blocks=4, block_size=8)
+            pool = model.new_pool(num_pages=4, page_size=8)
             pool.add_sequence(0), pool.add_sequence(1)
             with torch.no_grad():
                 logits.append(model(ids, pool, [0, 1]).logits)

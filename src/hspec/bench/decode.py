@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.cache.paged_pool import pages_for
 from hspec.data.tasks import load_task
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import create_drafter
@@ -259,7 +259,7 @@ def _hspec_runner(model: TargetModel, max_new_tokens: int) -> Runner:
         return plain.generate([ids], SamplingParams(), max_new_tokens).decode_s
 
     def prefill(ids: list[int]) -> float:
-        pool = model.new_pool(num_blocks=blocks_for(len(ids), 16))
+        pool = model.new_pool(num_pages=pages_for(len(ids), 16))
         pool.add_sequence(0)
         start = time.perf_counter()
         model.prefill(torch.tensor([ids]), pool, [0], last_logits_only=True)  # as generate prefills
@@ -456,7 +456,7 @@ def row_differences(model: TargetModel, prompt: list[int], num_tokens: int, widt
     position whose block the decode covers (`every_start`). Per T: positions compared, those whose argmax
     differs (`differ`) and whose logits differ from the decode's in any bit (`logits_differ`: a row-invariant
     runtime has none; a differing row is a tie waiting to flip)."""
-    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + num_tokens + max(widths), 16))
+    pool = model.new_pool(num_pages=pages_for(len(prompt) + num_tokens + max(widths), 16))
     pool.add_sequence(0)
     logits = model.prefill(torch.tensor([prompt]), pool, [0], last_logits_only=True).logits  # (1, 1, V)
     tokens, decoded = [int(logits[0, -1].argmax())], []
@@ -478,7 +478,7 @@ def row_differences(model: TargetModel, prompt: list[int], num_tokens: int, widt
 
 def prefilled_pool(model: TargetModel, prompt: list[int]):
     """A pool holding sequence 0 with `prompt` cached and room for 32 more positions."""
-    pool = model.new_pool(num_blocks=blocks_for(len(prompt) + 32, 16))
+    pool = model.new_pool(num_pages=pages_for(len(prompt) + 32, 16))
     pool.add_sequence(0)
     model.prefill(torch.tensor([prompt]), pool, [0])
     return pool

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.cache.paged_pool import pages_for
 from hspec.drafters import DRAFTERS, create_drafter, drafter_config
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.drafters.common import select_target_layers
@@ -63,10 +63,10 @@ class _Setting:
         self.model, self.drafters, self.B, self.length, self.K = model, drafters, B, S, K
         g = torch.Generator().manual_seed(seed)
         c = model.config
-        block = 16
+        page = 16
         drafter_layers = max((d.num_drafter_layers for d in drafters.values()), default=0)
         per_seq = S + (repeats + 3) * (K + 1)  # context + commit rounds + one verify block
-        self.pool = model.new_pool(B * blocks_for(per_seq, block), block, drafter_layers)
+        self.pool = model.new_pool(B * pages_for(per_seq, page), page, drafter_layers)
         self.seq_ids = list(range(B))
         for s in self.seq_ids:
             self.pool.add_sequence(s)

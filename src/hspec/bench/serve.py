@@ -58,7 +58,7 @@ class ServeBenchSettings:
     num_prompts: int = 240  # evenly spaced items per task
     max_prompt_tokens: int = 256  # longer prompts are skipped (the count is reported)
     kv_budget_mib: float = 256.0  # KV memory budget of every server (target + drafter layers)
-    block_size: int = 16
+    page_size: int = 16
     max_running: int = 128  # largest batch the engine runs
     speculate_max_batch: tuple[int | None, ...] = (None,)  # each drafting kind once per limit (None: always)
     name: str = "serve_bench"  # stem of the result files
@@ -77,7 +77,7 @@ class ServeBenchSettings:
             DRAFTERS.get(kind)  # raises ValueError listing the registered kinds
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
-        for name in ("K", "max_tokens", "num_prompts", "max_prompt_tokens", "block_size", "max_running"):
+        for name in ("K", "max_tokens", "num_prompts", "max_prompt_tokens", "page_size", "max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         unknown = sorted({kind for kind, _ in self.drafter_paths} - set(self.drafters))
@@ -95,7 +95,7 @@ class ServeBenchSettings:
 
 def run_serve_bench(settings: ServeBenchSettings, command: str) -> int:
     target = load_target(settings.target, dtype=settings.dtype)  # as each server loads it: same KV bytes
-    capacity = kv_capacity_table(target, settings.kv_budget_mib * MIB, settings.block_size)
+    capacity = kv_capacity_table(target, settings.kv_budget_mib * MIB, settings.page_size)
     prompts, skipped = _prompts(target.tokenizer, settings)
     print(f"[bench serve] {len(prompts)} prompts ({skipped} longer than {settings.max_prompt_tokens} tokens "
           f"skipped); kinds {', '.join(settings.drafters)}; concurrency {settings.concurrency}", flush=True)
@@ -151,7 +151,7 @@ def server_configs(settings: ServeBenchSettings) -> list[tuple[str, str, int | N
     return configs
 
 
-def kv_capacity_table(target, budget_bytes: float, block_size: int) -> list[dict[str, Any]]:
+def kv_capacity_table(target, budget_bytes: float, page_size: int) -> list[dict[str, Any]]:
     """KV capacity in tokens at `budget_bytes` for every registered kind (pool built on `meta`: no memory)."""
     c = target.config
     dtype = target.model.kv_dtype
@@ -163,7 +163,7 @@ def kv_capacity_table(target, budget_bytes: float, block_size: int) -> list[dict
             rows.append({"drafter": kind, "error": str(err)})
             continue
         pool = PagedKVPool.from_memory_budget(int(budget_bytes), c.num_layers, c.num_kv_heads, c.head_dim,
-                                              block_size, layers, dtype, device="meta")
+                                              page_size, layers, dtype, device="meta")
         rows.append({"drafter": kind, "drafter_kv_layers": layers, "capacity_tokens": pool.capacity_tokens,
                      "kv_bytes_per_token": PagedKVPool.bytes_per_token(c.num_layers + layers, c.num_kv_heads,
                                                                        c.head_dim, dtype),
@@ -195,7 +195,7 @@ class ServerProcess:
         self._log = log_path.open("w")
         args = [sys.executable, "-m", "hspec.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--target", settings.target, "--dtype", settings.dtype, "--drafter", kind, "--k", str(settings.K),
-                "--kv-budget-mib", str(settings.kv_budget_mib), "--block-size", str(settings.block_size),
+                "--kv-budget-mib", str(settings.kv_budget_mib), "--page-size", str(settings.page_size),
                 "--max-running", str(settings.max_running), "--threads", str(settings.server_threads),
                 "--log-level", "warning"]
         if speculate_max_batch is not None:
@@ -356,7 +356,7 @@ def _markdown(payload: dict[str, Any], settings: ServeBenchSettings) -> str:
                       f"{100 * r['mean_kv_utilization']:.1f}% | {r['mean_accepted_length']:.2f} | "
                       f"{r['mean_batch']:.1f} | {r['throughput_completed_tok_s']:.1f} | {r['num_requests']} | "
                       f"{r['mean_latency_s']:.1f} | {r['preemptions']} | {r['load_avg_1m']:.1f} |")
-    md += [f"\n## KV capacity at a {settings.kv_budget_mib:g} MiB budget (block size {settings.block_size})\n",
+    md += [f"\n## KV capacity at a {settings.kv_budget_mib:g} MiB budget (page size {settings.page_size})\n",
            "| drafter | drafter KV layers | KV bytes/token | capacity (tokens) | KV inflation |",
            "|---|---|---|---|---|"]
     for row in payload["kv_capacity"]:

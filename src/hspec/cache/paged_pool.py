@@ -1,8 +1,8 @@
 """One preallocated, paged KV store shared by every sequence and every layer.
 
-The pool holds K and V for `num_target_layers + num_drafter_layers` layers in fixed-size blocks of
-`block_size` token slots. A sequence owns a block table (a list of block ids); token position `t` of a
-sequence lives in slot `table[t // block_size] * block_size + t % block_size` of every layer. Target
+The pool holds K and V for `num_target_layers + num_drafter_layers` layers in fixed-size pages of
+`page_size` token slots. A sequence owns a page table (a list of page ids); token position `t` of a
+sequence lives in slot `table[t // page_size] * page_size + t % page_size` of every layer. Target
 layers come first; a drafter that keeps its own context KV (DFlash, DSpark, P-Eagle) gets the layers
 after them, so its memory comes out of the same budget and a capacity comparison is honest.
 
@@ -34,13 +34,13 @@ def widened(kv: torch.Tensor) -> torch.Tensor:
     return kv.to(torch.float32)
 
 
-def blocks_for(length: int, block_size: int) -> int:
-    """KV blocks of `block_size` token slots that hold `length` positions (ceiling division)."""
-    return -(-length // block_size)
+def pages_for(length: int, page_size: int) -> int:
+    """KV pages of `page_size` token slots that hold `length` positions (ceiling division)."""
+    return -(-length // page_size)
 
 
 class PoolFullError(RuntimeError):
-    """Raised when a reservation needs more free blocks than the pool has; nothing was changed."""
+    """Raised when a reservation needs more free pages than the pool has; nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -76,15 +76,15 @@ class SlotTable:
 
 
 class PagedKVPool:
-    """Fixed-capacity paged KV store with per-sequence block tables, rollback and free."""
+    """Fixed-capacity paged KV store with per-sequence page tables, rollback and free."""
 
     def __init__(
         self,
         num_target_layers: int,
         num_kv_heads: int,
         head_dim: int,
-        num_blocks: int,
-        block_size: int = 16,
+        num_pages: int,
+        page_size: int = 16,
         num_drafter_layers: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
@@ -102,7 +102,7 @@ class PagedKVPool:
         (`TargetModel.kv_dtype`), so that a drafter reading it (`gather_window`) multiplies what it would
         over a float32 pool of the same values."""
         for name, value in (("num_target_layers", num_target_layers), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("num_blocks", num_blocks), ("block_size", block_size)):
+                            ("head_dim", head_dim), ("num_pages", num_pages), ("page_size", page_size)):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if num_drafter_layers < 0:
@@ -113,11 +113,11 @@ class PagedKVPool:
         self.num_drafter_layers = num_drafter_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_pages = num_pages
+        self.page_size = page_size
         self.product_dtype = dtype if product_dtype is None else product_dtype
         num_layers = num_target_layers + num_drafter_layers
-        num_slots = num_blocks * block_size
+        num_slots = num_pages * page_size
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         if transposed_k:
             k_storage = torch.zeros((num_layers, num_kv_heads, head_dim, num_slots), dtype=dtype, device=device)
@@ -129,27 +129,27 @@ class PagedKVPool:
         # select costs a dispatch. `write` takes fresh ones, which autograd lets a drafter's K/V fill.
         self._layer_k = [self.k[i] for i in range(num_layers)]
         self._layer_v = [self.v[i] for i in range(num_layers)]
-        # Ascending pop order keeps a lone sequence's blocks consecutive, which lets B == 1 attention
-        # read a slice instead of gathering; freed blocks are pushed back and reused first.
-        self._free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._block_tables: dict[int, list[int]] = {}
+        # Ascending pop order keeps a lone sequence's pages consecutive, which lets B == 1 attention
+        # read a slice instead of gathering; freed pages are pushed back and reused first.
+        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self._page_tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
 
     @classmethod
     def from_memory_budget(cls, budget_bytes: int, num_target_layers: int, num_kv_heads: int,
-                           head_dim: int, block_size: int = 16, num_drafter_layers: int = 0,
+                           head_dim: int, page_size: int = 16, num_drafter_layers: int = 0,
                            dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                            transposed_k: bool = False, product_dtype: torch.dtype | None = None) -> PagedKVPool:
-        """As many blocks as fit in `budget_bytes` for all layers (target + drafter); the other arguments as
+        """As many pages as fit in `budget_bytes` for all layers (target + drafter); the other arguments as
         in `__init__`."""
         per_token = cls.bytes_per_token(num_target_layers + num_drafter_layers, num_kv_heads, head_dim, dtype)
-        num_blocks = budget_bytes // (per_token * block_size)
-        if num_blocks < 1:
+        num_pages = budget_bytes // (per_token * page_size)
+        if num_pages < 1:
             raise ValueError(
-                f"memory budget {budget_bytes} B holds no block of {block_size} tokens "
+                f"memory budget {budget_bytes} B holds no page of {page_size} tokens "
                 f"({per_token} B per token); raise the budget"
             )
-        return cls(num_target_layers, num_kv_heads, head_dim, int(num_blocks), block_size,
+        return cls(num_target_layers, num_kv_heads, head_dim, int(num_pages), page_size,
                    num_drafter_layers, dtype, device, transposed_k, product_dtype)
 
     @staticmethod
@@ -161,30 +161,30 @@ class PagedKVPool:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.num_pages * self.page_size
 
     @property
-    def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
 
     def utilization(self) -> float:
-        """Blocks in use / blocks total."""
-        return 1.0 - len(self._free_blocks) / self.num_blocks
+        """Pages in use / pages total."""
+        return 1.0 - len(self._free_pages) / self.num_pages
 
-    def blocks_needed(self, seq_id: int, new_length: int) -> int:
-        """Extra blocks `seq_id` would need to hold `new_length` tokens (0 for an unknown id's none)."""
-        held = len(self._block_tables.get(seq_id, ()))
-        return max(0, blocks_for(new_length, self.block_size) - held)
+    def pages_needed(self, seq_id: int, new_length: int) -> int:
+        """Extra pages `seq_id` would need to hold `new_length` tokens (0 for an unknown id's none)."""
+        held = len(self._page_tables.get(seq_id, ()))
+        return max(0, pages_for(new_length, self.page_size) - held)
 
     def can_hold(self, seq_id: int, new_length: int) -> bool:
-        return self.blocks_needed(seq_id, new_length) <= len(self._free_blocks)
+        return self.pages_needed(seq_id, new_length) <= len(self._free_pages)
 
     # ---- sequences ----------------------------------------------------------------------------
 
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self._lengths:
             raise ValueError(f"sequence {seq_id} is already in the pool")
-        self._block_tables[seq_id] = []
+        self._page_tables[seq_id] = []
         self._lengths[seq_id] = 0
 
     def has_sequence(self, seq_id: int) -> bool:
@@ -205,37 +205,37 @@ class PagedKVPool:
         All-or-nothing: if the pool cannot hold every sequence's growth, raises PoolFullError and
         changes nothing.
         """
-        needed = sum(self.blocks_needed(s, self._lengths[self._check(s)] + num_new) for s in seq_ids)
-        if needed > len(self._free_blocks):
+        needed = sum(self.pages_needed(s, self._lengths[self._check(s)] + num_new) for s in seq_ids)
+        if needed > len(self._free_pages):
             raise PoolFullError(
-                f"pool full: need {needed} blocks for {len(seq_ids)} sequence(s), {len(self._free_blocks)} free"
+                f"pool full: need {needed} pages for {len(seq_ids)} sequence(s), {len(self._free_pages)} free"
             )
         rows = []
         for s in seq_ids:
             start = self._lengths[s]
-            table = self._block_tables[s]
-            for _ in range(self.blocks_needed(s, start + num_new)):
-                table.append(self._free_blocks.pop())
+            table = self._page_tables[s]
+            for _ in range(self.pages_needed(s, start + num_new)):
+                table.append(self._free_pages.pop())
             self._lengths[s] = start + num_new
-            rows.append([table[t // self.block_size] * self.block_size + t % self.block_size
+            rows.append([table[t // self.page_size] * self.page_size + t % self.page_size
                          for t in range(start, start + num_new)])
         return torch.tensor(rows, dtype=torch.long, device=self.k.device)
 
     def truncate(self, seq_id: int, new_length: int) -> None:
-        """Roll `seq_id` back to its first `new_length` positions and free blocks no longer needed."""
+        """Roll `seq_id` back to its first `new_length` positions and free pages no longer needed."""
         length = self._lengths[self._check(seq_id)]
         if not 0 <= new_length <= length:
             raise ValueError(f"cannot truncate sequence {seq_id} of length {length} to {new_length}")
-        table = self._block_tables[seq_id]
-        keep = blocks_for(new_length, self.block_size)
+        table = self._page_tables[seq_id]
+        keep = pages_for(new_length, self.page_size)
         while len(table) > keep:
-            self._free_blocks.append(table.pop())
+            self._free_pages.append(table.pop())
         self._lengths[seq_id] = new_length
 
     def free(self, seq_id: int) -> None:
-        """Release every block of `seq_id` and forget it."""
+        """Release every page of `seq_id` and forget it."""
         self.truncate(seq_id, 0)
-        del self._block_tables[seq_id], self._lengths[seq_id]
+        del self._page_tables[seq_id], self._lengths[seq_id]
 
     # ---- reading and writing ------------------------------------------------------------------
 
@@ -243,20 +243,20 @@ class PagedKVPool:
         """Slots of positions 0..S-1 of each sequence, S = the longest length (or `length_override`)."""
         lengths = [self._lengths[self._check(s)] for s in seq_ids]
         max_len = max(lengths) if length_override is None else length_override
-        bs = self.block_size
+        bs = self.page_size
         device = self.k.device
         lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
         if len(seq_ids) == 1:
-            table = self._block_tables[seq_ids[0]]
-            n = blocks_for(max_len, bs)
+            table = self._page_tables[seq_ids[0]]
+            n = pages_for(max_len, bs)
             if n and table[:n] == list(range(table[0], table[0] + n)):
                 start = table[0] * bs
                 slots = torch.arange(start, start + max_len, device=device)[None, :]
                 return SlotTable(slots, lengths_t, start)
-        width = max(1, blocks_for(max_len, bs))
+        width = max(1, pages_for(max_len, bs))
         tables = torch.zeros((len(seq_ids), width), dtype=torch.long, device=device)
         for row, s in enumerate(seq_ids):
-            table = self._block_tables[s][:width]
+            table = self._page_tables[s][:width]
             if table:
                 tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
         positions = torch.arange(max_len, device=device)
@@ -303,7 +303,7 @@ class PagedKVPool:
         """K and V of `layers` at the last min(end, window) positions before ends[b] of each sequence.
 
         Keys are right-aligned: key j of row b is position ends[b] - S + j, S = min(max(ends), window);
-        keys at negative positions are masked. A lone sequence with consecutive blocks gets views, as
+        keys at negative positions are masked. A lone sequence with consecutive pages gets views, as
         in `gather`. `multiple`: as in `gather`, S' = S rounded up to it where the pool has the slots, the
         keys after the S masked. Returns ([(k, v) each (B, S', Hkv, D)] in `layers` order, in
         `product_dtype` (copies where it is not the pool's dtype, `widened`), visible (B, S') bool).

@@ -96,7 +96,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         concurrency=concurrency(args.concurrency), K=args.k, max_tokens=args.max_tokens,
         level_seconds=args.level_seconds, tasks=tuple(names(args.tasks)),
         num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens, kv_budget_mib=args.kv_budget_mib,
-        block_size=args.block_size, max_running=args.max_running,
+        page_size=args.page_size, max_running=args.max_running,
         speculate_max_batch=spec_limits(args.spec_max_batch), server_threads=args.server_threads, out=args.out,
         name=args.name,
         random_drafter_weights=args.random_drafter_weights,

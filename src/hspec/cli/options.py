@@ -177,12 +177,30 @@ def add_json(p: argparse.ArgumentParser, instead_of: str) -> None:
     p.add_argument("--json", action="store_true", help=f"print JSON instead of {instead_of}")
 
 
+class _Renamed(argparse.Action):
+    """A flag spelled as before a rename: hidden from `--help`, refused with the new spelling named."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is now {self.new}")
+
+
+def add_renamed(p: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Refuse `old`, a flag's spelling before it was renamed `new`, with a message naming `new`."""
+    p.add_argument(old, action=_Renamed, new=new, dest=f"renamed_{old.lstrip('-').replace('-', '_')}")
+
+
 def add_pool_options(p: argparse.ArgumentParser, default_budget_mib: float) -> None:
     p.add_argument("--kv-budget-mib", type=float, default=default_budget_mib,
                    help=f"KV pool memory in MiB, target + drafter layers (default {default_budget_mib:g}); a "
                         "reduced-precision target on the CPU keeps float32 K/V, twice a bf16 pool's bytes per "
                         "token, for faster attention (docs/fast-path.md)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    add_renamed(p, "--block-size", "--page-size")
     p.add_argument("--max-running", type=int, default=128, help="largest decoding batch (default 128)")
 
 

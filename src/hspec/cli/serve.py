@@ -11,6 +11,7 @@ from hspec.cli.options import (
     add_drafter,
     add_dtype,
     add_pool_options,
+    add_renamed,
     add_target,
     drafter_args,
 )
@@ -29,9 +30,10 @@ def serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "always speculate; 0: never). Where a batch already fills the compute, as on a small "
                             "CPU, verifying K+1 tokens per sequence costs nearly K+1 plain steps "
                             "(docs/fast-path.md#speculation-and-batch-size)")
-    serve.add_argument("--kv-blocks", type=int, default=None,
-                       help="pool size in blocks, >= 1 (overrides --kv-budget-mib); a pool that cannot hold one "
+    serve.add_argument("--kv-pages", type=int, default=None,
+                       help="pool size in pages, >= 1 (overrides --kv-budget-mib); a pool that cannot hold one "
                             "request is refused, one that cannot give a request --default-max-tokens is warned of")
+    add_renamed(serve, "--kv-blocks", "--kv-pages")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20,
                        help="largest request body in bytes (default 1048576 = 1 MiB); larger ones get 413 "
                             "before they are read")
@@ -89,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
         keep_alive_s=args.keep_alive_timeout, drain_timeout_s=args.drain_timeout)
     settings = ServeSettings(  # checks every value, naming its flag, before anything loads
         target=args.target, drafter=args.drafter, K=args.k, drafter_path=args.drafter_path,
-        kv_budget_mib=args.kv_budget_mib, kv_blocks=args.kv_blocks, block_size=args.block_size,
+        kv_budget_mib=args.kv_budget_mib, kv_pages=args.kv_pages, page_size=args.page_size,
         max_running=args.max_running, speculate_max_batch=args.spec_max_batch, model_name=args.served_model_name,
         default_max_tokens=args.default_max_tokens,
         max_request_bytes=args.max_request_bytes, host=args.host, port=args.port, log_level=args.log_level,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hspec.cache.paged_pool import PagedKVPool, blocks_for
+from hspec.cache.paged_pool import PagedKVPool, pages_for
 from hspec.decoding.step import DecodeStages, SequenceOutput, stop_prefix_length
 from hspec.drafters.base import Drafter
 from hspec.metrics import AcceptanceStats, acceptance_stats, merge_stats
@@ -94,11 +94,11 @@ class SpeculativeDecoder:
         self.eos_token_ids = self.stages.eos_token_ids
         self.decode_text = decode_text
 
-    def new_pool(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int = 16
+    def new_pool(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, page_size: int = 16
                  ) -> PagedKVPool:
         """A pool just big enough for these prompts, their outputs and one block of drafts each."""
-        per_seq = [blocks_for(self.stages.positions_needed(len(p), max_new_tokens), block_size) for p in prompts]
-        return self.target.new_pool(sum(per_seq), block_size, self.drafter.num_drafter_layers)
+        per_seq = [pages_for(self.stages.positions_needed(len(p), max_new_tokens), page_size) for p in prompts]
+        return self.target.new_pool(sum(per_seq), page_size, self.drafter.num_drafter_layers)
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams],

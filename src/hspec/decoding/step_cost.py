@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.cache.paged_pool import pages_for
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.drafters.step_cost import StepCost
 from hspec.machine import cpu_flags, cpu_model
@@ -74,8 +74,8 @@ def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: t
     c = target.config
     device = target.embed_tokens.weight.device
     g = torch.Generator().manual_seed(seed)
-    block = 16
-    pool = target.new_pool(blocks_for(long + K + 1, block), block, drafter.num_drafter_layers)
+    page = 16
+    pool = target.new_pool(pages_for(long + K + 1, page), page, drafter.num_drafter_layers)
     pool.add_sequence(0)
     pool.k.normal_(generator=g)
     pool.v.normal_(generator=g)

@@ -114,11 +114,11 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
 
-    def new_pool(self, num_blocks: int, block_size: int = 16, num_drafter_layers: int = 0) -> PagedKVPool:
+    def new_pool(self, num_pages: int, page_size: int = 16, num_drafter_layers: int = 0) -> PagedKVPool:
         """A KV pool shaped for this model, on its device, in `kv_dtype` (torch products over it in
         `kv_product_dtype`), K transposed for the row-invariant attention (`PagedKVPool`)."""
         c = self.config
-        return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, num_drafter_layers,
+        return PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_pages, page_size, num_drafter_layers,
                            dtype=self.kv_dtype, device=self.embed_tokens.weight.device,
                            transposed_k=self.row_invariant_attention, product_dtype=self.kv_product_dtype)
 

@@ -62,18 +62,18 @@ class ServingTokenizer(Protocol):
 
 
 def build_engine(target: TargetModel, drafter: Drafter, tokenizer: ServingTokenizer, K: int,
-                 kv_budget_bytes: int | None = None, num_blocks: int | None = None, block_size: int = 16,
+                 kv_budget_bytes: int | None = None, num_pages: int | None = None, page_size: int = 16,
                  max_running: int = 128, speculate_max_batch: int | None = None) -> Engine:
-    """An engine over a KV pool sized by a memory budget (target + drafter layers) or a block count;
+    """An engine over a KV pool sized by a memory budget (target + drafter layers) or a page count;
     it speculates only while at most `speculate_max_batch` sequences run (None: always)."""
-    if (kv_budget_bytes is None) == (num_blocks is None):
-        raise ValueError("give exactly one of kv_budget_bytes and num_blocks")
+    if (kv_budget_bytes is None) == (num_pages is None):
+        raise ValueError("give exactly one of kv_budget_bytes and num_pages")
     c = target.config
-    if num_blocks is not None:
-        pool = target.new_pool(num_blocks, block_size, drafter.num_drafter_layers)
+    if num_pages is not None:
+        pool = target.new_pool(num_pages, page_size, drafter.num_drafter_layers)
     elif kv_budget_bytes is not None:
         pool = PagedKVPool.from_memory_budget(int(kv_budget_bytes), c.num_layers, c.num_kv_heads, c.head_dim,
-                                              block_size, drafter.num_drafter_layers, target.kv_dtype,
+                                              page_size, drafter.num_drafter_layers, target.kv_dtype,
                                               target.embed_tokens.weight.device, target.row_invariant_attention,
                                               target.kv_product_dtype)
     stages = DecodeStages(target, drafter, K, tokenizer.eos_token_ids, tokenizer.decode)

@@ -2,9 +2,9 @@
 
 One `Engine.step()`:
 1. schedule: ask the pure policy (`scheduler.schedule`) which running sequences to preempt and which
-   waiting requests to admit, given the pool's free blocks and the positions every running sequence
+   waiting requests to admit, given the pool's free pages and the positions every running sequence
    writes in a step (`Engine.growth`: K+1, or node budget + 1 for a drafter that proposes trees);
-2. preempt: free each victim's blocks and drafter state and put it back in the waiting queue, with
+2. preempt: free each victim's pages and drafter state and put it back in the waiting queue, with
    its prompt + outputs so far as the prefix to recompute (same generator, so its output is unchanged)
    and what the drafter carries between steps beyond that prefix (`Drafter.carried_state`);
 3. admit: prefill each admitted request (a new one also draws and emits its first token x0; a
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hspec.cache.paged_pool import PagedKVPool, blocks_for
+from hspec.cache.paged_pool import PagedKVPool, pages_for
 from hspec.decoding.step import DecodeStages, SequenceOutput
 from hspec.sampling import SamplingBatch, SamplingParams
 from hspec.serving.scheduler import RunningSeq, WaitingSeq, schedule
@@ -90,7 +90,7 @@ class StepReport:
     num_preempted: int
     num_running: int  # after the step
     num_waiting: int
-    kv_usage: float  # pool blocks in use / total, after the step
+    kv_usage: float  # pool pages in use / total, after the step
     duration_s: float
     num_failed: int = 0  # requests failed by an error in this step (prefill or decoding)
 
@@ -166,7 +166,7 @@ class Engine:
         """Raise ValueError, naming the limit, if `request` could never run. Reads only constants."""
         self.stages.check_request(request.prompt_ids, request.max_tokens, request.stop)
         needed = self.stages.positions_needed(len(request.prompt_ids), request.max_tokens)
-        if blocks_for(needed, self.pool.block_size) > self.pool.num_blocks:
+        if pages_for(needed, self.pool.page_size) > self.pool.num_pages:
             raise ValueError(
                 f"prompt has {len(request.prompt_ids)} tokens; with max_tokens={request.max_tokens} and "
                 f"K={self.K} it needs {needed} KV positions, more than the pool's capacity of "
@@ -226,12 +226,12 @@ class Engine:
         new_tokens: dict[str, list[int]] = {}
 
         # 1. schedule.
-        bs = self.pool.block_size
+        bs = self.pool.page_size
         lengths = self.pool.lengths([s.key for s in self._running.values()])
-        # The pool holds exactly ceil(length / block_size) blocks per sequence (truncate frees the rest).
-        running = [RunningSeq(s.key, s.arrival, n, blocks_for(n, bs)) for s, n in zip(self._running.values(), lengths)]
+        # The pool holds exactly ceil(length / page_size) pages per sequence (truncate frees the rest).
+        running = [RunningSeq(s.key, s.arrival, n, pages_for(n, bs)) for s, n in zip(self._running.values(), lengths)]
         waiting = [WaitingSeq(s.key, s.arrival, len(s.prefill_tokens)) for s in self._waiting.values()]
-        plan = schedule(running, waiting, self.pool.num_free_blocks, self.pool.block_size, self.growth,
+        plan = schedule(running, waiting, self.pool.num_free_pages, self.pool.page_size, self.growth,
                         self.max_running)
         by_key = {s.key: s for s in [*self._running.values(), *self._waiting.values()]}
 

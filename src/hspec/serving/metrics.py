@@ -55,7 +55,7 @@ class ServingMetrics:
         self.mean_accepted_length = Gauge("hspec_mean_accepted_length", "MAL tau = mean over sequence-steps of "
                                           "(accepted + 1), since start (1 for plain decoding)", registry=r)
         self.mean_accepted_length.set(1.0)
-        self.kv_usage = Gauge("hspec_kv_cache_usage_fraction", "KV pool blocks in use / total", registry=r)
+        self.kv_usage = Gauge("hspec_kv_cache_usage_fraction", "KV pool pages in use / total", registry=r)
         self.kv_usage_seconds = Counter("hspec_kv_cache_usage_seconds", "Time integral of the KV usage fraction "
                                         "(seconds)", registry=r)
         self.running = Gauge("hspec_num_requests_running", "Requests in the running batch", registry=r)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.cache.paged_pool import pages_for
 from hspec.models.dtype import DTYPE_CHOICES
 from hspec.serving.limits import LOOPBACK_NAMES, ServingLimits, is_loopback
 
@@ -46,9 +46,9 @@ class ServeSettings:
     drafter: str = "ngram"  # drafter kind; "none" = plain decoding
     K: int = 7  # tokens drafted per step
     drafter_path: str | None = None  # a trained checkpoint (default: the one shipped for the target)
-    kv_budget_mib: float = 512.0  # KV pool memory (target + drafter layers), used when kv_blocks is None
-    kv_blocks: int | None = None  # KV pool size in blocks (overrides kv_budget_mib)
-    block_size: int = 16
+    kv_budget_mib: float = 512.0  # KV pool memory (target + drafter layers), used when kv_pages is None
+    kv_pages: int | None = None  # KV pool size in pages (overrides kv_budget_mib)
+    page_size: int = 16
     max_running: int = 128  # largest decoding batch
     speculate_max_batch: int | None = None  # speculate only while at most this many sequences run (None: always)
     model_name: str | None = None  # the id clients send as `model` (default: the target's name)
@@ -71,12 +71,12 @@ class ServeSettings:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.K < 1:
             raise ValueError(f"--k must be >= 1, got {self.K}")
-        if self.kv_blocks is None and not self.kv_budget_mib > 0:  # also refuses NaN
+        if self.kv_pages is None and not self.kv_budget_mib > 0:  # also refuses NaN
             raise ValueError(f"--kv-budget-mib must be > 0 (MiB of KV memory), got {self.kv_budget_mib:g}")
-        if self.kv_blocks is not None and self.kv_blocks < 1:
-            raise ValueError(f"--kv-blocks must be >= 1, got {self.kv_blocks}")
-        if self.block_size < 1:
-            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.kv_pages is not None and self.kv_pages < 1:
+            raise ValueError(f"--kv-pages must be >= 1, got {self.kv_pages}")
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_running < 1:
             raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
         if self.speculate_max_batch is not None and self.speculate_max_batch < 0:
@@ -119,17 +119,17 @@ def check_pool(engine: Engine, default_max_tokens: int) -> str | None:
     A request holds prompt + max_tokens + `draft_positions(K)` + 1 positions at most (`DecodeStages.positions_needed`).
     """
     pool, positions = engine.pool, engine.stages.positions_needed
-    blocks = f"{pool.num_blocks} block" + ("s" if pool.num_blocks != 1 else "")
-    held = f"the KV pool holds {pool.capacity_tokens} tokens ({blocks} of {pool.block_size})"
-    smallest = blocks_for(positions(1, 1), pool.block_size)
-    if pool.num_blocks < smallest:
+    pages = f"{pool.num_pages} page" + ("s" if pool.num_pages != 1 else "")
+    held = f"the KV pool holds {pool.capacity_tokens} tokens ({pages} of {pool.page_size})"
+    smallest = pages_for(positions(1, 1), pool.page_size)
+    if pool.num_pages < smallest:
         raise ValueError(f"{held}, too few for any request: a 1-token prompt with max_tokens=1 needs "
-                         f"{positions(1, 1)} positions at K={engine.K}; give --kv-blocks >= {smallest} "
+                         f"{positions(1, 1)} positions at K={engine.K}; give --kv-pages >= {smallest} "
                          "or a larger --kv-budget-mib")
-    useful = blocks_for(positions(1, default_max_tokens), pool.block_size)
-    if pool.num_blocks < useful:
+    useful = pages_for(positions(1, default_max_tokens), pool.page_size)
+    if pool.num_pages < useful:
         return (f"{held}: prompt + max_tokens must stay <= {engine.room_for_output(0)} tokens, so no request "
-                f"can get the default {default_max_tokens} new tokens; --kv-blocks >= {useful} (or a larger "
+                f"can get the default {default_max_tokens} new tokens; --kv-pages >= {useful} (or a larger "
                 "--kv-budget-mib) serves one")
     return None
 
@@ -170,10 +170,10 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
         if settings.random_drafter_weights and drafter.needs_target_model:
             log.warning("serving an untrained %r drafter (random weights): outputs stay exact, acceptance is "
                         "meaningless", settings.drafter)
-        blocks = settings.kv_blocks
-        budget = None if blocks is not None else int(settings.kv_budget_mib * (1 << 20))
-        engine = build_engine(target.model, drafter, target.tokenizer, settings.K, budget, blocks,
-                              settings.block_size, settings.max_running,
+        pages = settings.kv_pages
+        budget = None if pages is not None else int(settings.kv_budget_mib * (1 << 20))
+        engine = build_engine(target.model, drafter, target.tokenizer, settings.K, budget, pages,
+                              settings.page_size, settings.max_running,
                               settings.speculate_max_batch)
         warning = check_pool(engine, settings.default_max_tokens)
         if warning:

@@ -1,7 +1,7 @@
 """A request's updates from the engine thread to one HTTP response: collected whole, or sent as SSE.
 
 Both ways watch the client while they wait: one that disconnects, streaming or not, cancels its
-request within `poll_s`, which frees its KV blocks and its batch slot before the next step. Both
+request within `poll_s`, which frees its KV pages and its batch slot before the next step. Both
 also watch the request's deadline (`hspec serve --request-timeout`): past it the request is
 cancelled and answered with an error, never left hanging. A stream always ends with `data: [DONE]`,
 after an error event when the request failed (engine error, deadline, shutdown).
@@ -65,7 +65,7 @@ class RequestStream:
         if self._getter is not None:
             self._getter.cancel()
         if self._sink is not None and not self.finished:  # the client went away, the deadline passed or the
-            self.worker.cancel(self.request.request_id)  # handler failed: free the request's blocks
+            self.worker.cancel(self.request.request_id)  # handler failed: free the request's pages
 
     async def next(self) -> RequestUpdate:
         """The request's next update; raises ClientGone if the client disconnects first, RequestTimeout

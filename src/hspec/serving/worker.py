@@ -124,7 +124,7 @@ class EngineWorker:
         return sink
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request (a client went away); its blocks are freed before the next step."""
+        """Stop a request (a client went away); its pages are freed before the next step."""
         self._commands.put(_Cancel(request_id))
 
     def close(self, reason: str) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hspec.cache.paged_pool import blocks_for
+from hspec.cache.paged_pool import pages_for
 from hspec.models.llama import TargetModel
 from hspec.training.datagen import read_corpus
 from hspec.training.precision import full_precision
@@ -116,12 +116,12 @@ def teacher_summary(model: TargetModel, final_hidden: torch.Tensor) -> tuple[tor
 
 @torch.no_grad()  # not inference_mode: training saves these tensors for its backward pass
 def compute_features(model: TargetModel, tokens: Sequence[int], prompt_length: int, target_layers: Sequence[int],
-                     kv_layers: Sequence[int], block_size: int = 64) -> SequenceFeatures:
+                     kv_layers: Sequence[int], page_size: int = 64) -> SequenceFeatures:
     """Run the target over `tokens` once and keep what training needs (see module docstring)."""
     L = model.config.num_layers
     wanted = tuple(sorted(set(target_layers) | {L}))
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=model.embed_tokens.weight.device)
-    pool = model.new_pool(num_blocks=blocks_for(ids.shape[1], block_size), block_size=block_size)
+    pool = model.new_pool(num_pages=pages_for(ids.shape[1], page_size), page_size=page_size)
     pool.add_sequence(0)
     out = model(ids, pool, [0], hidden_layers=wanted, last_logits_only=True)
     by_layer = {layer: out.hidden[0, :, i] for i, layer in enumerate(wanted)}  # each (S, H)
