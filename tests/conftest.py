@@ -310,8 +310,8 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def byte_chat_target(tiny_dirs) -> Target:
-    """The tiny Llama with scripts/server_hardening.py's byte tokenizer, whose EOS it never emits: every request
+    """The tiny Llama with scripts/hardening_server.py's byte tokenizer, whose EOS it never emits: every request
     runs to its max_tokens (the server's fault and guard tests)."""
     target = load_tiny(tiny_dirs["llama"])
-    target.tokenizer = load_script("server_hardening").ByteChatTokenizer(target.config.vocab_size)
+    target.tokenizer = load_script("hardening_server").ByteChatTokenizer(target.config.vocab_size)
     return target

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import _ByteTokenizer
 from hspec.drafters import create_drafter
-from hspec.serving.app import build_engine, create_app
+from hspec.serving.app import build_engine, create_app, engine_worker
 from hspec.serving.server import ServerThread
 
 MODEL = "tiny-llama"
@@ -31,4 +31,5 @@ def start_server(target, kind: str, num_pages: int, page_size: int = 8, tokenize
     tokenizer = tokenizer or target.tokenizer
     drafter = create_drafter(kind, target.config, target_model=target.model)
     engine = build_engine(target.model, drafter, tokenizer, K, num_pages=num_pages, page_size=page_size)
-    return ServerThread(create_app(engine, tokenizer, MODEL, **app_options))
+    return ServerThread(create_app(engine_worker(engine, MODEL, app_options.get("limits")), tokenizer, MODEL,
+                                   **app_options))

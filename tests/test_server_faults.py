@@ -1,9 +1,9 @@
 """The server when its engine fails, a request runs long, the queue is full, clients hold sockets or the
 server is shut down: live on loopback, every wait bounded.
 
-Faults are injected through a seam: scripts/server_hardening.py's `FaultyEngine` wraps the engine and is
-handed to `create_app` in its place. The scenarios are that script's (its results file reports them);
-each returns what it observed, asserted here.
+Faults are injected through a seam: scripts/hardening_server.py's `FaultyEngine` wraps the engine and the
+worker handed to `create_app` runs it in its place. The scenarios are scripts/server_hardening.py's (its
+results file reports them); each returns what it observed, asserted here.
 """
 
 from __future__ import annotations

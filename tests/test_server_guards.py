@@ -1,7 +1,8 @@
 """Who may ask and what a request may be, live on loopback: API key, Host, Content-Type, the 400s a
 careless client earns, generic 500s, tiny temperatures and default seeds.
 
-The hostile inputs are scripts/server_hardening.py's (its results file lists them with their statuses).
+The hostile inputs are scripts/hardening_hostile.py's (scripts/server_hardening.py's results file lists
+them with their statuses).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import pytest
 from conftest import load_script
 from hspec.serving.limits import LOOPBACK_NAMES, ServingLimits, host_name, is_loopback
 
-hardening = load_script("server_hardening")
+hardening = load_script("hardening_server")
+hostile = load_script("hardening_hostile")
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def target(byte_chat_target):
 def test_every_hostile_input_gets_the_status_it_must(target):
     """415 without application/json, 400 for a foreign Host, 401 without the key, 400 (not 500) for a
     5,000-digit integer, JSON nested 100,000 deep, NaN, too many or too long stop strings..."""
-    rows = hardening.run_hostile(target)
+    rows = hostile.run_hostile(target)
     wrong = [r for r in rows if r["status"] != r["expected"]]
     assert not wrong, wrong
     assert max(r["seconds"] for r in rows) < 5

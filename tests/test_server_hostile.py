@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from conftest import build_tiny_checkpoint, load_tiny
-from hspec.serving.app import DEFAULT_MAX_REQUEST_BYTES, build_engine, create_app
+from hspec.serving.app import DEFAULT_MAX_REQUEST_BYTES, build_engine, create_app, engine_worker
 from hspec.serving.server import ServerThread
 from serving_helpers import MODEL, ChatByteTokenizer, K, start_server
 
@@ -228,7 +228,7 @@ def long_server(tiny_dirs, tmp_path_factory):
 
     engine = build_engine(target.model, create_drafter("none", target.config), tokenizer, K, num_pages=1100,
                           page_size=8, max_running=1)
-    with ServerThread(create_app(engine, tokenizer, MODEL)) as srv:
+    with ServerThread(create_app(engine_worker(engine, MODEL), tokenizer, MODEL)) as srv:
         srv.engine = engine
         yield srv
 

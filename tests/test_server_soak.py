@@ -14,7 +14,8 @@ import os
 from conftest import load_script, load_tiny
 from hspec.serving.limits import LOOPBACK_NAMES, ServingLimits
 
-hardening = load_script("server_hardening")
+hardening = load_script("hardening_server")
+soak = load_script("hardening_soak")
 
 RSS_BOUND_MIB = 64  # allocator noise over a few seconds is a few MiB; a leak per request would pass this fast
 
@@ -25,10 +26,10 @@ def test_mixed_clients_get_their_answers_alone_and_leave_nothing_behind(tiny_dir
     seconds = float(os.environ.get("HSPEC_SOAK_SECONDS", "4"))
     limits = ServingLimits(api_key=hardening.API_KEY, allowed_hosts=LOOPBACK_NAMES)
     with hardening.start_server(target, limits) as srv:
-        report = hardening.soak(srv.url, seconds, clients=4, api_key=hardening.API_KEY)
+        report = soak.soak(srv.url, seconds, clients=4, api_key=hardening.API_KEY)
     assert not report.unexpected, report.unexpected[:5]
     assert report.mismatches == 0
-    assert set(report.by_kind) == set(hardening.CLIENT_KINDS)  # every kind of client ran
+    assert set(report.by_kind) == set(soak.CLIENT_KINDS)  # every kind of client ran
     assert report.served >= 10 and report.left >= 2 and report.refused >= 2
     assert report.fds_after <= report.fds_before, (report.fds_before, report.fds_after)
     assert report.rss_after_mib - report.rss_before_mib < RSS_BOUND_MIB

@@ -80,10 +80,18 @@ def build_engine(target: TargetModel, drafter: Drafter, tokenizer: ServingTokeni
     return Engine(stages, pool, max_running, speculate_max_batch)
 
 
-def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, default_max_tokens: int = 256,
+def engine_worker(engine: Engine, model_name: str, limits: ServingLimits | None = None) -> EngineWorker:
+    """The worker thread that will run `engine` (not started), counting into new `ServingMetrics` of
+    `model_name`, the engine marked broken after `limits.max_failed_steps` failed steps in a row."""
+    metrics = ServingMetrics(model_name, engine.stages.drafter.kind, engine.K, engine.pool.capacity_tokens)
+    return EngineWorker(engine, metrics, max_failed_steps=(limits or ServingLimits()).max_failed_steps)
+
+
+def create_app(worker: EngineWorker, tokenizer: ServingTokenizer, model_name: str, default_max_tokens: int = 256,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, disconnect_poll_s: float = DISCONNECT_POLL_S,
                limits: ServingLimits | None = None) -> FastAPI:
-    """The FastAPI app serving `engine`; its worker thread starts and stops with the app's lifespan.
+    """The FastAPI app serving `worker`'s engine (`engine_worker` makes one; a test may hand it an engine
+    with faults injected); the worker thread starts and stops with the app's lifespan.
 
     default_max_tokens: output limit of chat requests that give none (completions: OpenAI's 16), clamped
     to the room the prompt leaves. max_request_bytes: larger bodies get 413 before they are read.
@@ -92,8 +100,9 @@ def create_app(engine: Engine, tokenizer: ServingTokenizer, model_name: str, def
     defaults.
     """
     limits = limits or ServingLimits()
-    metrics = ServingMetrics(model_name, engine.stages.drafter.kind, engine.K, engine.pool.capacity_tokens)
-    worker = EngineWorker(engine, metrics, max_failed_steps=limits.max_failed_steps)
+    engine, metrics = worker.engine, worker.metrics
+    if metrics is None:
+        raise ValueError("the app serves /metrics: give it a worker with ServingMetrics (`engine_worker`)")
     created = int(time.time())
 
     @asynccontextmanager

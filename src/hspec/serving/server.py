@@ -156,7 +156,7 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
     require_serve_extra()
     from hspec.models.loading import load_target
     from hspec.runtime import build_drafter, decoding_options_of
-    from hspec.serving.app import build_engine, create_app
+    from hspec.serving.app import build_engine, create_app, engine_worker
 
     if settings.threads:
         torch.set_num_threads(settings.threads)  # this process's setting, made once by its entry point
@@ -182,8 +182,8 @@ def open_server(settings: ServeSettings, target: Target | None = None) -> tuple[
         limits, warning = access_limits(settings.host, settings.limits)
         if warning:
             print(f"[hspec serve] warning: {warning}", file=sys.stderr, flush=True)
-        app = create_app(engine, target.tokenizer, name, settings.default_max_tokens, settings.max_request_bytes,
-                         limits=limits)
+        app = create_app(engine_worker(engine, name, limits), target.tokenizer, name, settings.default_max_tokens,
+                         settings.max_request_bytes, limits=limits)
     except BaseException:
         sock.close()
         raise
