@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "dflash":
             configs[f"{kind} (hspec drafter, draft-dflash: z-lab layout)"] = [
                 "-md", str(exported.path), "--spec-type", "draft-dflash",
-                "--spec-draft-n-max", str(exported.block_size - 1)]
+                "--spec-draft-n-max", str(exported.max_draft_len - 1)]
 
     servers = {name: LlamaServer(bin_dir, target_gguf, extra, threads=args.threads,
                                  log_path=work / f"server_{i}.log").__enter__()

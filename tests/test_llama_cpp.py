@@ -82,7 +82,7 @@ def test_export_holds_the_drafter_in_llama_cpp_layout(kind, family, tiny_dirs, t
     path = save_drafter(drafter, tmp_path / "ckpt", "tiny")
     out = export_gguf(path, tmp_path / "d.gguf", vocab_gguf(tmp_path / "v.gguf", V), tiny_dirs[family], "f32",
                       mask_token_id=5)
-    assert (out.kind, out.block_size, out.mask_token_id, out.draft_vocab_size) == (kind, 7, 5, 48)
+    assert (out.kind, out.max_draft_len, out.mask_token_id, out.draft_vocab_size) == (kind, 7, 5, 48)
     reader = gguf.GGUFReader(str(out.path))
     assert field(reader, "general.architecture") == "dflash"
     assert field(reader, "dflash.target_layers") == list(config.target_layers)

@@ -114,8 +114,8 @@ def test_export_layout_matches_what_vllm_dflash_loads(dflash_checkpoint, tiny_di
 
 def test_export_refuses_bad_input(dflash_checkpoint, tiny_target, tiny_dirs, tmp_path):
     path, drafter, _ = dflash_checkpoint
-    with pytest.raises(ValueError, match="num_speculative_tokens must be in 1.."):
-        export_dflash_for_vllm(path, tmp_path / "a", tiny_dirs["llama"], num_speculative_tokens=0, mask_token_id=5)
+    with pytest.raises(ValueError, match=r"K \(vLLM's num_speculative_tokens\) must be in 1.."):
+        export_dflash_for_vllm(path, tmp_path / "a", tiny_dirs["llama"], K=0, mask_token_id=5)
     with pytest.raises(ValueError, match="mask_token_id must be a target id"):
         export_dflash_for_vllm(path, tmp_path / "b", tiny_dirs["llama"], mask_token_id=10_000)
     hspec_drafter = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
@@ -236,7 +236,7 @@ def test_hspec_drafter_names_its_checkpoint_and_takes_k_from_it(tiny_target, tmp
     resolved = resolve_hspec(shipped, "SmolLM2-135M-Instruct")  # the drafter shipped with hspec
     assert resolved.hf_overrides == {HF_OVERRIDE_KEY: str(shipped_drafter_path("hspec", "SmolLM2-135M-Instruct"))}
     assert resolved.speculative_config["num_speculative_tokens"] == 7  # its max_draft_len
-    assert resolve_hspec(own, "tiny", k=3).speculative_config["num_speculative_tokens"] == 3
+    assert resolve_hspec(own, "tiny", K=3).speculative_config["num_speculative_tokens"] == 3
     assert resolve_hspec(plain, "tiny") is plain
 
 
@@ -251,7 +251,7 @@ def test_hspec_with_a_floor_and_a_budget_keeps_them_through_resolve_and_in_hspec
     _, cut, budget = parse_drafters(f"hspec:0.4={path},hspec@64", 5)
     assert cut.name == f"hspec:0.4={path}" and cut.hf_overrides == {HF_OVERRIDE_KEY: str(path), HF_FLOOR_KEY: 0.4}
     assert budget.hf_overrides == {HF_BUDGET_KEY: 64}
-    resolved = resolve_hspec(cut, "tiny", k=3)
+    resolved = resolve_hspec(cut, "tiny", K=3)
     assert resolved.hf_overrides[HF_FLOOR_KEY] == 0.4 and resolved.speculative_config["num_speculative_tokens"] == 3
     assert hspec_counterpart(resolved, "tiny") == ("hspec:0.4", path)  # hspec's engine runs the same cut
     assert resolve_hspec(budget, "SmolLM2-135M-Instruct").hf_overrides[HF_BUDGET_KEY] == 64

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from hspec.decoding.generate import SpeculativeDecoder
+from hspec.drafters import PLAIN
 from hspec.metrics import merge_stats
 from hspec.models.loading import load_target
 from hspec.runtime import build_drafter
@@ -25,7 +26,7 @@ def run_demo(target_name: str, drafter_kinds: Sequence[str], K: int, max_new_tok
              prompts: Sequence[str], dtype: str = "auto") -> int:
     started = time.perf_counter()
     target = load_target(target_name, dtype=dtype)
-    kinds = ["none", *[k for k in drafter_kinds if k != "none"]]
+    kinds = [PLAIN, *[k for k in drafter_kinds if k != PLAIN]]
     decoders = {kind: SpeculativeDecoder(target.model, build_drafter(kind, target, K=K),
                                          K, target.tokenizer.eos_token_ids) for kind in kinds}
     greedy = SamplingParams()
@@ -43,7 +44,7 @@ def run_demo(target_name: str, drafter_kinds: Sequence[str], K: int, max_new_tok
         ids = target.tokenizer.encode_prompt(prompt)
         order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]  # rotate who runs first
         outputs = {kind: decoders[kind].generate([ids], greedy, max_new_tokens) for kind in order}
-        reference = outputs["none"].sequences[0].token_ids
+        reference = outputs[PLAIN].sequences[0].token_ids
         print(f"--- prompt {i + 1}: {prompt}\n{target.tokenizer.decode(reference).strip()}\n")
         for kind, out in outputs.items():
             if out.sequences[0].token_ids != reference:
@@ -61,7 +62,7 @@ def run_demo(target_name: str, drafter_kinds: Sequence[str], K: int, max_new_tok
         mal = merge_stats(stats[kind]).mean_accepted_length if stats[kind] else 1.0
         drafted = f"{drafted_steps[kind] / steps[kind]:.0%}" if steps[kind] else "-"
         rate = tokens[kind] / decode_s[kind]
-        speedup = decode_s["none"] / decode_s[kind]
+        speedup = decode_s[PLAIN] / decode_s[kind]
         print(f"{kind:<{width}} {mal:>6.2f} {drafted:>8} {rate:>8.1f} {speedup:>7.2f}x")
     print(f"\nall outputs identical to plain greedy decoding ({time.perf_counter() - started:.0f} s in all)")
     return 0

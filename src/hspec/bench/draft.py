@@ -141,7 +141,7 @@ def run_draft_bench(target_name: str, kinds: Sequence[str] | None, out_dir: str 
     if target is None:
         target = load_target(target_name, dtype=dtype)
     model = target.model.eval()
-    kinds = [k for k in (kinds or DRAFTERS.names()) if k != "none"]
+    kinds = [k for k in (kinds or DRAFTERS.names()) if DRAFTERS.get(k).drafts]
     torch.manual_seed(seed)
     drafters = {k: _create(k, target.config, model, draft_vocab_size) for k in kinds}
     for kind, drafter in drafters.items():

@@ -37,7 +37,7 @@ import httpx
 
 from hspec.cache.paged_pool import PagedKVPool
 from hspec.data.tasks import load_suite
-from hspec.drafters import DRAFTERS, create_drafter
+from hspec.drafters import DRAFTERS, PLAIN, create_drafter
 from hspec.models.dtype import DTYPE_CHOICES
 from hspec.models.loading import load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
@@ -348,7 +348,7 @@ def _markdown(payload: dict[str, Any], settings: ServeBenchSettings) -> str:
           "counts finished requests over the whole level, drain included. MAL and mean batch are over the level.\n",
           "| server | C | output tok/s | vs plain | mean KV util. | MAL | mean batch | completed tok/s | requests | "
           "mean latency (s) | preemptions | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    plain = {r["concurrency"]: r["throughput_tok_s"] for r in levels.get("none", [])}
+    plain = {r["concurrency"]: r["throughput_tok_s"] for r in levels.get(PLAIN, [])}
     for kind, rows in levels.items():
         for r in rows:
             ratio = f"{r['throughput_tok_s'] / plain[r['concurrency']]:.2f}x" if r["concurrency"] in plain else "-"
@@ -380,7 +380,7 @@ def _plots(levels: dict[str, list[dict[str, Any]]], out: Path, prefix: str = "")
         ax = fig.add_subplot()
         for kind, rows in levels.items():
             ax.plot([r["concurrency"] for r in rows], [scale * r[key] for r in rows], marker="o",
-                    label="plain" if kind == "none" else kind)
+                    label="plain" if kind == PLAIN else kind)
         ax.set_xscale("log", base=2)
         levels_c = sorted({r["concurrency"] for rows in levels.values() for r in rows})
         ax.set_xticks(levels_c, [str(c) for c in levels_c])

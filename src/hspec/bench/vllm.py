@@ -26,8 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from hspec.drafters import PLAIN
 from hspec.integrations.vllm import engine as vllm_engine
 from hspec.provenance import provenance, provenance_markdown, write_results
+
+# The `engine` of the rows hspec's own engine ran (the others: "vllm").
+HSPEC_ENGINE = "hspec"
+# vLLM's own proposers that an hspec kind drafts alike: vLLM's prompt lookup is hspec's n-gram (n = 2..4).
+VLLM_COUNTERPARTS = {"ngram": "ngram"}
 
 
 def read_prompts(prompts_file: str | None, num_prompts: int, data_dir: str | None = None) -> list[str]:
@@ -68,7 +74,7 @@ def summarize(name: str, engine: str, runs: Sequence[vllm_engine.GreedyRun], pla
     }
 
 
-def hspec_runner(target: Any, kind: str, path: Path | None, k: int, max_new_tokens: int
+def hspec_runner(target: Any, kind: str, path: Path | None, K: int, max_new_tokens: int
                  ) -> Callable[[list[int]], vllm_engine.GreedyRun]:
     """hspec's own engine with drafter `kind` (K drafts per step): prompt ids -> its greedy run.
 
@@ -80,7 +86,7 @@ def hspec_runner(target: Any, kind: str, path: Path | None, k: int, max_new_toke
     from hspec.sampling import SamplingParams
 
     drafter = build_drafter(kind, target, path)
-    decoder = SpeculativeDecoder(target.model, drafter, max(k, 1), target.config.eos_token_ids)
+    decoder = SpeculativeDecoder(target.model, drafter, max(K, 1), target.config.eos_token_ids)
 
     def run(ids: list[int]) -> vllm_engine.GreedyRun:
         start = time.perf_counter()
@@ -88,29 +94,29 @@ def hspec_runner(target: Any, kind: str, path: Path | None, k: int, max_new_toke
         seconds = time.perf_counter() - start
         seq = out.sequences[0]
         # Steps that carried drafts, as vLLM counts them (its n-gram proposes nothing without a match).
-        drafted = [(a, d) for a, d in zip(seq.num_accepted, seq.num_drafted) if d > 0] if kind != "none" else []
+        drafted = [(a, d) for a, d in zip(seq.num_accepted, seq.num_drafted) if d > 0] if kind != PLAIN else []
         return vllm_engine.GreedyRun(list(seq.token_ids), seconds, len(drafted), sum(a for a, _ in drafted))
     return run
 
 
-def hspec_engine_runs(target: Any, kind: str, path: Path | None, k: int, prompts: Sequence[list[int]],
+def hspec_engine_runs(target: Any, kind: str, path: Path | None, K: int, prompts: Sequence[list[int]],
                       max_new_tokens: int) -> list[vllm_engine.GreedyRun]:
     """The prompts one after another through `hspec_runner`."""
-    run = hspec_runner(target, kind, path, k, max_new_tokens)
+    run = hspec_runner(target, kind, path, K, max_new_tokens)
     return [run(ids) for ids in prompts]
 
 
 def hspec_counterpart(drafter: vllm_engine.VllmDrafter, target_name: str) -> tuple[str, Path | None] | None:
     """The hspec drafter that matches a vLLM configuration, or None when there is none to run."""
     if drafter.speculative_config is None:
-        return "none", None
+        return PLAIN, None
     method = drafter.speculative_config["method"]
-    if method == "ngram":
-        return "ngram", None
-    if method in vllm_engine.EXPORTED_KINDS:
+    if method in VLLM_COUNTERPARTS:
+        return VLLM_COUNTERPARTS[method], None
+    if (kind := vllm_engine.exported_kind(drafter)) is not None:
         exported = json.loads((Path(drafter.speculative_config["model"]) / "config.json").read_text())
         source = Path(exported.get("hspec_source", {}).get("path", ""))
-        return (vllm_engine.EXPORTED_KINDS[method], source) if (source / "config.json").exists() else None
+        return (kind, source) if (source / "config.json").exists() else None
     if method == "custom_class":  # the same cut (`hspec:P`, `hspec:auto`); hspec's engine has no per-batch budget
         from hspec.integrations.vllm.proposer import HF_FLOOR_KEY, HF_LENGTH_KEY
 
@@ -129,7 +135,8 @@ def materialize_random(drafter: vllm_engine.VllmDrafter, target: Any, root: Path
     config = drafter.speculative_config
     if config is None or config.get("model") != vllm_engine.RANDOM_WEIGHTS:
         return drafter
-    kind = vllm_engine.EXPORTED_KINDS[config["method"]]
+    kind = vllm_engine.exported_kind(drafter)
+    assert kind is not None, "only an exported kind's configuration names random weights (parse_drafters)"
     import torch
 
     from hspec.drafters import create_drafter
@@ -146,12 +153,12 @@ class HspecSide:
     """hspec's own engine in the bench: its dtype, and drafters it runs without a vLLM counterpart."""
 
     dtype: str = "float32"  # float32 keeps the engine-against-engine tau comparison exact
-    methods: tuple[str, ...] = ()  # e.g. ("hspec+ngram:0.4",): hspec-only rows, K = `k`
-    k: int = 7
+    methods: tuple[str, ...] = ()  # e.g. ("hspec+ngram:0.4",): hspec-only rows, drafting K a step
+    K: int = 7
 
 
 def run_vllm_bench(target_name: str, drafters: str, prompts_file: str | None, num_prompts: int,
-                   max_new_tokens: int, dtype: str, k: int, max_model_len: int, out_dir: str,
+                   max_new_tokens: int, dtype: str, K: int, max_model_len: int, out_dir: str,
                    json_out: TextIO | None, data_dir: str | None = None, hspec_engine: bool = True,
                    hspec: HspecSide = HspecSide(), name: str | None = None, threads: int = 2) -> int:
     """`hspec bench vllm` (module docstring); DFlash exports live in a temporary folder removed at the end.
@@ -162,18 +169,18 @@ def run_vllm_bench(target_name: str, drafters: str, prompts_file: str | None, nu
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     with tempfile.TemporaryDirectory(prefix="hspec-vllm-export-") as root:
-        return _run(target_name, drafters, prompts_file, num_prompts, max_new_tokens, dtype, k, max_model_len,
+        return _run(target_name, drafters, prompts_file, num_prompts, max_new_tokens, dtype, K, max_model_len,
                     out_dir, json_out, data_dir, hspec_engine, Path(root), hspec, name, threads)
 
 
 def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts: int, max_new_tokens: int,
-         dtype: str, k: int, max_model_len: int, out_dir: str, json_out: TextIO | None, data_dir: str | None,
+         dtype: str, K: int, max_model_len: int, out_dir: str, json_out: TextIO | None, data_dir: str | None,
          hspec_engine: bool, export_root: Path, hspec: HspecSide, name: str | None, threads: int) -> int:
     import torch
 
     from hspec.models.loading import load_target
 
-    configs = vllm_engine.parse_drafters(drafters, k)
+    configs = vllm_engine.parse_drafters(drafters, K)
     target = load_target(target_name, dtype=hspec.dtype)
     messages = read_prompts(prompts_file, num_prompts, data_dir)
     prompts = [target.tokenizer.encode_prompt(m) for m in messages]
@@ -184,8 +191,8 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
     configs = [materialize_random(c, target, export_root) for c in configs]
     configs = [vllm_engine.resolve_export(c, export_root / "vllm", target.path) for c in configs]
     configs = [vllm_engine.resolve_hspec(c, target.name) for c in configs]  # K: the checkpoint's block size
-    most_k = max([k, *(c.speculative_config["num_speculative_tokens"] for c in configs if c.speculative_config)])
-    too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens + most_k + 1 > max_model_len]
+    most_K = max([K, *(c.K for c in configs if c.speculative_config)])
+    too_long = [i for i, p in enumerate(prompts) if len(p) + max_new_tokens + most_K + 1 > max_model_len]
     if too_long:
         raise ValueError(f"prompts {too_long} plus --max-new-tokens {max_new_tokens} exceed --max-model-len "
                          f"{max_model_len}; raise it or shorten them")
@@ -202,14 +209,14 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
         for c in configs:
             counterpart = hspec_counterpart(c, target.name)
             if counterpart is not None:
-                k_c = c.speculative_config["num_speculative_tokens"] if c.speculative_config else 0
-                engines[c.name, "hspec"] = hspec_runner(target, *counterpart, k_c, max_new_tokens)
+                K_c = c.K if c.speculative_config else 0
+                engines[c.name, HSPEC_ENGINE] = hspec_runner(target, *counterpart, K_c, max_new_tokens)
         for method in hspec.methods:
-            engines[method, "hspec"] = hspec_runner(target, method, None, hspec.k, max_new_tokens)
+            engines[method, HSPEC_ENGINE] = hspec_runner(target, method, None, hspec.K, max_new_tokens)
     for llm in llms.values():
         vllm_engine.generate_greedy(llm, prompts[0], 4)
     for key, run in engines.items():
-        if key[1] == "hspec":
+        if key[1] == HSPEC_ENGINE:
             run(prompts[0][:16])
     runs: dict[tuple[str, str], list[vllm_engine.GreedyRun]] = {key: [] for key in engines}
     for i, ids in enumerate(prompts):
@@ -226,17 +233,17 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
         print(json.dumps(rows, indent=2), file=json_out)
         return 0
     settings = {"target": target.name, "drafters": drafters, "prompts": prompts_file or f"spec_bench[{num_prompts}]",
-                "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype, "K": k,
-                "K_per_drafter": {c.name: c.speculative_config["num_speculative_tokens"] for c in configs
+                "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype, "K": K,
+                "K_per_drafter": {c.name: c.K for c in configs
                                   if c.speculative_config},
                 "max_model_len": max_model_len, "batch": 1, "enforce_eager": True, "vllm": vllm_version(),
-                "hspec_dtype": target.model.dtype_name, "hspec_methods": list(hspec.methods), "hspec_k": hspec.k,
+                "hspec_dtype": target.model.dtype_name, "hspec_methods": list(hspec.methods), "hspec_k": hspec.K,
                 "hspec_threads": torch.get_num_threads(), **env}
     command = (f"hspec bench vllm --drafters {drafters} " + (f"--prompts-file {prompts_file} " if prompts_file else
-               f"--num-prompts {num_prompts} ") + f"--max-new-tokens {max_new_tokens} --dtype {dtype} --k {k}"
+               f"--num-prompts {num_prompts} ") + f"--max-new-tokens {max_new_tokens} --dtype {dtype} --k {K}"
                f" --threads {threads}")
     if hspec != HspecSide():
-        command += (f" --hspec-dtype {hspec.dtype} --hspec-k {hspec.k}"
+        command += (f" --hspec-dtype {hspec.dtype} --hspec-k {hspec.K}"
                     + (f" --hspec-methods {','.join(hspec.methods)}" if hspec.methods else ""))
     command += f" --name {name}" if name else ""
     meta = provenance(command, settings)
@@ -248,8 +255,8 @@ def _run(target_name: str, drafters: str, prompts_file: str | None, num_prompts:
 
 
 def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
-    plain = next((r["tokens_per_s"] for r in rows if r["drafter"] == "none" and r["engine"] == "vllm"), None)
-    drafted = [r for r in rows if r["drafter"] != "none" and r["engine"] == "vllm"]
+    plain = next((r["tokens_per_s"] for r in rows if r["drafter"] == PLAIN and r["engine"] == "vllm"), None)
+    drafted = [r for r in rows if r["drafter"] != PLAIN and r["engine"] == "vllm"]
     fastest = max(drafted, key=lambda r: r["tokens_per_s"], default=None)  # vLLM's fastest drafter
     lines = ["# hspec bench vllm: drafters inside vLLM (batch 1, greedy)", "", provenance_markdown(meta),
              "| drafter | engine | outputs equal vLLM plain | tau | tokens/s | x vLLM plain | "
@@ -265,7 +272,7 @@ def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str
               "columns divide them by vLLM plain's and by the fastest vLLM drafter's, measured in the same run. "
               "`engine hspec` rows run hspec's own engine on the same token ids; their equality column compares "
               "with vLLM plain too."]
-    if any(r["drafter"].partition("=")[0] == "hspec" for r in rows):
+    if any(vllm_engine.runs_hspec_proposer(r["drafter"]) for r in rows):
         lines += ["", "hspec: H-Spec served by hspec's proposer (vLLM method `custom_class` + hspec's plugin), "
                   "K = the checkpoint's max_draft_len; it keeps no KV, so its KV capacity is plain's."]
     if any(r["drafter"] == "peagle=random" for r in rows):

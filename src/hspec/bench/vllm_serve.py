@@ -39,7 +39,8 @@ from typing import Any
 import httpx
 
 from hspec.bench.serve import ServerProcess, free_port, request_body, scrape_metrics
-from hspec.bench.vllm import hspec_counterpart, materialize_random, read_prompts, vllm_version
+from hspec.bench.vllm import HSPEC_ENGINE, hspec_counterpart, materialize_random, read_prompts, vllm_version
+from hspec.drafters import PLAIN
 from hspec.integrations.vllm import engine as vllm_engine
 from hspec.provenance import provenance, provenance_markdown, write_results
 
@@ -69,7 +70,7 @@ class VllmServeSettings:
     num_requests: int = 64  # N: prompts 0..N-1 sent once per level
     max_tokens: int = 64  # output tokens per request (greedy; EOS may end it sooner)
     dtype: str = "float32"  # vLLM's compute dtype and hspec server's --dtype
-    k: int = 5  # drafts per step for ngram (DFlash: its export's; H-Spec: its checkpoint's block size)
+    K: int = 5  # drafts per step for ngram (DFlash: its export's; H-Spec: its checkpoint's block size)
     max_model_len: int = 2048  # the longest evenly spaced Spec-Bench prompts need more than 1,024
     kv_cache_gib: int = 1  # vLLM's KV cache; hspec's server gets the same budget
     threads: int = 2  # OpenMP / torch threads of every server (the servers run one at a time)
@@ -84,7 +85,7 @@ class VllmServeSettings:
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
-        for name in ("num_requests", "max_tokens", "k", "max_model_len", "kv_cache_gib", "threads"):
+        for name in ("num_requests", "max_tokens", "K", "max_model_len", "kv_cache_gib", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16"):
@@ -161,11 +162,11 @@ def vllm_server_args(model_dir: Path, drafter: vllm_engine.VllmDrafter, settings
     return args
 
 
-def hspec_server_args(target: str, kind: str, path: Path | None, k: int, settings: VllmServeSettings,
+def hspec_server_args(target: str, kind: str, path: Path | None, K: int, settings: VllmServeSettings,
                       served_name: str, port: int) -> list[str]:
     """Command line of `hspec serve` with drafter `kind` (checkpoint `path`), K drafts, the same KV budget."""
     args = [sys.executable, "-m", "hspec.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--target", target, "--served-model-name", served_name, "--drafter", kind, "--k", str(max(k, 1)),
+            "--target", target, "--served-model-name", served_name, "--drafter", kind, "--k", str(max(K, 1)),
             "--dtype", settings.dtype, "--kv-budget-mib", str(1024 * settings.kv_cache_gib),
             "--max-running", str(max(settings.concurrency)), "--threads", str(settings.threads),
             "--log-level", "warning"]
@@ -313,15 +314,14 @@ def _run(settings: VllmServeSettings, command: str, root: Path) -> int:
     from hspec.models.loading import load_target
 
     target = load_target(settings.target)
-    configs = vllm_engine.parse_drafters(settings.drafters, settings.k)
+    configs = vllm_engine.parse_drafters(settings.drafters, settings.K)
     configs = [materialize_random(c, target, root) for c in configs]
     configs = [vllm_engine.resolve_export(c, root / "vllm", target.path) for c in configs]
     configs = [vllm_engine.resolve_hspec(c, target.name) for c in configs]
     prompts = read_prompts(settings.prompts_file, settings.num_requests, settings.data_dir)
-    most_k = max([settings.k, *(c.speculative_config["num_speculative_tokens"] for c in configs
-                                if c.speculative_config)])
+    most_K = max([settings.K, *(c.K for c in configs if c.speculative_config)])
     lengths = [len(target.tokenizer.encode_prompt(p)) for p in prompts]
-    too_long = [i for i, n in enumerate(lengths) if n + settings.max_tokens + most_k + 1 > settings.max_model_len]
+    too_long = [i for i, n in enumerate(lengths) if n + settings.max_tokens + most_K + 1 > settings.max_model_len]
     if too_long:
         raise ValueError(f"prompts {too_long} plus --max-tokens {settings.max_tokens} exceed --max-model-len "
                          f"{settings.max_model_len}; raise it or shorten them")
@@ -350,19 +350,19 @@ def _run(settings: VllmServeSettings, command: str, root: Path) -> int:
             if counterpart is None:
                 continue
             kind, path = counterpart
-            k = config.speculative_config["num_speculative_tokens"] if config.speculative_config else 0
+            K = config.K if config.speculative_config else 0
 
-            def make_args(port: int, kind: str = kind, path: Path | None = path, k: int = k) -> list[str]:
-                return hspec_server_args(settings.target, kind, path, k, settings, served, port)
+            def make_args(port: int, kind: str = kind, path: Path | None = path, K: int = K) -> list[str]:
+                return hspec_server_args(settings.target, kind, path, K, settings, served, port)
 
-            rows += _serve_levels(config.name, "hspec", make_args, env, logs, HSPEC_METRICS, settings, prompts,
+            rows += _serve_levels(config.name, HSPEC_ENGINE, make_args, env, logs, HSPEC_METRICS, settings, prompts,
                                   served, reference, False)
     for row in rows:
         row.pop("_texts")
 
     meta = provenance(command, {**asdict(settings), "concurrency": list(settings.concurrency), "model": served,
                                 "num_prompts": len(prompts), "prompt_tokens_max": max(lengths),
-                                "K_per_drafter": {c.name: c.speculative_config["num_speculative_tokens"]
+                                "K_per_drafter": {c.name: c.K
                                                   for c in configs if c.speculative_config},
                                 "enforce_eager": True, "vllm": vllm_version(), **env})
     out = Path(settings.out)
@@ -421,7 +421,7 @@ def render_markdown(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str
              "| drafter | engine | C | output tok/s | vs plain | req/s | latency p50 / p90 (s) | TTFT p50 / p90 (s) "
              "| KV use mean / peak | KV capacity (tokens) | tau | outputs equal plain batch-1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    plain = {(r["engine"], r["concurrency"]): r["output_tok_s"] for r in rows if r["drafter"] == "none"}
+    plain = {(r["engine"], r["concurrency"]): r["output_tok_s"] for r in rows if r["drafter"] == PLAIN}
     for r in rows:
         base = plain.get((r["engine"], r["concurrency"]))
         ratio = f"{r['output_tok_s'] / base:.2f}x" if base else "-"
@@ -453,11 +453,11 @@ def plot_throughput(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     ax = fig.add_subplot()
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in rows:
-        if r["concurrency"] != REFERENCE_CONCURRENCY or r["drafter"] != "none" or r["engine"] != "vllm":
+        if r["concurrency"] != REFERENCE_CONCURRENCY or r["drafter"] != PLAIN or r["engine"] != "vllm":
             series.setdefault((r["drafter"], r["engine"]), []).append((r["concurrency"], r["output_tok_s"]))
     for (drafter, engine), points in series.items():
         points.sort()
-        label = f"{'plain' if drafter == 'none' else drafter} ({engine})"
+        label = f"{'plain' if drafter == PLAIN else drafter} ({engine})"
         ax.plot([c for c, _ in points], [t for _, t in points], marker="o",
                 linestyle="-" if engine == "vllm" else "--", label=label)
     levels = sorted({c for points in series.values() for c, _ in points})

@@ -104,10 +104,14 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     return run_serve_bench(settings, args.command_line)
 
 
+# The --spec-max-batch value that sets no limit (speculate at every batch size).
+NO_LIMIT = "none"
+
+
 def spec_limits(text: str) -> tuple[int | None, ...]:
     """'none,2' -> (None, 2); raises ValueError naming --spec-max-batch."""
     try:
-        return tuple(None if x.strip() == "none" else int(x) for x in text.split(",") if x.strip())
+        return tuple(None if x.strip() == NO_LIMIT else int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ValueError(f"--spec-max-batch must be comma-separated integers >= 0 or `none`, got {text!r}") from None
 
@@ -213,7 +217,7 @@ def run_bench_vllm_serve(args: argparse.Namespace) -> int:
 
     settings = VllmServeSettings(
         target=args.target, drafters=args.drafters, concurrency=tuple(ints(args.concurrency)),
-        num_requests=args.num_requests, max_tokens=args.max_tokens, dtype=args.dtype, k=args.k,
+        num_requests=args.num_requests, max_tokens=args.max_tokens, dtype=args.dtype, K=args.k,
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
         prompts_file=args.prompts_file, hspec_engine=not args.no_hspec_engine, out=args.out, name=args.name,
         data_dir=args.data_dir)

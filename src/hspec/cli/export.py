@@ -53,7 +53,7 @@ def run_export_gguf(args: argparse.Namespace) -> int:
     _, target_dir = resolve_target_dir(str(target))
     out = export_gguf(args.src, args.dst, target, target_dir, dtype=GGUF_TYPES[args.dtype],
                       mask_token_id=args.mask_token_id)
-    print(f"wrote {out.path} ({out.kind}, K = {out.block_size}, Vp = {out.draft_vocab_size}, "
+    print(f"wrote {out.path} ({out.kind}, K <= {out.max_draft_len}, Vp = {out.draft_vocab_size}, "
           f"MASK = id {out.mask_token_id})")
     print("run it: llama-cli " + " ".join(out.llama_cli_args(target)))
     return 0

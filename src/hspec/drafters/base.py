@@ -159,6 +159,15 @@ class Drafter(ABC):
     # True for kinds that draft a token tree (SpecBlock): the decoding step then calls `propose_tree`
     # and verifies the tree (decoding/tree_step.py) instead of calling `propose`.
     proposes_tree: bool = False
+    # The vLLM speculative method that serves this kind's export (integrations/vllm/export.py writes it):
+    # "dflash" for DFlash, "eagle3" for P-Eagle; None where vLLM serves no export of the kind. Not inherited
+    # (`__init_subclass__`): a subclass changes what vLLM would have to run, so it declares its own.
+    vllm_method: str | None = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "vllm_method" not in vars(cls):
+            cls.vllm_method = None
 
     def check_target(self, config: TargetConfig) -> None:
         """Raise ValueError, naming both shapes, if this drafter cannot serve `config`."""
@@ -203,6 +212,18 @@ class Drafter(ABC):
         a recomputed sequence drafts as if it had never left (None: nothing to put back)."""
         if state is not None:
             raise ValueError(f"drafter kind {self.kind!r} carries no state between steps, got a {type(state).__name__}")
+
+
+def vllm_exported_kinds() -> dict[str, str]:
+    """{vLLM method: kind} of the registered kinds that declare one (`Drafter.vllm_method`)."""
+    exported: dict[str, str] = {}
+    for kind in DRAFTERS.names():
+        method = DRAFTERS.get(kind).vllm_method
+        if method is not None:
+            if method in exported:
+                raise ValueError(f"kinds {exported[method]!r} and {kind!r} both declare vLLM method {method!r}")
+            exported[method] = kind
+    return exported
 
 
 def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:

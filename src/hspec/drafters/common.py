@@ -171,6 +171,14 @@ class NeuralDrafter(Drafter, nn.Module):
 
     needs_target_model = True
     config_class: type[DrafterConfig] = DrafterConfig
+    # Kinds whose trained checkpoint training this kind may start from (`start_from` builds it); DeLS-Spec
+    # trains its local head over a frozen, trained DFlash.
+    starts_from: tuple[str, ...] = ()
+
+    @classmethod
+    def start_from(cls, trained: NeuralDrafter, target_model: nn.Module) -> NeuralDrafter:
+        """A drafter of this kind built around `trained`, a drafter of one of the kinds in `starts_from`."""
+        raise ValueError(f"drafter kind {cls.kind!r} starts from no other kind's checkpoint, got {trained.kind!r}")
 
     def __init__(self, target_config: TargetConfig, target_model: nn.Module | None = None,
                  config: DrafterConfig | None = None, device: torch.device | str | None = None,

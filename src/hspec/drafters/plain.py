@@ -7,8 +7,11 @@ import torch
 from hspec.drafters.base import DRAFTERS, DraftBatch, Drafter, Proposal
 from hspec.models.config import TargetConfig
 
+# The kind of plain decoding, and so the label of the baseline rows every speculative row is compared with.
+PLAIN = "none"
 
-@DRAFTERS.register("none")
+
+@DRAFTERS.register(PLAIN)
 class PlainDecoding(Drafter):
     drafts = False
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hspec.drafters import PLAIN
 from hspec.eval.labels import split_sweep_label
 
 
@@ -16,7 +17,7 @@ def plot_eval(summary: dict[str, Any], out_prefix: Path, title: str) -> list[Pat
 
     groups = summary["tasks"]
     labels = list(groups["all"].keys())
-    drafters = [m for m in labels if m != "none"]
+    drafters = [m for m in labels if m != PLAIN]
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -88,7 +89,7 @@ def plot_ablations(summary: dict[str, Any], out_prefix: Path, title: str) -> lis
     overall = summary["tasks"]["all"]
     k_of = summary.get("K", {})
     top_k = max(k_of.values(), default=None)
-    by_kind = {_kind_of(label): label for label in overall if label != "none" and k_of.get(label) == top_k}
+    by_kind = {_kind_of(label): label for label in overall if label != PLAIN and k_of.get(label) == top_k}
     groups = {name: [k for k in kinds if k in by_kind] for name, kinds in ABLATION_GROUPS.items()}
     groups = {name: kinds for name, kinds in groups.items() if len(kinds) >= 2}
     if not groups:

@@ -28,6 +28,7 @@ from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters.base import Drafter
 from hspec.drafters.checkpoint import checkpoint_digest
 from hspec.drafters.cost_aware import CostAwareDrafter
+from hspec.drafters.plain import PLAIN
 from hspec.drafters.step_cost import StepCost
 from hspec.eval.bootstrap import paired_bootstrap_relative_diff
 from hspec.eval.labels import split_sweep_label, sweep_label
@@ -98,7 +99,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     ks = [K] if isinstance(K, int) else list(K)
     if not ks or any(k < 1 for k in ks):
         raise ValueError(f"K must be one or more draft lengths >= 1, got {K}")
-    specs = [MethodSpec("none"), *[m for m in methods if m.kind != "none"]]
+    specs = [MethodSpec(PLAIN), *[m for m in methods if m.kind != PLAIN]]
     labels = [m.label for m in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a label in {labels}; give their checkpoints distinct directory names")
@@ -132,8 +133,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
             return current
     runs: dict[str, tuple[SpeculativeDecoder, int]] = {}  # label -> (decoder, K)
     for m in specs:
-        for k in ([ks[0]] if m.kind == "none" else ks):
-            label = m.label if (len(ks) == 1 or m.kind == "none") else sweep_label(m.label, k)
+        for k in ([ks[0]] if m.kind == PLAIN else ks):
+            label = m.label if (len(ks) == 1 or m.kind == PLAIN) else sweep_label(m.label, k)
             runs[label] = (decoder(target.model, drafters[m.label], k, target.tokenizer.eos_token_ids), k)
     warm_up = target.tokenizer.encode_chat([{"role": "user", "content": tasks[0].items[0].turns[0]}])
     for dec, _ in runs.values():
@@ -158,10 +159,10 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                     outputs[label] = dec.generate([prompt], sampling, max_new_tokens, seeds=[seed])
                     if looked_up is not None:  # KIND+ngram: the steps prompt lookup drafted
                         lookup_steps[label] = dec.drafter.lookup_rows - looked_up  # type: ignore[operator]
-                reference = outputs["none"].sequences[0].token_ids
+                reference = outputs[PLAIN].sequences[0].token_ids
                 # Each record keeps the plain decoding it ran beside, so records of evaluations run apart still
                 # compare by their own plain timing and are paired only on the same text (`lab/merge.py`).
-                plain = {"plain_decode_s": outputs["none"].decode_s, "plain_tokens": len(reference),
+                plain = {"plain_decode_s": outputs[PLAIN].decode_s, "plain_tokens": len(reference),
                          "plain_digest": tokens_digest(reference)}
                 # How busy the CPU was while the turn's methods ran (its 1-minute load average, the eval's own
                 # threads included): timings from a shared CPU are not evidence (`lab.claims`, SHARED_LOAD).
@@ -219,10 +220,10 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int,
     """
     groups = _groups(records)
     k_of = {label: next((r.get("K", K) for r in records if r["method"] == label), K) for label in labels}
-    out: dict[str, Any] = {"tasks": {}, "ci": {}, "K": {label: k_of[label] for label in labels if label != "none"}}
+    out: dict[str, Any] = {"tasks": {}, "ci": {}, "K": {label: k_of[label] for label in labels if label != PLAIN}}
     for task, rows in groups.items():
         per_method = {}
-        plain = _per_unit(rows, "none")
+        plain = _per_unit(rows, PLAIN)
         for label in labels:
             units = _per_unit(rows, label)
             itl = sum(u["decode_s"] for u in units) / max(sum(u["tokens"] - 1 for u in units), 1)
@@ -231,7 +232,7 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int,
             else:
                 speedup = sum(u["decode_s"] for u in plain) / max(sum(u["tokens"] - 1 for u in plain), 1) / itl
             entry = {"itl_ms": 1000 * itl, "speedup": speedup, "units": len(units)}
-            if label != "none":
+            if label != PLAIN:
                 stats = merge_stats([acceptance_stats(u["num_accepted"], k_of[label], u.get("num_drafted"))
                                      for u in units])
                 entry.update(stats.to_dict())
@@ -309,14 +310,14 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
         cells = []
         for m in labels:
             tau = per[m].get("mean_accepted_length")
-            tau_text = "1.00" if m == "none" else ("-" if tau is None else f"{tau:.2f}")
+            tau_text = "1.00" if m == PLAIN else ("-" if tau is None else f"{tau:.2f}")
             cells.append(f"{tau_text} | {per[m]['speedup']:.2f}x")
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
     max_k = max(summary.get("K", {}).values(), default=_max_k(payload["provenance"]["settings"]["K"]))
     lines += ["\n## Per-position conditional acceptance (all tasks)\n",
               "| method | " + " | ".join(f"k={k + 1}" for k in range(max_k)) + " |", "|---|" + "---|" * max_k]
     for m in labels:
-        if m == "none":
+        if m == PLAIN:
             continue
         acc = summary["tasks"]["all"][m]["acceptance_by_position"]
         acc = acc + [None] * (max_k - len(acc))

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from hspec.drafters import PLAIN
 from hspec.eval.bootstrap import BootstrapCI, RatioOfSums, paired_bootstrap, paired_bootstrap_relative_diff
 from hspec.eval.labels import split_sweep_label
 from hspec.eval.paired import same_plain, speed_pair, tau_ratio
@@ -268,7 +269,7 @@ def _runs(payload: Mapping[str, Any]) -> Runs:
     setting = payload["provenance"].get("settings", {}).get("K")
     runs: Runs = {}
     for r in payload["records"]:
-        if r["method"] == "none":
+        if r["method"] == PLAIN:
             continue
         kind, _ = split_sweep_label(r["method"])
         K = r.get("K", setting)

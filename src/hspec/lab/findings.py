@@ -27,6 +27,7 @@ import numpy as np
 from hspec.eval.bootstrap import BootstrapCI, paired_bootstrap, paired_bootstrap_relative_diff
 from hspec.eval.paired import paired_records, records_by_prompt, speed_pair, tau_ratio
 
+SUBJECT = "hspec"  # the method the findings are about, compared with each of BASELINES
 BASELINES = ("dspark", "dflash", "dflash-kvreuse", "peagle", "ngram")
 # (KV-reuse-only drafter, the reference it is compared with position by position)
 KV_REUSE_PAIRS = (("dflash-kvreuse", "dflash"), ("dflash-kvreuse", "hspec"), ("hspec-kvreuse-only", "hspec"))
@@ -60,9 +61,9 @@ def evaluate_claims(records: Sequence[dict[str, Any]], K: int, seed: int = 0) ->
     per_method = records_by_prompt(records)
     present = set(per_method)
     findings: list[Finding] = []
-    if "hspec" in present:
+    if SUBJECT in present:
         for baseline in (b for b in BASELINES if b in present):
-            ours, theirs = paired_records(per_method, ["hspec", baseline])
+            ours, theirs = paired_records(per_method, [SUBJECT, baseline])
             tau = paired_bootstrap_relative_diff(tau_ratio(ours), tau_ratio(theirs), seed=seed)
             speed = paired_bootstrap_relative_diff(*speed_pair(ours, theirs), seed=seed)
             findings.append(Finding("H-Spec leads", f"hspec vs {baseline}", "tau, relative difference", tau,
@@ -70,7 +71,7 @@ def evaluate_claims(records: Sequence[dict[str, Any]], K: int, seed: int = 0) ->
             findings.append(Finding("H-Spec leads", f"hspec vs {baseline}",
                                     "decode speed (hspec speedup / baseline speedup - 1)", speed, len(ours), +1))
         for ablation in (a for a in SINGLE_SOURCE_ABLATIONS if a in present):
-            ours, theirs = paired_records(per_method, ["hspec", ablation])
+            ours, theirs = paired_records(per_method, [SUBJECT, ablation])
             tau = paired_bootstrap_relative_diff(tau_ratio(ours), tau_ratio(theirs), seed=seed)
             findings.append(Finding("both context sources needed", f"hspec vs {ablation}",
                                     "tau, relative difference", tau, len(ours), +1))

@@ -26,10 +26,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from hspec.drafters import create_drafter, drafter_config
+from hspec.drafters import DRAFTERS, create_drafter, drafter_config
 from hspec.drafters.checkpoint import load_drafter, read_checkpoint, save_drafter
 from hspec.drafters.common import NeuralDrafter, kv_layer_of, select_target_layers
-from hspec.drafters.dels import DeLSDrafter
 from hspec.durable import remove_stale_temporaries
 from hspec.models.loading import Target, load_target, resolve_device
 from hspec.training.checkpoint import load_training_state, save_training_state, training_states
@@ -366,8 +365,9 @@ def _initial_drafter(path: Path, kind: str, target_model: torch.nn.Module,
     """The saved drafter at `path`, checked to be a `kind` with the requested draft vocabulary size."""
     info = read_checkpoint(path)
     if info.kind != kind:
-        if (kind, info.kind) == ("dels", "dflash"):  # DeLS-Spec: a local head trained over a frozen, trained DFlash
-            return DeLSDrafter.from_dflash(load_drafter(path, target_model, dtype=torch.float32), target_model)
+        grown = DRAFTERS.get(kind)
+        if info.kind in grown.starts_from:  # e.g. DeLS-Spec: a local head trained over a frozen, trained DFlash
+            return grown.start_from(load_drafter(path, target_model, dtype=torch.float32), target_model)
         raise ValueError(f"--init-from {path} holds a {info.kind!r} drafter, not the {kind!r} being trained")
     saved_vocab = info.drafter_config.draft_vocab_size
     if draft_vocab_size is not None and draft_vocab_size != saved_vocab:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hspec.drafters.base import DRAFTERS, DraftBatch, Proposal
-from hspec.drafters.common import BlockContext
+from hspec.drafters.common import BlockContext, NeuralDrafter
 from hspec.drafters.dels.config import DeLSConfig
 from hspec.drafters.dflash.model import DFlashDrafter
 from hspec.drafters.sequential import inference_context, sample_slots
@@ -94,6 +94,7 @@ class DeLSDrafter(DFlashDrafter):
     config_class = DeLSConfig
     config: DeLSConfig
     sequential_head = True  # the trainer calls `training_logits` (the GRU needs the previous tokens)
+    starts_from = ("dflash",)
 
     def __init__(self, target_config: TargetConfig, target_model: nn.Module | None = None,
                  config: DeLSConfig | None = None, device: torch.device | str | None = None,
@@ -137,6 +138,10 @@ class DeLSDrafter(DFlashDrafter):
         drafter = cls(c.target, target_model, config=config, device=weight.device, dtype=weight.dtype)
         drafter.load_dflash_weights(dflash.state_dict())
         return drafter
+
+    @classmethod
+    def start_from(cls, trained: NeuralDrafter, target_model: nn.Module) -> DeLSDrafter:
+        return cls.from_dflash(trained, target_model)  # type: ignore[arg-type]
 
     def load_dflash_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take a `dflash` drafter's state dict (weights and draft vocabulary) as the DFlash part."""

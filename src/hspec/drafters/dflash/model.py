@@ -85,6 +85,8 @@ class DFlashBackbone(NeuralDrafter):
 class DFlashDrafter(DFlashBackbone):
     """DFlash: fused target context projected into a drafter-side KV cache kept in the pool."""
 
+    vllm_method = "dflash"  # vLLM's DFlash proposer runs the export (integrations/vllm/export.py)
+
     def __init__(self, target_config: TargetConfig, target_model: nn.Module | None = None,
                  config: DFlashConfig | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:

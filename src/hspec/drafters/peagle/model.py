@@ -70,6 +70,7 @@ class PEagleDrafter(NeuralDrafter):
     config_class = PEagleConfig
     config: PEagleConfig
     trains_with_cod = True
+    vllm_method = "eagle3"  # vLLM's EAGLE-3 with parallel drafting runs the export (integrations/vllm/export.py)
 
     def __init__(self, target_config: TargetConfig, target_model: nn.Module | None = None,
                  config: PEagleConfig | None = None, device: torch.device | str | None = None,

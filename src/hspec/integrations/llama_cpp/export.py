@@ -138,14 +138,14 @@ class GGUFExport:
 
     path: Path
     kind: str
-    block_size: int  # K: drafts per step llama.cpp proposes at most (`--spec-draft-n-max`)
+    max_draft_len: int  # the trained draft length: the most drafts a step llama.cpp proposes (`--spec-draft-n-max`)
     mask_token_id: int  # the target id whose embedding row holds hspec's learned MASK embedding
     draft_vocab_size: int  # Vp
 
     def llama_cli_args(self, target_gguf: str | Path) -> list[str]:
         """The llama.cpp arguments that run this drafter against `target_gguf`."""
         return ["-m", str(target_gguf), "-md", str(self.path), "--spec-type", SPEC_TYPE,
-                "--spec-draft-n-max", str(self.block_size)]
+                "--spec-draft-n-max", str(self.max_draft_len)]
 
 
 def _tokenizer_fields(reader: gguf.GGUFReader) -> Iterator[tuple[str, Any, list[gguf.GGUFValueType]]]:
@@ -225,7 +225,7 @@ def export_gguf(src: str | Path, dst: str | Path, target_gguf: str | Path, targe
         tensors["rope_freqs.weight"] = llama3_rope_factors(target)
 
     num_layers = drafter_config["num_layers"]
-    block_size = int(drafter_config["max_draft_len"])
+    max_draft_len = int(drafter_config["max_draft_len"])
     writer_path = Path(tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent or ".")[1])
     try:
         writer = gguf.GGUFWriter(str(writer_path), ARCH)
@@ -244,7 +244,7 @@ def export_gguf(src: str | Path, dst: str | Path, target_gguf: str | Path, targe
         writer.add_uint32(a + "rope.dimension_count", target["head_dim"])
         writer.add_uint32(a + "vocab_size", V)
         writer.add_array(a + "target_layers", list(drafter_config["target_layers"]))  # HF indices = layer inputs
-        writer.add_uint32(a + "block_size", block_size)
+        writer.add_uint32(a + "block_size", max_draft_len)  # llama.cpp's DFlash name for it
         writer.add_bool(a + "sample_from_anchor", True)  # 1.
         writer.add_bool(a + "attention.causal", False)  # bidirectional inside the block
         writer.add_uint32(a + "attention.sliding_window", int(drafter_config["sliding_window"]))  # 4.
@@ -265,4 +265,4 @@ def export_gguf(src: str | Path, dst: str | Path, target_gguf: str | Path, targe
         os.replace(writer_path, dst)
     finally:
         writer_path.unlink(missing_ok=True)
-    return GGUFExport(dst, info.kind, block_size, mask_id, int(ids.shape[0]))
+    return GGUFExport(dst, info.kind, max_draft_len, mask_id, int(ids.shape[0]))

@@ -28,8 +28,8 @@ from typing import Any
 
 # The vLLM release this integration is written and tested against (scripts/install_vllm.sh installs it).
 VLLM_VERSION = "0.32.0"
-ALLOWED_DRAFTERS = ("none", "ngram", "suffix", "dflash=PATH", "dflash=random", "peagle=PATH", "peagle=random",
-                    "hspec", "hspec=PATH", "hspec:P", "hspec@B", "hspec:P@B=PATH", "hspec:auto")
+# The forms `--drafters` takes for H-Spec, run by hspec's proposer inside vLLM.
+HSPEC_FORMS = ("hspec", "hspec=PATH", "hspec:P", "hspec@B", "hspec:P@B=PATH", "hspec:auto")
 # `hspec:P`: each request keeps its leading drafts of confidence >= P; `hspec@B`: at most B drafts per step
 # over the whole batch; `hspec:auto`: each request the length that pays most per step cost (`proposer.DraftLength`).
 _HSPEC_NAME = re.compile(r"hspec(?::(?:(?P<auto>auto)|(?P<floor>[0-9.]+)))?(?:@(?P<budget>[0-9]+))?")
@@ -38,8 +38,6 @@ SUFFIX_REQUIREMENT = "arctic-inference==0.1.1"
 # `dflash=random`, `peagle=random`: a random-initialised hspec drafter of that kind (seed 0): exercises
 # losslessness and KV cost, not tau.
 RANDOM_WEIGHTS = "random"
-# hspec kinds served through an export, by the vLLM method that serves them.
-EXPORTED_KINDS = {"dflash": "dflash", "eagle3": "peagle"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +47,13 @@ class VllmDrafter:
     name: str  # as given on the command line: none, ngram, dflash=PATH
     speculative_config: dict[str, Any] | None  # vLLM's speculative_config; None = plain decoding
     hf_overrides: dict[str, Any] | None = None  # H-Spec: {"hspec_drafter": PATH} (proposer.HF_OVERRIDE_KEY)
+
+    @property
+    def K(self) -> int:
+        """Drafts per step: vLLM's `num_speculative_tokens` (a configuration with drafts, once resolved)."""
+        if self.speculative_config is None:
+            raise ValueError(f"{self.name}: plain decoding drafts nothing")
+        return int(self.speculative_config["num_speculative_tokens"])
 
 
 @dataclass(frozen=True)
@@ -61,12 +66,12 @@ class GreedyRun:
     num_accepted: int  # draft tokens accepted over those steps
 
 
-def ngram_config(k: int) -> dict[str, Any]:
+def ngram_config(K: int) -> dict[str, Any]:
     """vLLM's prompt-lookup speculation with K drafts, n-grams of 2..4 tokens (hspec's ngram defaults)."""
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
-def suffix_config(k: int) -> dict[str, Any]:
+def suffix_config(K: int) -> dict[str, Any]:
     """vLLM's suffix decoding with at most K drafts a step. It needs arctic-inference, which PyPI serves
     only as source (a C++ build); a clear error here beats vLLM's from inside its engine process."""
     import importlib.util
@@ -74,49 +79,61 @@ def suffix_config(k: int) -> dict[str, Any]:
     if importlib.util.find_spec("arctic_inference") is None:
         raise ValueError(f"suffix decoding needs {SUFFIX_REQUIREMENT} in this environment (it builds from "
                          f"source: pip install '{SUFFIX_REQUIREMENT}', a few minutes with a C++ compiler)")
-    return {"method": "suffix", "num_speculative_tokens": k}
+    return {"method": "suffix", "num_speculative_tokens": K}
 
 
-def dflash_config(path: str | Path, k: int | None = None) -> dict[str, Any]:
-    """vLLM's DFlash method on an exported drafter (`export_dflash_for_vllm`); K from its config if None."""
-    if k is None:
+# vLLM's own proposers by the name `--drafters` gives them: their speculative_config at K drafts a step.
+VLLM_PROPOSERS = {"ngram": ngram_config, "suffix": suffix_config}
+# What vLLM's speculative_config takes beside `method` and `model` for each method an hspec kind's export
+# runs as (`Drafter.vllm_method`): P-Eagle's parallel drafting is vLLM's EAGLE-3 with `parallel_drafting`.
+METHOD_OPTIONS: dict[str, dict[str, Any]] = {"eagle3": {"parallel_drafting": True}}
+
+
+def exported_config(method: str, path: str | Path, K: int | None = None) -> dict[str, Any]:
+    """vLLM's `method` on a drafter hspec exported for it (integrations/vllm/export.py); K from the export's
+    config if None (vLLM's `num_speculative_tokens`, its Speculators config's `speculative_tokens`)."""
+    if K is None:
         methods = json.loads((Path(path) / "config.json").read_text())["speculators_config"]["proposal_methods"]
-        k = int(methods[0]["speculative_tokens"])
-    return {"method": "dflash", "model": str(path), "num_speculative_tokens": k}
+        K = int(methods[0]["speculative_tokens"])
+    return {"method": method, "model": str(path), "num_speculative_tokens": K, **METHOD_OPTIONS.get(method, {})}
 
 
-def peagle_config(path: str | Path, k: int | None = None) -> dict[str, Any]:
-    """vLLM's parallel EAGLE-3 on an exported P-Eagle (`export_peagle_for_vllm`); K from its config if None."""
-    if k is None:
-        methods = json.loads((Path(path) / "config.json").read_text())["speculators_config"]["proposal_methods"]
-        k = int(methods[0]["speculative_tokens"])
-    return {"method": "eagle3", "model": str(path), "num_speculative_tokens": k, "parallel_drafting": True}
+def exported_kind(drafter: VllmDrafter) -> str | None:
+    """The hspec kind whose export `drafter` serves (by the vLLM method the kind declares), else None."""
+    from hspec.drafters import vllm_exported_kinds
+
+    config = drafter.speculative_config
+    return None if config is None else vllm_exported_kinds().get(config["method"])
 
 
-def parse_drafters(text: str, k: int) -> list[VllmDrafter]:
+def runs_hspec_proposer(name: str) -> bool:
+    """Whether the configuration `--drafters` names `name` (`hspec`, `hspec:0.4=PATH`, ...) runs H-Spec
+    through hspec's proposer inside vLLM."""
+    return _HSPEC_NAME.fullmatch(name.partition("=")[0]) is not None
+
+
+def parse_drafters(text: str, K: int) -> list[VllmDrafter]:
     """`none,ngram,dflash=PATH` -> configurations, in order; `none` (plain) is added first if missing.
 
-    Plain decoding is what every other configuration's output is compared with, so it always runs.
+    Plain decoding is what every other configuration's output is compared with, so it always runs. The
+    kinds served through an export are those that declare a vLLM method (`Drafter.vllm_method`).
     """
+    from hspec.drafters import PLAIN, vllm_exported_kinds
+
+    exported = {kind: method for method, kind in vllm_exported_kinds().items()}
     out: list[VllmDrafter] = []
     for item in (s.strip() for s in text.split(",")):
         name, _, value = item.partition("=")
-        if name == "none" and not value:
-            out.append(VllmDrafter("none", None))
-        elif name == "ngram" and not value:
-            out.append(VllmDrafter("ngram", ngram_config(k)))
-        elif name == "suffix" and not value:
-            out.append(VllmDrafter("suffix", suffix_config(k)))
-        elif name == "dflash" and value:
+        if name == PLAIN and not value:
+            out.append(VllmDrafter(PLAIN, None))
+        elif name in VLLM_PROPOSERS and not value:
+            out.append(VllmDrafter(name, VLLM_PROPOSERS[name](K)))
+        elif name in exported and value:
             if value != RANDOM_WEIGHTS and not (Path(value) / "config.json").exists():
-                raise ValueError(f"dflash={value}: no config.json there; give an hspec DFlash checkpoint or its "
-                                 "vLLM export (`hspec.integrations.vllm.export`, docs/vllm.md)")
-            out.append(VllmDrafter(item, {"method": "dflash", "model": value}))  # K: see `resolve_export`
-        elif name == "peagle" and value:
-            if value != RANDOM_WEIGHTS and not (Path(value) / "config.json").exists():
-                raise ValueError(f"peagle={value}: no config.json there; give an hspec P-Eagle checkpoint or its "
-                                 "vLLM export (`hspec.integrations.vllm.export`, docs/vllm.md)")
-            out.append(VllmDrafter(item, {"method": "eagle3", "model": value, "parallel_drafting": True}))
+                raise ValueError(f"{item}: no config.json there; give an hspec {name} checkpoint or its vLLM "
+                                 "export (`hspec.integrations.vllm.export`, docs/vllm.md)")
+            method = exported[name]  # K: see `resolve_export`
+            out.append(VllmDrafter(item, {"method": method, "model": value, **METHOD_OPTIONS.get(method, {})}))
         elif match := _HSPEC_NAME.fullmatch(name):
             if value and not (Path(value) / "config.json").exists():
                 raise ValueError(f"{item}: no config.json there; give an hspec H-Spec checkpoint "
@@ -126,35 +143,38 @@ def parse_drafters(text: str, k: int) -> list[VllmDrafter]:
                                      confidence_floor=None if floor is None else float(floor),
                                      adaptive=match["auto"] is not None))  # K: `resolve_hspec`
         else:
-            raise ValueError(f"unknown drafter {item!r}; allowed: {', '.join(ALLOWED_DRAFTERS)}")
+            allowed = [PLAIN, *VLLM_PROPOSERS, *(f"{kind}={form}" for kind in exported for form in ("PATH", "random")),
+                       *HSPEC_FORMS]
+            raise ValueError(f"unknown drafter {item!r}; allowed: {', '.join(allowed)}")
     if not any(d.speculative_config is None for d in out):
-        out.insert(0, VllmDrafter("none", None))
+        out.insert(0, VllmDrafter(PLAIN, None))
     if len({d.name for d in out}) != len(out):
         raise ValueError(f"drafters must be distinct, got {text!r}")
     return out
 
 
 def resolve_export(drafter: VllmDrafter, export_dir: Path, target_dir: Path) -> VllmDrafter:
-    """A `dflash` or `peagle` configuration on a loadable export: an hspec checkpoint is exported into
-    `export_dir` first (its own folder per source); K comes from the export's config. Other configurations
-    are returned unchanged."""
-    config = drafter.speculative_config
-    if config is None or config["method"] not in EXPORTED_KINDS:
+    """A configuration that serves an hspec kind's export (`exported_kind`) on a loadable export: an hspec
+    checkpoint is exported into `export_dir` first (its own folder per source); K comes from the export's
+    config. Other configurations are returned unchanged."""
+    kind = exported_kind(drafter)
+    if kind is None:
         return drafter
-    from hspec.integrations.vllm.export import export_dflash_for_vllm, export_peagle_for_vllm, is_vllm_export
+    from hspec.integrations.vllm.export import export_for_vllm, is_vllm_export
 
-    kind = EXPORTED_KINDS[config["method"]]
+    config = drafter.speculative_config
+    assert config is not None  # an exported kind has a method
     path = Path(config["model"])
     if not is_vllm_export(path):
         # One folder per source checkpoint: two checkpoints both named `drafter` (runs/X/drafter) must not
         # share an export, and the name can never be the source's own folder.
         digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
         dst = export_dir / f"{kind}-{path.name}-{digest}"
-        path = (export_dflash_for_vllm if kind == "dflash" else export_peagle_for_vllm)(path, dst, target_dir)
-    return VllmDrafter(drafter.name, dflash_config(path) if kind == "dflash" else peagle_config(path))
+        path = export_for_vllm(path, dst, target_dir)
+    return VllmDrafter(drafter.name, exported_config(config["method"], path))
 
 
-def hspec_drafter(name: str, path: str | Path | None, k: int | None = None, draft_budget: int | None = None,
+def hspec_drafter(name: str, path: str | Path | None, K: int | None = None, draft_budget: int | None = None,
                   confidence_floor: float | None = None, adaptive: bool = False,
                   step_cost: str | None = None) -> VllmDrafter:
     """H-Spec through hspec's proposer (`proposer.HSpecProposer`): the checkpoint at `path`, or (None) the
@@ -165,8 +185,8 @@ def hspec_drafter(name: str, path: str | Path | None, k: int | None = None, draf
     from hspec.integrations.vllm.proposer import DraftLength, hspec_config
 
     cost = None if step_cost is None else StepCost.parse(step_cost)
-    DraftLength(k or 1, draft_budget, confidence_floor, adaptive, cost)  # bad values fail here, not in vLLM's worker
-    config, overrides = hspec_config(k, path, draft_budget, confidence_floor, adaptive, step_cost)
+    DraftLength(K or 1, draft_budget, confidence_floor, adaptive, cost)  # bad values fail here, not in vLLM's worker
+    config, overrides = hspec_config(K, path, draft_budget, confidence_floor, adaptive, step_cost)
     return VllmDrafter(name, config, overrides or None)
 
 
@@ -179,7 +199,7 @@ def hspec_checkpoint(drafter: VllmDrafter, target_name: str) -> Path:
     return Path(path) if path else shipped_drafter_path("hspec", target_name)
 
 
-def resolve_hspec(drafter: VllmDrafter, target_name: str, k: int | None = None) -> VllmDrafter:
+def resolve_hspec(drafter: VllmDrafter, target_name: str, K: int | None = None) -> VllmDrafter:
     """An `hspec` configuration with its checkpoint path explicit and K set (default: the trained block
     size, the most the drafter drafts). Other configurations are returned unchanged."""
     from hspec.integrations.vllm.proposer import PROPOSER_CLASS
@@ -193,7 +213,7 @@ def resolve_hspec(drafter: VllmDrafter, target_name: str, k: int | None = None) 
     path = hspec_checkpoint(drafter, target_name)
     max_draft_len = read_checkpoint(path).drafter_config.max_draft_len
     overrides = drafter.hf_overrides or {}
-    return hspec_drafter(drafter.name, path, k or config.get("num_speculative_tokens") or max_draft_len,
+    return hspec_drafter(drafter.name, path, K or config.get("num_speculative_tokens") or max_draft_len,
                          overrides.get(HF_BUDGET_KEY), overrides.get(HF_FLOOR_KEY), HF_LENGTH_KEY in overrides,
                          overrides.get(HF_COST_KEY))
 

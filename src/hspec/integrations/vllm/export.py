@@ -43,7 +43,6 @@ from hspec.drafters.checkpoint import CONFIG_FILE, DRAFTER_CONFIG_KEY, WEIGHTS_F
 from hspec.durable import atomic_directory, check_replaceable
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
-EXPORTABLE_KINDS = ("dflash", "peagle")
 
 
 def vllm_weight_name(name: str) -> str | None:
@@ -152,43 +151,65 @@ def _check_destination(dst: Path) -> None:
     check_replaceable(dst, is_vllm_export, "an earlier vLLM export of an hspec drafter")
 
 
-def export_dflash_for_vllm(src: str | Path, dst: str | Path, target_dir: str | Path,
-                           num_speculative_tokens: int | None = None, mask_token_id: int | None = None,
-                           dtype: torch.dtype = torch.float32) -> Path:
+def _check_method(src: Path, kind: str, method: str, writer: str) -> None:
+    """Raise ValueError unless drafter `kind` declares vLLM `method` (`Drafter.vllm_method`), naming the kind
+    that does."""
+    from hspec.drafters import DRAFTERS, vllm_exported_kinds
+
+    if DRAFTERS.get(kind).vllm_method != method:
+        raise ValueError(f"{src} holds a {kind!r} drafter; {writer} takes {vllm_exported_kinds().get(method)!r} "
+                         f"(the kinds vLLM serves, by method: {vllm_exported_kinds()})")
+
+
+def export_for_vllm(src: str | Path, dst: str | Path, target_dir: str | Path, K: int | None = None,
+                    mask_token_id: int | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write the checkpoint `src` in the layout of the vLLM method its kind declares (`Drafter.vllm_method`):
+    `export_dflash_for_vllm` or `export_peagle_for_vllm`, whose arguments these are. Returns `dst`."""
+    from hspec.drafters import DRAFTERS, vllm_exported_kinds
+
+    kind = read_checkpoint(Path(src)).kind
+    method = DRAFTERS.get(kind).vllm_method
+    if method is None:
+        raise ValueError(f"{src} holds a {kind!r} drafter, which vLLM serves no export of "
+                         f"(exported kinds: {sorted(vllm_exported_kinds().values())})")
+    return WRITERS[method](src, dst, target_dir, K, mask_token_id, dtype)
+
+
+def export_dflash_for_vllm(src: str | Path, dst: str | Path, target_dir: str | Path, K: int | None = None,
+                           mask_token_id: int | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """Write hspec's DFlash checkpoint `src` as a vLLM-loadable DFlash drafter at `dst`.
 
     target_dir: the target's HF folder (the one vLLM serves; its LM head rows become the drafter's
-    `lm_head.weight`). num_speculative_tokens: drafts per step vLLM proposes (default: the block
-    size K - 1, since vLLM adds the anchor slot in front of K - 1 MASK slots). mask_token_id:
+    `lm_head.weight`). K: drafts per step vLLM proposes, written as its `num_speculative_tokens` (default:
+    the trained draft length less one, since vLLM adds the anchor slot in front of K MASK slots). mask_token_id:
     default `pick_mask_token_id`. An existing `dst` is replaced only if it is empty or an earlier export
     (`is_vllm_export`); anything else raises FileExistsError. Returns `dst`.
     """
     src, dst, target_dir = Path(src), Path(dst), Path(target_dir)
     _check_destination(dst)
     info = read_checkpoint(src)
-    if info.kind != "dflash":
-        raise ValueError(f"{src} holds a {info.kind!r} drafter; export_dflash_for_vllm takes 'dflash' "
-                         "(peagle: export_peagle_for_vllm)")
+    _check_method(src, info.kind, "dflash", "export_dflash_for_vllm")
     raw: dict[str, Any] = json.loads((src / CONFIG_FILE).read_text())
     drafter_config = raw[DRAFTER_CONFIG_KEY]
     target = drafter_config["target"]
-    block_size = info.drafter_config.max_draft_len  # K_train: the trained block
-    k = num_speculative_tokens if num_speculative_tokens is not None else block_size - 1
-    if not 1 <= k <= block_size:
-        raise ValueError(f"num_speculative_tokens must be in 1..{block_size} (the trained draft length), got {k}")
+    max_draft_len = info.drafter_config.max_draft_len  # K_train: the trained block
+    K = K if K is not None else max_draft_len - 1
+    if not 1 <= K <= max_draft_len:
+        raise ValueError(f"K (vLLM's num_speculative_tokens) must be in 1..{max_draft_len} (the trained draft "
+                         f"length), got {K}")
 
     state = load_file(str(src / WEIGHTS_FILE))
     tensors, ids = _vllm_tensors(state, target_dir, target, dtype)
     mask_id = _mask_id(mask_token_id, target_dir, target)
 
     config = {
-        **_speculators_header(raw, "dflash", "DFlashDraftModel", k),
+        **_speculators_header(raw, "dflash", "DFlashDraftModel", K),
         "transformer_layer_config": raw["transformer_layer_config"],
         "draft_vocab_size": int(ids.shape[0]),
         "target_hidden_size": target["hidden_size"],
         "aux_hidden_state_layer_ids": list(drafter_config["target_layers"]),  # HF indices; vLLM subtracts 1
         "mask_token_id": mask_id,
-        "block_size": block_size,
+        "block_size": max_draft_len,  # Speculators' DFlash name for the trained draft length
         # hspec's semantics (docs/design.md#the-decoding-step); vLLM honours it through hspec's plugin.
         "sample_from_anchor": True,
         # A DFlash block is bidirectional: tell vLLM not to apply its causal mask inside it.
@@ -204,27 +225,26 @@ def export_dflash_for_vllm(src: str | Path, dst: str | Path, target_dir: str | P
     return dst
 
 
-def export_peagle_for_vllm(src: str | Path, dst: str | Path, target_dir: str | Path,
-                           num_speculative_tokens: int | None = None, mask_token_id: int | None = None,
-                           dtype: torch.dtype = torch.float32) -> Path:
+def export_peagle_for_vllm(src: str | Path, dst: str | Path, target_dir: str | Path, K: int | None = None,
+                           mask_token_id: int | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """Write hspec's P-Eagle checkpoint `src` as vLLM's parallel EAGLE-3 drafter at `dst` (module docstring).
 
-    num_speculative_tokens: K, default the trained draft length (vLLM's parallel EAGLE drafts K tokens
+    K: vLLM's `num_speculative_tokens`, default the trained draft length (vLLM's parallel EAGLE drafts K tokens
     from the last verified entry plus K - 1 MASK entries, hspec's block). `dst` as in `export_dflash_for_vllm`.
     Returns `dst`.
     """
     src, dst, target_dir = Path(src), Path(dst), Path(target_dir)
     _check_destination(dst)
     info = read_checkpoint(src)
-    if info.kind != "peagle":
-        raise ValueError(f"{src} holds a {info.kind!r} drafter; export_peagle_for_vllm takes 'peagle'")
+    _check_method(src, info.kind, "eagle3", "export_peagle_for_vllm")
     raw: dict[str, Any] = json.loads((src / CONFIG_FILE).read_text())
     drafter_config = raw[DRAFTER_CONFIG_KEY]
     target = drafter_config["target"]
     max_draft_len = info.drafter_config.max_draft_len
-    k = num_speculative_tokens if num_speculative_tokens is not None else max_draft_len
-    if not 1 <= k <= max_draft_len:
-        raise ValueError(f"num_speculative_tokens must be in 1..{max_draft_len} (the trained draft length), got {k}")
+    K = K if K is not None else max_draft_len
+    if not 1 <= K <= max_draft_len:
+        raise ValueError(f"K (vLLM's num_speculative_tokens) must be in 1..{max_draft_len} (the trained draft "
+                         f"length), got {K}")
     state = load_file(str(src / WEIGHTS_FILE))
     tensors, ids = _vllm_tensors(state, target_dir, target, dtype)
     mask_id = _mask_id(mask_token_id, target_dir, target)
@@ -245,7 +265,7 @@ def export_peagle_for_vllm(src: str | Path, dst: str | Path, target_dir: str | P
         "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False,
     }
     config = {
-        **_speculators_header(raw, "peagle", "PEagleSpeculator", k),
+        **_speculators_header(raw, "peagle", "PEagleSpeculator", K),
         "transformer_layer_config": layer_config,
         "draft_vocab_size": int(ids.shape[0]),
         "target_hidden_size": target["hidden_size"],
@@ -263,9 +283,9 @@ def export_peagle_for_vllm(src: str | Path, dst: str | Path, target_dir: str | P
     return dst
 
 
-def _speculators_header(raw: dict[str, Any], algorithm: str, architecture: str, k: int) -> dict[str, Any]:
+def _speculators_header(raw: dict[str, Any], algorithm: str, architecture: str, K: int) -> dict[str, Any]:
     """The Speculators-format keys every export shares: type, version, architecture, and the config of one
-    greedy proposal method drafting k tokens a step (vLLM reads `speculative_tokens` as its default K)."""
+    greedy proposal method drafting K tokens a step (vLLM reads `speculative_tokens` as its default K)."""
     return {
         "speculators_model_type": algorithm,
         "speculators_version": raw.get("speculators_version"),
@@ -273,7 +293,11 @@ def _speculators_header(raw: dict[str, Any], algorithm: str, architecture: str, 
         "speculators_config": {
             **raw["speculators_config"],
             "algorithm": algorithm,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": K,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
         },
     }
+
+
+# The export writer of each vLLM method a drafter kind may declare (`Drafter.vllm_method`).
+WRITERS = {"dflash": export_dflash_for_vllm, "eagle3": export_peagle_for_vllm}

@@ -75,7 +75,7 @@ READABLE_ISAS = ("vec",)
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.attn$")
 
 
-def hspec_config(k: int | None, drafter_path: str | Path | None = None, draft_budget: int | None = None,
+def hspec_config(K: int | None, drafter_path: str | Path | None = None, draft_budget: int | None = None,
                  confidence_floor: float | None = None, adaptive: bool = False,
                  step_cost: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(speculative_config, hf_overrides) for a `vllm.LLM` drafting K tokens with H-Spec from `drafter_path`
@@ -83,8 +83,8 @@ def hspec_config(k: int | None, drafter_path: str | Path | None = None, draft_bu
     `draft_budget`, `confidence_floor`, `adaptive` (with `step_cost`, "D,T,TS[,F]" or None: timed): the
     `DraftLength` settings (None / False: off)."""
     config: dict[str, Any] = {"method": "custom_class", "model": PROPOSER_CLASS}
-    if k is not None:
-        config["num_speculative_tokens"] = k
+    if K is not None:
+        config["num_speculative_tokens"] = K
     overrides: dict[str, Any] = {}
     if drafter_path is not None:
         overrides[HF_OVERRIDE_KEY] = str(drafter_path)
@@ -105,7 +105,7 @@ class DraftLength:
     batch, a confidence floor, or the cost-aware length. budget None = no budget; confidence_floor None = no
     cut; adaptive: `:auto` (`adaptive.AdaptiveLength`), with step_cost given or (None) timed."""
 
-    k: int
+    K: int
     budget: int | None = None
     confidence_floor: float | None = None
     adaptive: bool = False
@@ -137,25 +137,25 @@ class DraftLength:
     def per_request(self, num_requests: int) -> int:
         """Drafts per request in a step drafting for `num_requests` requests: K, or budget // N if fewer."""
         if self.budget is None:
-            return self.k
-        return min(self.k, self.budget // max(num_requests, 1))
+            return self.K
+        return min(self.K, self.budget // max(num_requests, 1))
 
     def trim(self, drafts: list[list[int]], confidence: torch.Tensor) -> list[list[int]]:
         """Each row's drafts up to the first one of confidence below the floor (at least one).
 
-        drafts: N rows of k ids; confidence: (N, k) the drafter's probability of each draft."""
+        drafts: N rows of K ids; confidence: (N, K) the drafter's probability of each draft."""
         if self.confidence_floor is None:
             return drafts
         sure = leading_confident(confidence, self.confidence_floor)  # (N,), the cut of `hspec:P`
         return [row[:n] for row, n in zip(drafts, sure.tolist())]
 
 
-def step_cost_path(vllm_config: Any, checkpoint: Path, k: int) -> Path:
+def step_cost_path(vllm_config: Any, checkpoint: Path, K: int) -> Path:
     """Where `:auto`'s costs for this machine, vLLM version, target, dtype, checkpoint and K are cached."""
     import vllm
 
     model_config = vllm_config.model_config
-    key = machine_key("vllm", vllm.__version__, model_config.model, model_config.dtype, checkpoint.resolve(), k)
+    key = machine_key("vllm", vllm.__version__, model_config.model, model_config.dtype, checkpoint.resolve(), K)
     return cache_root() / "vllm_step_costs" / f"{key}.json"
 
 
@@ -274,15 +274,15 @@ class HSpecProposer:
     def __init__(self, vllm_config: Any) -> None:
         self.vllm_config = vllm_config
         self.draft_length = DraftLength.of(vllm_config)
-        self.k = self.draft_length.k
+        self.K = self.draft_length.K
         self.checkpoint = drafter_path(vllm_config)
         info = read_checkpoint(self.checkpoint)
         if not issubclass(DRAFTERS.get(info.kind), HSpecDrafter):  # the family that reads the target's K/V in place
             family = sorted(kind for kind in DRAFTERS.names() if issubclass(DRAFTERS.get(kind), HSpecDrafter))
             raise ValueError(f"{self.checkpoint} holds a {info.kind!r} drafter; HSpecProposer serves the H-Spec "
                              f"family {family} (DFlash: vLLM's `dflash` method on an export, docs/vllm.md)")
-        if not 1 <= self.k <= info.drafter_config.max_draft_len:
-            raise ValueError(f"num_speculative_tokens={self.k}: the drafter at {self.checkpoint} drafts 1.."
+        if not 1 <= self.K <= info.drafter_config.max_draft_len:
+            raise ValueError(f"num_speculative_tokens={self.K}: the drafter at {self.checkpoint} drafts 1.."
                              f"{info.drafter_config.max_draft_len} tokens (its trained draft length)")
         # HF hidden-state indices = vLLM aux layers (the input of decoder layer l), ascending as vLLM returns them.
         self.aux_hidden_state_layers = tuple(info.drafter_config.target_layers)
@@ -291,7 +291,7 @@ class HSpecProposer:
         self.drafter: NeuralDrafter | None = None
         self.adaptive: AdaptiveLength | None = None
         if self.draft_length.adaptive:
-            self.adaptive = AdaptiveLength(self.k, step_cost_path(vllm_config, self.checkpoint, self.k),
+            self.adaptive = AdaptiveLength(self.K, step_cost_path(vllm_config, self.checkpoint, self.K),
                                            self.draft_length.step_cost)
 
     def load_model(self, model: Any) -> None:
@@ -332,14 +332,14 @@ class HSpecProposer:
         return self.drafter
 
     def block_context(self, rows: DraftRows, aux_hidden_states: Sequence[torch.Tensor],
-                      block_table: torch.Tensor, k: int) -> BlockContext:
-        """The H-Spec block inputs of `rows` for k drafts: hidden states of the tapped layers, paged target K/V."""
+                      block_table: torch.Tensor, K: int) -> BlockContext:
+        """The H-Spec block inputs of `rows` for K drafts: hidden states of the tapped layers, paged target K/V."""
         drafter = self.drafter_model
         device = aux_hidden_states[0].device
         hidden_rows = rows.hidden_rows.to(device)
         last_hidden = torch.stack([h[hidden_rows] for h in aux_hidden_states], dim=1)  # (N, n_sel, H)
         positions_start = rows.positions.to(device)  # (N,) p
-        block_tokens, positions = build_block(rows.anchors.to(device), positions_start, k,
+        block_tokens, positions = build_block(rows.anchors.to(device), positions_start, K,
                                               drafter.config.mask_token_id)  # (N, K) x2
         s = min(int(positions_start.max()), drafter.config.sliding_window)
         keys = positions_start[:, None] - s + torch.arange(s, device=device)  # (N, S), right-aligned
@@ -370,12 +370,12 @@ class HSpecProposer:
             return self._propose_adaptive(self.adaptive, list(req_ids), sampled_token_ids, rows, aux_hidden_states,
                                           m, num_draft)
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        k = self.draft_length.per_request(rows.requests.numel())
-        if rows.requests.numel() == 0 or k == 0:
+        K = self.draft_length.per_request(rows.requests.numel())
+        if rows.requests.numel() == 0 or K == 0:
             return out
         drafter = self.drafter_model
-        ctx = self.block_context(rows, aux_hidden_states, m.block_table_tensor, k)
-        local, confidence = drafter.draft_greedy(ctx, ctx.block_tokens[:, 0])  # (N, k) x2
+        ctx = self.block_context(rows, aux_hidden_states, m.block_table_tensor, K)
+        local, confidence = drafter.draft_greedy(ctx, ctx.block_tokens[:, 0])  # (N, K) x2
         drafts = self.draft_length.trim(drafter.head.to_target_ids(local).tolist(), confidence)
         for request, tokens in zip(rows.requests.tolist(), drafts):
             out[request] = tokens
@@ -401,7 +401,7 @@ class HSpecProposer:
         index = torch.tensor(chosen, dtype=torch.long)
         picked = DraftRows(*(x[index] for x in (rows.requests, rows.hidden_rows, rows.positions, rows.anchors)))
         drafter = self.drafter_model
-        ctx = self.block_context(picked, aux_hidden_states, m.block_table_tensor, self.k)
+        ctx = self.block_context(picked, aux_hidden_states, m.block_table_tensor, self.K)
         local, confidence = drafter.draft_greedy(ctx, ctx.block_tokens[:, 0])  # (N, K) x2
         drafts = drafter.head.to_target_ids(local).tolist()
         drafting_s = time.perf_counter() - started
