@@ -10,12 +10,15 @@ not: every op rounds to 8 bits of mantissa, and 4 of 62 greedy choices flipped b
 however many rows share the call: a linear product through its weight format (`models.formats`: at most
 `ROW_BLOCK` rows per product, each format's kernel giving a row its bits alone), and `attend` with
 products whose reduction length does not depend on how many keys the other rows see (fixed-size key
-chunks). A prompt's prefill, which plain and speculative decoding share, need not keep a decode's bits
-(`prefill=True`): its linear products run in one floating call and its attention in one product per KV
+chunks). A prompt's prefill, which plain and speculative decoding share, need not keep a decode's bits, so
+each module has a second entry point for it (`Linear.prefill`, `SwiGLU.prefill`, `QKVProjection.prefill`,
+`attend_prefill`): its linear products run in one floating call and its attention in one product per KV
 head. Float32 and GPU tensors take the fused kernels (`F.linear`, `F.scaled_dot_product_attention`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,10 +87,13 @@ class Linear(nn.Linear):
         self.register_buffer("weight_packed", None, persistent=False)
         self.weight_format = FLOATING
 
-    def forward(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
-        """x (..., in) -> (..., out). prefill: the rows are a prompt's (`WeightFormat.prefill`)."""
-        product = self.weight_format.prefill if prefill else self.weight_format
-        return product(x, self.weight, self.bias, self.weight_scale, self.weight_packed)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out), each row with the bits it has alone (a decode's or a verify's rows)."""
+        return self.weight_format(x, self.weight, self.bias, self.weight_scale, self.weight_packed)
+
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` for a prompt's rows: one product for all of them (`WeightFormat.prefill`, other bits)."""
+        return self.weight_format.prefill(x, self.weight, self.bias, self.weight_scale, self.weight_packed)
 
 
 class RMSNorm(nn.Module):
@@ -161,14 +167,23 @@ class SwiGLU(nn.Module):
         self.register_buffer("gate_up_packed", None, persistent=False)
         self.gate_up_format = FLOATING
 
-    def forward(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
-        """x (..., H) -> (..., H). prefill: the rows are a prompt's (`WeightFormat.prefill`)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., H) -> (..., H) for a decode's or a verify's rows (`Linear.forward`)."""
         if self.gate_up_weight is not None:
-            product = self.gate_up_format.prefill if prefill else self.gate_up_format
-            gate, up = product(x, self.gate_up_weight, None, self.gate_up_scale,
-                               self.gate_up_packed).chunk(2, dim=-1)  # (..., I) each
-            return self.down_proj(F.silu(gate) * up, prefill)
-        return self.down_proj(F.silu(self.gate_proj(x, prefill)) * self.up_proj(x, prefill), prefill)
+            return self.down_proj(self._gated(self.gate_up_format, x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` for a prompt's rows (`Linear.prefill`)."""
+        if self.gate_up_weight is not None:
+            return self.down_proj.prefill(self._gated(self.gate_up_format.prefill, x))
+        return self.down_proj.prefill(F.silu(self.gate_proj.prefill(x)) * self.up_proj.prefill(x))
+
+    def _gated(self, product: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, (..., I), from the fused (2I, H) weight multiplied by `product`."""
+        gate, up = product(x, self.gate_up_weight, None, self.gate_up_scale,
+                           self.gate_up_packed).chunk(2, dim=-1)  # (..., I) each
+        return F.silu(gate) * up
 
 
 class QKVProjection(nn.Module):
@@ -204,13 +219,24 @@ class QKVProjection(nn.Module):
         self.register_buffer("qkv_packed", None, persistent=False)
         self.qkv_format = FLOATING
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prefill: bool = False
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, H) -> q (B, T, Hq, D), k and v (B, T, Hkv, D); q and k rotated. prefill: as in `Linear`."""
+        """x (B, T, H) -> q (B, T, Hq, D), k and v (B, T, Hkv, D), q and k rotated, for a decode's or a verify's
+        rows (`Linear.forward`)."""
+        return self._project(x, cos, sin, self.qkv_format, nn.Module.__call__)
+
+    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward` for a prompt's rows (`Linear.prefill`)."""
+        return self._project(x, cos, sin, self.qkv_format.prefill, Linear.prefill)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, product: Callable[..., torch.Tensor],
+                 linear: Callable[[Linear, torch.Tensor], torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward`, the fused weight multiplied by `product`, the separate ones by `linear`."""
         b, t, _ = x.shape
         if self.qkv_weight is not None:
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            product = self.qkv_format.prefill if prefill else self.qkv_format
             qkv = product(x, self.qkv_weight, self.qkv_bias, self.qkv_scale, self.qkv_packed)  # (B, T, (Hq + 2 Hkv) D)
             if self.q_norm is None:  # q and k are adjacent heads of one tensor: rotate them in one pass
                 qk = apply_rope(qkv[..., : q_width + kv_width].view(b, t, -1, self.head_dim), cos, sin)
@@ -218,7 +244,7 @@ class QKVProjection(nn.Module):
                 return q, k, qkv[..., q_width + kv_width :].view(b, t, self.num_kv_heads, self.head_dim)
             q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
         else:
-            q, k, v = self.q_proj(x, prefill), self.k_proj(x, prefill), self.v_proj(x, prefill)
+            q, k, v = linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
@@ -228,30 +254,44 @@ class QKVProjection(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           prefill: bool = False, num_keys: int | None = None, kernel: bool = False) -> torch.Tensor:
+           num_keys: int | None = None, kernel: bool = False) -> torch.Tensor:
     """Scaled dot-product attention with GQA.
 
     q (B, T, Hq, D); k, v (B, S', Hkv, D) whose first S = num_keys (default S') positions are the keys;
     mask (B, 1, T, S) bool, True = may attend, or None for full attention. Returns (B, T, Hq * D).
     Positions after the S keys must hold finite values and are never attended: a paged read may add them
     (`key_multiple`). Row-invariant tensors take `_attend_row_invariant`.
-    prefill: the rows are a prompt's (see the module doc): a query block's rows share one product.
     kernel: the model attends with hspec's kernel over its pool, float32 or bfloat16 (`TargetModel.kv_dtype`):
     a decode's or a verify's row-invariant rows go to `torch.ops.hspec.attention` (models/cpu_kernels.cpp),
     which widens each key and value to fp32 as it reads it, computes each row alone and skips the keys it may
-    not see: one call where `_attend_row_invariant` makes ~25 (docs/fast-path.md#hspecs-cpu-kernels). A
-    prompt's rows take `_attend_row_invariant` over the keys widened to float32, so a bf16 pool gives them
-    the fp32 pool's products and bits. A model uses the kernel for every decode and verify or for none
-    (`loading.build_model` decides).
+    not see: one call where `_attend_row_invariant` makes ~25 (docs/fast-path.md#hspecs-cpu-kernels). A model
+    uses the kernel for every decode and verify or for none (`loading.build_model` decides).
     """
     s = k.shape[1] if num_keys is None else num_keys
     if row_invariant(q):
-        kernel_pool = kernel and k.dtype in (torch.float32, torch.bfloat16)
-        if kernel_pool and not prefill:
+        if kernel and k.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.hspec.attention(q, k, v, mask, s)
-        if kernel_pool and k.dtype != torch.float32:
+        return _attend_row_invariant(q, k, v, mask, s, _ROW_BLOCK)
+    return _attend_fused(q, k, v, mask, s)
+
+
+def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   num_keys: int | None = None, kernel: bool = False) -> torch.Tensor:
+    """`attend` for a prompt's rows (see the module doc): a query block's rows of a KV head share one product
+    (other bits than a decode's); shapes as in `attend`. kernel: as in `attend`; a prompt's rows then take
+    `_attend_row_invariant` over the keys widened to float32, so a bf16 pool gives them the fp32 pool's
+    products and bits."""
+    s = k.shape[1] if num_keys is None else num_keys
+    if row_invariant(q):
+        if kernel and k.dtype == torch.bfloat16:
             k, v = widened(k), widened(v)
-        return _attend_row_invariant(q, k, v, mask, s, prefill)
+        return _attend_row_invariant(q, k, v, mask, s, q.shape[1] * q.shape[2])
+    return _attend_fused(q, k, v, mask, s)
+
+
+def _attend_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, s: int
+                  ) -> torch.Tensor:
+    """`attend` by torch's fused kernel (float32 and GPU tensors)."""
     b, t, hq, d = q.shape
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k[:, :s].transpose(1, 2), v[:, :s].transpose(1, 2), attn_mask=mask,
@@ -270,11 +310,11 @@ def key_multiple(x: torch.Tensor) -> int:
 
 
 def _attend_row_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                          s: int, prefill: bool = False) -> torch.Tensor:
+                          s: int, row_block: int) -> torch.Tensor:
     """`attend` computed so that a query row's output does not depend on the other rows of the call.
 
     The G = Hq / Hkv query heads that share a KV head become G * T rows, multiplied per KV head in
-    products of at most `_ROW_BLOCK` rows (a prompt's prefill: all in one).
+    products of at most `row_block` rows (`_ROW_BLOCK`; a prompt's prefill: all in one).
     Scores are a bf16 product over D (as the eager attention of reference implementations computes
     them) scaled and softmaxed in fp32; the weighted sum of values is accumulated in fp32 over chunks
     of `_VALUE_CHUNK` keys. Keys a row may not see get weight exactly 0, so a verify row, whose call
@@ -284,7 +324,6 @@ def _attend_row_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     keys up to the last one any of its rows sees: the keys it drops all have weight 0 for every row.
     """
     t = q.shape[1]
-    row_block = q.shape[1] * q.shape[2] if prefill else _ROW_BLOCK
     if mask is None or t <= _QUERY_BLOCK:
         return _attend_rows(q, k, v, mask, s, row_block)
     blocks = []

@@ -27,6 +27,7 @@ from hspec.models.layers import (
     RMSNorm,
     SwiGLU,
     attend,
+    attend_prefill,
     key_multiple,
     rope_cos_sin,
     row_invariant,
@@ -54,7 +55,6 @@ class ForwardPass:
     write_slots: torch.Tensor  # (B, T) pool slots the new tokens' K/V go to
     table: SlotTable  # the keys' slots: a row per sequence (B, S), or per tree node (B T, S') (`_tree_table`)
     mask: torch.Tensor | None  # (rows, 1, T', S) bool, True = may attend
-    prefill: bool  # the rows are a prompt's (`TargetModel.prefill`): products in one call, other bits
 
 
 class Attention(nn.Module):
@@ -67,16 +67,32 @@ class Attention(nn.Module):
         self.kernel = False  # decodes and verifies attend with hspec's kernel (`layers.attend`; build_model sets it)
 
     def forward(self, x: torch.Tensor, fwd: ForwardPass, layer_index: int) -> torch.Tensor:
-        """x (B, T, H) -> (B, T, H). `fwd.table` has a row per sequence (B), or a row per new token (B T) for a
-        tree, each token then attending as a sequence of its own (`_tree_table`)."""
+        """x (B, T, H) -> (B, T, H) for a decode or a verify. `fwd.table` has a row per sequence (B), or a row
+        per new token (B T) for a tree, each token then attending as a sequence of its own (`_tree_table`)."""
         b, t = x.shape[:2]
-        q, k, v = self.qkv(x, fwd.cos, fwd.sin, fwd.prefill)  # (B, T, Hq, D), (B, T, Hkv, D) x2
-        fwd.pool.write(layer_index, fwd.write_slots, k, v)  # new tokens first, so they see themselves
-        keys, values = fwd.pool.gather(layer_index, fwd.table, key_multiple(x))  # (rows, S' >= S, Hkv, D)
+        q, k, v = self.qkv(x, fwd.cos, fwd.sin)  # (B, T, Hq, D), (B, T, Hkv, D) x2
+        keys, values = self._write_and_read(k, v, fwd, layer_index, key_multiple(x))
         rows, s = fwd.table.slots.shape
-        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, fwd.mask, fwd.prefill, s,
+        out = attend(q.reshape(rows, b * t // rows, *q.shape[2:]), keys, values, fwd.mask, s,
                      self.kernel)  # (rows, T', Hq D)
-        return self.o_proj(out.reshape(b, t, -1), fwd.prefill)
+        return self.o_proj(out.reshape(b, t, -1))
+
+    def prefill(self, x: torch.Tensor, fwd: ForwardPass, layer_index: int) -> torch.Tensor:
+        """`forward` for a prompt's tokens (one row per sequence): products in one call, other bits
+        (`TargetModel.prefill`)."""
+        b, t = x.shape[:2]
+        q, k, v = self.qkv.prefill(x, fwd.cos, fwd.sin)  # (B, T, Hq, D), (B, T, Hkv, D) x2
+        keys, values = self._write_and_read(k, v, fwd, layer_index, key_multiple(x))
+        out = attend_prefill(q, keys, values, fwd.mask, fwd.table.slots.shape[1], self.kernel)  # (B, T, Hq D)
+        return self.o_proj.prefill(out)
+
+    @staticmethod
+    def _write_and_read(k: torch.Tensor, v: torch.Tensor, fwd: ForwardPass, layer_index: int, multiple: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' K/V first, so that they see themselves, then read the keys of `fwd.table`:
+        each (rows, S' >= S, Hkv, D)."""
+        fwd.pool.write(layer_index, fwd.write_slots, k, v)
+        return fwd.pool.gather(layer_index, fwd.table, multiple)
 
 
 class DecoderLayer(nn.Module):
@@ -88,8 +104,14 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, fwd: ForwardPass, layer_index: int) -> torch.Tensor:
+        """x (B, T, H) -> (B, T, H) for a decode or a verify."""
         x = x + self.self_attn(self.input_layernorm(x), fwd, layer_index)  # (B, T, H)
-        return x + self.mlp(self.post_attention_layernorm(x), fwd.prefill)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def prefill(self, x: torch.Tensor, fwd: ForwardPass, layer_index: int) -> torch.Tensor:
+        """`forward` for a prompt's tokens (`Attention.prefill`)."""
+        x = x + self.self_attn.prefill(self.input_layernorm(x), fwd, layer_index)  # (B, T, H)
+        return x + self.mlp.prefill(self.post_attention_layernorm(x))
 
 
 class TargetModel(nn.Module):
@@ -263,9 +285,9 @@ class TargetModel(nn.Module):
                                      table.contiguous_start, mask, layers)
             collected.update(zip(layers, outputs))
         else:
-            fwd = ForwardPass(cos, sin, pool, write_slots, table, mask, prefill)
+            fwd = ForwardPass(cos, sin, pool, write_slots, table, mask)
             for i, layer in enumerate(self.layers):
-                x = layer(x, fwd, i)
+                x = layer.prefill(x, fwd, i) if prefill else layer(x, fwd, i)
                 if i + 1 in wanted:
                     collected[i + 1] = x
         if last_logits_only:
