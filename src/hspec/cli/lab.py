@@ -110,6 +110,8 @@ def scaling_arguments(scaling: argparse.ArgumentParser) -> None:
 # The shipped H-Spec drafter's training: 5,000 + 3,500 + 6,000 + 2,000 + 1,500 steps of 4 x 16 blocks
 # (scripts/train_hspec_smollm2.sh, results/train_hspec_smollm2.md).
 SHIPPED_HSPEC_BLOCKS = 18_000 * 64
+# The --reference value that measures no drafter alongside the curve.
+NO_REFERENCE = "none"
 
 
 def run_scaling(args: argparse.Namespace) -> int:
@@ -129,7 +131,7 @@ def run_scaling(args: argparse.Namespace) -> int:
     if len(goals) != 2:
         raise ValueError(f"--tau-goal takes two values (Spec-Bench, held out), got {args.tau_goal!r}")
     target = load_target(args.target)
-    reference = None if args.reference == "none" else (
+    reference = None if args.reference == NO_REFERENCE else (
         shipped_drafter_path(args.kind, target.name) if args.reference == "shipped" else Path(args.reference))
     reference_blocks = args.reference_blocks
     if reference is not None and args.reference == "shipped":
