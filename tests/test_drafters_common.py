@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from hspec.drafters import create_drafter
+from hspec.drafters import DRAFTERS, create_drafter, vllm_exported_kinds
 from hspec.drafters.common import (
     DrafterConfig,
     MarkovHead,
@@ -167,3 +167,11 @@ def test_pruned_vocab_head_tries_packing_once_per_refresh():
     head(hidden)
     head(hidden)
     assert len(calls) == 2
+
+
+def test_what_other_engines_run_is_declared_by_the_kind_itself_and_not_inherited():
+    """vLLM serves exports of DFlash and P-Eagle, llama.cpp runs DFlash and DSpark: each declares it, and DFlash's
+    other subclasses (DeLS-Spec, DFlash-2, DFly, SpecBlock) do not inherit it."""
+    assert vllm_exported_kinds() == {"dflash": "dflash", "eagle3": "peagle"}
+    assert {kind for kind in DRAFTERS.names() if DRAFTERS.get(kind).llama_cpp_arch} == {"dflash", "dspark"}
+    assert DRAFTERS.get("dels").starts_from == ("dflash",) and DRAFTERS.get("dflash").starts_from == ()

@@ -160,14 +160,20 @@ class Drafter(ABC):
     # and verifies the tree (decoding/tree_step.py) instead of calling `propose`.
     proposes_tree: bool = False
     # The vLLM speculative method that serves this kind's export (integrations/vllm/export.py writes it):
-    # "dflash" for DFlash, "eagle3" for P-Eagle; None where vLLM serves no export of the kind. Not inherited
-    # (`__init_subclass__`): a subclass changes what vLLM would have to run, so it declares its own.
+    # "dflash" for DFlash, "eagle3" for P-Eagle; None where vLLM serves no export of the kind.
     vllm_method: str | None = None
+    # The llama.cpp architecture that runs this kind's GGUF export (integrations/llama_cpp/export.py):
+    # "dflash" for DFlash and DSpark; None where llama.cpp runs none.
+    llama_cpp_arch: str | None = None
+    # Declarations a subclass does not inherit (`__init_subclass__` resets them): a subclass changes what
+    # another engine would have to run, so it declares its own.
+    _NOT_INHERITED = ("vllm_method", "llama_cpp_arch")
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        if "vllm_method" not in vars(cls):
-            cls.vllm_method = None
+        for name in Drafter._NOT_INHERITED:
+            if name not in vars(cls):
+                setattr(cls, name, None)
 
     def check_target(self, config: TargetConfig) -> None:
         """Raise ValueError, naming both shapes, if this drafter cannot serve `config`."""

@@ -86,6 +86,7 @@ class DFlashDrafter(DFlashBackbone):
     """DFlash: fused target context projected into a drafter-side KV cache kept in the pool."""
 
     vllm_method = "dflash"  # vLLM's DFlash proposer runs the export (integrations/vllm/export.py)
+    llama_cpp_arch = "dflash"  # llama.cpp's DFlash drafter runs the GGUF export (integrations/llama_cpp/)
 
     def __init__(self, target_config: TargetConfig, target_model: nn.Module | None = None,
                  config: DFlashConfig | None = None, device: torch.device | str | None = None,
@@ -153,6 +154,8 @@ class DFlashDrafter(DFlashBackbone):
 @DRAFTERS.register("dspark")
 class DSparkDrafter(DFlashDrafter):
     """DSpark (the paper's strongest baseline): DFlash + the Markov head (rank 256)."""
+
+    llama_cpp_arch = "dflash"  # llama.cpp chains the Markov head per slot (its draft-dspark type)
 
 
 @DRAFTERS.register("dflash-kvreuse")

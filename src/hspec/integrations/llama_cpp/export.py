@@ -52,12 +52,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from hspec.drafters import DRAFTERS
 from hspec.drafters.checkpoint import CONFIG_FILE, DRAFTER_CONFIG_KEY, WEIGHTS_FILE, read_checkpoint
 from hspec.integrations.vllm.export import pick_mask_token_id, read_target_embedding, read_target_lm_head
 
 ARCH = "dflash"  # llama.cpp's architecture for the whole DFlash family
 SPEC_TYPE = "draft-dspark"  # the llama.cpp speculative type whose block layout is hspec's (module doc, 1.)
-EXPORTABLE_KINDS = ("dflash", "dspark")
 GGUF_DTYPES = {"f32": np.float32, "f16": np.float16}
 SOURCE_KEY = "hspec.source"  # JSON: the checkpoint, its kind and the target it was exported against
 
@@ -104,9 +104,10 @@ def check_exportable(kind: str, drafter_config: dict[str, Any]) -> None:
     """Raise ValueError, saying what to train instead, when llama.cpp cannot run this drafter."""
     if kind in _REFUSED:
         raise ValueError(f"cannot export a {kind!r} drafter to llama.cpp: {_REFUSED[kind]}")
-    if kind not in EXPORTABLE_KINDS:
-        raise ValueError(f"cannot export a {kind!r} drafter to llama.cpp: its `dflash` architecture runs the "
-                         f"DFlash family only; train --drafter dflash or dspark (exportable: {EXPORTABLE_KINDS})")
+    if DRAFTERS.get(kind).llama_cpp_arch != ARCH:
+        exportable = [k for k in DRAFTERS.names() if DRAFTERS.get(k).llama_cpp_arch == ARCH]
+        raise ValueError(f"cannot export a {kind!r} drafter to llama.cpp: its `{ARCH}` architecture runs the "
+                         f"DFlash family only; train --drafter {' or '.join(exportable)} (the kinds that declare it)")
     rope = drafter_config["target"]["rope_scaling"]["rope_type"]
     if rope not in ("default", "llama3"):
         raise ValueError(f"cannot export: the target's RoPE scaling {rope!r} has no mapping to llama.cpp's DFlash "

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from hspec.drafters import DRAFTERS, vllm_exported_kinds
 from hspec.drafters.checkpoint import CONFIG_FILE, DRAFTER_CONFIG_KEY, WEIGHTS_FILE, read_checkpoint
 from hspec.durable import atomic_directory, check_replaceable
 
@@ -154,8 +155,6 @@ def _check_destination(dst: Path) -> None:
 def _check_method(src: Path, kind: str, method: str, writer: str) -> None:
     """Raise ValueError unless drafter `kind` declares vLLM `method` (`Drafter.vllm_method`), naming the kind
     that does."""
-    from hspec.drafters import DRAFTERS, vllm_exported_kinds
-
     if DRAFTERS.get(kind).vllm_method != method:
         raise ValueError(f"{src} holds a {kind!r} drafter; {writer} takes {vllm_exported_kinds().get(method)!r} "
                          f"(the kinds vLLM serves, by method: {vllm_exported_kinds()})")
@@ -165,8 +164,6 @@ def export_for_vllm(src: str | Path, dst: str | Path, target_dir: str | Path, K:
                     mask_token_id: int | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """Write the checkpoint `src` in the layout of the vLLM method its kind declares (`Drafter.vllm_method`):
     `export_dflash_for_vllm` or `export_peagle_for_vllm`, whose arguments these are. Returns `dst`."""
-    from hspec.drafters import DRAFTERS, vllm_exported_kinds
-
     kind = read_checkpoint(Path(src)).kind
     method = DRAFTERS.get(kind).vllm_method
     if method is None:
