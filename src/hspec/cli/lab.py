@@ -107,9 +107,9 @@ def scaling_arguments(scaling: argparse.ArgumentParser) -> None:
     scaling.add_argument("--name", default=None, help="file stem (default scaling_<kind>)")
 
 
-# The shipped H-Spec drafter's training: 5,000 + 3,500 + 6,000 + 2,000 + 1,500 steps of 4 x 16 blocks
-# (scripts/train_hspec_smollm2.sh, results/train_hspec_smollm2.md).
-SHIPPED_HSPEC_BLOCKS = 18_000 * 64
+# The blocks each shipped drafter trained on, by kind. H-Spec: 5,000 + 3,500 + 6,000 + 2,000 + 1,500 steps of
+# 4 x 16 blocks (scripts/train_hspec_smollm2.sh, results/train_hspec_smollm2.md).
+SHIPPED_BLOCKS = {"hspec": 18_000 * 64}
 # The --reference value that measures no drafter alongside the curve.
 NO_REFERENCE = "none"
 
@@ -136,8 +136,8 @@ def run_scaling(args: argparse.Namespace) -> int:
     reference_blocks = args.reference_blocks
     if reference is not None and args.reference == "shipped":
         reference = Path(os.path.relpath(reference)) if reference.is_relative_to(Path.cwd()) else reference
-        if reference_blocks is None and args.kind == "hspec":
-            reference_blocks = SHIPPED_HSPEC_BLOCKS
+        if reference_blocks is None:
+            reference_blocks = SHIPPED_BLOCKS.get(args.kind)
     if reference is not None and not (reference / "config.json").exists():
         if args.reference != "shipped":
             raise FileNotFoundError(f"no drafter at --reference {reference}")
