@@ -1,0 +1,143 @@
+"""Whether vdpbf16ps (AVX512-BF16) or AMX can halve the arithmetic of a long verify's attention (issue 50, item 5).
+
+    .venv/bin/python scripts/bench_bf16_dot.py --out results/attention_scaling/bf16_dot
+
+Builds scripts/bf16_dot_probe.c with gcc and runs it on this CPU: 1. the instruction's semantics, brute force
+against a scalar model and against its AVX2 replay (two FMAs under MXCSR DAZ|FTZ), denormals included; 2. its
+rate against the fp32 FMA's (independent accumulators, thread CPU time, interleaved rounds); 3. a verify's
+scores for one (layer, KV head) in the kernel's tile shape, FMA form against dot form; 4. AMX's tdpbf16ps, the
+same semantics check and its rate. Then the arithmetic against the goal: the extra multiply-adds of an 8-token
+verify at 2,048 keys over one at 256 (w4a8 SmolLM2-135M: 30 layers x 3 KV heads, 24 query rows a head, D = 64,
+scores and value sums), at each measured rate, beside the time 1.3x allows on the quiet host
+(results/attention_scaling/quiet: the verify at 256 keys). Writes <out>/bf16_dot.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from hspec.provenance import provenance, provenance_markdown, write_results
+
+PROBE = Path(__file__).with_name("bf16_dot_probe.c")
+# w4a8 SmolLM2-135M's attention in an 8-token verify: (layer, KV head) pairs, query rows a pair (8 tokens x 3
+# query heads), head dim.
+PAIRS, ROWS, DIM = 30 * 3, 8 * 3, 64
+GOAL = 1.3
+
+
+def run_probe(vectors: int, rounds: int) -> dict[str, float]:
+    """The probe's "name value" lines as a dict (the probe built in a temporary directory)."""
+    with tempfile.TemporaryDirectory() as workdir:
+        binary = Path(workdir) / "bf16_dot_probe"
+        subprocess.run(["gcc", "-O2", str(PROBE), "-o", str(binary), "-lm"], check=True)
+        text = subprocess.run([str(binary), str(vectors), str(rounds)], check=True, capture_output=True,
+                              text=True).stdout
+    values = {}
+    for line in text.splitlines():
+        name, value = line.split()
+        values[name] = float(value)
+    return values
+
+
+def arithmetic(probe: dict[str, float], quiet: Path) -> dict[str, object]:
+    """The extra multiply-adds of a verify at 2,048 keys over 256, and the milliseconds each rate takes for them."""
+    extra = PAIRS * ROWS * DIM * 2 * (2048 - 256)  # scores and value sums
+    verify_256 = next(r["cpu_ms"]["median"] for r in json.loads(quiet.read_text())["hspec"]
+                      if r["S"] == 256 and r["kind"] == "verify")
+    rates = {"fp32 FMA, peak (zmm)": probe["products_per_ns_fma_zmm_16"],
+             "vdpbf16ps, peak (zmm)": probe["products_per_ns_dpbf16_zmm_16"],
+             "fp32 FMA, verify score tile": probe["verify_scores_fma_products_per_ns"],
+             "vdpbf16ps, verify score tile": probe["verify_scores_dot_products_per_ns"]}
+    if "products_per_ns_tdpbf16ps" in probe:
+        rates["AMX tdpbf16ps, peak"] = probe["products_per_ns_tdpbf16ps"]
+    return {"extra_multiply_adds": extra, "quiet_verify_256_ms": verify_256,
+            "allowed_extra_ms": (GOAL - 1) * verify_256,
+            "extra_ms_at": {name: extra / rate / 1e6 for name, rate in rates.items()}}
+
+
+def markdown(payload: dict) -> str:
+    p, a = payload["probe"], payload["arithmetic"]
+    lines = ["# vdpbf16ps and AMX against the fp32 FMA, for a long verify's attention", "",
+             provenance_markdown(payload["provenance"]), "",
+             f"- load average (1, 5, 15 min) before {payload['load_average']['before']}, after "
+             f"{payload['load_average']['after']}", "",
+             "## 1. What vdpbf16ps computes", "",
+             f"{int(p['semantics_lanes']):,} lanes of random operands ({int(p['semantics_denormal_inputs']):,} "
+             f"denormal bf16 inputs, {int(p['semantics_nan_lanes']):,} NaN results):", "",
+             "| model | lanes that differ from the instruction |", "|---|---:|",
+             f"| acc + a1 b1, then + a0 b0; one rounding each (nearest even), denormals in and out as 0 "
+             f"| {int(p['mismatch_odd_first_model'])} |",
+             f"| the same, even pair first | {int(p['mismatch_even_first_model'])} |",
+             f"| AVX2 replay: vfmadd231ps (odd), vfmadd231ps (even) under MXCSR DAZ and FTZ "
+             f"| {int(p['mismatch_avx2_replay'])} |", "",
+             "## 2. Rates (thread CPU time, medians of interleaved rounds)", "",
+             "| instruction | ns an instruction | multiply-adds a ns |", "|---|---:|---:|"]
+    for name, label in (("fma_zmm_16", "vfmadd231ps zmm, 16 accumulators"),
+                        ("fma_zmm_24", "vfmadd231ps zmm, 24 accumulators"),
+                        ("dpbf16_zmm_16", "vdpbf16ps zmm, 16 accumulators"),
+                        ("dpbf16_zmm_24", "vdpbf16ps zmm, 24 accumulators"),
+                        ("fma_ymm_12", "vfmadd231ps ymm, 12 accumulators"),
+                        ("dpbf16_ymm_16", "vdpbf16ps ymm, 16 accumulators")):
+        lines.append(f"| {label} | {p['ns_per_instruction_' + name]:.3f} | {p['products_per_ns_' + name]:.1f} |")
+    if p.get("amx"):
+        lines.append(f"| AMX tdpbf16ps, 4 accumulator tiles | {p['ns_per_instruction_tdpbf16ps']:.3f} | "
+                     f"{p['products_per_ns_tdpbf16ps']:.1f} |")
+    lines += ["", "## 3. A verify's scores, one (layer, KV head): 24 rows x 2,048 bf16 keys x D = 64, tiles of 6 "
+              "rows x 64 keys", "",
+              "| form | us | multiply-adds a ns |", "|---|---:|---:|",
+              f"| fp32 FMA (keys widened) | {p['verify_scores_fma_us']:.1f} | "
+              f"{p['verify_scores_fma_products_per_ns']:.1f} |",
+              f"| vdpbf16ps (dims paired by vpermt2w) | {p['verify_scores_dot_us']:.1f} | "
+              f"{p['verify_scores_dot_products_per_ns']:.1f} |", "",
+              f"The dot form's scores against its AVX2 replay: {int(p['verify_scores_replay_mismatches'])} differ; "
+              f"against the FMA form's: largest difference {p['verify_scores_max_abs_change']:.3g} (scores up to "
+              f"{p['verify_scores_max_abs']:.3g})."]
+    if p.get("amx"):
+        lines += ["", "## 4. What AMX's tdpbf16ps computes", "",
+                  f"{int(p['amx_lanes']):,} lanes of random tiles: {int(p['amx_mismatch_stepwise_model']):,} differ "
+                  f"from the step-by-step model of 1.; of {int(p['amx_moderate_lanes']):,} lanes of moderate "
+                  f"operands (no denormal, no overflow), {int(p['amx_moderate_mismatch_stepwise_model']):,} "
+                  f"differ from it and {int(p['amx_moderate_mismatch_sum_then_add']):,} from the 32 products "
+                  "summed in fp32 in order, then added to the accumulator."]
+    lines += ["", "## The arithmetic to 1.3x", "",
+              f"An 8-token verify at 2,048 keys does {a['extra_multiply_adds'] / 1e6:.1f} M multiply-adds more than "
+              f"one at 256 keys; on the quiet host the verify at 256 keys took {a['quiet_verify_256_ms']:.1f} ms, "
+              f"so 1.3x allows {a['allowed_extra_ms']:.1f} ms more.", "",
+              "| those multiply-adds at | ms |", "|---|---:|"]
+    lines += [f"| {name} | {ms:.2f} |" for name, ms in a["extra_ms_at"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vectors", type=int, default=2_000_000, help="random 512-bit operands for the semantics")
+    parser.add_argument("--rounds", type=int, default=40, help="interleaved timing rounds")
+    parser.add_argument("--quiet", type=Path, default=Path("results/attention_scaling/quiet/attention_scaling.json"),
+                        help="the quiet host's verify timings (the 1.3x budget)")
+    parser.add_argument("--out", type=Path, default=Path("results/attention_scaling/bf16_dot"))
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    probe = run_probe(args.vectors, args.rounds)
+    load_after = os.getloadavg()
+    if not probe.get("avx512bf16"):
+        raise SystemExit("this CPU lacks AVX512-BF16")
+    command = (f"python scripts/bench_bf16_dot.py --vectors {args.vectors} --rounds {args.rounds} "
+               f"--quiet {args.quiet} --out {args.out}")
+    payload = {"provenance": provenance(command, {"vectors": args.vectors, "rounds": args.rounds,
+                                                  "compiler": "gcc -O2", "threads": 1}),
+               "load_average": {"before": load_before, "after": load_after}, "probe": probe,
+               "arithmetic": arithmetic(probe, args.quiet)}
+    md = markdown(payload)
+    json_path, md_path = write_results(args.out, "bf16_dot", payload, md)
+    print(md)
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
