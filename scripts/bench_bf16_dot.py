@@ -8,11 +8,11 @@ rate against the fp32 FMA's (independent accumulators, thread CPU time, interlea
 scores for one (layer, KV head) in the kernel's tile shape, FMA form against dot form; 4. AMX's tdpbf16ps, the
 same semantics check and its rate. Then the arithmetic against the goal: the extra multiply-adds of an 8-token
 verify at 2,048 keys over one at 256 (w4a8 SmolLM2-135M: 30 layers x 3 KV heads, 24 query rows a head, D = 64,
-scores and value sums), at each measured rate, beside the time 1.3x allows on the quiet host
-(results/attention_scaling/quiet: the verify at 256 keys). 5. hspec's attention kernel itself
-(`torch.ops.hspec.attention`, one layer's call over a bf16 pool laid out as the target's, K transposed) for a
+scores and value sums), at each measured rate, beside the time 1.3x allows (of the verify at 256 keys in 5.).
+5. hspec's attention kernel itself
+(`torch.ops.hspec.attention`, over bf16 K/V laid out as the target's pool lays them out, K transposed) for a
 decode and an 8-token verify (causal mask) at 256 and 2,048 keys, 30 layers' own K/V in turn (from memory,
-as a forward reads them), interleaved, thread CPU time: what the 30
+as a forward reads them), beside the target's whole verify forward, interleaved, thread CPU time: what the 30
 layers' calls add at 2,048 keys beside what their multiply-adds take at the FMA's rate. Writes
 <out>/bf16_dot.{json,md}.
 """
@@ -20,7 +20,6 @@ layers' calls add at 2,048 keys beside what their multiply-adds take at the FMA'
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -32,6 +31,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from hspec.cache.paged_pool import blocks_for  # noqa: E402
+from hspec.models.loading import load_target  # noqa: E402
 from hspec.models.native import load_kernels  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
 
@@ -57,12 +58,19 @@ def run_probe(vectors: int, rounds: int) -> dict[str, float]:
     return values
 
 
-def time_kernel(contexts: list[int], rounds: int) -> list[dict[str, object]]:
-    """Median thread CPU time (us) of a forward's 30 `hspec::attention` calls, one per layer over that layer's
-    own K/V (47 MB at 2,048 keys, so they come from memory as a forward's do), per (S, decode or verify),
-    interleaved; reported per call."""
+def time_calls(contexts: list[int], rounds: int, dtype: str) -> list[dict[str, object]]:
+    """Median thread CPU time (ms) of, per S: a forward's 30 `hspec::attention` calls for a decode and for an
+    8-token verify, one per layer over that layer's own K/V (47 MB at 2,048 keys, so they come from memory
+    as a forward's do), and the target's whole 8-token verify forward over a pool of S positions; all
+    interleaved round by round."""
     g = torch.Generator().manual_seed(0)
+    target = load_target("smollm2", dtype=dtype)
+    model = target.model.eval()
+    c = model.config
+    if (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) != (LAYERS, HQ, HKV, DIM):
+        raise SystemExit(f"expected SmolLM2-135M's attention shapes, got {c}")
     calls = {}
+    ids = torch.randint(0, c.vocab_size, (1, TOKENS), generator=g)
     for s in contexts:
         # K^T as the pool keeps it: (B, S', Hkv, D) over memory laid out (B, Hkv, D, S'), bf16
         layers = [(torch.randn((1, HKV, DIM, s), generator=g).bfloat16().permute(0, 3, 1, 2),
@@ -70,38 +78,46 @@ def time_kernel(contexts: list[int], rounds: int) -> list[dict[str, object]]:
         for kind, t in (("decode", 1), ("verify", TOKENS)):
             q = torch.randn((1, t, HQ, DIM), generator=g).bfloat16()
             mask = torch.ones((1, 1, t, s), dtype=torch.bool).tril(s - t)  # row i sees keys < S - T + i + 1
-            calls[(s, kind)] = [(q, k, v, mask, s) for k, v in layers]
+            forward = [(q, k, v, mask, s) for k, v in layers]
+            calls[(s, f"{kind}: 30 attention calls")] = lambda forward=forward: [
+                torch.ops.hspec.attention(*args) for args in forward]
+        pool = model.new_pool(blocks_for(s + TOKENS, 16), 16)  # the target's own (bf16) pool, random K/V
+        pool.add_sequence(0)
+        pool.k[:, : s + TOKENS].copy_(torch.randn(pool.k[:, : s + TOKENS].shape, generator=g))
+        pool.v[:, : s + TOKENS].copy_(torch.randn(pool.v[:, : s + TOKENS].shape, generator=g))
+        pool.extend([0], s)
+        calls[(s, "verify: the whole forward")] = lambda pool=pool, s=s: (model(ids, pool, [0]), pool.truncate(0, s))
     times: dict[tuple[int, str], list[float]] = {key: [] for key in calls}
     with torch.inference_mode():
-        for forward in calls.values():
-            for args in forward:
-                torch.ops.hspec.attention(*args)
+        for call in calls.values():
+            call()
         for _ in range(rounds):
-            for key, forward in calls.items():
+            for key, call in calls.items():
                 start = time.thread_time()
-                for args in forward:
-                    torch.ops.hspec.attention(*args)
-                times[key].append((time.thread_time() - start) / LAYERS)
-    return [{"S": s, "kind": kind, "us": 1e6 * statistics.median(t)} for (s, kind), t in times.items()]
+                call()
+                times[key].append(time.thread_time() - start)
+    return [{"S": s, "call": name, "ms": 1e3 * statistics.median(t)} for (s, name), t in times.items()]
 
 
-def arithmetic(probe: dict[str, float], quiet: Path, kernel: list[dict[str, object]]) -> dict[str, object]:
-    """The extra multiply-adds of a verify at 2,048 keys over 256, and the milliseconds each rate takes for them."""
+def arithmetic(probe: dict[str, float], kernel: list[dict[str, object]]) -> dict[str, object]:
+    """The extra multiply-adds of a verify at 2,048 keys over 256, the milliseconds each rate takes for them, and
+    what 1.3x of this run's verify forward at 256 keys allows."""
     extra = PAIRS * ROWS * DIM * 2 * (2048 - 256)  # scores and value sums
-    verify_256 = next(r["cpu_ms"]["median"] for r in json.loads(quiet.read_text())["hspec"]
-                      if r["S"] == 256 and r["kind"] == "verify")
     rates = {"fp32 FMA, peak (zmm)": probe["products_per_ns_fma_zmm_16"],
              "vdpbf16ps, peak (zmm)": probe["products_per_ns_dpbf16_zmm_16"],
              "fp32 FMA, verify score tile": probe["verify_scores_fma_products_per_ns"],
              "vdpbf16ps, verify score tile": probe["verify_scores_dot_products_per_ns"]}
     if "products_per_ns_tdpbf16ps" in probe:
         rates["AMX tdpbf16ps, peak"] = probe["products_per_ns_tdpbf16ps"]
-    verify_us = {row["S"]: row["us"] for row in kernel if row["kind"] == "verify"}
-    return {"extra_multiply_adds": extra, "quiet_verify_256_ms": verify_256,
-            "kernel_extra_ms": LAYERS * (verify_us[2048] - verify_us[256]) / 1e3,
+    kernel_ms = {row["S"]: row["ms"] for row in kernel if row["call"].startswith("verify: 30")}
+    forward_ms = {row["S"]: row["ms"] for row in kernel if row["call"] == "verify: the whole forward"}
+    return {"extra_multiply_adds": extra, "verify_256_ms": forward_ms[256],
+            "kernel_extra_ms": kernel_ms[2048] - kernel_ms[256],
+            "forward_extra_ms": forward_ms[2048] - forward_ms[256],
+            "forward_ratio": forward_ms[2048] / forward_ms[256],
             # one verify call at 2,048 keys: its scores' and value sums' multiply-adds a ns of its time
-            "kernel_verify_2048_products_per_ns": HQ * TOKENS * 2048 * DIM * 2 / (1e3 * verify_us[2048]),
-            "allowed_extra_ms": (GOAL - 1) * verify_256,
+            "kernel_verify_2048_products_per_ns": LAYERS * HQ * TOKENS * 2048 * DIM * 2 / (1e6 * kernel_ms[2048]),
+            "allowed_extra_ms": (GOAL - 1) * forward_ms[256],
             "extra_ms_at": {name: extra / rate / 1e6 for name, rate in rates.items()}}
 
 
@@ -151,16 +167,17 @@ def markdown(payload: dict) -> str:
                   "summed in fp32 in order, then added to the accumulator."]
     lines += ["", "## The arithmetic to 1.3x", "",
               f"An 8-token verify at 2,048 keys does {a['extra_multiply_adds'] / 1e6:.1f} M multiply-adds more than "
-              f"one at 256 keys; on the quiet host the verify at 256 keys took {a['quiet_verify_256_ms']:.1f} ms, "
+              f"one at 256 keys; the whole verify forward at 256 keys took {a['verify_256_ms']:.1f} ms (5.), "
               f"so 1.3x allows {a['allowed_extra_ms']:.1f} ms more.", "",
               "| those multiply-adds at | ms |", "|---|---:|"]
     lines += [f"| {name} | {ms:.2f} |" for name, ms in a["extra_ms_at"].items()]
-    lines += ["", "## 5. hspec's attention kernel, a call (bf16 pool, 9 query heads over 3 KV heads, D = 64), "
-              "30 layers' K/V in turn",
-              "", "| S (keys) | call | us (median thread CPU) |", "|---:|---|---:|"]
-    lines += [f"| {row['S']} | {row['kind']} | {row['us']:.1f} |" for row in payload["kernel"]]
-    lines += ["", f"The 30 layers' verify calls at 2,048 keys take {a['kernel_extra_ms']:.2f} ms more than at 256 "
-              f"(here, loaded), against {a['extra_ms_at']['fp32 FMA, peak (zmm)']:.2f} ms for their multiply-adds at "
+    lines += ["", "## 5. hspec's attention kernel (bf16 pool, 9 query heads over 3 KV heads, D = 64) and the whole "
+              f"verify forward ({payload['provenance']['settings']['dtype']} SmolLM2-135M), interleaved",
+              "", "| S (keys) | what | ms (median thread CPU) |", "|---:|---|---:|"]
+    lines += [f"| {row['S']} | {row['call']} | {row['ms']:.2f} |" for row in payload["kernel"]]
+    lines += ["", f"The whole verify at 2,048 keys takes {a['forward_ratio']:.2f}x the one at 256 here (loaded), "
+              f"{a['forward_extra_ms']:.2f} ms more; its 30 attention calls take {a['kernel_extra_ms']:.2f} ms more, "
+              f"against {a['extra_ms_at']['fp32 FMA, peak (zmm)']:.2f} ms for their multiply-adds at "
               f"the FMA's measured peak. A verify call at 2,048 keys does "
               f"{a['kernel_verify_2048_products_per_ns']:.1f} of its multiply-adds a ns, "
               f"{a['kernel_verify_2048_products_per_ns'] / p['products_per_ns_fma_zmm_16']:.0%} of that peak "
@@ -173,9 +190,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vectors", type=int, default=2_000_000, help="random 512-bit operands for the semantics")
     parser.add_argument("--rounds", type=int, default=40, help="interleaved timing rounds")
-    parser.add_argument("--kernel-rounds", type=int, default=40, help="interleaved rounds of the kernel's calls")
-    parser.add_argument("--quiet", type=Path, default=Path("results/attention_scaling/quiet/attention_scaling.json"),
-                        help="the quiet host's verify timings (the 1.3x budget)")
+    parser.add_argument("--kernel-rounds", type=int, default=30,
+                        help="interleaved rounds of the kernel's calls and the forwards")
+    parser.add_argument("--dtype", default="w4a8", help="the target's dtype for the whole forward")
     parser.add_argument("--out", type=Path, default=Path("results/attention_scaling/bf16_dot"))
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -185,15 +202,15 @@ def main() -> int:
     if not load_kernels():
         raise SystemExit("hspec's CPU kernels do not run here")
     torch.set_num_threads(1)
-    kernel = time_kernel([256, 2048], args.kernel_rounds)
+    kernel = time_calls([256, 2048], args.kernel_rounds, args.dtype)
     load_after = os.getloadavg()
     command = (f"python scripts/bench_bf16_dot.py --vectors {args.vectors} --rounds {args.rounds} "
-               f"--kernel-rounds {args.kernel_rounds} --quiet {args.quiet} --out {args.out}")
+               f"--kernel-rounds {args.kernel_rounds} --dtype {args.dtype} --out {args.out}")
     payload = {"provenance": provenance(command, {"vectors": args.vectors, "rounds": args.rounds,
-                                                  "kernel_rounds": args.kernel_rounds, "compiler": "gcc -O2",
-                                                  "threads": 1}),
+                                                  "kernel_rounds": args.kernel_rounds, "dtype": args.dtype,
+                                                  "compiler": "gcc -O2", "threads": 1}),
                "load_average": {"before": load_before, "after": load_after}, "probe": probe, "kernel": kernel,
-               "arithmetic": arithmetic(probe, args.quiet, kernel)}
+               "arithmetic": arithmetic(probe, kernel)}
     md = markdown(payload)
     json_path, md_path = write_results(args.out, "bf16_dot", payload, md)
     print(md)
