@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from hspec.cache.paged_pool import blocks_for  # noqa: E402
+from hspec.cache.paged_pool import pages_for  # noqa: E402
 from hspec.models.loading import load_target  # noqa: E402
 from hspec.models.native import load_kernels  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
@@ -81,7 +81,7 @@ def time_calls(contexts: list[int], rounds: int, dtype: str) -> list[dict[str, o
             forward = [(q, k, v, mask, s) for k, v in layers]
             calls[(s, f"{kind}: 30 attention calls")] = lambda forward=forward: [
                 torch.ops.hspec.attention(*args) for args in forward]
-        pool = model.new_pool(blocks_for(s + TOKENS, 16), 16)  # the target's own (bf16) pool, random K/V
+        pool = model.new_pool(pages_for(s + TOKENS, 16), 16)  # the target's own (bf16) pool, random K/V
         pool.add_sequence(0)
         pool.k[:, : s + TOKENS].copy_(torch.randn(pool.k[:, : s + TOKENS].shape, generator=g))
         pool.v[:, : s + TOKENS].copy_(torch.randn(pool.v[:, : s + TOKENS].shape, generator=g))
