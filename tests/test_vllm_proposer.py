@@ -75,7 +75,7 @@ def test_block_context_from_a_paged_cache_drafts_as_hspec_does(smollm2):
     ids = smollm2.tokenizer.encode_prompt("List the numbers from 1 to 12, separated by commas.")
     own = build_drafter("hspec", smollm2)
     layers = own.reused_kv_layers()
-    pool = smollm2.model.new_pool(num_blocks=8)
+    pool = smollm2.model.new_pool(num_pages=8)
     pool.add_sequence(0)
     out = smollm2.model(torch.tensor([ids]), pool, [0], hidden_layers=own.target_layers)
     own.commit(pool, [0], out.hidden, torch.tensor([len(ids)]))
