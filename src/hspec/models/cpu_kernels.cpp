@@ -621,6 +621,26 @@ HSPEC_VNNI inline __m512 load16_used(const c10::BFloat16* p, __mmask16 used) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// 32 consecutive bf16 values widened exactly to fp32 in two vectors, one instruction each (`load16` takes two
+// a vector): even (lane l: value 2l, its bits shifted up) and odd (lane l: value 2l + 1, masked in place).
+HSPEC_VNNI inline void load32_split(const c10::BFloat16* p, __m512& even, __m512& odd) {
+  const __m512i bits = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// 32 fp32 numbers in order (low: 0-15, high: 16-31) as `load32_split` lays them out (even, odd), and back.
+HSPEC_VNNI inline void split_lanes(__m512 low, __m512 high, __m512& even, __m512& odd) {
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  even = _mm512_permutex2var_ps(low, evens, high);
+  odd = _mm512_permutex2var_ps(low, _mm512_add_epi32(evens, _mm512_set1_epi32(1)), high);
+}
+HSPEC_VNNI inline void join_lanes(__m512 even, __m512 odd, __m512& low, __m512& high) {
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  low = _mm512_permutex2var_ps(even, first, odd);
+  high = _mm512_permutex2var_ps(even, _mm512_add_epi32(first, _mm512_set1_epi32(8)), odd);
+}
+
 // The scores of R query rows q (R, D) against up to 16 V consecutive keys from j0 (n of them, 1 <= n <= 16 V)
 // of K^T (D, S) with row stride ld, in 512-bit vectors (AVX-512): `score_block`'s FMA chain per (row, key),
 // 16 keys a vector; lanes past the n keys load 0 and are not stored. scores: R rows of stride lds.
@@ -638,6 +658,38 @@ HSPEC_VNNI void score_block_wide(const float* q, const KV* kt, int64_t ld, int64
   for (int r = 0; r < R; ++r)
     HSPEC_UNROLL
     for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
+  // A whole block of bf16 keys in pairs of vectors laid out by `load32_split` (keys in lanes by parity), put
+  // back in key order as they are stored: each key's chain is the same.
+  if (std::is_same_v<KV, c10::BFloat16> && V % 2 == 0 && n == 16 * V) {
+    for (int64_t i = 0; i < d; ++i) {
+      const KV* row = kt + i * ld + j0;
+      HSPEC_UNROLL
+      for (int c = 0; c < V; c += kVectorsPerLine<KV> / 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + 32 * V + 16 * c), _MM_HINT_T0);
+      }
+      HSPEC_UNROLL
+      for (int c = 0; c + 1 < V; c += 2) {
+        __m512 even, odd;
+        load32_split(reinterpret_cast<const c10::BFloat16*>(row + 16 * c), even, odd);
+        HSPEC_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const __m512 query = _mm512_set1_ps(q[r * d + i]);
+          acc[r][c] = _mm512_fmadd_ps(query, even, acc[r][c]);
+          acc[r][c + 1] = _mm512_fmadd_ps(query, odd, acc[r][c + 1]);
+        }
+      }
+    }
+    HSPEC_UNROLL
+    for (int r = 0; r < R; ++r)
+      HSPEC_UNROLL
+      for (int c = 0; c + 1 < V; c += 2) {
+        __m512 low, high;
+        join_lanes(acc[r][c], acc[r][c + 1], low, high);
+        _mm512_storeu_ps(scores + r * lds + j0 + 16 * c, low);
+        _mm512_storeu_ps(scores + r * lds + j0 + 16 * c + 16, high);
+      }
+    return;
+  }
   for (int64_t i = 0; i < d; ++i) {
     const KV* row = kt + i * ld + j0;
     HSPEC_UNROLL
@@ -758,18 +810,44 @@ HSPEC_VNNI void weighted_values_wide(const float* p, int64_t ldp, const Visible&
     for (int r = 0; r < R; ++r)
       HSPEC_UNROLL
       for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm512_loadu_ps(acc_rows + r * d + i0 + 16 * c);
+    if constexpr (std::is_same_v<KV, c10::BFloat16>) {  // 32 values a load (`load32_split`): outputs by parity
+      HSPEC_UNROLL
+      for (int r = 0; r < R; ++r)
+        HSPEC_UNROLL
+        for (int c = 0; c < kChunks; c += 2) split_lanes(acc[r][c], acc[r][c + 1], acc[r][c], acc[r][c + 1]);
+    }
     for (int64_t j = j_begin; j < shared_end; ++j) {
       const KV* row = v + j * ld + i0;
       HSPEC_UNROLL
       for (int c = 0; c < kChunks; c += kVectorsPerLine<KV> / 2) {
         _mm_prefetch(reinterpret_cast<const char*>(row + 8 * ld + 16 * c), _MM_HINT_T0);
       }
-      HSPEC_UNROLL
-      for (int c = 0; c < kChunks; ++c) {
-        const __m512 values = load16(row + 16 * c);
+      if constexpr (std::is_same_v<KV, c10::BFloat16>) {
         HSPEC_UNROLL
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ldp + j]), values, acc[r][c]);
+        for (int c = 0; c < kChunks; c += 2) {
+          __m512 even, odd;
+          load32_split(row + 16 * c, even, odd);
+          HSPEC_UNROLL
+          for (int r = 0; r < R; ++r) {
+            const __m512 weight = _mm512_set1_ps(p[r * ldp + j]);
+            acc[r][c] = _mm512_fmadd_ps(weight, even, acc[r][c]);
+            acc[r][c + 1] = _mm512_fmadd_ps(weight, odd, acc[r][c + 1]);
+          }
+        }
+      } else {
+        HSPEC_UNROLL
+        for (int c = 0; c < kChunks; ++c) {
+          const __m512 values = load16(row + 16 * c);
+          HSPEC_UNROLL
+          for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ldp + j]), values, acc[r][c]);
+        }
       }
+    }
+    if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+      HSPEC_UNROLL
+      for (int r = 0; r < R; ++r)
+        HSPEC_UNROLL
+        for (int c = 0; c < kChunks; c += 2) join_lanes(acc[r][c], acc[r][c + 1], acc[r][c], acc[r][c + 1]);
     }
     HSPEC_UNROLL
     for (int r = 0; r < R; ++r)
@@ -832,11 +910,25 @@ HSPEC_AVX2 float largest(const float* scores, int64_t n) {
   return top;
 }
 
-// A softmax's numerators from score i on: e_j = exp(score_j - shift) in place for i <= j < n, each added to
-// lane j % 8 of total (i a multiple of 8); the unused lanes of the last vector add 0.
-HSPEC_AVX2 __m256 exponentiate_from(float* scores, int64_t i, int64_t n, __m256 shift, __m256 total) {
+// a b, rounded to fp32 on its own: the empty asm keeps the compiler from fusing the product into the next
+// addition or subtraction (GCC contracts a b - c into one FMA, rounded once, unless told otherwise).
+HSPEC_AVX2 inline __m256 rounded_product(__m256 a, __m256 b) {
+  __m256 product = _mm256_mul_ps(a, b);
+  __asm__("" : "+x"(product));
+  return product;
+}
+HSPEC_VNNI inline __m512 rounded_product(__m512 a, __m512 b) {
+  __m512 product = _mm512_mul_ps(a, b);
+  __asm__("" : "+v"(product));
+  return product;
+}
+
+// A softmax's numerators from score i on: e_j = exp(score_j scale - shift) in place for i <= j < n (the
+// product rounded, then the difference), each added to lane j % 8 of total (i a multiple of 8); the unused
+// lanes of the last vector add 0.
+HSPEC_AVX2 __m256 exponentiate_from(float* scores, int64_t i, int64_t n, __m256 scale, __m256 shift, __m256 total) {
   for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift));
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(rounded_product(_mm256_loadu_ps(scores + i), scale), shift));
     _mm256_storeu_ps(scores + i, e);
     total = _mm256_add_ps(total, e);
   }
@@ -844,36 +936,39 @@ HSPEC_AVX2 __m256 exponentiate_from(float* scores, int64_t i, int64_t n, __m256 
     const __m256i used = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)),
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256 rest = _mm256_maskload_ps(scores + i, used);
-    const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(rest, shift)), _mm256_castsi256_ps(used));
+    const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(rounded_product(rest, scale), shift)),
+                                   _mm256_castsi256_ps(used));
     _mm256_maskstore_ps(scores + i, used, e);
     total = _mm256_add_ps(total, e);
   }
   return total;
 }
 
-// A softmax's numerators and their sum over n scores (scaled, of the keys a row sees, in key order), in
-// place: e_i = exp(score_i - max); returns their total. The sum runs in 8 lanes, score i in lane i % 8,
-// the lanes added in `lane_sum`'s tree, so it depends on the n scores alone (not on keys the row does
-// not see, nor on where they sat).
-HSPEC_AVX2 float exponentiate(float* scores, int64_t n) {
-  const __m256 shift = _mm256_set1_ps(largest(scores, n));
-  return lane_sum(exponentiate_from(scores, 0, n, shift, _mm256_setzero_ps()));
+// A softmax's numerators and their sum over n scores (of the keys a row sees, in key order) times scale > 0,
+// in place: e_i = exp(score_i scale - max_j score_j scale); returns their total. One pass after the max:
+// rounding is monotone, so the largest scaled score is the largest score scaled (the same bits as scaling
+// the row first). The sum runs in 8 lanes, score i in lane i % 8, the lanes added in `lane_sum`'s tree,
+// so it depends on the n scores alone (not on keys the row does not see, nor on where they sat).
+HSPEC_AVX2 float exponentiate(float* scores, int64_t n, float scale) {
+  const __m256 shift = _mm256_set1_ps(largest(scores, n) * scale);
+  return lane_sum(exponentiate_from(scores, 0, n, _mm256_set1_ps(scale), shift, _mm256_setzero_ps()));
 }
 
 // `exponentiate` 16 scores at a time (AVX-512): each vector's two halves added to the 8 lanes in order,
 // as two of `exponentiate`'s steps, so the same sum.
-HSPEC_VNNI float exponentiate_wide(float* scores, int64_t n) {
-  const float top = largest(scores, n);
+HSPEC_VNNI float exponentiate_wide(float* scores, int64_t n, float scale) {
+  const float top = largest(scores, n) * scale;
   const __m512 shift = _mm512_set1_ps(top);
+  const __m512 factor = _mm512_set1_ps(scale);
   __m256 total = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp_nonpositive_wide(_mm512_sub_ps(_mm512_loadu_ps(scores + i), shift));
+    const __m512 e = exp_nonpositive_wide(_mm512_sub_ps(rounded_product(_mm512_loadu_ps(scores + i), factor), shift));
     _mm512_storeu_ps(scores + i, e);
     total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
     total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
   }
-  return lane_sum(exponentiate_from(scores, i, n, _mm256_set1_ps(top), total));
+  return lane_sum(exponentiate_from(scores, i, n, _mm256_set1_ps(scale), _mm256_set1_ps(top), total));
 }
 
 // Query rows of one KV head that share a tile, each key and value vector loaded once for them: their
@@ -949,14 +1044,13 @@ void attend_head(const float* q, const RowKeys* keys, int64_t n, const Head<KV>&
     const RowKeys& own = keys[r];
     seen[r] = own.seen;
     if (own.lead == own.count) {  // a prefix of the keys, in place
-      for (int64_t j = 0; j < own.count; ++j) row[j] *= scale;
-      inverse_total[r] = 1.0f / (Wide ? exponentiate_wide(row, own.count) : exponentiate(row, own.count));
+      inverse_total[r] = 1.0f / (Wide ? exponentiate_wide(row, own.count, scale) : exponentiate(row, own.count, scale));
     } else {  // the seen keys' scores side by side, exponentiated, and put back
       int64_t m = 0;
       for (int64_t j = 0; j < s; ++j) {
-        if (own.seen[j]) compact[m++] = row[j] * scale;
+        if (own.seen[j]) compact[m++] = row[j];
       }
-      inverse_total[r] = 1.0f / (Wide ? exponentiate_wide(compact, m) : exponentiate(compact, m));
+      inverse_total[r] = 1.0f / (Wide ? exponentiate_wide(compact, m, scale) : exponentiate(compact, m, scale));
       for (int64_t j = 0, i = 0; j < s; ++j) {
         if (own.seen[j]) row[j] = compact[i++];
       }
