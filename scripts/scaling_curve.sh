@@ -14,7 +14,7 @@
 #   REFERENCE [shipped]  a drafter measured beside the curve ('none' for none)
 #   THREADS [1]  torch threads;  OUT [results/scaling_curve];  DRY_RUN [unset]: print the commands only
 # What the committed files were made with: scripts/scaling_curve.sh under `nice -n 19` (one thread), with
-# RUNS=/work/scaling_runs FEATURES_DIR=/work/scaling_runs/features; DFlash with KIND=dflash BUDGETS=12800,25600
+# RUNS=/work/scaling_runs FEATURES_DIR=/work/scaling_runs/features; DFlash with KIND=dflash BUDGETS=6400,12800,25600
 # REFERENCE=none (no shipped DFlash drafter). The report keeps the finished runs only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
