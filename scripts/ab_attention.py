@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,28 +27,15 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+from ab_products import build_baseline  # noqa: E402  (the baseline commit's kernels, renamed and built)
 
 from hspec.models.native import integer_capability, load_kernels  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
 
-SOURCE = "src/hspec/models/cpu_kernels.cpp"
 LAYERS, HQ, HKV, DIM, TOKENS = 30, 9, 3, 64, 8
 CONTEXTS = (256, 2048)
 # (S keys, T query tokens, Hq, Hkv, D) of the bit checks: full and partial key blocks, every head dim path
 BIT_CASES = [(2048, 8, 9, 3, 64), (37, 3, 4, 2, 64), (300, 5, 8, 8, 16), (129, 1, 9, 3, 64), (1000, 8, 6, 2, 128)]
-
-
-def build_baseline(commit: str, workdir: Path) -> None:
-    """`commit`'s cpu_kernels.cpp with its operators renamed to hspec_baseline::, built and loaded."""
-    from torch.utils import cpp_extension
-
-    text = subprocess.run(["git", "show", f"{commit}:{SOURCE}"], check=True, capture_output=True, text=True).stdout
-    text = text.replace("TORCH_LIBRARY(hspec,", "TORCH_LIBRARY(hspec_baseline,")
-    text = text.replace("TORCH_LIBRARY_IMPL(hspec,", "TORCH_LIBRARY_IMPL(hspec_baseline,")
-    source = workdir / "cpu_kernels_baseline.cpp"
-    source.write_text(text)
-    cpp_extension.load("hspec_cpu_kernels_baseline", [str(source)], extra_cflags=["-O3", "-fopenmp"],
-                       build_directory=str(workdir), is_python_module=False, verbose=False)
 
 
 def bit_checks(new, old, g: torch.Generator) -> list[dict[str, object]]:
