@@ -3,12 +3,13 @@
 `measure_step_cost` times, on a scratch pool of random keys and values (no prefill needed: a forward's
 cost does not depend on what the keys hold), the target's (K+1)-token verify against its 1-token decode at a
 short and a long context, its 2-token verify (one drafted token) at the short one, and the drafter's propose
-of K tokens against the decode at the short one, each the median of ratios of pairs timed back to back (so a
-load that comes and goes weighs on both sides of a ratio), and fits StepCost's line:
+of K tokens followed by a decode against two decodes at both contexts, each the median of ratios of pairs
+timed back to back (so a load that comes and goes weighs on both sides of a ratio), and fits StepCost's lines:
 
     verify(n, S) / decode(S) - 1 = first_token + n * (per_token + per_token_key * S)
         (n = K at two contexts: per_token_key; n = 1 and K at the short one: first_token and per_token)
-    draft = propose(K) / decode(S_short)
+    (propose(K) + decode after it - decode)(S) / decode(S) = draft + draft_per_key * S
+        (the decode after a propose is dearer: the drafter's weights pushed the target's out of the caches)
 
 The costs depend on the CPU, the thread count, the target and its dtype, and the drafter, so
 `cached_step_cost` keys its file by all of them (`cache_root()/step_costs/`); a second run on the same
@@ -102,20 +103,40 @@ def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: t
     first_token = 0.0 if one is None else max(one - 1.0 - at_short, 0.0)
     per_token_short = max(at_short - per_token_key * short, 0.0)
 
+    def draft_ratio(length: int) -> float:
+        """What a propose(K) at `length` keys adds to a step, in 1-token decodes at that context: the median
+        of (propose + the decode after it) / (decode + decode), times 2, less 1; so the draft includes what it
+        costs the decode after it (the drafter's weights push the target's out of the caches)."""
+        pool.extend([0], length - pool.length(0))
+        hidden = None
+        if layers:
+            hidden = torch.randn(1, length, len(layers), c.hidden_size, generator=g)  # (1, S, n_sel, H)
+            hidden = hidden.to(target.embed_tokens.weight.dtype)
+        drafter.commit(pool, [0], hidden, torch.tensor([length], device=device))
+        history = torch.randint(0, c.vocab_size, (length + 1,), generator=g).tolist()
+        batch = DraftBatch([0], torch.tensor([history[-1]], device=device), [history], pool,
+                           SamplingBatch.from_params([SamplingParams()], device), [torch.Generator().manual_seed(seed)])
+        decode = forward(decode_ids, length)
+
+        def drafted_step() -> None:
+            drafter.propose(batch, K)
+            decode()
+
+        def plain_steps() -> None:
+            decode()
+            decode()
+
+        try:
+            return 2.0 * statistics.median(_paired_ratios(drafted_step, plain_steps, repeats)) - 1.0
+        finally:
+            drafter.release(0)
+
     pool.truncate(0, short)
-    hidden = None
-    if layers:
-        hidden = torch.randn(1, short, len(layers), c.hidden_size, generator=g).to(target.embed_tokens.weight.dtype)
-    drafter.commit(pool, [0], hidden, torch.tensor([short], device=device))
-    history = torch.randint(0, c.vocab_size, (short + 1,), generator=g).tolist()
-    batch = DraftBatch([0], torch.tensor([history[-1]], device=device), [history], pool,
-                       SamplingBatch.from_params([SamplingParams()], device), [torch.Generator().manual_seed(seed)])
-    try:
-        draft = statistics.median(_paired_ratios(lambda: drafter.propose(batch, K), forward(decode_ids, short),
-                                                 repeats))
-    finally:
-        drafter.release(0)
-    return StepCost(draft=draft, per_token=per_token_short, per_token_key=per_token_key, first_token=first_token)
+    draft_short = draft_ratio(short)
+    draft_long = draft_ratio(long)
+    draft_per_key = max((draft_long - draft_short) / (long - short), 0.0)
+    return StepCost(draft=max(draft_short - draft_per_key * short, 0.0), per_token=per_token_short,
+                    per_token_key=per_token_key, first_token=first_token, draft_per_key=draft_per_key)
 
 
 def kernels_digest() -> str:

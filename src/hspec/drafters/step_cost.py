@@ -6,8 +6,12 @@ row reads the sequence's keys (`results/tree_verify/`, `hspec bench decode`); th
 more than the later ones, because a forward of two rows leaves the one-row decode path (products tiled for
 several rows, the attention's passes for each row):
 
-    cost(n, S) = draft + 1 + [n > 0] first_token + n * (per_token + per_token_key * S)
+    cost(n, S) = draft + draft_per_key * S + 1 + [n > 0] first_token + n * (per_token + per_token_key * S)
                                                     (0 drafted tokens: a plain decode, plus the draft if it ran)
+
+The draft grows with the context too where the drafter reads the target's keys (H-Spec's attention over
+the pool, DFlash's context), and it includes what it costs the decode after it (the drafter's weights
+push the target's out of the caches).
 
 The unit is a 1-token decode at the same context, so a step is worth taking when it emits more tokens per
 cost than the 1 a plain decode emits. What a step emits on average follows from the probability that
@@ -27,15 +31,16 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StepCost:
     """A speculative step's cost in 1-token decodes:
-    draft + 1 + [n > 0] first_token + n * (per_token + per_token_key * keys)."""
+    draft + draft_per_key * keys + 1 + [n > 0] first_token + n * (per_token + per_token_key * keys)."""
 
-    draft: float  # drafting the block (and building its tree), whatever is verified of it
+    draft: float  # drafting the block (and building its tree), whatever is verified of it, at no context
     per_token: float  # one more token in the verify, at no context
     per_token_key: float  # its growth with each key of context (the extra row's attention over the sequence)
     first_token: float = 0.0  # what a verify of any drafted token costs on top (leaving the one-row decode path)
+    draft_per_key: float = 0.0  # the draft's growth with each key of context
 
     def __post_init__(self) -> None:
-        for name in ("draft", "per_token", "per_token_key", "first_token"):
+        for name in ("draft", "per_token", "per_token_key", "first_token", "draft_per_key"):
             value = getattr(self, name)
             if not value >= 0.0:  # also refuses NaN
                 raise ValueError(f"StepCost.{name} must be a number >= 0 (in 1-token decodes), got {value!r}")
@@ -44,24 +49,26 @@ class StepCost:
         """Cost of a step verifying `tokens` drafted tokens at `keys` keys of context; `drafted`: the
         drafter ran this step (its cost is paid whatever is verified)."""
         first = self.first_token if tokens > 0 else 0.0
-        return (self.draft if drafted else 0.0) + 1.0 + first + tokens * (self.per_token + self.per_token_key * keys)
+        draft = self.draft + self.draft_per_key * keys if drafted else 0.0
+        return draft + 1.0 + first + tokens * (self.per_token + self.per_token_key * keys)
 
     @classmethod
     def parse(cls, text: str) -> StepCost:
-        """`DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN]` (the `--step-cost` form, in 1-token decodes) -> StepCost."""
+        """`DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]]` (the `--step-cost` form, in 1-token
+        decodes) -> StepCost."""
         parts = text.split(",")
         try:
             values = [float(part) for part in parts]
         except ValueError:
             values = []
-        if len(values) not in (3, 4):
-            raise ValueError(f"--step-cost takes DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN], three or four numbers "
-                             f">= 0 in 1-token decodes (e.g. 0.6,0.13,8e-5,0.08), got {text!r}")
+        if len(values) not in (3, 4, 5):
+            raise ValueError(f"--step-cost takes DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]], three "
+                             f"to five numbers >= 0 in 1-token decodes (e.g. 0.6,0.13,8e-5,0.08,1e-4), got {text!r}")
         return cls(*values)
 
     def to_dict(self) -> dict[str, float]:
         return {"draft": self.draft, "per_token": self.per_token, "per_token_key": self.per_token_key,
-                "first_token": self.first_token}
+                "first_token": self.first_token, "draft_per_key": self.draft_per_key}
 
 
 def expected_emitted(acceptance: Sequence[float]) -> float:
