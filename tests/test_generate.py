@@ -163,10 +163,14 @@ def test_int8_drafter_weights_under_a_bf16_target_keep_greedy_output(targets_by_
         assert s.token_ids == e.token_ids and s.finish_reason == e.finish_reason
 
 
-def test_a_drafter_under_a_w4a8_target_multiplies_int8_rows_as_its_target(targets_by_dtype):
+@pytest.mark.parametrize("precision", ["int8", "auto"])
+def test_a_drafter_under_a_w4a8_target_multiplies_int8_rows_as_its_target(targets_by_dtype, precision):
     """Under a w4a8 target the drafter's int8 linears and head run in hspec's w8a8 kernel where it takes their
     shape (`runtime.int8_kernel`: rows rounded to int8 blocks; hspec's int8 kernel elsewhere), the Markov head
-    too; the output stays plain w4a8 decoding's."""
+    too; by default (auto) the linears the int4 kernels take are w4a8 tiles instead (`runtime.w4a8_drafter`);
+    the output stays plain w4a8 decoding's."""
+    from collections import Counter
+
     from hspec.models.layers import Linear
     from hspec.runtime import build_drafter
 
@@ -174,9 +178,13 @@ def test_a_drafter_under_a_w4a8_target_multiplies_int8_rows_as_its_target(target
         pytest.skip("hspec's CPU kernels do not run here")
     target = targets_by_dtype["w4a8"]
     torch.manual_seed(0)
-    drafter = build_drafter("hspec", target, random_weights=True)
-    packed = [m.weight_packed for m in drafter.modules() if isinstance(m, Linear) and m.weight.dtype == torch.int8]
-    assert all(p is not None for p in packed) and any(p.dim() == 3 for p in packed)  # pack_w8a8's tiles where they fit
+    drafter = build_drafter("hspec", target, random_weights=True, precision=precision)
+    linears = [m for m in drafter.modules() if isinstance(m, Linear)]
+    formats = Counter(type(m.weight_format).__name__ for m in linears)
+    if precision == "int8":
+        assert set(formats) <= {"W8A8", "Int8"} and formats["W8A8"] > 0  # pack_w8a8's tiles where they fit
+    else:
+        assert formats["W4A8"] > formats["W8A8"] and set(formats) <= {"W4A8", "W8A8", "Int8"}
     assert drafter.head._int8.packed.dim() == 3 and drafter.markov._w2_int8.packed.dim() == 3
     prompts = [target.tokenizer.encode_prompt(p) for p in PROMPTS]
     plain = _decoder(target, create_drafter("none", target.config), 1).generate(prompts, SamplingParams(), 32)

@@ -69,9 +69,10 @@ def add_compile_drafter(p: argparse.ArgumentParser) -> None:
 
 def add_drafter_precision(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-precision", default="auto", choices=("auto", "floating", "int8", "w4a8"),
-                   help="how trained drafters store their linear weights: auto (default) = int8 under a bfloat16, "
-                        "int8 or int4 target on a CPU, where drafting is bound by reading the drafter's weights, else "
-                        "the target's floating dtype; floating; int8 (one scale per row, computing in the "
+                   help="how trained drafters store their linear weights: auto (default) = w4a8 under a w4a8 "
+                        "target, int8 under a bfloat16, int8 or int4 target on a CPU, where drafting is bound by "
+                        "reading the drafter's weights, else the target's floating dtype; floating; int8 (one scale "
+                        "per row, computing in the "
                         "target's dtype); w4a8 (where hspec's w8a8 kernel would multiply int8 weights, the linears, "
                         "head and Markov W2 as w4a8 tiles: int4 levels, fewer bytes). Drafts may change, the output "
                         "never does (docs/fast-path.md#int8-drafter)")
