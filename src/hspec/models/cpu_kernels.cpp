@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -1003,6 +1004,13 @@ struct RowKeys {
   int64_t lead;
 };
 
+// The RowKeys of a row's n flags.
+RowKeys row_keys(const bool* seen, int64_t n) {
+  int64_t lead = 0;
+  while (lead < n && seen[lead]) ++lead;
+  return RowKeys{seen, lead + std::count(seen + lead, seen + n, true), lead};
+}
+
 // body(std::integral_constant<int, R>, first) for the tiles of n rows, Tile rows each but the last.
 template <int Tile, typename Body>
 void for_each_query_tile(int64_t n, const Body& body) {
@@ -1018,63 +1026,153 @@ void for_each_query_tile(int64_t n, const Body& body) {
   }
 }
 
-// Attention of n query rows q (n, D) of one KV head over its first s keys, each row over the keys it sees
-// (keys[r]), into out (n, D): 1. the scores, key block by key block, tile by tile; 2. per row a softmax of
-// its seen keys' scaled scores (`exponentiate`); 3. the weighted values, key block by key block, tile by
-// tile, each output element one FMA chain over the row's seen keys in key order, then times the row's
-// inverse total. scores (n, s) and compact (s,) are the caller's scratch. Wide: the AVX-512 forms (the
-// same bits).
+// Attention of n query rows q (n, D) of one KV head over its first s keys, then (a drafter's block,
+// `block_attention`) the sb keys of `block`, each row over the keys it sees of the s + sb (keys[r]), into out
+// (n, D): 1. the scores of both segments side by side in the row, key block by key block, tile by tile;
+// 2. per row one softmax of its seen keys' scaled scores (`exponentiate`); 3. the weighted values, key block
+// by key block, tile by tile, each output element one FMA chain over the row's seen keys in key order (the
+// s keys, then the block's), then times the row's inverse total. scores (n, s + sb) and compact (s + sb,)
+// are the caller's scratch. Wide: the AVX-512 forms (the same bits). With sb = 0 (`attention`) the block is
+// not read.
 template <bool Wide, typename KV>
-void attend_head(const float* q, const RowKeys* keys, int64_t n, const Head<KV>& head, int64_t d, int64_t s,
-                 float scale, float* scores, float* compact, float* out) {
+void attend_head(const float* q, const RowKeys* keys, int64_t n, const Head<KV>& head, int64_t s,
+                 const Head<float>& block, int64_t sb, int64_t d, float scale, float* scores, float* compact,
+                 float* out) {
   constexpr int kTile = Wide ? kWideTileRows : kTileRows;
-  for (int64_t j = 0; j < s; j += kKeyBlock) {  // 1.
-    const int64_t j_end = std::min(s, j + kKeyBlock);
+  const int64_t ls = s + sb;  // a row of scores
+  const auto scores_of = [&](const auto& segment, int64_t j, int64_t j_end, float* at) {
     for_each_query_tile<kTile>(n, [&](auto rows, int64_t first) {
       constexpr int R = decltype(rows)::value;
       if constexpr (Wide) {
-        key_scores_wide<R>(q + first * d, head.kt, head.kt_ld, d, j, j_end, scores + first * s, s);
+        key_scores_wide<R>(q + first * d, segment.kt, segment.kt_ld, d, j, j_end, at + first * ls, ls);
       } else {
-        key_scores<R>(q + first * d, head.kt, head.kt_ld, d, j, j_end, scores + first * s, s);
+        key_scores<R>(q + first * d, segment.kt, segment.kt_ld, d, j, j_end, at + first * ls, ls);
       }
     });
-  }
+  };
+  for (int64_t j = 0; j < s; j += kKeyBlock) scores_of(head, j, std::min(s, j + kKeyBlock), scores);  // 1.
+  if (sb > 0) scores_of(block, 0, sb, scores + s);
   std::vector<float> inverse_total(static_cast<size_t>(n));
-  std::vector<const bool*> seen(static_cast<size_t>(n));
+  std::vector<const bool*> seen(static_cast<size_t>(n)), block_seen(static_cast<size_t>(n));
+  std::vector<int64_t> block_lead(static_cast<size_t>(n));
   for (int64_t r = 0; r < n; ++r) {  // 2.
-    float* row = scores + r * s;
+    float* row = scores + r * ls;
     const RowKeys& own = keys[r];
     seen[r] = own.seen;
+    if (sb > 0) {  // the block's flags, and how many of its first keys the row sees
+      block_seen[r] = own.seen + s;
+      int64_t lead = own.lead >= s ? own.lead - s : 0;
+      while (lead < sb && block_seen[r][lead]) ++lead;
+      block_lead[r] = lead;
+    }
     if (own.lead == own.count) {  // a prefix of the keys, in place
       inverse_total[r] = 1.0f / (Wide ? exponentiate_wide(row, own.count, scale) : exponentiate(row, own.count, scale));
     } else {  // the seen keys' scores side by side, exponentiated, and put back
       int64_t m = 0;
-      for (int64_t j = 0; j < s; ++j) {
+      for (int64_t j = 0; j < ls; ++j) {
         if (own.seen[j]) compact[m++] = row[j];
       }
       inverse_total[r] = 1.0f / (Wide ? exponentiate_wide(compact, m, scale) : exponentiate(compact, m, scale));
-      for (int64_t j = 0, i = 0; j < s; ++j) {
+      for (int64_t j = 0, i = 0; j < ls; ++j) {
         if (own.seen[j]) row[j] = compact[i++];
       }
     }
   }
   std::fill(out, out + n * d, 0.0f);
-  for (int64_t j = 0; j < s; j += kKeyBlock) {  // 3.
-    const int64_t j_end = std::min(s, j + kKeyBlock);
+  // acc += the weighted values of keys j..j_end of a segment whose keys every row of a tile sees before its
+  // rows' least `lead`, its probabilities at p (rows of stride ls) and its flags seen_at[r]
+  const auto values_of = [&](const auto& segment, int64_t j, int64_t j_end, const float* p,
+                             const std::vector<const bool*>& seen_at, const auto& lead) {
     for_each_query_tile<kTile>(n, [&](auto rows, int64_t first) {
       constexpr int R = decltype(rows)::value;
-      int64_t common = s;
-      for (int r = 0; r < R; ++r) common = std::min(common, keys[first + r].lead);
-      const Visible visible{seen.data() + first, common};
+      int64_t common = std::numeric_limits<int64_t>::max();
+      for (int r = 0; r < R; ++r) common = std::min(common, lead(first + r));
+      const Visible visible{seen_at.data() + first, common};
       if constexpr (Wide) {
-        weighted_values_wide<R>(scores + first * s, s, visible, head.v, head.v_ld, d, j, j_end, out + first * d);
+        weighted_values_wide<R>(p + first * ls, ls, visible, segment.v, segment.v_ld, d, j, j_end, out + first * d);
       } else {
-        weighted_values<R>(scores + first * s, s, visible, head.v, head.v_ld, d, j, j_end, out + first * d);
+        weighted_values<R>(p + first * ls, ls, visible, segment.v, segment.v_ld, d, j, j_end, out + first * d);
       }
     });
+  };
+  const auto context_lead = [&](int64_t r) { return std::min(s, keys[r].lead); };
+  for (int64_t j = 0; j < s; j += kKeyBlock) {  // 3.
+    values_of(head, j, std::min(s, j + kKeyBlock), scores, seen, context_lead);
   }
+  if (sb > 0) values_of(block, 0, sb, scores + s, block_seen, [&](int64_t r) { return block_lead[r]; });
   for (int64_t r = 0; r < n; ++r)
     for (int64_t i = 0; i < d; ++i) out[r * d + i] *= inverse_total[r];
+}
+
+// `attention`'s and `block_attention`'s work once their inputs are checked. rows (B, T, Hq, D) contiguous, bf16
+// or fp32; kt and values (B, S', Hkv, D), both fp32 or both bf16, of which the first s keys are read: kt with
+// each head's K^T (D, S') rows at stride(3), consecutive keys 1 apart (stride(1) = 1), values with stride(3)
+// = 1; token_keys: per token (B T) what its rows see of the s + sb keys; block_kt (B, Hkv, D, sb) and block_v
+// (B, Hkv, sb, D) contiguous fp32, or undefined (sb = 0). Returns (B, T, Hq D) in the rows' dtype.
+// The T G query rows of a sequence that share a KV head (the G = Hq / Hkv heads of each of its T tokens,
+// token-major) run together (`attend_head`). Threads split the (sequence, KV head) pairs, and a pair's rows
+// into groups where pairs are fewer than twice the threads; none of this changes a row's sums.
+at::Tensor attend_sequences(const at::Tensor& rows, const at::Tensor& kt, const at::Tensor& values, int64_t s,
+                            const std::vector<RowKeys>& token_keys, const at::Tensor& block_kt,
+                            const at::Tensor& block_v, int64_t hq) {
+  const int64_t b = rows.size(0), t = rows.size(1), d = rows.size(3), hkv = kt.size(2);
+  const int64_t sb = block_kt.defined() ? block_kt.size(3) : 0;
+  const float* bkt = sb > 0 ? block_kt.data_ptr<float>() : nullptr;
+  const float* bv = sb > 0 ? block_v.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({b, t, hq * d}, rows.options());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t g = hq / hkv;
+  const bool wide = d % 64 == 0 && avx512_kernels();
+  const int64_t head_rows = t * g;
+  const int64_t tile = wide ? kWideTileRows : kTileRows;
+  const int64_t wanted = (2 * at::get_num_threads() + b * hkv - 1) / (b * hkv);  // groups per pair
+  int64_t group_rows = std::min(kMaxHeadRows, (head_rows + wanted - 1) / wanted);
+  group_rows = std::min(head_rows, (group_rows + tile - 1) / tile * tile);
+  const int64_t groups = (head_rows + group_rows - 1) / group_rows;
+  const auto run = [&](const auto* qp, auto* op, const auto* kp, const auto* vp) {
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    at::parallel_for(0, b * hkv * groups, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(static_cast<size_t>(group_rows * (s + sb))), compact(static_cast<size_t>(s + sb));
+      std::vector<float> query(static_cast<size_t>(group_rows * d)), result(static_cast<size_t>(group_rows * d));
+      std::vector<RowKeys> keys(static_cast<size_t>(group_rows));
+      for (int64_t item = begin; item < end; ++item) {  // (sequence, KV head, group of its rows)
+        const int64_t bi = item / (hkv * groups), kv = (item / groups) % hkv, first = (item % groups) * group_rows;
+        const int64_t n = std::min(group_rows, head_rows - first);
+        const Head<KV> head{kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3),
+                        vp + bi * values.stride(0) + kv * values.stride(2), values.stride(1)};
+        const Head<float> block{bkt == nullptr ? nullptr : bkt + (bi * hkv + kv) * d * sb, sb,
+                                bv == nullptr ? nullptr : bv + (bi * hkv + kv) * sb * d, d};
+        const auto row_at = [&](int64_t r) {  // row first + r: token (first + r) / G, query head kv G + (first + r) % G
+          return ((bi * t + (first + r) / g) * hq + kv * g + (first + r) % g) * d;
+        };
+        for (int64_t r = 0; r < n; ++r) {
+          for (int64_t i = 0; i < d; ++i) query[r * d + i] = read(qp + row_at(r) + i);
+          keys[r] = token_keys[bi * t + (first + r) / g];
+        }
+        if (wide) {
+          attend_head<true>(query.data(), keys.data(), n, head, s, block, sb, d, scale, scores.data(), compact.data(), result.data());
+        } else {
+          attend_head<false>(query.data(), keys.data(), n, head, s, block, sb, d, scale, scores.data(), compact.data(), result.data());
+        }
+        for (int64_t r = 0; r < n; ++r) {  // bf16: rounded to nearest even
+          for (int64_t i = 0; i < d; ++i) store(op + row_at(r) + i, result[r * d + i]);
+        }
+      }
+    });
+  };
+  const auto with_kv = [&](const auto* qp, auto* op) {
+    if (kt.scalar_type() == at::kBFloat16) {
+      run(qp, op, kt.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>());
+    } else {
+      run(qp, op, kt.data_ptr<float>(), values.data_ptr<float>());
+    }
+  };
+  if (rows.scalar_type() == at::kBFloat16) {
+    with_kv(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  } else {
+    with_kv(rows.data_ptr<float>(), out.data_ptr<float>());
+  }
+  return out;
 }
 
 // A product's (M, N) output in x's dtype: body(rows, out) gets x's rows and the output as bf16 or fp32 pointers.
@@ -1289,11 +1387,9 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 // keys it sees in fp32 (`exponentiate`: the max, then exp and their sum in the seen keys' order), and the
 // weighted sum of their values (`weighted_values`); a key a row may not see contributes nothing anywhere,
 // so a verify row, whose call holds more keys, computes exactly what its 1-token decode did.
-// The T G query rows of a sequence that share a KV head (the G = Hq / Hkv heads of each of its T tokens,
-// token-major) run together (`attend_head`): tiles of up to 6 rows (AVX-512; 3 in AVX2) take each block of
-// the head's keys, then of its values, in turn, so a call reads them from memory once, however many tokens
-// it verifies. None of this changes a row's sums. Threads split the (sequence, KV head) pairs, and a pair's
-// rows into groups where pairs are fewer than twice the threads.
+// The T G query rows of a sequence that share a KV head run together (`attend_sequences`): tiles of up to 6
+// rows (AVX-512; 3 in AVX2) take each block of the head's keys, then of its values, in turn, so a call reads
+// them from memory once, however many tokens it verifies. None of this changes a row's sums.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
                      int64_t s) {
 #ifdef HSPEC_X86
@@ -1327,68 +1423,87 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                 "hspec::attention: mask must be bool (", b, ", 1, ", t, ", S >= ", s, "), got ", mask->sizes());
     visible = mask->slice(3, 0, s).contiguous();
     const bool* flags = visible.data_ptr<bool>();
-    for (int64_t i = 0; i < b * t; ++i) {
-      const bool* seen = flags + i * s;
-      int64_t lead = 0;
-      while (lead < s && seen[lead]) ++lead;
-      const int64_t count = lead + std::count(seen + lead, seen + s, true);
-      token_keys[static_cast<size_t>(i)] = RowKeys{seen, count, lead};
-    }
+    for (int64_t i = 0; i < b * t; ++i) token_keys[static_cast<size_t>(i)] = row_keys(flags + i * s, s);
   }
-  at::Tensor out = at::empty({b, t, hq * d}, rows.options());
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const int64_t g = hq / hkv;
-  const bool wide = d % 64 == 0 && avx512_kernels();
-  const int64_t head_rows = t * g;
-  const int64_t tile = wide ? kWideTileRows : kTileRows;
-  const int64_t wanted = (2 * at::get_num_threads() + b * hkv - 1) / (b * hkv);  // groups per pair
-  int64_t group_rows = std::min(kMaxHeadRows, (head_rows + wanted - 1) / wanted);
-  group_rows = std::min(head_rows, (group_rows + tile - 1) / tile * tile);
-  const int64_t groups = (head_rows + group_rows - 1) / group_rows;
-  const auto run = [&](const auto* qp, auto* op, const auto* kp, const auto* vp) {
-    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-    at::parallel_for(0, b * hkv * groups, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(static_cast<size_t>(group_rows * s)), compact(static_cast<size_t>(s));
-      std::vector<float> query(static_cast<size_t>(group_rows * d)), result(static_cast<size_t>(group_rows * d));
-      std::vector<RowKeys> keys(static_cast<size_t>(group_rows));
-      for (int64_t item = begin; item < end; ++item) {  // (sequence, KV head, group of its rows)
-        const int64_t bi = item / (hkv * groups), kv = (item / groups) % hkv, first = (item % groups) * group_rows;
-        const int64_t n = std::min(group_rows, head_rows - first);
-        const Head<KV> head{kp + bi * kt.stride(0) + kv * kt.stride(2), kt.stride(3),
-                        vp + bi * values.stride(0) + kv * values.stride(2), values.stride(1)};
-        const auto row_at = [&](int64_t r) {  // row first + r: token (first + r) / G, query head kv G + (first + r) % G
-          return ((bi * t + (first + r) / g) * hq + kv * g + (first + r) % g) * d;
-        };
-        for (int64_t r = 0; r < n; ++r) {
-          for (int64_t i = 0; i < d; ++i) query[r * d + i] = read(qp + row_at(r) + i);
-          keys[r] = token_keys[bi * t + (first + r) / g];
-        }
-        if (wide) {
-          attend_head<true>(query.data(), keys.data(), n, head, d, s, scale, scores.data(), compact.data(), result.data());
-        } else {
-          attend_head<false>(query.data(), keys.data(), n, head, d, s, scale, scores.data(), compact.data(), result.data());
-        }
-        for (int64_t r = 0; r < n; ++r) {  // bf16: rounded to nearest even
-          for (int64_t i = 0; i < d; ++i) store(op + row_at(r) + i, result[r * d + i]);
-        }
-      }
-    });
-  };
-  const auto with_kv = [&](const auto* qp, auto* op) {
-    if (kt.scalar_type() == at::kBFloat16) {
-      run(qp, op, kt.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>());
-    } else {
-      run(qp, op, kt.data_ptr<float>(), values.data_ptr<float>());
-    }
-  };
-  if (rows.scalar_type() == at::kBFloat16) {
-    with_kv(rows.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
-  } else {
-    with_kv(rows.data_ptr<float>(), out.data_ptr<float>());
-  }
-  return out;
+  return attend_sequences(rows, kt, values, s, token_keys, at::Tensor(), at::Tensor(), hq);
 #else
   TORCH_CHECK(false, "hspec::attention runs on x86-64 CPUs only");
+#endif
+}
+
+// A drafter's block attention (drafters/block_attention.py's attend_block for one context per row, as H-Spec's
+// and the DFlash family's layers attend): the T block tokens' queries q (B, T, Hq, D) over [the first s
+// context keys of k and v (B, S', Hkv, D) ; the block's own keys and values block_k, block_v (B, T, Hkv, D)],
+// one softmax over the keys a row sees of both: the context keys where context_mask (B, S') is True (all s
+// where it is None), and the block keys j <= t of token t where `causal` (H-Spec), all T where not (the
+// DFlash family). The context is read where it lies, fp32 or bf16 (a pool's views, K^T in its layout or not:
+// each key and value widened to fp32 as it is loaded, as `attention` reads it); the block's K/V (fp32 or bf16)
+// are widened to fp32 copies (T keys). Each row's numbers are `attention`'s: its scores of both segments
+// (one FMA chain each, in D order), scaled by D^-1/2, one softmax over its seen keys in fp32, and one FMA
+// chain per output element over the context's seen values then the block's. Returns (B, T, Hq D) in q's
+// dtype.
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const std::optional<at::Tensor>& context_mask, int64_t s, const at::Tensor& block_k,
+                           const at::Tensor& block_v, bool causal) {
+#ifdef HSPEC_X86
+  TORCH_CHECK(cpu_kernels_available(), "hspec::block_attention needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && block_k.dim() == 4 && block_v.dim() == 4 &&
+                  q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && block_k.device().is_cpu() &&
+                  block_v.device().is_cpu(),
+              "hspec::block_attention takes q (B, T, Hq, D), k and v (B, S', Hkv, D), block_k and block_v (B, T, "
+              "Hkv, D) on the CPU, got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes(), ", ", block_k.sizes(), ", ",
+              block_v.sizes());
+  TORCH_CHECK(q.size(1) > 0 && q.size(2) > 0 && block_k.size(2) > 0 && q.size(3) > 0,
+              "hspec::block_attention needs T, Hq, Hkv and D >= 1, got q ", q.sizes(), " and block_k ",
+              block_k.sizes());
+  const int64_t b = q.size(0), t = q.size(1), hq = q.size(2), d = q.size(3), hkv = block_k.size(2);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "hspec::block_attention takes bfloat16 or float32 queries, got ", q.scalar_type());
+  TORCH_CHECK((k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) &&
+                  v.scalar_type() == k.scalar_type() && k.sizes() == v.sizes() && k.size(0) == b &&
+                  k.size(2) == hkv && k.size(3) == d && hq % hkv == 0 && d % 8 == 0 && s >= 0 && s <= k.size(1),
+              "hspec::block_attention: k and v must be both float32 or both bfloat16 (", b, ", S' >= ", s, ", ",
+              hkv, " dividing ", hq, ", ", d, "), D a multiple of 8; got ", k.scalar_type(), " ", k.sizes(),
+              " and ", v.scalar_type(), " ", v.sizes());
+  TORCH_CHECK((block_k.scalar_type() == at::kFloat || block_k.scalar_type() == at::kBFloat16) &&
+                  block_v.scalar_type() == block_k.scalar_type() &&
+                  block_k.sizes() == at::IntArrayRef({b, t, hkv, d}) && block_v.sizes() == block_k.sizes(),
+              "hspec::block_attention: block_k and block_v must be both float32 or both bfloat16 (", b, ", ", t,
+              ", ", hkv, ", ", d, "), got ", block_k.scalar_type(), " ", block_k.sizes(), " and ",
+              block_v.scalar_type(), " ", block_v.sizes());
+  // K^T of each (sequence, KV head) as rows over consecutive keys: the pool's own layout (a view), else a copy
+  // of the s keys read.
+  const at::Tensor kt = k.stride(1) == 1 || s == 0 ? k : k.slice(1, 0, s).permute({0, 2, 3, 1}).contiguous()
+                                                           .permute({0, 3, 1, 2});
+  const at::Tensor values = v.stride(3) == 1 ? v : v.contiguous();
+  const at::Tensor rows = q.contiguous();
+  const at::Tensor block_kt = block_k.to(at::kFloat).permute({0, 2, 3, 1}).contiguous();  // (B, Hkv, D, T)
+  const at::Tensor block_values = block_v.to(at::kFloat).permute({0, 2, 1, 3}).contiguous();  // (B, Hkv, T, D)
+  // Each token's flags over its s + T keys, [context ; block], and what its rows see of them.
+  at::Tensor flags = at::empty({b * t, s + t}, at::TensorOptions().dtype(at::kBool));
+  bool* f = flags.data_ptr<bool>();
+  at::Tensor visible;
+  if (context_mask.has_value()) {
+    TORCH_CHECK(context_mask->scalar_type() == at::kBool && context_mask->device().is_cpu() &&
+                    context_mask->dim() == 2 && context_mask->size(0) == b && context_mask->size(1) >= s,
+                "hspec::block_attention: context_mask must be bool (", b, ", S >= ", s, "), got ",
+                context_mask->scalar_type(), " ", context_mask->sizes());
+    visible = context_mask->slice(1, 0, s).contiguous();
+  }
+  std::vector<RowKeys> token_keys(static_cast<size_t>(b * t));
+  for (int64_t i = 0; i < b * t; ++i) {  // token i % T of sequence i / T
+    bool* row = f + i * (s + t);
+    if (visible.defined()) {
+      std::copy_n(visible.data_ptr<bool>() + (i / t) * s, s, row);
+    } else {
+      std::fill_n(row, s, true);
+    }
+    for (int64_t j = 0; j < t; ++j) row[s + j] = !causal || j <= i % t;
+    token_keys[static_cast<size_t>(i)] = row_keys(row, s + t);
+  }
+  return attend_sequences(rows, kt, values, s, token_keys, block_kt, block_values, hq);
+#else
+  TORCH_CHECK(false, "hspec::block_attention runs on x86-64 CPUs only");
 #endif
 }
 
@@ -1485,6 +1600,8 @@ TORCH_LIBRARY(hspec, library) {
   library.def("w4a8_linear(Tensor x, Tensor weight) -> Tensor");
   library.def("w8a8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   library.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, int s) -> Tensor");
+  library.def("block_attention(Tensor q, Tensor k, Tensor v, Tensor? context_mask, int s, Tensor block_k, "
+              "Tensor block_v, bool causal) -> Tensor");
   library.def("rope_and_write(Tensor projected, Tensor cos, Tensor sin, Tensor(a!) pool_k, Tensor(b!) pool_v, "
               "Tensor slots, int hq, int hkv) -> Tensor");
 }
@@ -1496,5 +1613,6 @@ TORCH_LIBRARY_IMPL(hspec, CPU, library) {
   library.impl("w4a8_linear", &hspec::w4a8_linear);
   library.impl("w8a8_linear", &hspec::w8a8_linear);
   library.impl("attention", &hspec::attention);
+  library.impl("block_attention", &hspec::block_attention);
   library.impl("rope_and_write", &hspec::rope_and_write);
 }
