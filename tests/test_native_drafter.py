@@ -1,9 +1,12 @@
 """H-Spec's native greedy proposal (drafters/hspec/native.py, native_propose.cpp) against the Python path.
 
 The native call computes the Python path's math in its order (its Mamba-2 mixer in one loop, whose exp and
-SiLU may round otherwise in the last bit), so on tiny random-weight targets its block logits are the Python
-path's to rounding and its drafts equal them, in float32, bfloat16 (floating and int8 drafter weights) and
-under a w4a8 target (w8a8 drafter weights); greedy speculative output with it equals plain decoding; and
+SiLU may round otherwise in the last bit; its attention through hspec's kernel, which the Python path runs too
+where `BlockAttention.kernel` is set), so on tiny random-weight targets its block logits are that Python path's
+to rounding and its drafts equal them, in float32, bfloat16 (floating and int8 drafter weights) and under a
+w4a8 target (w8a8 drafter weights); they are the plain Python path's (torch's products in the attention) to its
+dtype's rounding, the drafts equal but at near-ties; the native call reads the pool's K/V in place; greedy
+speculative output with it equals plain decoding; and
 with it turned off (HSPEC_NATIVE_DRAFTER=0, or `native=False`) the Python path runs. A drafter whose layers
 the native call would run in another order gives logits far outside that tolerance (the comparison would
 catch it).
@@ -21,6 +24,7 @@ from conftest import load_tiny
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import create_drafter
 from hspec.drafters.base import DraftBatch
+from hspec.drafters.block_attention import BlockAttention
 from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, build_block
 from hspec.drafters.hspec.native import NativePropose, build_native_propose
 from hspec.models.formats.w4a8 import W4A8_TILE_BYTES
@@ -70,7 +74,8 @@ def _drafter(target, precision, native=True, kind="hspec"):
 
 def _contexts(target, drafter, lengths, seed=1):
     """For each prompt length: a pool holding one prefilled sequence of random tokens, and the greedy DraftBatch
-    and BlockContext of its next proposal."""
+    and BlockContext of its next proposal: the Python path's, and the native call's (the pool's K/V as stored,
+    where it reads them so, as `propose` makes it)."""
     g = torch.Generator().manual_seed(seed)
     for n in lengths:
         pool = target.model.new_pool(2 * (n // 8 + 2), 8, drafter.num_drafter_layers)  # DFlash: its own K/V
@@ -84,8 +89,46 @@ def _contexts(target, drafter, lengths, seed=1):
                            [torch.Generator()])
         block, positions = build_block(anchor, torch.tensor([n]), K, drafter.config.mask_token_id)
         kv, mask = drafter.context_kv_from_pool(pool, [0], [n], CONTEXT_MULTIPLE)
-        yield batch, BlockContext(block, positions, drafter.last_hidden_of([0]), kv, mask)
+        stored = drafter.native_greedy is not None and drafter.native_greedy.reads_stored_kv
+        yield (batch, BlockContext(block, positions, drafter.last_hidden_of([0]), kv, mask),
+               drafter.block_context(batch, K, as_stored=stored))
         drafter.release(0)
+
+
+def _kernel_attention(drafter, on: bool) -> None:
+    """The drafter's attention modules attend through hspec's kernel (`BlockAttention.kernel`) where `on`."""
+    for module in drafter.modules():
+        if isinstance(module, BlockAttention):
+            module.kernel = on
+
+
+# The native call's attention is hspec's kernel (where it runs here, `reads_stored_kv`), which sums in the
+# target's attention's order, not torch's products': its reference to the last bits is the Python path run with
+# that kernel (`BlockAttention.kernel`). The plain Python path differs by its products' rounding: in bf16 each
+# score comes out of a bf16 product rounded to bf16 (~0.4% of it), which moves a tiny random drafter's logits
+# by up to ~0.2 (at magnitudes ~4) after its layers; float32 rounds ~1e-7 of it.
+PLAIN_PATH_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 0.3}
+
+
+def _assert_near_the_plain_python_path(drafter, ctx, anchor, local, logits) -> int:
+    """The native call's logits against the plain Python path's within its rounding (`PLAIN_PATH_TOLERANCE`),
+    and its drafts slot by slot up to the first whose top-2 margin in the Python path is within twice the
+    slot's largest logit difference between the two (a near-tie that rounding may flip, where either draft is
+    right; each later slot is conditioned on it through the Markov head). Returns how many slots were compared."""
+    expected = drafter.block_logits(ctx)  # (1, K, Vp)
+    tolerance = PLAIN_PATH_TOLERANCE[expected.dtype]
+    torch.testing.assert_close(logits.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    expected_local, _ = drafter.draft_greedy(ctx, anchor)
+    prev = anchor
+    for k in range(expected.shape[1]):
+        python = drafter.slot_logits(expected[:, k], prev).float()  # (1, Vp)
+        difference = (drafter.slot_logits(logits[:, k], prev).float() - python).abs().max()
+        top = python.topk(2).values[0]  # (2,)
+        if top[0] - top[1] <= 2 * difference:
+            return k
+        assert local[0, k] == expected_local[0, k], f"slot {k}, margin {top[0] - top[1]:.3f}"
+        prev = drafter.head.to_target_ids(expected_local[:, k])
+    return expected.shape[1]
 
 
 @pytest.mark.parametrize("dtype,precision", SETTINGS)
@@ -93,26 +136,30 @@ def test_native_drafts_equal_the_python_path(targets, tiny_dirs, dtype, precisio
     target = _target(targets, tiny_dirs, dtype)
     drafter = _drafter(target, precision)
     native = drafter.native_greedy
-    drafts = []
+    drafts, compared = [], 0
     with torch.inference_mode():
-        for batch, ctx in _contexts(target, drafter, (1, 5, 17, 40, 100)):
+        for batch, ctx, native_ctx in _contexts(target, drafter, (1, 5, 17, 40, 100)):
             anchor = batch.anchor_tokens
-            local, confidence, logits = native.forward(ctx, anchor)
+            local, confidence, logits = native.forward(native_ctx, anchor)
+            compared += _assert_near_the_plain_python_path(drafter, ctx, anchor, local, logits)
+            _kernel_attention(drafter, native.reads_stored_kv)  # the Python path with the native call's attention
             expected_logits = drafter.block_logits(ctx)
             torch.testing.assert_close(logits.float(), expected_logits.float(), rtol=1e-2, atol=1e-2)
             expected_local, expected_confidence = drafter.draft_greedy(ctx, anchor)
             assert torch.equal(local, expected_local)
             torch.testing.assert_close(confidence, expected_confidence)
             # propose takes the native path and returns what the Python path returns
-            assert native.covers(ctx)
+            assert native.covers(native_ctx) and native.covers_batch(batch, K)
             proposal = drafter.propose(batch, K)
             drafter.native_greedy = None
             python = drafter.propose(batch, K)
             drafter.native_greedy = native
+            _kernel_attention(drafter, False)
             assert torch.equal(proposal.draft_tokens, python.draft_tokens)
             assert torch.equal(proposal.draft_probs, python.draft_probs)
             drafts.append(local)
     assert len({tuple(d[0].tolist()) for d in drafts}) > 1, "every context drafted the same block"
+    assert compared >= K, f"only {compared} slots were far enough from a tie to compare with the plain Python path"
 
 
 def test_the_breakdown_times_each_section_of_a_proposal(targets, tiny_dirs):
@@ -122,12 +169,12 @@ def test_the_breakdown_times_each_section_of_a_proposal(targets, tiny_dirs):
     drafter = _drafter(target, "int8")
     native = drafter.native_greedy
     with torch.inference_mode():
-        for batch, ctx in _contexts(target, drafter, (17,)):
-            sections = native.breakdown(ctx, batch.anchor_tokens)
-    assert list(sections) == native.extension.section_names() and len(sections) == 21
+        for batch, _, native_ctx in _contexts(target, drafter, (17,)):
+            sections = native.breakdown(native_ctx, batch.anchor_tokens)
+    assert list(sections) == native.extension.section_names() and len(sections) == 19
     assert all(cpu >= 0.0 and wall >= 0.0 for cpu, wall in sections.values())
     ran = ("embed", "injection", "norms", "mamba.in_proj", "mamba.conv_silu", "mamba.scan_gate_norm",
-           "attention.qkv_proj", "attention.scores", "attention.values", "mlp.gate_up", "mlp.down", "head",
+           "attention.qkv_proj", "attention.attend", "mlp.gate_up", "mlp.down", "head",
            "markov.w2_product", "markov.argmax_softmax")
     assert all(sections[name][1] > 0.0 for name in ran), {name: sections[name] for name in ran}
 
@@ -154,10 +201,13 @@ ABLATIONS = ("hspec-kvreuse-only", "hspec-nomarkov", "mamba-only", "attention-on
 def _assert_native_equals_python(target, drafter) -> None:
     """The native call's block logits, greedy drafts and confidences against the Python path's, at two contexts."""
     with torch.inference_mode():
-        for batch, ctx in _contexts(target, drafter, (9, 33)):
-            local, confidence, logits = drafter.native_greedy.forward(ctx, batch.anchor_tokens)
+        for batch, ctx, native_ctx in _contexts(target, drafter, (9, 33)):
+            local, confidence, logits = drafter.native_greedy.forward(native_ctx, batch.anchor_tokens)
+            _assert_near_the_plain_python_path(drafter, ctx, batch.anchor_tokens, local, logits)
+            _kernel_attention(drafter, drafter.native_greedy.reads_stored_kv)
             torch.testing.assert_close(logits.float(), drafter.block_logits(ctx).float(), rtol=1e-2, atol=1e-2)
             expected_local, expected_confidence = drafter.draft_greedy(ctx, batch.anchor_tokens)
+            _kernel_attention(drafter, False)
             assert torch.equal(local, expected_local)
             torch.testing.assert_close(confidence, expected_confidence)
 
@@ -209,8 +259,8 @@ def test_a_wrong_layer_order_gives_other_logits(targets, tiny_dirs):
     swapped.layers = nn.ModuleList([swapped.layers[1], swapped.layers[0], *swapped.layers[2:]])
     wrong = NativePropose(drafter.native_greedy.extension, swapped)
     with torch.inference_mode():
-        for batch, ctx in _contexts(target, drafter, (20,)):
-            _, _, logits = wrong.forward(ctx, batch.anchor_tokens)
+        for batch, ctx, native_ctx in _contexts(target, drafter, (20,)):
+            _, _, logits = wrong.forward(native_ctx, batch.anchor_tokens)
             assert (logits - drafter.block_logits(ctx)).abs().max() > 1e-2
 
 
@@ -219,16 +269,21 @@ def _decoder(target, drafter, K):
 
 
 class _Counting:
-    """A native proposal that counts the proposals it made."""
+    """A native proposal that counts the proposals it made and keeps the last context it was given."""
 
     def __init__(self, native: NativePropose) -> None:
-        self.native, self.calls = native, 0
+        self.native, self.calls, self.reads_stored_kv = native, 0, native.reads_stored_kv
+        self.last: BlockContext | None = None
 
     def covers(self, ctx: BlockContext) -> bool:
         return self.native.covers(ctx)
 
+    def covers_batch(self, batch: DraftBatch, K: int) -> bool:
+        return self.native.covers_batch(batch, K)
+
     def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.calls += 1
+        self.last = ctx
         return self.native(ctx, anchor_tokens)
 
 
@@ -244,6 +299,30 @@ def test_greedy_output_with_the_native_drafter_equals_plain(targets, tiny_dirs, 
         got = _decoder(target, drafter, K).generate(ids, SamplingParams(), 40).sequences[0]
         assert got.token_ids == expected.token_ids and got.finish_reason == expected.finish_reason
     assert counting.calls > 0, "no proposal went native"
+
+
+@pytest.mark.parametrize("dtype,precision", [("float32", "floating"), ("w4a8", "auto")])
+def test_the_native_proposal_reads_the_pool_in_place(targets, tiny_dirs, dtype, precision):
+    """`propose` hands the native call the context K/V as views of the pool in its own dtype, not copies: a
+    w4a8 target's bf16 pool, which torch's products take widened to float32 copies, reaches hspec's kernel as
+    it is stored (the kernel widens each key and value as it loads it)."""
+    target = _target(targets, tiny_dirs, dtype)
+    drafter = _drafter(target, precision)
+    if not drafter.native_greedy.reads_stored_kv:
+        pytest.skip("hspec's CPU kernels do not run here: the native call multiplies as the Python path does")
+    counting = drafter.native_greedy = _Counting(drafter.native_greedy)
+    with torch.inference_mode():
+        for batch, python_ctx, _ in _contexts(target, drafter, (40,)):
+            drafter.propose(batch, K)
+            widened = python_ctx.context_kv[0][0].dtype == torch.float32
+    pool = batch.pool
+    assert counting.calls == 1
+    if dtype == "w4a8":  # the case that copied: the Python path's context is float32
+        assert pool.k.dtype == torch.bfloat16 and widened
+    for k, v in counting.last.context_kv:
+        for read, stored in ((k, pool.k), (v, pool.v)):
+            assert read.dtype == stored.dtype
+            assert read.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr()
 
 
 def test_batches_and_sampled_rows_keep_the_python_path(targets, tiny_dirs):

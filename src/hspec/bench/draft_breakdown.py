@@ -79,7 +79,7 @@ def _measure(model, drafter, native, S: int, K: int, repeats: int, seed: int) ->
         t_d = _thread_ms(lambda: drafter.propose(batch, K))
         second = _thread_ms(lambda: setting.time_verify())
         start = time.thread_time()
-        ctx = drafter.block_context(batch, K)
+        ctx = drafter.block_context(batch, K, as_stored=native.reads_stored_kv)
         after_context = time.thread_time()
         sections = native.breakdown(ctx, batch.anchor_tokens)
         after_call = time.thread_time()

@@ -299,14 +299,17 @@ class PagedKVPool:
         return self._gather(layer, F.pad(table.slots, (0, pad)) if pad else table.slots)
 
     def gather_window(self, layers: Sequence[int], seq_ids: Sequence[int], ends: Sequence[int], window: int,
-                      multiple: int = 1) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+                      multiple: int = 1, as_stored: bool = False
+                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """K and V of `layers` at the last min(end, window) positions before ends[b] of each sequence.
 
         Keys are right-aligned: key j of row b is position ends[b] - S + j, S = min(max(ends), window);
         keys at negative positions are masked. A lone sequence with consecutive pages gets views, as
         in `gather`. `multiple`: as in `gather`, S' = S rounded up to it where the pool has the slots, the
         keys after the S masked. Returns ([(k, v) each (B, S', Hkv, D)] in `layers` order, in
-        `product_dtype` (copies where it is not the pool's dtype, `widened`), visible (B, S') bool).
+        `product_dtype` (copies where it is not the pool's dtype, `widened`), or in the pool's own dtype where
+        `as_stored` (for a reader that widens each value as it loads it: hspec's block-attention kernel),
+        visible (B, S') bool).
         """
         device = self.k.device
         if not layers:
@@ -320,16 +323,17 @@ class PagedKVPool:
             if start + s + pad >= self.capacity_tokens:  # not to the pool's end: a compiled drafter guards on
                 pad = 0  # whether its keys span the whole pool (K's stride is the slot count) and would recompile
             visible = torch.arange(s + pad, device=device)[None, :] < s  # (1, S')
-            return [self._for_products(*self._view(i, start, start + s + pad)) for i in layers], visible
+            return [self._for_products(*self._view(i, start, start + s + pad), as_stored) for i in layers], visible
         ends_t = torch.as_tensor(list(ends), dtype=torch.long, device=device)
         positions = ends_t[:, None] - s + torch.arange(s + pad, device=device)  # (B, S')
         visible = (positions >= 0) & (positions < ends_t[:, None])
         slots = table.slots.gather(1, torch.where(visible, positions, 0))  # (B, S')
-        return [self._for_products(*self._gather(i, slots)) for i in layers], visible
+        return [self._for_products(*self._gather(i, slots), as_stored) for i in layers], visible
 
-    def _for_products(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V read from the pool, in `product_dtype`."""
-        return (k, v) if k.dtype == self.product_dtype else (widened(k), widened(v))
+    def _for_products(self, k: torch.Tensor, v: torch.Tensor, as_stored: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V read from the pool, in `product_dtype` (as they are where `as_stored`)."""
+        return (k, v) if as_stored or k.dtype == self.product_dtype else (widened(k), widened(v))
 
     def _view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the consecutive slots start..end-1 of one layer, each (1, end - start, Hkv, D), as views."""

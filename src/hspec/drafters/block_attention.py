@@ -29,12 +29,18 @@ class BlockAttention(nn.Module):
     fused first layer) with per-head q/k RMSNorm, rotated with the target's RoPE at the query
     positions. `causal` masks later positions among the T (H-Spec, P-Eagle); otherwise the T
     positions see each other (a DFlash block). The T positions' own K/V are returned, never stored here.
+
+    `kernel` (off unless set): attend with hspec's kernel (`hspec::block_attention`, models/cpu_kernels.cpp)
+    where every row has its own context and no gradient is needed, as the native proposal does
+    (drafters/hspec/native_propose.cpp): the same attention, summed in the target's attention's order instead of
+    torch's products' (which in bf16 round each score to bf16); the caller loads hspec's kernels first.
     """
 
     def __init__(self, config: DrafterConfig, causal: bool, in_features: int | None = None) -> None:
         super().__init__()
         c = config
         self.causal = causal
+        self.kernel = False
         self.qkv = QKVProjection(in_features or c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                  bias=False, qk_norm=True, eps=c.rms_norm_eps)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
@@ -61,7 +67,11 @@ class BlockAttention(nn.Module):
         Returns the output (N, T, H) and the T positions' own (k, v), each (N, T, Hkv, D).
         """
         q, k, v = self.qkv(x, cos, sin)  # (N, T, Hq, D), (N, T, Hkv, D) x2
-        out = attend_block(q, k, v, context, context_mask, self.causal)  # (N, T, Hq*D)
+        if self.kernel and context is not None and context[0].shape[0] == q.shape[0] and not torch.is_grad_enabled():
+            ck, cv = context
+            out = torch.ops.hspec.block_attention(q, ck, cv, context_mask, ck.shape[1], k, v, self.causal)
+        else:
+            out = attend_block(q, k, v, context, context_mask, self.causal)  # (N, T, Hq*D)
         return self.o_proj(out), (k, v)
 
 

@@ -135,8 +135,15 @@ class BlockContext:
 class NativeGreedy(Protocol):
     """A kind's `draft_greedy` compiled to one native call (H-Spec's: drafters/hspec/native.py)."""
 
+    # whether it reads the context K/V as the pool stores them (`block_context(..., as_stored=True)`)
+    reads_stored_kv: bool
+
     def covers(self, ctx: BlockContext) -> bool:
         """Whether this context's proposal runs here (else in Python)."""
+        ...
+
+    def covers_batch(self, batch: DraftBatch, K: int) -> bool:
+        """`covers` for the context `block_context(batch, K)` makes, before it is made."""
         ...
 
     def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,16 +309,19 @@ class NeuralDrafter(Drafter, nn.Module):
         return logits if correction is None else logits + correction
 
     def context_kv_from_pool(self, pool: PagedKVPool, seq_ids: Sequence[int], lengths: Sequence[int],
-                             multiple: int = 1) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+                             multiple: int = 1, as_stored: bool = False
+                             ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """Context K/V of `context_pool_layers` for the last min(p, sliding_window) positions of each row.
 
         `lengths`: p per row. Read with `PagedKVPool.gather_window`: keys right-aligned (key j of row n
         is position p_n - S + j), keys at negative positions masked, zero-copy views for a single
-        sequence; with `multiple`, S' = S rounded up to it, the keys after the S masked (`CONTEXT_MULTIPLE`).
+        sequence; with `multiple`, S' = S rounded up to it, the keys after the S masked (`CONTEXT_MULTIPLE`);
+        in the dtype torch's products take them in (the pool's `product_dtype`), or as the pool stores them
+        where `as_stored` (the native proposal's kernel widens them as it reads them).
         Returns ([(k, v) each (B, S', Hkv, D)], context_mask (B, S')).
         """
         return pool.gather_window(self.context_pool_layers(pool), seq_ids, lengths, self.config.sliding_window,
-                                  multiple)
+                                  multiple, as_stored)
 
     def context_kv_from_features(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                                  target_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -337,25 +347,29 @@ class NeuralDrafter(Drafter, nn.Module):
 
     # ---- Drafter interface -----------------------------------------------------------------------
 
-    def block_context(self, batch: DraftBatch, K: int) -> BlockContext:
-        """The block [x0, MASK x (K-1)] of each row with its context: hidden states and the pool's K/V."""
+    def block_context(self, batch: DraftBatch, K: int, as_stored: bool = False) -> BlockContext:
+        """The block [x0, MASK x (K-1)] of each row with its context: hidden states and the pool's K/V (as the
+        pool stores them where `as_stored`: `context_kv_from_pool`)."""
         if not 1 <= K <= self.config.max_draft_len:
             raise ValueError(f"K must be in 1..{self.config.max_draft_len} (the trained draft length), got {K}")
         lengths = batch.pool.lengths(batch.seq_ids)
         p = torch.tensor(lengths, dtype=torch.long, device=batch.anchor_tokens.device)  # (B,)
         block_tokens, positions = build_block(batch.anchor_tokens, p, K, self.config.mask_token_id)
-        context_kv, context_mask = self.context_kv_from_pool(batch.pool, batch.seq_ids, lengths, CONTEXT_MULTIPLE)
+        context_kv, context_mask = self.context_kv_from_pool(batch.pool, batch.seq_ids, lengths, CONTEXT_MULTIPLE,
+                                                             as_stored)
         return BlockContext(block_tokens, positions, self.last_hidden_of(batch.seq_ids), context_kv, context_mask)
 
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         """One block forward, then the sequential Markov correction and sampling (module docstring)."""
+        native = self.native_greedy if batch.sampling.all_greedy else None
+        if native is not None and native.covers_batch(batch, K):  # one native call (drafters/hspec/native.py)
+            ctx = self.block_context(batch, K, as_stored=native.reads_stored_kv)
+            local, confidence = native(ctx, batch.anchor_tokens)  # (1, K) x2
+            drafts = self.head.to_target_ids(local)
+            return Proposal(drafts, one_hot_probs(drafts, self.config.vocab_size), confidence=confidence)
         ctx = self.block_context(batch, K)
         if batch.sampling.all_greedy:
-            native = self.native_greedy
-            if native is not None and native.covers(ctx):  # one native call (drafters/hspec/native.py)
-                local, confidence = native(ctx, batch.anchor_tokens)  # (1, K) x2
-            else:
-                local, confidence = self.draft_greedy(ctx, batch.anchor_tokens)  # (B, K) x2
+            local, confidence = self.draft_greedy(ctx, batch.anchor_tokens)  # (B, K) x2
             drafts = self.head.to_target_ids(local)
             return Proposal(drafts, one_hot_probs(drafts, self.config.vocab_size), confidence=confidence)
         logits = self.block_logits(ctx)  # (B, K, Vp)

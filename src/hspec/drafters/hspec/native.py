@@ -5,9 +5,12 @@ norms, RoPE, attention over the target's K/V, the head and the Markov loop); on 
 and dispatch between them cost several times what the products themselves do, so drafting cost more than a
 target decode. `native_propose.cpp` computes the same math in the same order, the products through the
 kernels the Python layers call (hspec's CPU kernels, through the dispatcher) and the small operators between
-them as loops, so its drafts are the Python path's but where two logits lie within a last-bit rounding
-(tests/test_native_drafter.py checks drafts and logits against the Python path); the target verifies every
-draft either way.
+them as loops. Its attention, where hspec's kernels run, is one call of theirs (`hspec::block_attention`) that
+reads the context K/V from the pool as the pool stores them (bf16 or fp32: views, not widened copies;
+`block_context(..., as_stored=True)`) and sums in the target's attention's order, so its outputs differ from
+the Python path's products in the last bits. Its drafts are the Python path's but where two logits lie within
+such a rounding (tests/test_native_drafter.py checks drafts and logits against the Python path); the target
+verifies every draft either way.
 
 What goes native: a proposal of one sequence whose rows are all greedy, on the CPU, without autograd
 (`NativePropose.covers`), for a drafter whose modules it knows (`NativePropose.unfit_reason`): H-Spec's layers,
@@ -34,12 +37,13 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from hspec.drafters.base import DraftBatch
 from hspec.drafters.common import BlockContext
 from hspec.drafters.dflash.layers import DraftLayer
 from hspec.drafters.dflash.model import DFlashBackbone
 from hspec.drafters.hspec.model import HSpecDrafter
 from hspec.models.layers import Linear, RMSNorm
-from hspec.models.native import _build
+from hspec.models.native import _build, load_kernels
 
 __all__ = ["NativePropose", "build_native_propose", "native_propose_for"]
 
@@ -110,6 +114,9 @@ class NativePropose:
         self.dims = [*mamba_dims, c.num_heads, c.num_kv_heads, c.head_dim]
         attention = next((m[3] for m in modules if m[3] is not None), None)
         self.causal = attention is None or attention.causal  # causal in the block (H-Spec), or not (DFlash)
+        # the attention through hspec's kernel where it runs here (reading the pool's K/V as stored), else ATen's
+        # products over the K/V in the dtype the Python path multiplies them in
+        self.reads_stored_kv = load_kernels()
         self.norm_kernel = all(m.kernel for m in drafter.modules() if isinstance(m, RMSNorm))
         self.layers = [_MAMBA * (m[1] is not None) + _ATTENTION * (m[3] is not None) for m in modules]
         self.rope = drafter.target_parts.rope  # the target's: (1, K) positions, dtype -> cos, sin (1, K, D)
@@ -167,7 +174,7 @@ class NativePropose:
     def _bind(self):  # the extension's Proposer: the weights and sizes, converted to C++ once
         return self.extension.Proposer(self.weights, self.row_invariant, self.layers, self.mask_token_id,
                                        self.vocab_size, self.injects, self.markov, self.dims, self.eps,
-                                       self.mamba_eps, self.norm_kernel, self.causal)
+                                       self.mamba_eps, self.norm_kernel, self.causal, self.reads_stored_kv)
 
     def __deepcopy__(self, memo: dict) -> NativePropose:
         """A deep copy of its drafter binds the copy's tensors (`memo`); the compiled extension is shared."""
@@ -222,6 +229,11 @@ class NativePropose:
         """One sequence on the CPU, no autograd, no token history, a block within one SSD chunk."""
         return (ctx.block_tokens.shape[0] == 1 and ctx.block_tokens.device.type == "cpu" and ctx.history is None
                 and not torch.is_grad_enabled() and ctx.K <= self.chunk_size)
+
+    def covers_batch(self, batch: DraftBatch, K: int) -> bool:
+        """`covers` for the context `block_context(batch, K)` makes (which has no token history)."""
+        return (len(batch.seq_ids) == 1 and batch.anchor_tokens.device.type == "cpu" and not torch.is_grad_enabled()
+                and K <= self.chunk_size)
 
     def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts (1, K) as draft-vocabulary indices and their confidence (1, K), as `draft_greedy` returns them."""

@@ -9,8 +9,12 @@
 // dispatcher), with their bits; each Mamba-2 mixer between its projections (~70 operators on a few hundred
 // values each) and the Markov loop's argmax and softmax sum as plain loops, every value rounded where the
 // Python path's tensor rounds and every sum in its order, with the C library's exp and SiLU (ATen's vector
-// forms may round otherwise in the last bit). So the drafts are the Python path's except where two logits lie
-// within that rounding (tests/test_native_drafter.py); the target verifies every draft either way.
+// forms may round otherwise in the last bit). The attention is the exception: where hspec's kernels run, it
+// is one call of hspec::block_attention, which reads the context K/V in the pool as the pool stores them
+// (bf16 or fp32, no widened copies) and sums in the target's attention's order, not ATen's products'; so its
+// outputs differ from the Python path's in the last bits. So the drafts are the Python path's except where
+// two logits lie within that rounding (tests/test_native_drafter.py); the target verifies every draft either
+// way.
 
 // Per proposal (paper §3.3, drafters/hspec/model.py):
 // 1. the block [x0, MASK x (K-1)] embedded (the target's rows, the learned MASK embedding);
@@ -51,13 +55,12 @@ namespace {
 // --breakdown`), in the order `section_names` lists them; a section's time adds up over the layers.
 enum Section : int {
   kEmbed, kInjection, kNorm, kMambaInProj, kMambaConv, kMambaScan, kMambaOutProj, kAttentionQkv,
-  kAttentionNormRope, kAttentionScores, kAttentionSoftmax, kAttentionValues, kAttentionOutProj, kMlpGateUp,
+  kAttentionNormRope, kAttentionAttend, kAttentionOutProj, kMlpGateUp,
   kMlpActivation, kMlpDown, kResidual, kHead, kMarkovProduct, kMarkovSelect, kOutputs, kSections
 };
 constexpr std::array<const char*, kSections> kSectionNames = {
     "embed", "injection", "norms", "mamba.in_proj", "mamba.conv_silu", "mamba.scan_gate_norm",
-    "mamba.out_proj", "attention.qkv_proj", "attention.qk_norm_rope", "attention.scores", "attention.softmax",
-    "attention.values", "attention.o_proj", "mlp.gate_up", "mlp.silu_mul", "mlp.down", "residual_adds",
+    "mamba.out_proj", "attention.qkv_proj", "attention.qk_norm_rope", "attention.attend", "attention.o_proj", "mlp.gate_up", "mlp.silu_mul", "mlp.down", "residual_adds",
     "head", "markov.w2_product", "markov.argmax_softmax", "outputs"};
 
 // Nanoseconds per section of one proposal: this thread's CPU time (what the section cost the calling core;
@@ -243,6 +246,7 @@ struct Sizes {
   double eps, mamba_eps;
   bool norm_kernel;
   bool causal;  // a block's query t sees its keys <= t (H-Spec), or all of them (the DFlash family)
+  bool attention_kernel;  // attend through hspec::block_attention (cpu_kernels.cpp), else ATen's products
 };
 
 // mixer.causal_depthwise_conv of one sequence in one pass: out[t] = x[t - W + 1] tap_0 + ... + x[t] tap_{W-1}
@@ -459,11 +463,12 @@ Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, cons
   return linear(out, out_proj);
 }
 
-// block_attention.BlockAttention.forward (q/k/v unfused, per-head q/k norm) then attend_block, causal in the
-// block: x (1, K, H), cos/sin (1, K, 1, D), context k and v (1, S, Hkv, D) with context_mask (1, S) bool,
-// contiguous.
+// block_attention.BlockAttention.forward (q/k/v unfused, per-head q/k norm) then attend_block: x (1, K, H),
+// cos/sin (1, K, 1, D), context k and v (1, S', Hkv, D) with context_mask (1, S') bool, of which the first s
+// keys hold every visible one.
 Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& context_k,
-                 const Tensor& context_v, const Tensor& context_mask, Cursor& w, const Sizes& c, Timings* t) {
+                 const Tensor& context_v, const Tensor& context_mask, int64_t s, Cursor& w, const Sizes& c,
+                 Timings* t) {
   const DrafterLinear q_proj = w.linear("attn.q_proj"), k_proj = w.linear("attn.k_proj"),
                       v_proj = w.linear("attn.v_proj");
   const Tensor& q_norm = w.tensor("attn.q_norm.weight");
@@ -477,38 +482,46 @@ Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Te
   timed.emplace(t, kAttentionNormRope);
   q = apply_rope(rms_norm(q, q_norm, c.eps, c.norm_kernel), cos, sin);
   k = apply_rope(rms_norm(k, k_norm, c.eps, c.norm_kernel), cos, sin);
-
-  // attend_block: the G query heads of a KV head as G K rows; scores against the context and the block share
-  // one softmax, the context read where it is.
-  const Tensor qg = q.view({n, length, c.hkv, g, c.d}).permute({0, 2, 3, 1, 4}).reshape({n, c.hkv, g * length, c.d});
-  const int64_t s = context_k.size(1), rows = g * length;
-  timed.emplace(t, kAttentionScores);
-  const Tensor block_raw = at::matmul(qg, k.permute({0, 2, 3, 1})).to(at::kFloat).contiguous();  // (1, Hkv, G K, K)
-  const Tensor ctx_raw = at::matmul(qg.to(context_k.scalar_type()), context_k.permute({0, 2, 3, 1}))
-                             .to(at::kFloat).contiguous();  // (1, Hkv, G K, S)
-  // [context ; block] scores scaled by D^-1/2 (a float, as ATen multiplies a float tensor by a Python float),
-  // -inf where hidden: in one pass, the values of the Python path's scale, masked_fill and cat
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
-  Tensor scores = at::empty({n, c.hkv, rows, s + length}, ctx_raw.options());
-  const bool* visible = context_mask.data_ptr<bool>();
-  const float* from_context = ctx_raw.data_ptr<float>();
-  const float* from_block = block_raw.data_ptr<float>();
-  float* out_scores = scores.data_ptr<float>();
-  for (int64_t r = 0; r < c.hkv * rows; ++r) {  // (KV head, query row), the row's token t = r % K
-    float* row = out_scores + r * (s + length);
-    for (int64_t j = 0; j < s; ++j) row[j] = visible[j] ? from_context[r * s + j] * scale : -INFINITY;
-    const int64_t t = r % length;
-    for (int64_t j = 0; j < length; ++j) {
-      row[s + j] = j <= t || !c.causal ? from_block[r * length + j] * scale : -INFINITY;
+  timed.emplace(t, kAttentionAttend);
+  Tensor merged;  // (1, K, Hq D)
+  if (c.attention_kernel) {
+    // hspec's kernel: one softmax over [the s context keys ; the block's], the context read from the pool in
+    // its own dtype and layout, each row's sums in the target's attention's order (not ATen's products')
+    static auto block_attention =
+        c10::Dispatcher::singleton().findSchemaOrThrow("hspec::block_attention", "")
+            .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t,
+                          const Tensor&, const Tensor&, bool)>();
+    merged = block_attention.call(q, context_k, context_v, context_mask, s, k, v, c.causal);
+  } else {
+    // attend_block's products: the G query heads of a KV head as G K rows; scores against the context and the
+    // block share one softmax, the context read where it is
+    const Tensor qg = q.view({n, length, c.hkv, g, c.d}).permute({0, 2, 3, 1, 4}).reshape({n, c.hkv, g * length, c.d});
+    const int64_t keys = context_k.size(1), rows = g * length;
+    const Tensor block_raw = at::matmul(qg, k.permute({0, 2, 3, 1})).to(at::kFloat).contiguous();  // (1, Hkv, G K, K)
+    const Tensor ctx_raw = at::matmul(qg.to(context_k.scalar_type()), context_k.permute({0, 2, 3, 1}))
+                               .to(at::kFloat).contiguous();  // (1, Hkv, G K, S')
+    // [context ; block] scores scaled by D^-1/2 (a float, as ATen multiplies a float tensor by a Python float),
+    // -inf where hidden: in one pass, the values of the Python path's scale, masked_fill and cat
+    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+    Tensor scores = at::empty({n, c.hkv, rows, keys + length}, ctx_raw.options());
+    const bool* visible = context_mask.data_ptr<bool>();
+    const float* from_context = ctx_raw.data_ptr<float>();
+    const float* from_block = block_raw.data_ptr<float>();
+    float* out_scores = scores.data_ptr<float>();
+    for (int64_t r = 0; r < c.hkv * rows; ++r) {  // (KV head, query row), the row's token r % K
+      float* row = out_scores + r * (keys + length);
+      for (int64_t j = 0; j < keys; ++j) row[j] = visible[j] ? from_context[r * keys + j] * scale : -INFINITY;
+      const int64_t token = r % length;
+      for (int64_t j = 0; j < length; ++j) {
+        row[keys + j] = j <= token || !c.causal ? from_block[r * length + j] * scale : -INFINITY;
+      }
     }
+    const Tensor probs = at::softmax(scores, -1);
+    const Tensor out = at::matmul(probs.slice(-1, 0, keys).to(context_v.scalar_type()), context_v.transpose(1, 2))
+                           .to(v.scalar_type()) +
+                       at::matmul(probs.slice(-1, keys).to(v.scalar_type()), v.transpose(1, 2));  // (1, Hkv, G K, D)
+    merged = out.view({n, c.hkv, g, length, c.d}).permute({0, 3, 1, 2, 4}).reshape({n, length, c.hq * c.d});
   }
-  timed.emplace(t, kAttentionSoftmax);
-  const Tensor probs = at::softmax(scores, -1);
-  timed.emplace(t, kAttentionValues);
-  const Tensor out = at::matmul(probs.slice(-1, 0, s).to(context_v.scalar_type()), context_v.transpose(1, 2))
-                         .to(v.scalar_type()) +
-                     at::matmul(probs.slice(-1, s).to(v.scalar_type()), v.transpose(1, 2));  // (1, Hkv, G K, D)
-  const Tensor merged = out.view({n, c.hkv, g, length, c.d}).permute({0, 3, 1, 2, 4}).reshape({n, length, c.hq * c.d});
   timed.emplace(t, kAttentionOutProj);
   return linear(merged, o_proj);
 }
@@ -530,10 +543,13 @@ Tensor mlp(const Tensor& x, Cursor& w, Timings* t) {
 //
 // block_tokens (1, K) long [x0, MASK, ...]; cos, sin (1, K, D) the target's RoPE at the block's positions in the
 // drafter's dtype; last_hidden (1, n_sel, H); context: per attention module its context k and v (1, S, Hkv, D)
-// (pool views), context_mask (1, S) bool; anchor (1,) long; weights and row_invariant as `NativePropose`
+// (pool views: as the pool stores them where attention_kernel, else as the Python path multiplies them),
+// context_mask (1, S) bool; anchor (1,) long; weights and row_invariant as `NativePropose`
 // writes them; layers: per drafter layer 1 (Mamba) + 2 (attention); mask_token_id, vocab_size (V);
 // injects: S_init is projected (else zeros); markov: 0 none, 1 W2 as a (r, Vp) matrix, 2 W2 as an int8 linear;
-// causal: the block attends causally (H-Spec) or bidirectionally (the DFlash family).
+// causal: the block attends causally (H-Spec) or bidirectionally (the DFlash family); attention_kernel: the
+// attention runs hspec::block_attention (the context K/V as the pool stores them, fp32 or bf16), else ATen's
+// products (the context in the dtype the Python path multiplies it in).
 // timed: also time the sections (`Section`). Returns the drafts as draft-vocabulary indices (1, K) long, their
 // confidence (1, K) fp32, the backbone logits U (1, K, Vp) and, where timed, the sections' nanoseconds
 // (kSections, 2) fp64, this thread's CPU time then wall time (else an empty tensor).
@@ -543,11 +559,12 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
                             const std::vector<OptionalTensor>& weights, const std::vector<bool>& row_invariant,
                             const std::vector<int64_t>& layers, int64_t mask_token_id, int64_t vocab_size,
                             bool injects, int64_t markov, const std::vector<int64_t>& dims, double eps,
-                            double mamba_eps, bool norm_kernel, bool causal, bool timed) {
+                            double mamba_eps, bool norm_kernel, bool causal, bool attention_kernel, bool timed) {
   Timings timings;
   Timings* t = timed ? &timings : nullptr;
   TORCH_CHECK(dims.size() == 7, "native_propose: dims must be (nh, P, N, G, Hq, Hkv, D), got ", dims.size(), " values");
-  const Sizes c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], eps, mamba_eps, norm_kernel, causal};
+  const Sizes c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], eps, mamba_eps, norm_kernel, causal,
+                 attention_kernel};
   TORCH_CHECK(block_tokens.dim() == 2 && block_tokens.size(0) == 1, "native_propose takes one sequence's block (1, K), got ",
               block_tokens.sizes());
   TORCH_CHECK(c.hkv > 0 && c.hq % c.hkv == 0 && c.ngroups > 0 && c.nheads % c.ngroups == 0,
@@ -580,6 +597,10 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
   TORCH_CHECK(context_mask.scalar_type() == at::kBool, "native_propose: context_mask must be bool, got ",
               context_mask.scalar_type());
   const Tensor visible = context_mask.contiguous();
+  // the context keys up to the last visible one: the kernel reads no further (the keys after are padding,
+  // `CONTEXT_MULTIPLE`)
+  int64_t context_keys = visible.size(1);
+  while (context_keys > 0 && !visible.data_ptr<bool>()[context_keys - 1]) --context_keys;
   const MambaSizes mamba_sizes{c.nheads, c.headdim, c.d_state, c.ngroups, c.mamba_eps};
 
   // 3. the layers
@@ -607,7 +628,7 @@ std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const
       TORCH_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == context_mask.size(1) && cv.sizes() == ck.sizes(),
                   "native_propose: context K/V ", attention_index, " must be (1, ", context_mask.size(1),
                   ", Hkv, D) twice, got ", ck.sizes(), " and ", cv.sizes());
-      x = residual(x, attention(norm(x, weight), cos4, sin4, ck, cv, visible, w, c, t));
+      x = residual(x, attention(norm(x, weight), cos4, sin4, ck, cv, visible, context_keys, w, c, t));
       ++attention_index;
     }
     const Tensor& weight = w.tensor("mlp_norm.weight");
@@ -712,17 +733,18 @@ class Proposer {
  public:
   Proposer(std::vector<OptionalTensor> weights, std::vector<bool> row_invariant, std::vector<int64_t> layers,
            int64_t mask_token_id, int64_t vocab_size, bool injects, int64_t markov, std::vector<int64_t> dims,
-           double eps, double mamba_eps, bool norm_kernel, bool causal)
+           double eps, double mamba_eps, bool norm_kernel, bool causal, bool attention_kernel)
       : weights_(std::move(weights)), row_invariant_(std::move(row_invariant)), layers_(std::move(layers)),
         dims_(std::move(dims)), mask_token_id_(mask_token_id), vocab_size_(vocab_size), markov_(markov),
-        eps_(eps), mamba_eps_(mamba_eps), injects_(injects), norm_kernel_(norm_kernel), causal_(causal) {}
+        eps_(eps), mamba_eps_(mamba_eps), injects_(injects), norm_kernel_(norm_kernel), causal_(causal),
+        attention_kernel_(attention_kernel) {}
 
   std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const Tensor& sin,
                               const Tensor& last_hidden, const std::vector<Tensor>& context,
                               const Tensor& context_mask, const Tensor& anchor, bool timed) const {
     return ::propose(block_tokens, cos, sin, last_hidden, context, context_mask, anchor, weights_, row_invariant_,
                      layers_, mask_token_id_, vocab_size_, injects_, markov_, dims_, eps_, mamba_eps_, norm_kernel_,
-                     causal_, timed);
+                     causal_, attention_kernel_, timed);
   }
 
  private:
@@ -731,13 +753,13 @@ class Proposer {
   std::vector<int64_t> layers_, dims_;
   int64_t mask_token_id_, vocab_size_, markov_;
   double eps_, mamba_eps_;
-  bool injects_, norm_kernel_, causal_;
+  bool injects_, norm_kernel_, causal_, attention_kernel_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<Proposer>(module, "Proposer", "`propose` bound to one drafter's weights (native.py)")
       .def(pybind11::init<std::vector<OptionalTensor>, std::vector<bool>, std::vector<int64_t>, int64_t, int64_t,
-                          bool, int64_t, std::vector<int64_t>, double, double, bool, bool>())
+                          bool, int64_t, std::vector<int64_t>, double, double, bool, bool, bool>())
       .def("propose", &Proposer::propose, "H-Spec's greedy proposal for one sequence (native_propose.cpp)");
   module.def("section_names", &section_names, "the sections `propose` times where asked, in its rows' order");
 }
