@@ -51,7 +51,9 @@ def baseline_module(commit: str, workdir: Path) -> types.ModuleType:
     source = workdir / "native_propose_baseline.cpp"
     # its include of the product header, made absolute: the tree's header (the products are not compared here)
     header = Path(__file__).resolve().parents[1] / "src/hspec/models/linear_product.h"
-    source.write_text(show(SOURCE).replace('"../../models/linear_product.h"', f'"{header}"'))
+    # its C++ class renamed (pybind11 registers a C++ type once per process; its Python name stays "Proposer")
+    text = show(SOURCE).replace('"../../models/linear_product.h"', f'"{header}"')
+    source.write_text("#define Proposer BaselineProposer\n" + text)
     text = show(NATIVE).replace('"hspec_native_propose"', '"hspec_native_propose_baseline"')
     text = text.replace('Path(__file__).with_name("native_propose.cpp")', repr(str(source)).join(("Path(", ")")))
     module = types.ModuleType("native_baseline")
