@@ -26,16 +26,11 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
    Deciding draft by draft, rather than taking the best n over all K, keeps sampling exact: whether d_k is
    verified then depends on a_1..a_k, which depend on d_1..d_{k-1} and earlier steps only
    (`Proposal.confidence`), and on the record, never on d_k or the drafts after it.
-3. Drafting did not pay for this row when even the best n emits less than 1 token per decode's cost, or
-   when, once the verdict is in, what the row's recent drafting steps emitted per cost they paid falls below
-   1 (`Ledger`: tokens emitted over step costs, both decayed by `LEDGER_DECAY` a drafting step). The
-   second test holds a row to what happened: a drafter's confidences, scaled per position, can promise more
-   than the row's text gives, most where acceptance hardly follows the confidence (a selected sure draft is
-   then believed more than it deserves). A row where drafting did not pay skips its next `backoff` steps, the
-   backoff doubling (1, 2, 4, ...) up to `max_backoff` while drafting keeps not paying; a step that pays
-   resets it. So a drafter that never pays costs one probe every max_backoff + 1 steps, and one that pays
-   on some stretches of text drafts there. Rows a drafter drafts for free (prompt lookup's matches) draft
-   in any case and leave the back-off alone.
+3. When even the best n emits less than 1 token per decode's cost, drafting did not pay for this row:
+   it skips its next `backoff` steps, the backoff doubling (1, 2, 4, ...) up to `max_backoff` while
+   drafting keeps not paying; a step that pays resets it. So a drafter that never pays costs one probe
+   every max_backoff + 1 steps, and one that pays on some stretches of text drafts there. Rows a drafter
+   drafts for free (prompt lookup's matches) draft in any case and leave the back-off alone.
 
 Losslessness is untouched: how many drafts a row verifies, and whether it drafts at all, depends only on
 that row's own earlier steps, its drafts before the one in question and their confidences, never on this
@@ -59,7 +54,6 @@ from hspec.drafters.wrapping import WrappingDrafter
 
 ADAPTIVE_LENGTH = "auto"  # the P of `KIND:P` that asks for the cost-aware length
 MAX_BACKOFF = 32  # most steps a row skips drafting after drafting did not pay
-LEDGER_DECAY = 0.9  # weight of a row's earlier drafting steps in its ledger, per drafting step since
 
 
 def best_draft_length(estimate: Sequence[float], keys: int, cost: StepCost,
@@ -139,56 +133,24 @@ class Record:
 
 
 @dataclass
-class Ledger:
-    """What a row's drafting steps (the model ran) emitted and what they cost, in tokens and 1-token decodes,
-    each step weighing `LEDGER_DECAY` times the one after it: `emitted / spent` is what drafting has
-    recently paid per decode's cost, whatever the drafter expected."""
-
-    emitted: float = 0.0
-    spent: float = 0.0
-
-    def add(self, emitted: int, cost: float) -> None:
-        self.emitted = LEDGER_DECAY * self.emitted + emitted
-        self.spent = LEDGER_DECAY * self.spent + cost
-
-    @property
-    def pays(self) -> bool:
-        return self.emitted >= self.spent
-
-
-@dataclass
-class Unsettled:
-    """A drafting step whose verdict is not in yet: its expected rate (tokens per decode's cost), its cost in
-    1-token decodes, and the back-off's cap."""
-
-    rate: float
-    cost: float
-    max_backoff: int
-
-
-@dataclass
 class RowState:
     """What the rule keeps for one row: its place in the back-off of step 3 (steps still to skip, the length
-    of the last skip), its records of the model's drafts and of drafts without a confidence (step 2), its
-    ledger of drafting steps (step 3), and this step's verified drafts with their confidences (`pending`) and
-    its drafting (`unsettled`) until `record` tells the verdict."""
+    of the last skip), its records of the model's drafts and of drafts without a confidence (step 2), and this
+    step's verified drafts with their confidences until `commit` tells the verdict."""
 
     skip: int = 0
     backoff: int = 0
     model: Record = field(default_factory=Record)
     lookup: Record = field(default_factory=Record)
     pending: tuple[int, list[float] | None] | None = None
-    ledger: Ledger = field(default_factory=Ledger)
-    unsettled: Unsettled | None = None
 
-    def after_draft(self, rate: float, max_backoff: int, cost: float | None = None) -> None:
-        """The model drafted for this row at an expected `rate` tokens per decode's cost. With the step's
-        `cost` (1-token decodes), the back-off waits for the verdict (`record`: the rate and the ledger);
-        without it, it follows the rate now."""
-        if cost is not None:
-            self.unsettled = Unsettled(rate, cost, max_backoff)
+    def after_draft(self, rate: float, max_backoff: int) -> None:
+        """Update the back-off after a step that drafted at `rate` tokens per decode's cost."""
+        if rate >= 1.0:
+            self.backoff = 0
         else:
-            self._back_off(rate >= 1.0, max_backoff)
+            self.backoff = min(max(1, 2 * self.backoff), max_backoff)
+            self.skip = self.backoff
 
     def record(self, num_accepted: int) -> None:
         """This step's verdict: `num_accepted` of its pending drafts were accepted."""
@@ -196,21 +158,9 @@ class RowState:
             verified, confidence = self.pending
             (self.lookup if confidence is None else self.model).add(verified, num_accepted, confidence)
         self.pending = None
-        step, self.unsettled = self.unsettled, None
-        if step is not None:
-            self.ledger.add(1 + num_accepted, step.cost)
-            self._back_off(step.rate >= 1.0 and self.ledger.pays, step.max_backoff)
-
-    def _back_off(self, paid: bool, max_backoff: int) -> None:
-        if paid:
-            self.backoff = 0
-        else:
-            self.backoff = min(max(1, 2 * self.backoff), max_backoff)
-            self.skip = self.backoff
 
     def copy(self) -> RowState:
-        return RowState(self.skip, self.backoff, self.model.copy(), self.lookup.copy(), self.pending,
-                        replace(self.ledger), self.unsettled)
+        return RowState(self.skip, self.backoff, self.model.copy(), self.lookup.copy(), self.pending)
 
 
 class RowStateDrafter(WrappingDrafter):
@@ -270,9 +220,9 @@ class CostAwareDrafter(RowStateDrafter):
         free = self.model.free_rows(batch.select(skipping)) if skipping else []
         drafting = sorted({row for row, state in enumerate(states) if state.skip == 0}
                           | {row for row, f in zip(skipping, free) if f})
-        for state in states:  # a step proposed again before its verdict came has none
+        for state in states:
             state.skip = max(state.skip - 1, 0)
-            state.pending, state.unsettled = None, None
+            state.pending = None
         tokens = torch.zeros((B, K), dtype=torch.long, device=device)  # (B, K); rows that skip: padding
         num_drafts = [0] * B
         if not drafting:  # nobody drafts: a plain decode step, verified against an empty draft
@@ -292,7 +242,7 @@ class CostAwareDrafter(RowStateDrafter):
                                         record.estimates(K))
             num_drafts[row] = n
             if known:  # only drafting that costs can fail to pay
-                state.after_draft(rate, self.max_backoff, self.cost.of(n, keys[i]))
+                state.after_draft(rate, self.max_backoff)
             state.pending = (n, confidence[i][:n] if known else None) if n else None
         if len(drafting) == B:
             tokens, probs = drafted.draft_tokens, drafted.draft_probs

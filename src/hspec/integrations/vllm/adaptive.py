@@ -122,7 +122,7 @@ class AdaptiveLength:
             return self.timer.calibration_length(self._calls) if lone else self.K
         state = self.rows.setdefault(req_id, RowState())
         n, rate = best_draft_length(state.model.calibrated(confidence), keys, self.cost, state.model.estimates(self.K))
-        state.after_draft(rate, MAX_BACKOFF, self.cost.of(n, keys))
+        state.after_draft(rate, MAX_BACKOFF)
         state.pending = (n, list(confidence[:n])) if n else None
         return n
 
