@@ -21,6 +21,7 @@ from hspec.drafters.common import (
 from hspec.drafters.hspec import HSpecConfig
 from hspec.models.config import RopeScaling, TargetConfig
 from hspec.models.layers import attend
+from hspec.registry import Registry
 
 LLAMA31_8B = TargetConfig("LlamaForCausalLM", 128256, 4096, 14336, 32, 32, 8, 128, 1e-5, 500000.0,
                           RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), 131072)
@@ -175,3 +176,18 @@ def test_what_other_engines_run_is_declared_by_the_kind_itself_and_not_inherited
     assert vllm_exported_kinds() == {"dflash": "dflash", "eagle3": "peagle"}
     assert {kind for kind in DRAFTERS.names() if DRAFTERS.get(kind).llama_cpp_arch} == {"dflash", "dspark"}
     assert DRAFTERS.get("dels").starts_from == ("dflash",) and DRAFTERS.get("dflash").starts_from == ()
+
+
+def test_a_registry_names_a_class_and_its_presets_once():
+    """A class registers under its own name and its presets' (H-Spec's ablations); a name taken twice is refused
+    before anything of the second registration is kept."""
+    registry = Registry("thing")
+
+    @registry.register("a", presets=("a-small",))
+    class A:
+        pass
+
+    assert registry.get("a") is registry.get("a-small") is A and (A.kind, A.presets) == ("a", ("a-small",))
+    with pytest.raises(ValueError, match="'a-small' is registered twice"):
+        registry.register("b", presets=("a-small",))(type("B", (), {}))
+    assert registry.names() == ["a", "a-small"]

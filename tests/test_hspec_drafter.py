@@ -3,11 +3,14 @@ injection, O(1) per-sequence state, target checks. Losslessness is in test_gener
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from hspec.drafters import DRAFTERS, create_drafter
 from hspec.drafters.base import DraftBatch
+from hspec.drafters.checkpoint import load_drafter, save_drafter
 from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, DrafterConfig, build_block, dspark_trainable_params
 from hspec.drafters.hspec import HSpecConfig, HSpecDrafter, hspec_trainable_params
 from hspec.models.config import RopeScaling, TargetConfig
@@ -46,7 +49,7 @@ def test_mamba_heads_match_dspark_within_3_percent(name):
 def test_param_formula_equals_the_module(kind, name):
     """Built on the meta device (no memory): the formula counts exactly the module's parameters."""
     target, _ = TARGETS[name]
-    drafter = DRAFTERS.get(kind)(target, device="meta")
+    drafter = DRAFTERS.get(kind)(target, config=HSpecConfig.from_target(kind, target), device="meta")
     assert drafter.num_trainable_params() == hspec_trainable_params(drafter.config)
 
 
@@ -59,6 +62,31 @@ def test_ablation_configs():
     assert c["mamba-only"].num_attention == 0 and len(c["mamba-only"].layers) == 5
     assert all(c[k].markov_rank == 0 for k in ("mamba-only", "attention-only", "hspec-nomarkov"))
     assert len({c[k].mamba_nheads for k in HSPEC_KINDS}) == 1  # dims unchanged across ablations (B.4)
+
+
+def test_the_ablations_are_presets_of_the_hspec_class(tiny_target, tmp_path):
+    """Each ablation kind is the one H-Spec class built from its preset's configuration; a drafter says the kind
+    it was built as, saves under it, and loads back from it, also from a checkpoint that names the subclass
+    the ablation used to be (`architectures`, which loading does not read)."""
+    assert sorted(k for k in DRAFTERS.names() if DRAFTERS.get(k) is HSpecDrafter) == sorted(HSPEC_KINDS)
+    assert sorted(HSpecDrafter.presets) == sorted(set(HSPEC_KINDS) - {"hspec"})
+    target = tiny_target
+    for kind in HSPEC_KINDS:
+        drafter = create_drafter(kind, target.config, target_model=target.model)
+        assert type(drafter) is HSpecDrafter and drafter.kind == drafter.config.kind == kind
+        assert drafter.config == HSpecConfig.from_target(kind, target.config)
+    drafter = _drafter(target, "mamba-only")
+    save_drafter(drafter, tmp_path / "old", "tiny")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    assert config["speculators_model_type"] == "mamba-only"
+    config["architectures"] = ["MambaOnly"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
+    loaded = load_drafter(tmp_path / "old", target.model)
+    assert loaded.kind == "mamba-only" and loaded.config == drafter.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+    with pytest.raises(ValueError, match="'dflash'.*'hspec' or one of its presets"):
+        HSpecDrafter(target.config, target_model=target.model,
+                     config=DrafterConfig.from_target("dflash", target.config))
 
 
 # ---- helpers over the tiny target -----------------------------------------------------------------

@@ -129,7 +129,11 @@ class TreeDraft:
 class Drafter(ABC):
     """Base class of every drafter kind (registered in `DRAFTERS`)."""
 
+    # The name it is registered under; an instance of one of its `presets` has that preset's name instead.
     kind: str = "abstract"
+    # Other kind names the registry gives this class: named configurations of it (H-Spec's ablations,
+    # `drafters/hspec/config.py:PRESETS`), built by `create_drafter` with the preset's configuration.
+    presets: tuple[str, ...] = ()
     # Target layers (HF hidden-state indices, 0 = embeddings) whose hidden states the drafter needs at
     # committed positions: its config's `target_layers`, or () for a kind that reads none (dflash-kvreuse
     # reads those layers' K/V from the pool instead).
@@ -250,6 +254,8 @@ def create_drafter(kind: str, target_config: TargetConfig, target_model: torch.n
         if target_model is None:
             raise ValueError(f"drafter kind {kind!r} needs the target model: pass target_model=")
         options["target_model"] = target_model
+    if kind in cls.presets and "config" not in options:  # the class's default is its own kind's
+        options["config"] = drafter_config(kind, target_config)
     drafter = cls(target_config, **options)
     drafter.check_target(target_config)
     return drafter

@@ -192,8 +192,10 @@ class NeuralDrafter(Drafter, nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         nn.Module.__init__(self)
         config = self.default_config(target_config) if config is None else config
-        if config.kind != self.kind:
-            raise ValueError(f"config is for kind {config.kind!r}, this drafter is {self.kind!r}")
+        if config.kind != self.kind and config.kind not in self.presets:
+            raise ValueError(f"config is for kind {config.kind!r}, this drafter is {self.kind!r}"
+                             + (f" or one of its presets {list(self.presets)}" if self.presets else ""))
+        self.kind = config.kind  # a preset's name (e.g. an H-Spec ablation) or the class's own
         self.config = config
         self.target_layers = tuple(config.target_layers)
         weight = target_model.embed_tokens.weight if target_model is not None else None  # type: ignore[union-attr]
@@ -219,7 +221,7 @@ class NeuralDrafter(Drafter, nn.Module):
 
     @classmethod
     def default_config(cls, target_config: TargetConfig) -> DrafterConfig:
-        """This kind's configuration for `target_config`."""
+        """This class's own kind's configuration for `target_config` (a preset's: `create_drafter`)."""
         return cls.config_class.from_target(cls.kind, target_config)
 
     def build(self) -> None:

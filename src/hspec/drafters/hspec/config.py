@@ -1,4 +1,4 @@
-"""Configuration of the H-Spec drafter and its ablations (paper §3.3, §4.3, App. B.1, B.4).
+"""Configuration of the H-Spec drafter and its ablations, presets of it (paper §3.3, §4.3, App. B.1, B.4).
 
 A drafter is a stack of layers, each a residual sequence of pre-norm modules named in `layers`:
 "mamba-attention-mlp" (a full H-Spec layer), "mamba-mlp" (the partial layer; Mamba-only) and
@@ -26,9 +26,11 @@ PARTIAL = "mamba-mlp"
 ATTENTION_MLP = "attention-mlp"
 LAYER_KINDS = (FULL, PARTIAL, ATTENTION_MLP)
 
-# kind -> how it differs from H-Spec (the ablations keep H-Spec's module dimensions, paper B.4).
-VARIANTS: dict[str, dict[str, Any]] = {
-    "hspec": {},
+HSPEC = "hspec"  # the kind's name (drafters/hspec/model.py registers it with its presets)
+# The ablations, presets of the hspec kind: preset name -> the HSpecConfig fields it sets over H-Spec's own. Each
+# is a kind name wherever one is typed (`--drafter`, checkpoints' `speculators_model_type`, evaluation labels) and
+# builds the same class; the module dimensions stay H-Spec's (paper B.4).
+PRESETS: dict[str, dict[str, Any]] = {
     # paper §4.3 target-context ablations: same architecture, one context source removed.
     "hspec-lasttoken-only": {"attend_target": False},  # attention sees the block only
     "hspec-kvreuse-only": {"inject_state": False},  # S_init = 0, no fusion weights
@@ -69,14 +71,15 @@ class HSpecConfig(DrafterConfig):
 
     @classmethod
     def from_target(cls, kind: str, target: TargetConfig, **overrides: Any) -> HSpecConfig:
-        """`kind`'s configuration for `target`: r = H, Mamba heads matched to DSpark, then `overrides`."""
-        if kind not in VARIANTS:
-            raise ValueError(f"unknown H-Spec variant {kind!r}; allowed: {sorted(VARIANTS)}")
+        """`kind`'s configuration for `target` (hspec or a preset): r = H, Mamba heads matched to DSpark, the
+        preset's fields, then `overrides`."""
+        if kind != HSPEC and kind not in PRESETS:
+            raise ValueError(f"unknown H-Spec kind {kind!r}; allowed: {[HSPEC, *sorted(PRESETS)]}")
         base: dict[str, Any] = {"fusion_rank": target.hidden_size}
         sized = {k: v for k, v in overrides.items() if k in ("target_layers", "draft_vocab_size", "markov_rank")}
         nheads, headdim = choose_mamba_heads(target, **sized)
         base.update(mamba_nheads=nheads, mamba_headdim=headdim)
-        base.update(VARIANTS[kind])
+        base.update(PRESETS.get(kind, {}))
         base.update(overrides)
         return super().from_target(kind, target, **base)  # type: ignore[return-value]
 
@@ -133,7 +136,7 @@ def choose_mamba_heads(target: TargetConfig, tolerance: float = 0.03, **fields: 
     """
     base = DrafterConfig.from_target("dspark", target, **fields)
     budget = dspark_trainable_params(base)
-    common = dict(kind="hspec", target=target, target_layers=base.target_layers,
+    common = dict(kind=HSPEC, target=target, target_layers=base.target_layers,
                   draft_vocab_size=base.draft_vocab_size, markov_rank=base.markov_rank,
                   fusion_rank=target.hidden_size)
     best: tuple[float, int, int] | None = None

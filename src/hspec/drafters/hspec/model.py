@@ -14,7 +14,7 @@ Forward over a block of K positions (all in parallel):
 3. final RMSNorm -> the target's frozen LM head restricted to the pruned vocabulary: U_k;
 4. (in `NeuralDrafter`) the Markov head corrects U_k with the previous draft token.
 
-The ablation kinds (paper §4.3, B.4) are the same class with another `HSpecConfig` variant.
+The ablation kinds (paper §4.3, B.4) are presets of this class: another `HSpecConfig` (config.py:PRESETS).
 Nothing here grows with the context: per sequence, only last_hidden (n_sel, H) is kept.
 
 Legend: N block rows, K block, S context keys, H hidden, Vp pruned vocab, P SSM head dim, n_sel
@@ -28,7 +28,7 @@ from torch import nn
 
 from hspec.drafters.base import DRAFTERS
 from hspec.drafters.common import BlockAttention, BlockContext, NeuralDrafter, kv_layer_of
-from hspec.drafters.hspec.config import HSpecConfig
+from hspec.drafters.hspec.config import HSPEC, PRESETS, HSpecConfig
 from hspec.models.layers import RMSNorm, SwiGLU
 from hspec.ssm.mixer import Mamba2Mixer
 
@@ -74,9 +74,10 @@ class HSpecLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-@DRAFTERS.register("hspec")
+@DRAFTERS.register(HSPEC, presets=PRESETS)
 class HSpecDrafter(NeuralDrafter):
-    """H-Spec (paper §3.3): 3 Mamba-attention-MLP layers + 1 Mamba-MLP layer + Markov head."""
+    """H-Spec (paper §3.3): 3 Mamba-attention-MLP layers + 1 Mamba-MLP layer + Markov head; each ablation
+    (paper §4.3, B.4) is a preset of it, the same class built from another `HSpecConfig` (`PRESETS`)."""
 
     config_class = HSpecConfig
     config: HSpecConfig
@@ -114,28 +115,3 @@ class HSpecDrafter(NeuralDrafter):
                 attention_index += 1
             x = layer(x, s_init, cos, sin, context, ctx.context_mask)
         return self.head(self.norm(x))  # (N, K, Vp)
-
-
-@DRAFTERS.register("hspec-lasttoken-only")
-class HSpecLastTokenOnly(HSpecDrafter):
-    """Ablation (paper §4.3): H-Spec whose attention sees the block only (no target K/V)."""
-
-
-@DRAFTERS.register("hspec-kvreuse-only")
-class HSpecKVReuseOnly(HSpecDrafter):
-    """Ablation (paper §4.3): H-Spec with S_init = 0 and no fusion weights (target K/V only)."""
-
-
-@DRAFTERS.register("hspec-nomarkov")
-class HSpecNoMarkov(HSpecDrafter):
-    """Ablation (paper §4.3, B.4 "Hybrid"): H-Spec's backbone without the Markov head."""
-
-
-@DRAFTERS.register("mamba-only")
-class MambaOnly(HSpecDrafter):
-    """Ablation (B.4): 5 Mamba-MLP layers with S_init injection, no attention, no Markov head."""
-
-
-@DRAFTERS.register("attention-only")
-class AttentionOnly(HSpecDrafter):
-    """Ablation (B.4): 5 attention-MLP layers reusing the 5 selected layers' K/V, no Markov head."""
