@@ -69,3 +69,35 @@ def test_a_drafter_and_its_checkpoint_are_one_value_or_two_flags(tmp_path, capsy
 ])
 def test_one_spelling_of_a_floating_dtype_in_every_command(argv, dtype):
     assert build_parser().parse_args(argv).dtype == dtype
+
+
+def test_the_command_line_spells_the_librarys_choices():
+    """cli/options.py spells the choices so that `--help` imports no torch; they are the library's own."""
+    from hspec.cli.options import DRAFTER_PRECISIONS, TARGET_DTYPES, TRAINING_PRECISIONS
+    from hspec.models.dtype import DRAFTER_PRECISION_CHOICES, DTYPE_CHOICES
+    from hspec.training.precision import PRECISION_CHOICES
+
+    assert TARGET_DTYPES == DTYPE_CHOICES and DRAFTER_PRECISIONS == DRAFTER_PRECISION_CHOICES
+    assert TRAINING_PRECISIONS == PRECISION_CHOICES
+
+
+@pytest.mark.parametrize("argv", [["train", "--drafter", "hspec"], ["lab", "scaling"], ["bench", "train"]])
+def test_one_training_precision_in_every_command(argv, capsys):
+    """`hspec train`, `lab scaling` and `bench train` (an axis of them) read `--precision` with one parser: the
+    same values and spellings, and an error naming the bad value and the allowed ones."""
+    parser = build_parser()
+    axis = argv[0] == "bench"
+    for given, parsed in (("fp32", "fp32"), ("float32", "fp32"), ("bf16-autocast", "bf16-autocast")):
+        assert parser.parse_args([*argv, "--precision", given]).precision == ([parsed] if axis else parsed)
+    assert parser.parse_args(argv).precision == (["bf16-autocast"] if axis else "auto")
+    for bad in ("fp16", "bf16"):  # bf16 alone would read as bf16 weights, which no run keeps
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--precision", bad])
+        assert f"{bad!r} is not a training precision; allowed: auto, fp32, bf16-autocast" in capsys.readouterr().err
+    if axis:
+        assert parser.parse_args([*argv, "--precision", "f32,bf16-autocast"]).precision == ["fp32", "bf16-autocast"]
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--precision", "auto"])
+        assert "not auto" in capsys.readouterr().err
+    else:
+        assert parser.parse_args([*argv, "--precision", "auto"]).precision == "auto"

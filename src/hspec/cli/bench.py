@@ -13,6 +13,7 @@ from hspec.cli.options import (
     add_floating_dtype,
     add_pool_options,
     add_target,
+    add_training_precision,
     check_draft_len,
     dtype_name,
     ints,
@@ -265,7 +266,7 @@ def train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=8192, help="pruned draft vocabulary Vp (default 8192)")
     p.add_argument("--seqs-per-step", default="4", help="axis: comma-separated sequences per step (default 4)")
     p.add_argument("--anchors-per-seq", default="16", help="axis: comma-separated anchors per sequence (default 16)")
-    p.add_argument("--precision", default="bf16-autocast", help="axis: comma-separated fp32, bf16-autocast")
+    add_training_precision(p, "axis: comma-separated fp32, bf16-autocast", default="bf16-autocast", axis=True)
     p.add_argument("--lr", default="6e-4", help="axis: comma-separated peak learning rates (default 6e-4)")
     p.add_argument("--compile", default="off", help="axis: off, on or off,on: the step's forward and loss through "
                                                     "torch.compile (compiled in the untimed round 0)")
@@ -287,11 +288,7 @@ def run_bench_train(args: argparse.Namespace) -> int:
     import torch
 
     from hspec.bench.train import bench_configs, run_train_bench
-    from hspec.training.precision import PRECISIONS
-
-    precisions, switches = names(args.precision), {"off": False, "on": True}
-    if not precisions or set(precisions) - set(PRECISIONS):
-        raise ValueError(f"--precision takes {', '.join(PRECISIONS)}, got {args.precision!r}")
+    precisions, switches = args.precision, {"off": False, "on": True}  # the precisions parsed by argparse
     if not names(args.compile) or set(names(args.compile)) - set(switches):
         raise ValueError(f"--compile takes off, on or off,on, got {args.compile!r}")
     torch.set_num_threads(args.threads)

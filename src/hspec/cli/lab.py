@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hspec.cli.command import Command, group
+from hspec.cli.options import add_training_precision
 
 
 def merge_arguments(merge: argparse.ArgumentParser) -> None:
@@ -96,8 +97,7 @@ def scaling_arguments(scaling: argparse.ArgumentParser) -> None:
     scaling.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
     scaling.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary Vp (default 8192)")
     scaling.add_argument("--seed", type=int, default=0)
-    scaling.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16-autocast"),
-                         help="as `hspec train --precision` (default auto)")
+    add_training_precision(scaling, "as `hspec train --precision`")
     scaling.add_argument("--tau-goal", default="2.0,2.7",
                          help="Spec-Bench and held-out tau whose budget the fit estimates (default: the issue's "
                               "goals, 2.0,2.7)")

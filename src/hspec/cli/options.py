@@ -4,7 +4,8 @@ Every command that loads a target takes `--target` and `--dtype` from here with 
 drafter is named the same way everywhere: a kind, optionally with its checkpoint as `KIND=DIR` (`--drafter
 hspec=DIR`, `--drafters ngram,hspec=DIR`). Floating storage types have one spelling in every command
 (float32, bfloat16, float16), and the short ones other tools use (fp32, bf16, fp16, f32, f16) are accepted
-for them.
+for them. Training's `--precision` and the decoding commands' `--drafter-precision` each have one parser
+here too (docs/design.md#the-command-line says why they stay apart from `--dtype`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ MAX_DRAFT_LEN = 32
 TARGET_DTYPES = ("auto", "fastest", "float32", "bfloat16", "int8", "int4", "w4a8")
 # Short names of floating types, as PyTorch's, GGUF's and vLLM's users write them -> hspec's one spelling.
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
+
+
+# `--drafter-precision`: how a trained drafter stores its linear weights inside the target's runtime
+# (hspec.models.dtype.DRAFTER_PRECISION_CHOICES).
+DRAFTER_PRECISIONS = ("auto", "floating", "int8", "w4a8")
+# `--precision`: the arithmetic of drafter training, fp32 or bf16 autocast over fp32 master weights
+# (hspec.training.precision.PRECISION_CHOICES). float32's spellings name fp32; bf16 alone names none, since
+# it would read as bf16 weights, which no run keeps.
+TRAINING_PRECISIONS = ("auto", "fp32", "bf16-autocast")
+PRECISION_ALIASES = {"float32": "fp32", "f32": "fp32"}
 
 
 def dtype_name(text: str) -> str:
@@ -67,8 +78,35 @@ def add_compile_drafter(p: argparse.ArgumentParser) -> None:
                         "#ahead-of-time-drafter)")
 
 
+def training_precision(text: str) -> str:
+    """A `--precision` value (auto, fp32, bf16-autocast; float32 and f32 name fp32) in hspec's spelling; an
+    argparse error names the bad value and the allowed ones."""
+    name = PRECISION_ALIASES.get(text, text)
+    if name not in TRAINING_PRECISIONS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a training precision; allowed: "
+                                         f"{', '.join(TRAINING_PRECISIONS)} (fp32 also as float32 or f32)")
+    return name
+
+
+def training_precisions(text: str) -> list[str]:
+    """A comma-separated axis of `--precision` values, 'f32,bf16-autocast' -> ['fp32', 'bf16-autocast']: each measured
+    arithmetic named, so `auto` is refused (it would record no precision)."""
+    values = [training_precision(x) for x in names(text)]
+    if not values or "auto" in values:
+        raise argparse.ArgumentTypeError(f"{text!r}: an axis of training precisions takes "
+                                         f"{', '.join(TRAINING_PRECISIONS[1:])} (comma-separated), not auto")
+    return values
+
+
+def add_training_precision(p: argparse.ArgumentParser, help: str, default: str = "auto", axis: bool = False) -> None:
+    """`--precision`, the arithmetic of drafter training, with the same values in every command (`axis`: a
+    comma-separated list of them, each configuration of a benchmark)."""
+    p.add_argument("--precision", type=training_precisions if axis else training_precision, default=default,
+                   help=f"{help} (default {default})")
+
+
 def add_drafter_precision(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter-precision", default="auto", choices=("auto", "floating", "int8", "w4a8"),
+    p.add_argument("--drafter-precision", default="auto", choices=DRAFTER_PRECISIONS,
                    help="how trained drafters store their linear weights: auto (default) = w4a8 under a w4a8 "
                         "target, int8 under a bfloat16, int8 or int4 target on a CPU, where drafting is bound by "
                         "reading the drafter's weights, else the target's floating dtype; floating; int8 (one scale "

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from hspec.cli.command import Command, group
-from hspec.cli.options import add_data_dir, add_device, add_sampling, add_target
+from hspec.cli.options import add_data_dir, add_device, add_sampling, add_target, add_training_precision
 
 
 def paths(text: str) -> list[Path]:
@@ -113,12 +113,10 @@ def train_arguments(train: argparse.ArgumentParser) -> None:
                        help="resume a run dir although settings changed (e.g. another --steps or --lr): without "
                             "it such a rerun stops and lists the changes; with it the change is recorded in the "
                             "run's history.jsonl and the new settings apply from the resumed step")
-    train.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16-autocast"),
-                       help="arithmetic of the drafter's forward and backward: fp32, or bf16 autocast over fp32 "
-                            "master weights, optimizer state and loss. auto: bf16-autocast on CUDA and on a CPU "
-                            "with native bf16 dot products (AVX512-BF16/AMX), else fp32 (measured: "
-                            "results/train_precision_cpu.md); a resumed run keeps the precision it recorded "
-                            "(default auto)")
+    add_training_precision(train, "arithmetic of the drafter's forward and backward: fp32, or bf16 autocast over fp32 "
+                                  "master weights, optimizer state and loss. auto: bf16-autocast on CUDA and on a CPU "
+                                  "with native bf16 dot products (AVX512-BF16/AMX), else fp32 (measured: "
+                                  "results/train_precision_cpu.md); a resumed run keeps the precision it recorded")
     train.add_argument("--compile-step", action="store_true",
                        help="run each step's forward and loss through torch.compile (compiled on the first step: "
                             "minutes on a CPU; results/train_throughput/ measures what it buys)")
