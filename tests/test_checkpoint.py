@@ -27,6 +27,7 @@ from hspec.drafters.checkpoint import (
     save_drafter,
 )
 from hspec.drafters.common import NeuralDrafter
+from hspec.drafters.wrapping import WrappingDrafter
 from hspec.sampling import SamplingParams
 from hspec.training import checkpoint as trainer_checkpoint
 from hspec.training.checkpoint import load_training_state, save_training_state, training_states
@@ -51,28 +52,37 @@ def random_drafter(kind: str, target, seed: int = 0) -> NeuralDrafter:
     return drafter
 
 
-def recorded_proposals(target, drafter: NeuralDrafter, K: int) -> tuple[list, list]:
-    """Sampled speculative generation: every proposal (tokens, draft probs) and the output tokens."""
-    proposals = []
-    name = "propose_tree" if drafter.proposes_tree else "propose"  # what the decoding step calls
-    propose = getattr(drafter, name)
+class _Recording(WrappingDrafter):
+    """`model` as the decoding step sees it (its chains or its trees), keeping every proposal it made: the
+    tokens and the distributions they were drawn from."""
 
-    def recording(batch, k):
-        proposal = propose(batch, k)
-        if drafter.proposes_tree:  # a TreeDraft: its node tokens and their children's distributions
-            proposals.append((proposal.tokens.clone(), proposal.draft_probs.clone()))
-        else:
-            proposals.append((proposal.draft_tokens.clone(), proposal.draft_probs.clone()))
+    def __init__(self, model: NeuralDrafter) -> None:
+        super().__init__(model)
+        self.kind = model.kind
+        self.proposes_tree = model.proposes_tree
+        self.proposals: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def draft_positions(self, K: int) -> int:
+        return self.model.draft_positions(K)
+
+    def propose(self, batch, K):
+        proposal = self.model.propose(batch, K)
+        self.proposals.append((proposal.draft_tokens.clone(), proposal.draft_probs.clone()))
         return proposal
 
-    setattr(drafter, name, recording)
-    try:
-        prompts = [target.tokenizer.encode_prompt(p) for p in ("hello world", "abcabcabc")]
-        decoder = SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids)
-        out = decoder.generate(prompts, SamplingParams(temperature=1.0), 12, seeds=[5, 6])
-    finally:
-        delattr(drafter, name)
-    return proposals, [s.token_ids for s in out.sequences]
+    def propose_tree(self, batch, K):
+        draft = self.model.propose_tree(batch, K)  # a TreeDraft: its node tokens and their children's distributions
+        self.proposals.append((draft.tokens.clone(), draft.draft_probs.clone()))
+        return draft
+
+
+def recorded_proposals(target, drafter: NeuralDrafter, K: int) -> tuple[list, list]:
+    """Sampled speculative generation: every proposal (tokens, draft probs) and the output tokens."""
+    recording = _Recording(drafter)
+    prompts = [target.tokenizer.encode_prompt(p) for p in ("hello world", "abcabcabc")]
+    decoder = SpeculativeDecoder(target.model, recording, K, target.tokenizer.eos_token_ids)
+    out = decoder.generate(prompts, SamplingParams(temperature=1.0), 12, seeds=[5, 6])
+    return recording.proposals, [s.token_ids for s in out.sequences]
 
 
 def assert_same_state(a: NeuralDrafter, b: NeuralDrafter) -> None:
