@@ -227,13 +227,14 @@ class NativePropose:
 
     def covers(self, ctx: BlockContext) -> bool:
         """One sequence on the CPU, no autograd, no token history, a block within one SSD chunk."""
-        return (ctx.block_tokens.shape[0] == 1 and ctx.block_tokens.device.type == "cpu" and ctx.history is None
-                and not torch.is_grad_enabled() and ctx.K <= self.chunk_size)
+        return ctx.history is None and self._covers(ctx.block_tokens.shape[0], ctx.block_tokens.device, ctx.K)
 
     def covers_batch(self, batch: DraftBatch, K: int) -> bool:
         """`covers` for the context `block_context(batch, K)` makes (which has no token history)."""
-        return (len(batch.seq_ids) == 1 and batch.anchor_tokens.device.type == "cpu" and not torch.is_grad_enabled()
-                and K <= self.chunk_size)
+        return self._covers(len(batch.seq_ids), batch.anchor_tokens.device, K)
+
+    def _covers(self, rows: int, device: torch.device, K: int) -> bool:
+        return rows == 1 and device.type == "cpu" and not torch.is_grad_enabled() and K <= self.chunk_size
 
     def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts (1, K) as draft-vocabulary indices and their confidence (1, K), as `draft_greedy` returns them."""
