@@ -642,6 +642,15 @@ HSPEC_VNNI inline void join_lanes(__m512 even, __m512 odd, __m512& low, __m512& 
   high = _mm512_permutex2var_ps(even, _mm512_add_epi32(first, _mm512_set1_epi32(8)), odd);
 }
 
+// `score_block_wide`'s prefetch: the same row of K^T two blocks of 16 V keys on, one address a 64-byte line.
+template <int V, typename KV>
+HSPEC_VNNI inline void prefetch_two_blocks_on(const KV* row) {
+  HSPEC_UNROLL
+  for (int c = 0; c < V; c += kVectorsPerLine<KV> / 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + 32 * V + 16 * c), _MM_HINT_T0);
+  }
+}
+
 // The scores of R query rows q (R, D) against up to 16 V consecutive keys from j0 (n of them, 1 <= n <= 16 V)
 // of K^T (D, S) with row stride ld, in 512-bit vectors (AVX-512): `score_block`'s FMA chain per (row, key),
 // 16 keys a vector; lanes past the n keys load 0 and are not stored. scores: R rows of stride lds.
@@ -664,10 +673,7 @@ HSPEC_VNNI void score_block_wide(const float* q, const KV* kt, int64_t ld, int64
   if (std::is_same_v<KV, c10::BFloat16> && V % 2 == 0 && n == 16 * V) {
     for (int64_t i = 0; i < d; ++i) {
       const KV* row = kt + i * ld + j0;
-      HSPEC_UNROLL
-      for (int c = 0; c < V; c += kVectorsPerLine<KV> / 2) {
-        _mm_prefetch(reinterpret_cast<const char*>(row + 32 * V + 16 * c), _MM_HINT_T0);
-      }
+      prefetch_two_blocks_on<V>(row);
       HSPEC_UNROLL
       for (int c = 0; c + 1 < V; c += 2) {
         __m512 even, odd;
@@ -693,10 +699,7 @@ HSPEC_VNNI void score_block_wide(const float* q, const KV* kt, int64_t ld, int64
   }
   for (int64_t i = 0; i < d; ++i) {
     const KV* row = kt + i * ld + j0;
-    HSPEC_UNROLL
-    for (int c = 0; c < V; c += kVectorsPerLine<KV> / 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + 32 * V + 16 * c), _MM_HINT_T0);
-    }
+    prefetch_two_blocks_on<V>(row);
     HSPEC_UNROLL
     for (int c = 0; c < V; ++c) {
       const __m512 keys = load16_used(row + 16 * c, used[c]);
