@@ -20,16 +20,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from ab_products import build_baseline  # noqa: E402  (the baseline commit's kernels, renamed and built)
+from ab_products import load_beside_baseline  # noqa: E402  (the baseline commit's kernels, renamed and built)
 
-from hspec.models.native import integer_capability, load_kernels  # noqa: E402
+from hspec.models.native import integer_capability  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
 
 LAYERS, HQ, HKV, DIM, TOKENS = 30, 9, 3, 64, 8
@@ -58,16 +57,26 @@ def bit_checks(new, old, g: torch.Generator) -> list[dict[str, object]]:
     return checks
 
 
+def pool_layers(s: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """SmolLM2's LAYERS layers of random bf16 K/V over s positions, K^T as the pool keeps it: k (1, S, Hkv, D)
+    over memory laid out (1, Hkv, D, S), v (1, S, Hkv, D)."""
+    return [(torch.randn((1, HKV, DIM, s), generator=g).bfloat16().permute(0, 3, 1, 2),
+             torch.randn((1, s, HKV, DIM), generator=g).bfloat16()) for _ in range(LAYERS)]
+
+
+def causal_queries(t: int, s: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last t of s positions as a verify's (or, t = 1, a decode's) queries (1, T, Hq, D) bf16 and their mask
+    (1, 1, T, S): row i sees keys < S - T + i + 1."""
+    return torch.randn((1, t, HQ, DIM), generator=g).bfloat16(), torch.ones((1, 1, t, s), dtype=torch.bool).tril(s - t)
+
+
 def forward_calls(new, old, g: torch.Generator) -> dict[tuple[int, str, str], object]:
     """(S, decode or verify, side) -> a forward's 30 attention calls, one per layer over its own K/V."""
     calls = {}
     for s in CONTEXTS:
-        # K^T as the pool keeps it: (B, S, Hkv, D) over memory laid out (B, Hkv, D, S), bf16
-        layers = [(torch.randn((1, HKV, DIM, s), generator=g).bfloat16().permute(0, 3, 1, 2),
-                   torch.randn((1, s, HKV, DIM), generator=g).bfloat16()) for _ in range(LAYERS)]
+        layers = pool_layers(s, g)
         for kind, t in (("decode", 1), ("verify", TOKENS)):
-            q = torch.randn((1, t, HQ, DIM), generator=g).bfloat16()
-            mask = torch.ones((1, 1, t, s), dtype=torch.bool).tril(s - t)  # row i sees keys < S - T + i + 1
+            q, mask = causal_queries(t, s, g)
             for side, op in (("baseline", old), ("this tree", new)):
                 calls[(s, kind, side)] = lambda op=op, q=q, mask=mask, s=s, layers=layers: [
                     op(q, k, v, mask, s) for k, v in layers]
@@ -83,11 +92,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=41, help="alternating rounds of every call (default 41)")
     p.add_argument("--out", type=Path, default=Path("results/attention_scaling/passes"))
     args = p.parse_args()
-    if not load_kernels():
-        raise SystemExit("hspec's CPU kernels do not run here")
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as workdir:
-        build_baseline(args.baseline, Path(workdir))
+    load_beside_baseline(args.baseline)
     new, old = torch.ops.hspec.attention, torch.ops.hspec_baseline.attention
     g = torch.Generator().manual_seed(0)
     checks = bit_checks(new, old, g)

@@ -43,6 +43,15 @@ ROWS = (1, 7, 8)
 SOURCE = "src/hspec/models/cpu_kernels.cpp"
 
 
+def load_beside_baseline(commit: str) -> None:
+    """This tree's kernels (torch.ops.hspec) and `commit`'s (torch.ops.hspec_baseline) loaded, one torch thread."""
+    if not load_kernels():
+        raise SystemExit("hspec's CPU kernels do not run here")
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as workdir:
+        build_baseline(commit, Path(workdir))
+
+
 def build_baseline(commit: str, workdir: Path) -> None:
     """`commit`'s cpu_kernels.cpp with its operators renamed to hspec_baseline::, built and loaded."""
     from torch.utils import cpp_extension
@@ -73,11 +82,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=60, help="alternating calls per kernel, shape and rows (default 60)")
     p.add_argument("--out", type=Path, default=Path("results/native_drafter"))
     args = p.parse_args()
-    if not load_kernels():
-        raise SystemExit("hspec's CPU kernels do not run here")
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as workdir:
-        build_baseline(args.baseline, Path(workdir))
+    load_beside_baseline(args.baseline)
     new, old = torch.ops.hspec, torch.ops.hspec_baseline
     torch.manual_seed(0)
     rows_out = []

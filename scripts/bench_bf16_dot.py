@@ -30,6 +30,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+from ab_attention import DIM, HKV, HQ, LAYERS, TOKENS, causal_queries, pool_layers  # noqa: E402
 
 from hspec.cache.paged_pool import pages_for  # noqa: E402
 from hspec.models.loading import load_target  # noqa: E402
@@ -37,10 +38,9 @@ from hspec.models.native import load_kernels  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
 
 PROBE = Path(__file__).with_name("bf16_dot_probe.c")
-# w4a8 SmolLM2-135M's attention in an 8-token verify: (layer, KV head) pairs, query rows a pair (8 tokens x 3
-# query heads), head dim.
-PAIRS, ROWS, DIM = 30 * 3, 8 * 3, 64
-LAYERS, HQ, HKV, TOKENS = 30, 9, 3, 8
+# w4a8 SmolLM2-135M's attention in an 8-token verify: (layer, KV head) pairs and query rows a pair (8 tokens x 3
+# query heads).
+PAIRS, ROWS = 30 * 3, 8 * 3
 GOAL = 1.3
 
 
@@ -72,12 +72,9 @@ def time_calls(contexts: list[int], rounds: int, dtype: str) -> list[dict[str, o
     calls = {}
     ids = torch.randint(0, c.vocab_size, (1, TOKENS), generator=g)
     for s in contexts:
-        # K^T as the pool keeps it: (B, S', Hkv, D) over memory laid out (B, Hkv, D, S'), bf16
-        layers = [(torch.randn((1, HKV, DIM, s), generator=g).bfloat16().permute(0, 3, 1, 2),
-                   torch.randn((1, s, HKV, DIM), generator=g).bfloat16()) for _ in range(LAYERS)]
+        layers = pool_layers(s, g)
         for kind, t in (("decode", 1), ("verify", TOKENS)):
-            q = torch.randn((1, t, HQ, DIM), generator=g).bfloat16()
-            mask = torch.ones((1, 1, t, s), dtype=torch.bool).tril(s - t)  # row i sees keys < S - T + i + 1
+            q, mask = causal_queries(t, s, g)
             forward = [(q, k, v, mask, s) for k, v in layers]
             calls[(s, f"{kind}: 30 attention calls")] = lambda forward=forward: [
                 torch.ops.hspec.attention(*args) for args in forward]
