@@ -22,6 +22,9 @@
 //   one before has just written; one LDTILECFG per call (A and C tiles of 2 MT rows). 16 rows run as two
 //   tiles of 8, as hspec's products do.
 // - `w4a8_amx_p2`, `w8a8_amx_p2`: the same, the stages two pairs apart and two pairs a step.
+// - `w4a8_amx_vector_only`: `w4a8_amx` without its tile instructions, and `w4a8_amx_tiles_apart` with them on
+//   buffers of their own that no vector instruction touches (timing only, wrong outputs): whether the tile
+//   unit's work and the vector work overlap when no data passes between them.
 // - `w8a8_amx_direct`: w8a8 with the weights' own tiles of 8 outputs as B tiles, read in place (no copy),
 //   two tdpbssd a pair; A and C tiles of 16 rows.
 // - `tile_ops`: the tile instructions of the AMX products alone (zero, two 1 KB loads, the tdp, a 1 KB store
@@ -206,7 +209,9 @@ AMX inline void tile_pair(int64_t p, const int8_t* a, const uint8_t* b, int32_t*
 // The 16 outputs from n0 of MT <= 8 rows, in steps of P pairs of blocks: the weights of step i's pairs are
 // unpacked in step i, their tile instructions run in step i + 1 and their float steps (in block order, the VNNI
 // tile's operations) in step i + 2, so no stage waits on the memory the one before it has just written.
-template <int MT, int P>
+enum class Tiles { kUsed, kNone, kApart };  // what `w4a8_amx` does with its tile instructions
+
+template <int MT, int P, Tiles T = Tiles::kUsed>
 AMX void w4a8_amx(const Int8Rows& x, const int8_t* paired, int64_t k, const uint8_t* weight, int64_t n0, float* out,
                   int64_t ldo) {
   constexpr int slots = 4 * P;
@@ -217,7 +222,10 @@ AMX void w4a8_amx(const Int8Rows& x, const int8_t* paired, int64_t k, const uint
   const uint8_t* first = weight + (n0 / kHalf) * blocks * kW4a8Tile;
   const uint8_t* second = first + blocks * kW4a8Tile;
   alignas(64) uint8_t unpacked[slots * 1024] = {};
-  alignas(64) int32_t sums[slots * 256];
+  alignas(64) int32_t sums[slots * 256] = {};
+  alignas(64) int8_t apart_a[T == Tiles::kApart ? slots * 1024 : 1] = {};
+  alignas(64) uint8_t apart_b[T == Tiles::kApart ? slots * 1024 : 1] = {};
+  alignas(64) int32_t apart_c[T == Tiles::kApart ? slots * 256 : 1];
   for (int64_t i = 0; i * P < pairs + 2 * P; ++i) {
     for (int64_t g = 2 * P * i; g < std::min(2 * P * (i + 1), blocks); ++g) {
       const uint8_t* a = first + g * kW4a8Tile;
@@ -229,8 +237,13 @@ AMX void w4a8_amx(const Int8Rows& x, const int8_t* paired, int64_t k, const uint
         _mm512_store_si512(to + 128 * c + 64, _mm512_and_si512(_mm512_srli_epi16(chunk, 4), nibble));
       }
     }
-    for (int64_t t = std::max<int64_t>(0, P * (i - 1)); t < std::min<int64_t>(P * i, pairs); ++t)
-      tile_pair<false>(t, paired + t * 128 * MT, unpacked + (t % slots) * 1024, sums + (t % slots) * 256);
+    for (int64_t t = std::max<int64_t>(0, P * (i - 1)); t < std::min<int64_t>(P * i, pairs); ++t) {
+      if (T == Tiles::kUsed) {
+        tile_pair<false>(t, paired + t * 128 * MT, unpacked + (t % slots) * 1024, sums + (t % slots) * 256);
+      } else if (T == Tiles::kApart) {  // the same instructions on buffers no vector instruction touches
+        tile_pair<false>(t, apart_a + (t % slots) * 1024, apart_b + (t % slots) * 1024, apart_c + (t % slots) * 256);
+      }
+    }
     for (int64_t g = std::max<int64_t>(0, 2 * P * (i - 2)); g < std::min(2 * P * (i - 1), blocks); ++g) {
       const uint8_t* a = first + g * kW4a8Tile;
       const uint8_t* b = second + g * kW4a8Tile;
@@ -417,12 +430,24 @@ void probe(int64_t n, int64_t k, int tiles, int rounds, std::mt19937& rng) {
       {"w4a8_vnni", -1, [&](float* out) { each(out, [&](int i, int64_t n0, float* o) { w4a8_vnni<MT>(x[i], k, w4.data(), n0, o, n); }); }},
       {"w4a8_amx", 0, w4a8_amx_in_steps_of(std::integral_constant<int, 1>())},
       {"w4a8_amx_p2", 0, w4a8_amx_in_steps_of(std::integral_constant<int, 2>())},
+      {"w4a8_amx_vector_only", -1, [&](float* out) {
+         each(out, [&](int i, int64_t n0, float* o) {
+           w4a8_amx<MT, 1, Tiles::kNone>(x[i], tight[i].data(), k, w4.data(), n0, o, n);
+         });
+       }},
+      {"w4a8_amx_tiles_apart", -1, [&](float* out) {
+         configure_tiles(2 * MT);
+         each(out, [&](int i, int64_t n0, float* o) {
+           w4a8_amx<MT, 1, Tiles::kApart>(x[i], tight[i].data(), k, w4.data(), n0, o, n);
+         });
+         release_tiles();
+       }},
       {"w8a8_vnni", -1, [&](float* out) {
          each(out, [&](int i, int64_t n0, float* o) { w8a8_vnni<MT>(x[i], k, w8.data(), scale.data(), n0, o, n); });
        }},
-      {"w8a8_amx", 3, w8a8_amx_in_steps_of(std::integral_constant<int, 1>())},
-      {"w8a8_amx_p2", 3, w8a8_amx_in_steps_of(std::integral_constant<int, 2>())},
-      {"w8a8_amx_direct", 3, [&](float* out) {
+      {"w8a8_amx", 5, w8a8_amx_in_steps_of(std::integral_constant<int, 1>())},
+      {"w8a8_amx_p2", 5, w8a8_amx_in_steps_of(std::integral_constant<int, 2>())},
+      {"w8a8_amx_direct", 5, [&](float* out) {
          configure_direct_tiles();
          each(out, [&](int i, int64_t n0, float* o) {
            w8a8_amx_direct<MT>(x[i], paired[i].data(), k, w8.data(), scale.data(), n0, o, n);

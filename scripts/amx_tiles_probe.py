@@ -24,6 +24,8 @@ from hspec.provenance import provenance, provenance_markdown, write_results
 SOURCE = Path(__file__).with_name("amx_tiles_probe.cpp")
 # Columns of the table: (JSON key without _us, heading); the AMX forms' speedups are against their VNNI tile.
 COLUMNS = [("w4a8_vnni", "w4a8 VNNI"), ("w4a8_amx", "w4a8 AMX"), ("w4a8_amx_p2", "w4a8 AMX, steps of 2 pairs"),
+           ("w4a8_amx_vector_only", "w4a8 AMX without its tile instructions"),
+           ("w4a8_amx_tiles_apart", "w4a8 AMX, tile instructions on buffers apart"),
            ("w8a8_vnni", "w8a8 VNNI"), ("w8a8_amx", "w8a8 AMX"), ("w8a8_amx_p2", "w8a8 AMX, steps of 2 pairs"),
            ("w8a8_amx_direct", "w8a8 AMX, B tiles in place"), ("tile_ops", "tile instructions alone"),
            ("tdp_only", "tdpbsud alone")]
@@ -54,7 +56,9 @@ def markdown(payload: dict) -> str:
              "to the VNNI tile's bit for bit unless marked. 16 rows run as two tiles of 8 rows, as hspec's "
              "products do. `tile instructions alone`: the AMX forms' tilezero, two tile loads, tdpbsud and "
              "tile store per pair of blocks, as many as one call issues, without the vector work; `tdpbsud "
-             "alone`: as many tdpbsud. See README.md.\n",
+             "alone`: as many tdpbsud; `without its tile instructions` and `tile instructions on buffers apart` "
+             "(timing only, their outputs wrong): w4a8 AMX's vector work alone, and with its tile instructions "
+             "on buffers no vector instruction touches. See README.md.\n",
              "| shape | rows | " + " | ".join(heading for _, heading in COLUMNS) + " |",
              "|---|---|" + "---|" * len(COLUMNS)]
     for r in payload["results"]:
@@ -62,7 +66,7 @@ def markdown(payload: dict) -> str:
         for key, _ in COLUMNS:
             us = r[f"{key}_us"]
             reference = f"{key.split('_')[0]}_vnni"
-            if key.startswith(("w4a8_amx", "w8a8_amx")):
+            if f"{key}_same_bits" in r:
                 same = "" if r[f"{key}_same_bits"] else " BITS DIFFER"
                 cells.append(f"{us:.1f} ({r[f'{reference}_us'] / us:.2f}x){same}")
             else:
