@@ -12,7 +12,7 @@ import torch
 from conftest import pool_free_draft_batch
 from hspec.decoding.step_cost import cached_step_cost
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
-from hspec.drafters.cost_aware import CostAwareDrafter, best_draft_length
+from hspec.drafters.cost_aware import Backoff, CostAwareDrafter, best_draft_length
 from hspec.drafters.spec import DrafterSpec, parse_drafter_spec
 from hspec.drafters.step_cost import StepCost, expected_emitted
 from hspec.sampling import SamplingBatch, SamplingParams
@@ -96,7 +96,8 @@ def test_a_longer_context_drafts_less():
 def test_rows_that_do_not_pay_back_off_and_the_drafter_skips_them():
     # seq 10 pays (sure drafts, cheap verify); seq 11 never does: it is probed after 1, 2, 4, 4, ... skipped steps
     model = _ConfidentDrafter(16, {10: [0.9] * 4, 11: [0.01] * 4})
-    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.2, per_token=0.05, per_token_key=0.0), max_backoff=4)
+    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.2, per_token=0.05, per_token_key=0.0),
+                               Backoff(first=1, growth=2, most=4))
     batch = _batch(2)
     drafted = []
     for _ in range(14):
@@ -105,8 +106,26 @@ def test_rows_that_do_not_pay_back_off_and_the_drafter_skips_them():
     assert [n for n, _ in drafted] == [4] * 14
     assert [n for _, n in drafted] == [0] * 14  # a probe of seq 11 verifies nothing either
     probes = [step for step, ids in enumerate(model.calls) if 11 in ids]
-    assert probes == [0, 2, 5, 10]  # after each probe: skip 1, 2, 4, then 4 (max_backoff)
+    assert probes == [0, 2, 5, 10]  # after each probe: skip 1, 2, 4, then 4 (most)
     assert drafter.kind == "confident-test:auto"
+
+
+def test_by_default_a_row_that_never_pays_skips_2_then_12_72_and_128_steps():
+    model = _ConfidentDrafter(16, {10: [0.01] * 4})
+    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.2, per_token=0.05, per_token_key=0.0))
+    steps = []
+    for step in range(250):
+        calls = len(model.calls)
+        drafter.propose(_batch(1), K=4)
+        if len(model.calls) > calls:
+            steps.append(step)
+    assert steps == [0, 3, 16, 89, 218]
+
+
+@pytest.mark.parametrize("first, growth, most", [(0, 2, 8), (4, 2, 2), (1, 0, 8)])
+def test_a_backoff_that_cannot_work_is_refused_with_its_values(first, growth, most):
+    with pytest.raises(ValueError, match=f"first={first}, growth={growth}, most={most}"):
+        Backoff(first=first, growth=growth, most=most)
 
 
 def test_a_batch_where_every_row_backs_off_runs_no_drafter():
@@ -123,7 +142,7 @@ def test_the_backoff_follows_a_row_through_a_preemption_and_is_forgotten_on_rele
     model = _ConfidentDrafter(16, {10: [0.01] * 3})
     drafter = CostAwareDrafter(model, 16, StepCost(draft=0.5, per_token=0.1, per_token_key=0.0))
     batch = _batch(1)
-    for _ in range(4):  # probe, skip 1, probe, skip 2 (one of them taken)
+    for _ in range(2):  # the probe, then the first of the 2 steps it skips
         drafter.propose(batch, K=3)
     state = drafter.carried_state(10)
     drafter.release(10)
@@ -171,13 +190,15 @@ def test_a_row_backing_off_the_model_still_drafts_by_lookup():
     model = _ConfidentDrafter(16, {10: [0.01] * 4})
     drafter = CostAwareDrafter(LookupFirstDrafter(model, 16), 16, StepCost(draft=0.5, per_token=0.05, per_token_key=0))
     no_match, match = _batch(1), replace(_batch(1), tokens=[[5, 6, 7, 5]])
-    drafter.propose(no_match, K=4)  # the model's probe: it does not pay, so the row skips the next step
-    assert len(model.calls) == 1 and drafter._rows[10].skip == 1
+    drafter.propose(no_match, K=4)  # the model's probe: it does not pay, so the row skips the next 2 steps
+    assert len(model.calls) == 1 and drafter._rows[10].skip == 2
     proposal = drafter.propose(match, K=4)  # backing off, but lookup drafts it for free
     assert len(model.calls) == 1 and proposal.num_drafts.tolist()[0] >= 1
     assert proposal.draft_tokens[0, :2].tolist() == [6, 7]
+    drafter.propose(no_match, K=4)  # the second skipped step
+    assert len(model.calls) == 1
     drafter.propose(no_match, K=4)  # the back-off was not reset by the lookup step: the model probes again
-    assert len(model.calls) == 2 and drafter._rows[10].backoff == 2
+    assert len(model.calls) == 2 and drafter._rows[10].backoff == 12
 
 
 def test_the_name_grammar_takes_auto():

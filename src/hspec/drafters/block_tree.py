@@ -40,7 +40,7 @@ import torch
 
 from hspec.drafters.base import DraftBatch, Proposal, TreeDraft
 from hspec.drafters.common import NeuralDrafter
-from hspec.drafters.cost_aware import MAX_BACKOFF, RowState, RowStateDrafter
+from hspec.drafters.cost_aware import Backoff, RowState, RowStateDrafter
 from hspec.drafters.step_cost import StepCost
 
 TREE = "tree"  # the suffix of `KIND:tree`
@@ -120,9 +120,8 @@ class BlockTreeDrafter(RowStateDrafter):
         device = batch.anchor_tokens.device
         greedy = (batch.sampling.temperature == 0).tolist()
         states = [self._rows.setdefault(s, RowState()) for s in batch.seq_ids]
-        drafting = [row for row, state in enumerate(states) if state.skip == 0 or not greedy[row]]
-        for state in states:
-            state.skip = max(state.skip - 1, 0)
+        turns = [state.takes_turn() for state in states]
+        drafting = [row for row, turn in enumerate(turns) if turn or not greedy[row]]
         rows: list[tuple[list[int], list[int]]] = [([], [])] * len(states)  # (tokens, parents) per row
         chain_probs: dict[int, torch.Tensor] = {}  # sampled row -> (K, Vp) its chain's distributions
         if drafting:
@@ -141,7 +140,7 @@ class BlockTreeDrafter(RowStateDrafter):
                     tokens, parents, _, rate = grow_tree(backbone[i], int(sub.anchor_tokens[i]), model, self.cost,
                                                          keys[i], self.max_nodes)
                     rows[row] = (tokens, parents)
-                    states[row].after_draft(rate, MAX_BACKOFF)
+                    states[row].after_draft(rate, Backoff())
         n = max(1, max(len(tokens) for tokens, _ in rows))  # a batch where nobody drafts verifies padding
         local = torch.zeros((len(rows), n), dtype=torch.long, device=device)  # (B, N)
         parents_t = torch.full((len(rows), n), -1, dtype=torch.long, device=device)  # (B, N)

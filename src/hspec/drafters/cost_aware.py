@@ -27,10 +27,15 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
    verified then depends on a_1..a_k, which depend on d_1..d_{k-1} and earlier steps only
    (`Proposal.confidence`), and on the record, never on d_k or the drafts after it.
 3. When even the best n emits less than 1 token per decode's cost, drafting did not pay for this row:
-   it skips its next `backoff` steps, the backoff doubling (1, 2, 4, ...) up to `max_backoff` while
-   drafting keeps not paying; a step that pays resets it. So a drafter that never pays costs one probe
-   every max_backoff + 1 steps, and one that pays on some stretches of text drafts there. Rows a drafter
-   drafts for free (prompt lookup's matches) draft in any case and leave the back-off alone.
+   it skips its next steps, 2 at first, six times as many each time drafting again does not pay (2, 12,
+   72), at most 128 (`Backoff`); a step that pays resets it. So a drafter that never pays costs four probes
+   in a row's first 90 steps and one every 129 after, and one that pays on some stretches of text drafts
+   there. Rows a drafter drafts for free (prompt lookup's matches) draft in any case and leave the back-off
+   alone. Why these numbers: each probe costs a whole draft (about 0.7 of a decode for H-Spec under a w4a8
+   target on a 2-core CPU) and, where drafting does not pay, wins ~0.3 tokens; a back-off that doubled from
+   1 spent 5-6% of a 128-token answer on its probes. Simulated on 80 Spec-Bench items outside `hspec eval`'s
+   (`scripts/simulate_backoff.py`, `results/adaptive_length/backoff_sim/`), growing the skip sixfold from 2
+   kept more of every task's speed than doubling from 1, math and RAG, where drafting pays, included.
 
 Losslessness is untouched: how many drafts a row verifies, and whether it drafts at all, depends only on
 that row's own earlier steps, its drafts before the one in question and their confidences, never on this
@@ -53,7 +58,25 @@ from hspec.drafters.step_cost import StepCost
 from hspec.drafters.wrapping import WrappingDrafter
 
 ADAPTIVE_LENGTH = "auto"  # the P of `KIND:P` that asks for the cost-aware length
-MAX_BACKOFF = 32  # most steps a row skips drafting after drafting did not pay
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How many steps a row skips drafting after drafting did not pay (module docstring, step 3): `first`
+    after the first such step, `growth` times the last skip after each further one, never more than `most`."""
+
+    first: int = 2
+    growth: int = 6
+    most: int = 128
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.first <= self.most and self.growth >= 1):
+            raise ValueError(f"a back-off needs 1 <= first <= most and growth >= 1, got first={self.first}, "
+                             f"growth={self.growth}, most={self.most}")
+
+    def after(self, skip: int) -> int:
+        """The next skip after a skip of `skip` steps (0: none yet)."""
+        return min(max(self.first, self.growth * skip), self.most)
 
 
 def best_draft_length(estimate: Sequence[float], keys: int, cost: StepCost,
@@ -144,13 +167,29 @@ class RowState:
     lookup: Record = field(default_factory=Record)
     pending: tuple[int, list[float] | None] | None = None
 
-    def after_draft(self, rate: float, max_backoff: int) -> None:
+    def takes_turn(self) -> bool:
+        """Whether the row may draft this step (it is not backing off); counts a skipped step down."""
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
+
+    def after_draft(self, rate: float, backoff: Backoff) -> None:
         """Update the back-off after a step that drafted at `rate` tokens per decode's cost."""
         if rate >= 1.0:
             self.backoff = 0
         else:
-            self.backoff = min(max(1, 2 * self.backoff), max_backoff)
+            self.backoff = backoff.after(self.backoff)
             self.skip = self.backoff
+
+    def choose(self, confidence: Sequence[float], keys: int, cost: StepCost, backoff: Backoff) -> int:
+        """How many of a model's drafts, with confidences c_1..c_K, to verify (module docstring, step 2), the
+        back-off updated and the drafts kept pending until `record` tells their verdict."""
+        outlook = self.model.estimates(len(confidence))
+        n, rate = best_draft_length(self.model.calibrated(confidence), keys, cost, outlook)
+        self.after_draft(rate, backoff)
+        self.pending = (n, list(confidence[:n])) if n else None
+        return n
 
     def record(self, num_accepted: int) -> None:
         """This step's verdict: `num_accepted` of its pending drafts were accepted."""
@@ -195,16 +234,14 @@ class CostAwareDrafter(RowStateDrafter):
     """`model`'s proposals, each row verifying the number of drafts that pays most per step cost, and drafting
     nothing while it backs off after drafts that did not pay (module docstring)."""
 
-    def __init__(self, model: Drafter, vocab_size: int, cost: StepCost, max_backoff: int = MAX_BACKOFF) -> None:
+    def __init__(self, model: Drafter, vocab_size: int, cost: StepCost, backoff: Backoff = Backoff()) -> None:
         if not model.drafts:
             raise ValueError(f"drafter {model.kind!r} drafts nothing; there is no draft length to choose")
-        if max_backoff < 0:
-            raise ValueError(f"max_backoff must be >= 0 steps, got {max_backoff}")
         super().__init__(model)
         self.vocab_size = vocab_size
         self.cost = cost
         self.free_cost = replace(cost, draft=0.0, draft_per_key=0.0)  # a row drafted without the model
-        self.max_backoff = max_backoff
+        self.backoff = backoff
         self.kind = f"{model.kind}:{ADAPTIVE_LENGTH}"
 
     @property
@@ -216,12 +253,12 @@ class CostAwareDrafter(RowStateDrafter):
         device = batch.anchor_tokens.device
         states = [self._rows.setdefault(s, RowState()) for s in batch.seq_ids]
         # A row backing off still drafts where the drafter drafts it without a model (a lookup match): free.
-        skipping = [row for row, state in enumerate(states) if state.skip > 0]
+        turns = [state.takes_turn() for state in states]
+        skipping = [row for row, turn in enumerate(turns) if not turn]
         free = self.model.free_rows(batch.select(skipping)) if skipping else []
-        drafting = sorted({row for row, state in enumerate(states) if state.skip == 0}
+        drafting = sorted({row for row, turn in enumerate(turns) if turn}
                           | {row for row, f in zip(skipping, free) if f})
         for state in states:
-            state.skip = max(state.skip - 1, 0)
             state.pending = None
         tokens = torch.zeros((B, K), dtype=torch.long, device=device)  # (B, K); rows that skip: padding
         num_drafts = [0] * B
@@ -234,16 +271,15 @@ class CostAwareDrafter(RowStateDrafter):
         keys = batch.pool.lengths([batch.seq_ids[row] for row in drafting])
         for i, row in enumerate(drafting):
             state = states[row]
-            # Drafts without a model's confidence (lookup, n-gram) were drafted without a model: free.
-            known = confidence is not None and not math.isnan(confidence[i][0])
-            record = state.model if known else state.lookup
-            estimate = record.calibrated(confidence[i]) if known else record.estimates(K)
-            n, rate = best_draft_length(estimate[: limits[i]], keys[i], self.cost if known else self.free_cost,
-                                        record.estimates(K))
+            # Drafts without a model's confidence (lookup, n-gram) were drafted without a model: free, so
+            # they cannot fail to pay and leave the back-off alone.
+            if confidence is not None and not math.isnan(confidence[i][0]):
+                num_drafts[row] = state.choose(confidence[i][: limits[i]], keys[i], self.cost, self.backoff)
+                continue
+            n, _ = best_draft_length(state.lookup.estimates(limits[i]), keys[i], self.free_cost,
+                                     state.lookup.estimates(K))
             num_drafts[row] = n
-            if known:  # only drafting that costs can fail to pay
-                state.after_draft(rate, self.max_backoff)
-            state.pending = (n, confidence[i][:n] if known else None) if n else None
+            state.pending = (n, None) if n else None
         if len(drafting) == B:
             tokens, probs = drafted.draft_tokens, drafted.draft_probs
         else:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hspec.drafters.cost_aware import MAX_BACKOFF, RowState, best_draft_length
+from hspec.drafters.cost_aware import Backoff, RowState
 from hspec.drafters.step_cost import StepCost
 
 CALIBRATION_SAMPLES = 8  # timed steps of each draft length (0, 1, K) before the costs are fitted
@@ -110,21 +110,13 @@ class AdaptiveLength:
         """Whether the request is drafted for this step (the drafter then proposes K for it)."""
         if self.cost is None:
             return not lone or self.timer.calibration_length(self._calls) > 0
-        state = self.rows.setdefault(req_id, RowState())
-        if state.skip > 0:
-            state.skip -= 1
-            return False
-        return True
+        return self.rows.setdefault(req_id, RowState()).takes_turn()
 
     def length(self, req_id: str, confidence: Sequence[float], keys: int, lone: bool) -> int:
         """How many of the request's K drafts to give vLLM, from the drafter's confidences c_1..c_K."""
         if self.cost is None:
             return self.timer.calibration_length(self._calls) if lone else self.K
-        state = self.rows.setdefault(req_id, RowState())
-        n, rate = best_draft_length(state.model.calibrated(confidence), keys, self.cost, state.model.estimates(self.K))
-        state.after_draft(rate, MAX_BACKOFF)
-        state.pending = (n, list(confidence[:n])) if n else None
-        return n
+        return self.rows.setdefault(req_id, RowState()).choose(confidence, keys, self.cost, Backoff())
 
     def end_step(self, lone_drafts: int | None, drafting_s: float | None) -> None:
         """At the end of a proposer call: what a lone request was given (None: not a lone request) and how

@@ -1,0 +1,209 @@
+"""Which back-off should `KIND:auto` use? The rule replayed offline on recorded proposals, for many back-offs.
+
+A trained drafter's proposal at an output position depends only on the committed prefix (the kernels are
+row-invariant; H-Spec reads the target's last hidden state and its KV pool), and greedy output does not depend
+on the drafts. So one plain greedy run per item that proposes K drafts at every position and verifies none
+records all that `KIND:auto`'s rule reads: each position's drafts, their confidences and its context length,
+and the output. A back-off is then replayed step by step with the rule's own `RowState` (`takes_turn`,
+`choose`, `record`), each step charged the cost model's `StepCost.of`; the predicted speed over plain decoding
+is the output's length over the steps' summed costs (in decodes, a plain step costing 1).
+
+The replay is checked against the real thing: on the first item of each task, `KIND:auto` with the same costs
+must draft exactly the lengths the replay does, step by step (the `check` rows of the results).
+
+Two sets of Spec-Bench items: `eval`, the 24 a task `hspec eval --size 24` runs, and `dev`, 16 a task from the
+other items (every third); a back-off is chosen on `dev` by its worst task, and shown on both.
+
+    .venv/bin/python scripts/simulate_backoff.py [--drafter hspec] [--dtype w4a8]
+        [--step-cost-from results/adaptive_length/size24_pair/eval_spec_bench_tasks_k7_greedy_w4a8_t2.json]
+        [--records runs/backoff_sim] [--out results/adaptive_length/backoff_sim]
+
+Records go to <records>/<set>.jsonl (kept between runs: an item recorded is not recorded again); the results to
+<out>/backoff_sim.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from hspec.data.tasks import load_task  # noqa: E402
+from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
+from hspec.drafters.base import DraftBatch, Proposal  # noqa: E402
+from hspec.drafters.cost_aware import Backoff, RowState  # noqa: E402
+from hspec.drafters.step_cost import StepCost  # noqa: E402
+from hspec.drafters.wrapping import WrappingDrafter  # noqa: E402
+from hspec.models.loading import load_target  # noqa: E402
+from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
+from hspec.runtime import build_drafter  # noqa: E402
+from hspec.sampling import SamplingParams  # noqa: E402
+
+TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
+K = 7
+MAX_NEW_TOKENS = 128
+GRID = {"first": (1, 2, 3, 4, 6), "growth": (2, 3, 4, 6, 8), "most": (32, 64, 128)}
+SHOWN = 10  # back-offs in the table besides the default and the old one
+
+
+class Recorder(WrappingDrafter):
+    """Proposes K drafts at every step and verifies none, keeping (context length, drafts, confidences)."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.steps: list[tuple[int, list[int], list[float]]] = []
+
+    def propose(self, batch: DraftBatch, K: int) -> Proposal:
+        proposal = self.model.propose(batch, K)
+        self.steps.append((batch.pool.lengths(batch.seq_ids)[0], proposal.draft_tokens[0].tolist(),
+                           proposal.confidence[0].float().tolist()))
+        return Proposal(proposal.draft_tokens, proposal.draft_probs, torch.zeros(1, dtype=torch.long))
+
+
+def item_sets() -> dict[str, list[tuple[str, object]]]:
+    sets: dict[str, list[tuple[str, object]]] = {"eval": [], "dev": []}
+    for task in TASKS:
+        evaluated = load_task(task, 24).items
+        ids = {item.id for item in evaluated}
+        sets["eval"] += [(task, item) for item in evaluated]
+        sets["dev"] += [(task, item) for item in load_task(task).items if item.id not in ids][::3][:16]
+    return sets
+
+
+def record(target, drafter_kind: str, items, path: Path) -> list[dict]:
+    """Each item's output and per-position proposals, from `path` where recorded before."""
+    done = {row["item"]: row for row in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+    recorder = Recorder(build_drafter(drafter_kind, target))
+    decoder = SpeculativeDecoder(target.model, recorder, K, target.tokenizer.eos_token_ids)
+    rows = []
+    for number, (task, item) in enumerate(items, 1):
+        if item.id not in done:
+            prompt = target.tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}])
+            recorder.steps = []
+            output = decoder.generate([prompt], SamplingParams(), MAX_NEW_TOKENS).sequences[0]
+            done[item.id] = {"task": task, "item": item.id, "tokens": output.token_ids, "steps": recorder.steps}
+            with path.open("a") as f:
+                f.write(json.dumps(done[item.id]) + "\n")
+            print(f"recorded {path.stem} {number}/{len(items)} {item.id}", flush=True)
+        rows.append(done[item.id])
+    return rows
+
+
+def replay(row: dict, cost: StepCost, backoff: Backoff) -> tuple[float, list[int]]:
+    """The rule on one recorded item: its steps' summed cost (decodes) and drafts verified per step."""
+    tokens, steps = row["tokens"], row["steps"]
+    state, position, total, lengths = RowState(), 0, 0.0, []
+    while position < len(steps):
+        keys, drafts, confidence = steps[position]
+        drafted = state.takes_turn()
+        state.pending = None
+        n = state.choose(confidence, keys, cost, backoff) if drafted else 0
+        accepted, ahead = 0, tokens[position + 1: len(steps)]  # the output after the anchor, within the steps
+        while accepted < min(n, len(ahead)) and drafts[accepted] == ahead[accepted]:
+            accepted += 1
+        state.record(accepted)
+        total += cost.of(n, keys, drafted=drafted)
+        lengths.append(n)
+        position += accepted + 1
+    return total, lengths
+
+
+def speeds(rows: list[dict], cost: StepCost, backoff: Backoff) -> dict[str, float]:
+    """Predicted speed over plain decoding per task and over all: plain steps over the replay's costs."""
+    out = {}
+    for task in (*TASKS, "all"):
+        chosen = [row for row in rows if task in ("all", row["task"])]
+        out[task] = sum(len(row["steps"]) for row in chosen) / sum(replay(row, cost, backoff)[0] for row in chosen)
+    return out
+
+
+def check(target, drafter_kind: str, rows: list[dict], cost: StepCost) -> list[dict]:
+    """The first recorded item of each task drafted by the real `KIND:auto`: the same lengths as the replay?"""
+    drafter = build_drafter(f"{drafter_kind}:auto", target, step_cost=cost)
+    decoder = SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids)
+    out = []
+    for task in TASKS:
+        row = next(row for row in rows if row["task"] == task)
+        item = next(item for item in load_task(task, 24).items if item.id == row["item"])
+        prompt = target.tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}])
+        real = decoder.generate([prompt], SamplingParams(), MAX_NEW_TOKENS).sequences[0].num_drafted
+        same = list(real) == replay(row, cost, Backoff())[1]
+        out.append({"item": row["item"], "steps": len(real), "same_lengths": same})
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--drafter", default="hspec", help="a trained kind with confidences (default hspec)")
+    parser.add_argument("--dtype", default="w4a8")
+    parser.add_argument("--step-cost-from", type=Path,
+                        default=Path("results/adaptive_length/size24_pair/eval_spec_bench_tasks_k7_greedy_w4a8_t2.json"),
+                        help="a results JSON whose provenance settings hold the step costs of DRAFTER:auto")
+    parser.add_argument("--step-cost", type=StepCost.parse, help="the costs themselves (`--step-cost` form); "
+                        "overrides --step-cost-from")
+    parser.add_argument("--records", type=Path, default=Path("runs/backoff_sim"))
+    parser.add_argument("--out", type=Path, default=Path("results/adaptive_length/backoff_sim"))
+    args = parser.parse_args()
+    cost = args.step_cost
+    if cost is None:
+        given = json.loads(args.step_cost_from.read_text())["provenance"]["settings"]["step_costs"]
+        cost = StepCost(**given[f"{args.drafter}:auto"])
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    target = load_target(None, dtype=args.dtype)
+    args.records.mkdir(parents=True, exist_ok=True)
+    rows = {name: record(target, args.drafter, items, args.records / f"{name}.jsonl")
+            for name, items in item_sets().items()}
+    checked = check(target, args.drafter, rows["eval"], cost)
+    results = []
+    for first, growth, most in itertools.product(*GRID.values()):
+        if first <= most:
+            backoff = Backoff(first, growth, most)
+            results.append({"backoff": vars(backoff), **{name: speeds(r, cost, backoff) for name, r in rows.items()}})
+    results.sort(key=lambda r: (-min(r["dev"][task] for task in TASKS), -r["dev"]["all"]))
+    settings = {"drafter": args.drafter, "dtype": args.dtype, "K": K, "max_new_tokens": MAX_NEW_TOKENS,
+                "step_cost": cost.to_dict(), "items": {name: len(r) for name, r in rows.items()},
+                "grid": GRID, "threads": torch.get_num_threads()}
+    command = (f"python scripts/simulate_backoff.py --drafter {args.drafter} --dtype {args.dtype} "
+               + (f"--step-cost {args.step_cost}" if args.step_cost else f"--step-cost-from {args.step_cost_from}"))
+    payload = {"provenance": provenance(command, settings), "check": checked, "results": results}
+    json_path, md_path = write_results(args.out, "backoff_sim", payload, markdown(payload))
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def markdown(payload: dict) -> str:
+    settings = payload["provenance"]["settings"]
+    default, old = vars(Backoff()), {"first": 1, "growth": 2, "most": 32}
+    shown = payload["results"][:SHOWN]
+    shown += [r for r in payload["results"] if r["backoff"] in (default, old) and r not in shown]
+    lines = [f"# `{settings['drafter']}:auto`'s back-off replayed on recorded proposals\n",
+             provenance_markdown(payload["provenance"]),
+             "\nPredicted speed over plain decoding (plain steps over the replayed steps' costs in decodes, "
+             f"greedy, K = {K}, at most {MAX_NEW_TOKENS} new tokens; the costs: settings' step_cost). A back-off: "
+             "skip `first` steps after drafting did not pay, `growth` times the last skip after each further "
+             "time, at most `most`. Sorted by the worst task on `dev`; the default and the old back-off "
+             "(1, 2, 32) are marked.\n",
+             "Replay checked against the real `:auto` run (the same drafts verified at every step): "
+             + ", ".join(f"{c['item']} ({c['steps']} steps) {'same' if c['same_lengths'] else 'DIFFERENT'}"
+                         for c in payload["check"]) + "\n",
+             "| first | growth | most | set | " + " | ".join(TASKS) + " | all | worst |",
+             "|---|---|---|---|" + "---|" * (len(TASKS) + 2)]
+    for r in shown:
+        b = r["backoff"]
+        mark = " (default)" if b == default else " (old)" if b == old else ""
+        for name in ("dev", "eval"):
+            s = r[name]
+            lines.append(f"| {b['first']}{mark} | {b['growth']} | {b['most']} | {name} | "
+                         + " | ".join(f"{s[t]:.3f}" for t in TASKS)
+                         + f" | {s['all']:.3f} | {min(s[t] for t in TASKS):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
