@@ -1,15 +1,18 @@
 """H-Spec's native proposal of this tree against another commit's, interleaved in one process, same drafter.
 
-Timings from two processes on a shared CPU say little, so this builds the other commit's
-drafters/hspec/native.py and native_propose.cpp as a second extension (`hspec_native_propose_baseline`), binds
-both to one drafter (random weights, Vp 8,192, as `hspec bench draft` makes it) under one target, and per
-round runs the target's 8-token verify (the drafter's weights then as cold as between two decoding steps),
-one side's proposal, the verify again, the other side's, alternating which goes first. A side's proposal is
-what `propose` runs for it: the block and its context (`block_context`: the pool's K/V as stored where the
-side reads them so, `reads_stored_kv`, else in the dtype torch's products take them in), then the native call.
-It records each proposal's thread CPU time (one thread) and the verify's, whether the two sides' drafts,
-confidences and backbone logits are equal bit for bit in every round, in how many rounds the drafts are, and
-the largest backbone-logit difference (two sides whose attention sums in another order differ in last bits).
+Timings from two processes on a shared CPU say little, so this builds the other commit's drafters/hspec/native.py
+and native_propose.cpp as a second extension (`hspec_native_propose_baseline`), binds both to one drafter (random
+weights, Vp 8,192, as `hspec bench draft` makes it) under one target, and per round runs the target's 8-token verify
+(the drafter's weights then as cold as between two decoding steps), one side's proposal, the verify again, the other
+side's, alternating which goes first. A side's proposal is the whole of what `propose` runs for it, the Python
+around the call included: this tree's is `drafter.propose` itself; the baseline's is what `NeuralDrafter.propose`
+ran around its native call before it read the pool in place (issue 50's glue change, results/native_drafter/glue/):
+the block and its context (`block_context`: the pool's K/V as stored where the side reads them so,
+`reads_stored_kv`, else in the dtype torch's products take them in), the native call, the drafts' target ids and
+their (1, K, V) one-hot distributions. It records each proposal's thread CPU time (one thread) and the verify's,
+whether the two sides' drafts and confidences (of the timed proposals) and backbone logits (of one untimed call
+each) are equal bit for bit in every round, in how many rounds the drafts are, and the largest backbone-logit
+difference (two sides whose attention sums in another order differ in last bits).
 
     .venv/bin/python scripts/ab_native_propose.py --baseline b50caa4 [--contexts 256,2048] [--rounds 30]
         [--dtype w4a8] [--drafter-precision auto] [--out results/native_drafter/cheap_propose]
@@ -35,6 +38,7 @@ import torch  # noqa: E402
 
 from hspec.bench.draft import _create, _Setting  # noqa: E402
 from hspec.bench.draft_breakdown import _load_average  # noqa: E402
+from hspec.drafters.base import Proposal, one_hot_probs  # noqa: E402
 from hspec.models.loading import load_target  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
 from hspec.runtime import drafter_precision_of, for_inference  # noqa: E402
@@ -85,8 +89,7 @@ def main() -> int:
         extension = old.build_native_propose()
         if extension is None:
             raise SystemExit(f"{args.baseline}'s native proposal did not build")
-        sides = {"baseline": old.NativePropose(extension, drafter), "this tree": drafter.native_greedy}
-        rows = [measure(model, drafter, sides, S, args.rounds) for S in contexts]
+        rows = [measure(model, drafter, old.NativePropose(extension, drafter), S, args.rounds) for S in contexts]
     for row in rows:
         print(f"S={row['S']}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in row["propose_cpu_ms"].items()) +
               f"; same bits in every round: {row['same_bits']}, the same drafts in "
@@ -105,10 +108,31 @@ def main() -> int:
     return 0
 
 
-def measure(model, drafter, sides: dict, S: int, rounds: int) -> dict:
-    """Per round: verify, one side, verify, the other (the first side alternating); thread CPU times."""
+def baseline_propose(drafter, native, batch, K: int) -> Proposal:
+    """`NeuralDrafter.propose` for a greedy sequence its native call covers, as it ran up to the glue change."""
+    if not native.covers_batch(batch, K):
+        raise ValueError("the baseline's native call does not cover this batch")
+    ctx = drafter.block_context(batch, K, as_stored=getattr(native, "reads_stored_kv", False))
+    local, confidence = native(ctx, batch.anchor_tokens)  # (1, K) x2
+    drafts = drafter.head.to_target_ids(local)
+    return Proposal(drafts, one_hot_probs(drafts, drafter.config.vocab_size), confidence=confidence)
+
+
+def logits_of(drafter, native, batch, K: int, baseline: bool) -> torch.Tensor:
+    """The backbone logits U (1, K, Vp) of one side's proposal (an untimed call)."""
+    if baseline:
+        ctx = drafter.block_context(batch, K, as_stored=getattr(native, "reads_stored_kv", False))
+        return native.forward(ctx, batch.anchor_tokens)[2]
+    return drafter.native_drafts(native, batch, K).logits
+
+
+def measure(model, drafter, baseline, S: int, rounds: int) -> dict:
+    """Per round: verify, one side's proposal, verify, the other's (the first side alternating); thread CPU
+    times."""
     setting = _Setting(model, {"hspec": drafter}, 1, S, 7, rounds, 0)
     batch = setting.batch
+    sides = {"baseline": lambda: baseline_propose(drafter, baseline, batch, 7),
+             "this tree": lambda: drafter.propose(batch, 7)}
     times: dict[str, list[float]] = {name: [] for name in sides}
     verify: list[float] = []
     same, same_drafts, largest = True, 0, 0.0
@@ -121,16 +145,19 @@ def measure(model, drafter, sides: dict, S: int, rounds: int) -> dict:
                 setting.time_verify()
                 verify_ms = 1e3 * (time.thread_time() - start)
                 start = time.thread_time()
-                ctx = drafter.block_context(batch, 7, as_stored=getattr(sides[name], "reads_stored_kv", False))
-                outputs[name] = sides[name].forward(ctx, batch.anchor_tokens)
+                proposal = sides[name]()
                 elapsed = 1e3 * (time.thread_time() - start)
+                outputs[name] = (proposal.draft_tokens, proposal.confidence)
                 if round_:
                     times[name].append(elapsed)
                     verify.append(verify_ms)
             first, second = outputs.values()
-            same = same and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+            old_logits = logits_of(drafter, baseline, batch, 7, baseline=True)
+            new_logits = logits_of(drafter, drafter.native_greedy, batch, 7, baseline=False)
+            same = same and all(torch.equal(a, b) for a, b in zip(first, second, strict=True)) and torch.equal(
+                old_logits, new_logits)
             same_drafts += torch.equal(first[0], second[0]) if round_ else 0
-            largest = max(largest, (first[2].float() - second[2].float()).abs().max().item())
+            largest = max(largest, (old_logits.float() - new_logits.float()).abs().max().item())
     setting.close()
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {"S": S, "propose_cpu_ms": medians, "verify_cpu_ms": statistics.median(verify),
@@ -141,10 +168,11 @@ def measure(model, drafter, sides: dict, S: int, rounds: int) -> dict:
 def markdown(payload: dict) -> str:
     lines = ["# H-Spec's native proposal: this tree against the baseline, interleaved\n",
              provenance_markdown(payload["provenance"]),
-             "\nThread CPU time of one proposal (`block_context`, then the native call `NativePropose.forward`, "
-             "K = 7), median of the rounds, the two sides alternating after a verify each; same bits: drafts, "
-             "confidences and backbone logits equal in every round; same drafts: rounds whose drafts are equal; "
-             "largest difference: of the backbone logits U, over the rounds.\n",
+             "\nThread CPU time of one whole proposal (K = 7: this tree's `propose`; the baseline's `block_context`, "
+             "native call, target ids and one-hot distributions, as its `propose` ran them), median of the rounds, the "
+             "two sides alternating after a verify each; same bits: drafts, confidences and backbone logits equal "
+             "in every round; same drafts: rounds whose drafts are equal; largest difference: of the backbone "
+             "logits U, over the rounds.\n",
              "| S | baseline (ms) | this tree (ms) | speedup | 8-token verify (ms) | same bits | same drafts | "
              "largest difference |", "|---|---|---|---|---|---|---|---|"]
     for row in payload["results"]:

@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from conftest import load_tiny
+from hspec.cache.paged_pool import PagedKVPool
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import create_drafter
 from hspec.drafters.base import DraftBatch
 from hspec.drafters.block_attention import BlockAttention
-from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, build_block
+from hspec.drafters.common import CONTEXT_MULTIPLE, BlockContext, NativeDrafts, build_block
 from hspec.drafters.hspec.native import NativePropose, build_native_propose
 from hspec.models.formats.w4a8 import W4A8_TILE_BYTES
 from hspec.models.layers import Linear
@@ -156,27 +157,35 @@ def test_native_drafts_equal_the_python_path(targets, tiny_dirs, dtype, precisio
             drafter.native_greedy = native
             _kernel_attention(drafter, False)
             assert torch.equal(proposal.draft_tokens, python.draft_tokens)
-            assert torch.equal(proposal.draft_probs, python.draft_probs)
+            assert proposal.draft_probs is None and python.draft_probs is None  # greedy: one-hot, not built
             drafts.append(local)
     assert len({tuple(d[0].tolist()) for d in drafts}) > 1, "every context drafted the same block"
     assert compared >= K, f"only {compared} slots were far enough from a tie to compare with the plain Python path"
 
 
 def test_the_breakdown_times_each_section_of_a_proposal(targets, tiny_dirs):
-    """`NativePropose.breakdown` (hspec bench draft --breakdown) returns every section native_propose.cpp
-    times, each once, with a positive wall time wherever the drafter runs that section."""
+    """A timed proposal (hspec bench draft --breakdown), from a `BlockContext` or from the pool in place, returns
+    every section native_propose.cpp times, each once, with a positive wall time wherever the drafter runs that
+    section, and the whole call's time, which holds them all."""
     target = _target(targets, tiny_dirs, "bfloat16")
     drafter = _drafter(target, "int8")
     native = drafter.native_greedy
+    timings = []
     with torch.inference_mode():
         for batch, _, native_ctx in _contexts(target, drafter, (17,)):
-            sections = native.breakdown(native_ctx, batch.anchor_tokens)
-    assert list(sections) == native.extension.section_names() and len(sections) == 19
-    assert all(cpu >= 0.0 and wall >= 0.0 for cpu, wall in sections.values())
-    ran = ("embed", "injection", "norms", "mamba.in_proj", "mamba.conv_silu", "mamba.scan_gate_norm",
-           "attention.qkv_proj", "attention.attend", "mlp.gate_up", "mlp.down", "head",
-           "markov.w2_product", "markov.argmax_softmax")
-    assert all(sections[name][1] > 0.0 for name in ran), {name: sections[name] for name in ran}
+            timings.append(native.propose(native_ctx, batch.anchor_tokens, timed=True).timings)
+            assert native.propose(native_ctx, batch.anchor_tokens).timings.numel() == 0
+            if native.reads_in_place:
+                timings.append(drafter.native_drafts(native, batch, K, timed=True).timings)
+    for timing in timings:
+        sections, (call_cpu, call_wall) = native.section_times(timing)
+        assert list(sections) == native.extension.section_names() and len(sections) == 19
+        assert all(cpu >= 0.0 and wall >= 0.0 for cpu, wall in sections.values())
+        ran = ("embed", "injection", "norms", "mamba.in_proj", "mamba.conv_silu", "mamba.scan_gate_norm",
+               "attention.qkv_proj", "attention.attend", "mlp.gate_up", "mlp.down", "head",
+               "markov.w2_product", "markov.argmax_softmax")
+        assert all(sections[name][1] > 0.0 for name in ran), {name: sections[name] for name in ran}
+        assert call_wall >= sum(wall for _, wall in sections.values()) > 0.0
 
 
 def test_a_w4a8_drafter_multiplies_w4a8_tiles(targets, tiny_dirs):
@@ -269,11 +278,13 @@ def _decoder(target, drafter, K):
 
 
 class _Counting:
-    """A native proposal that counts the proposals it made and keeps the last context it was given."""
+    """A native proposal that counts the proposals it made (from the pool in place, `in_place`, or from a
+    `BlockContext`) and keeps the last context it was given (the pool, for one made in place)."""
 
     def __init__(self, native: NativePropose) -> None:
-        self.native, self.calls, self.reads_stored_kv = native, 0, native.reads_stored_kv
-        self.last: BlockContext | None = None
+        self.native, self.calls, self.in_place = native, 0, 0
+        self.reads_stored_kv, self.reads_in_place = native.reads_stored_kv, native.reads_in_place
+        self.last: BlockContext | PagedKVPool | None = None
 
     def covers(self, ctx: BlockContext) -> bool:
         return self.native.covers(ctx)
@@ -282,9 +293,21 @@ class _Counting:
         return self.native.covers_batch(batch, K)
 
     def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.propose(ctx, anchor_tokens)
+        return out.local, out.confidence
+
+    def propose(self, ctx: BlockContext, anchor_tokens: torch.Tensor, timed: bool = False) -> NativeDrafts:
         self.calls += 1
         self.last = ctx
-        return self.native(ctx, anchor_tokens)
+        return self.native.propose(ctx, anchor_tokens, timed)
+
+    def propose_in_pool(self, anchor_tokens, K, last_hidden, pool, seq_id, layers, window, timed=False):
+        out = self.native.propose_in_pool(anchor_tokens, K, last_hidden, pool, seq_id, layers, window, timed)
+        if out is not None:
+            self.calls += 1
+            self.in_place += 1
+            self.last = pool
+        return out
 
 
 @pytest.mark.parametrize("dtype,precision", [("bfloat16", "auto"), ("w4a8", "auto"), ("w4a8", "w4a8")])
@@ -303,26 +326,29 @@ def test_greedy_output_with_the_native_drafter_equals_plain(targets, tiny_dirs, 
 
 @pytest.mark.parametrize("dtype,precision", [("float32", "floating"), ("w4a8", "auto")])
 def test_the_native_proposal_reads_the_pool_in_place(targets, tiny_dirs, dtype, precision):
-    """`propose` hands the native call the context K/V as views of the pool in its own dtype, not copies: a
-    w4a8 target's bf16 pool, which torch's products take widened to float32 copies, reaches hspec's kernel as
-    it is stored (the kernel widens each key and value as it loads it)."""
+    """`propose` hands the native call the pool itself, whose K/V the call reads as views in their own dtype,
+    not copies: a w4a8 target's bf16 pool, which torch's products take widened to float32 copies, reaches
+    hspec's kernel as it is stored (the kernel widens each key and value as it loads it). Where the sequence's
+    pages are not consecutive, the `BlockContext` it is handed instead holds the pool's K/V in their dtype."""
     target = _target(targets, tiny_dirs, dtype)
     drafter = _drafter(target, precision)
-    if not drafter.native_greedy.reads_stored_kv:
+    if not drafter.native_greedy.reads_in_place:
         pytest.skip("hspec's CPU kernels do not run here: the native call multiplies as the Python path does")
     counting = drafter.native_greedy = _Counting(drafter.native_greedy)
     with torch.inference_mode():
         for batch, python_ctx, _ in _contexts(target, drafter, (40,)):
             drafter.propose(batch, K)
             widened = python_ctx.context_kv[0][0].dtype == torch.float32
-    pool = batch.pool
-    assert counting.calls == 1
+            pool = batch.pool
+            assert counting.calls == counting.in_place == 1 and counting.last is pool
+            pool._page_tables[0].reverse()  # the same pages, no longer consecutive
+            drafter.propose(batch, K)
+    assert counting.calls == 2 and counting.in_place == 1
     if dtype == "w4a8":  # the case that copied: the Python path's context is float32
         assert pool.k.dtype == torch.bfloat16 and widened
     for k, v in counting.last.context_kv:
         for read, stored in ((k, pool.k), (v, pool.v)):
             assert read.dtype == stored.dtype
-            assert read.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr()
 
 
 def test_batches_and_sampled_rows_keep_the_python_path(targets, tiny_dirs):

@@ -5,10 +5,14 @@ For each context length S, a pool of one sequence of S positions and an H-Spec d
 
 1. the target's 8-token verify (T_T), so the drafter's weights are as cold as between two decoding steps;
 2. `propose(batch, K)` as decoding calls it (T_D);
-3. the verify again, then the same proposal in its parts: the block and its context (`block_context`, Python),
-   the native call timed by section (`NativePropose.breakdown`: native_propose.cpp's `Section`, each summed
-   over the drafter's layers; "native call, outside the sections" is the rest of the call: RoPE's cos and sin,
-   the arguments, the weight cursor), and the proposal made of its drafts (target ids, one-hot probabilities).
+3. the verify again, then the same proposal in its parts, through the code `propose` runs
+   (`NeuralDrafter.native_drafts` with `timed`, then the `Proposal`): the native call timed by section
+   (native_propose.cpp's `Section`, each summed over the drafter's layers); "native call, outside the sections"
+   the rest of the call from its entry into C++ (the block, its RoPE and the context's views where it reads the
+   pool in place, the weight cursor, the code between sections); "Python around the native call" what
+   `native_drafts` spends outside C++ (the pool's window, the arguments and results through pybind11, or
+   `block_context` where the context's slots are not consecutive); "proposal from drafts (Python)" the
+   `Proposal` made of its outputs.
 
 Every time is this thread's CPU time (run with one torch thread: what each part cost its core on a shared
 CPU), medians over the rounds. Writes <out>/breakdown_<dtype>_drafter_<precision>.{json,md}.
@@ -26,12 +30,12 @@ from pathlib import Path
 import torch
 
 from hspec.bench.draft import _create, _Setting
-from hspec.drafters.base import one_hot_probs
+from hspec.drafters.base import Proposal
 from hspec.models.loading import load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.runtime import drafter_precision_of, for_inference
 
-BLOCK_CONTEXT, OUTSIDE, PROPOSAL = "block_context (Python)", "native call, outside the sections", \
+AROUND, OUTSIDE, PROPOSAL = "Python around the native call", "native call, outside the sections", \
     "proposal from drafts (Python)"
 
 
@@ -79,23 +83,18 @@ def _measure(model, drafter, native, S: int, K: int, repeats: int, seed: int) ->
         t_d = _thread_ms(lambda: drafter.propose(batch, K))
         second = _thread_ms(lambda: setting.time_verify())
         start = time.thread_time()
-        ctx = drafter.block_context(batch, K, as_stored=native.reads_stored_kv)
-        after_context = time.thread_time()
-        sections = native.breakdown(ctx, batch.anchor_tokens)
+        out = drafter.native_drafts(native, batch, K, timed=True)
         after_call = time.thread_time()
-        local, _ = native(ctx, batch.anchor_tokens)  # the drafts again, untimed: `breakdown` returns timings only
-        before_proposal = time.thread_time()
-        drafts = drafter.head.to_target_ids(local)
-        one_hot_probs(drafts, drafter.config.vocab_size)
+        Proposal(out.drafts, None, confidence=out.confidence)  # as `propose` makes it
         end = time.thread_time()
         if round_ == 0:
             continue
         verify.append((first + second) / 2)
         propose.append(t_d)
+        sections, (call, _) = native.section_times(out.timings)
         inside = sum(cpu for cpu, _ in sections.values())
-        measured = {BLOCK_CONTEXT: 1e3 * (after_context - start),
-                    **{name: cpu for name, (cpu, _) in sections.items()},
-                    OUTSIDE: 1e3 * (after_call - after_context) - inside, PROPOSAL: 1e3 * (end - before_proposal)}
+        measured = {AROUND: 1e3 * (after_call - start) - call, **{name: cpu for name, (cpu, _) in sections.items()},
+                    OUTSIDE: call - inside, PROPOSAL: 1e3 * (end - after_call)}
         for name, ms in measured.items():
             parts.setdefault(name, []).append(ms)
     setting.close()

@@ -264,6 +264,21 @@ class PagedKVPool:
         slots = torch.where(positions[None, :] < lengths_t[:, None], slots, torch.zeros_like(slots))
         return SlotTable(slots, lengths_t, None)
 
+    def consecutive_window(self, seq_id: int, window: int) -> tuple[int, int] | None:
+        """(first slot, S) of the last S = min(length, window) positions of `seq_id` where they lie in consecutive
+        slots, so that each layer's K/V of them is one view (`layer(i).k[first:first + S]`); None where they do
+        not, or S = 0."""
+        length = self._lengths[self._check(seq_id)]
+        keys = min(length, window)
+        if keys <= 0:
+            return None
+        table, page = self._page_tables[seq_id], self.page_size
+        first, last = (length - keys) // page, (length - 1) // page
+        start = table[first]
+        if table[first:last + 1] != list(range(start, start + last - first + 1)):
+            return None
+        return start * page + (length - keys) % page, keys
+
     def layer(self, layer: int) -> LayerKV:
         """Read-only views of one layer's K/V (target layers 0..L-1, drafter layers after them)."""
         if not 0 <= layer < self.k.shape[0]:

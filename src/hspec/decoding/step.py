@@ -143,7 +143,7 @@ class DecodeStages:
             raise ValueError(f"drafter {self.drafter.kind!r} asked to verify {drafted} drafts per row; "
                              f"each must be in 0..K = 0..{self.K}")
         L = max(drafted, default=self.K)  # 0: every row decodes plainly this step
-        drafts_t, draft_probs = proposal.draft_tokens[:, :L], proposal.draft_probs[:, :L]  # (B, L), (B, L, V)
+        drafts_t = proposal.draft_tokens[:, :L]  # (B, L)
         t1 = time.perf_counter()
         # 2. verify: the target scores [x0, d_1..d_L] at positions p..p+L in one forward.
         block = torch.cat([anchors[:, None], drafts_t], dim=1)  # (B, L+1)
@@ -153,6 +153,7 @@ class DecodeStages:
             result = verify_greedy(out.logits, drafts_t, num_drafts)
         else:
             target_probs = sampling.probs(out.logits)  # (B, L+1, V)
+            draft_probs = proposal.probs(target_probs.shape[-1])[:, :L]  # (B, L, V)
             result = verify(target_probs, draft_probs, drafts_t, uniforms[:, :L], uniforms[:, self.K], num_drafts)
         accepted = result.num_accepted.tolist()  # the step's one host sync
         next_tokens = result.next_tokens.tolist()

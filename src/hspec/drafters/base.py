@@ -61,7 +61,10 @@ class DraftBatch:
 
 @dataclass(frozen=True)
 class Proposal:
-    """draft_tokens: (B, K) long. draft_probs: (B, K, V) the distributions they were drawn from.
+    """draft_tokens: (B, K) long. draft_probs: (B, K, V) the distributions they were drawn from, or None where
+    every draft was chosen deterministically (greedy rows, prompt lookup): each is then one-hot at its draft, a
+    (B, K, V) tensor `probs` builds only for a verifier that reads it (sampled rows; greedy verification reads
+    the tokens alone, `decoding.verify.verify_greedy`), so a greedy proposal does not build it each step.
 
     num_drafts: (B,) long in 0..K, how many leading drafts of each row to verify (a drafter that is
     unsure after d_n saves the target the cost of scoring the rest; 0 makes the row's step a plain
@@ -77,9 +80,14 @@ class Proposal:
     """
 
     draft_tokens: torch.Tensor
-    draft_probs: torch.Tensor
+    draft_probs: torch.Tensor | None
     num_drafts: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+
+    def probs(self, vocab_size: int) -> torch.Tensor:
+        """(B, K, V) the distributions the drafts were drawn from: `draft_probs`, or where it is None the
+        one-hot distributions of the drafts, built now."""
+        return one_hot_probs(self.draft_tokens, vocab_size) if self.draft_probs is None else self.draft_probs
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -132,11 +132,31 @@ class BlockContext:
 # ---- the base class of trained drafters ----------------------------------------------------------
 
 
+class NativeDrafts(NamedTuple):
+    """What one native greedy proposal of one sequence returns (`NativeGreedy`).
+
+    drafts (1, K) long target ids; local (1, K) long draft-vocabulary indices; confidence (1, K) fp32; logits the
+    backbone logits U (1, K, Vp); timings, where asked, (sections + 1, 2) fp64 nanoseconds, this thread's CPU time
+    then wall time per section and last the whole call's, from its entry into native code (else empty).
+    """
+
+    drafts: torch.Tensor
+    local: torch.Tensor
+    confidence: torch.Tensor
+    logits: torch.Tensor
+    timings: torch.Tensor
+
+
 class NativeGreedy(Protocol):
     """A kind's `draft_greedy` compiled to one native call (H-Spec's: drafters/hspec/native.py)."""
 
     # whether it reads the context K/V as the pool stores them (`block_context(..., as_stored=True)`)
     reads_stored_kv: bool
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether `propose_in_pool` runs here."""
+        ...
 
     def covers(self, ctx: BlockContext) -> bool:
         """Whether this context's proposal runs here (else in Python)."""
@@ -150,18 +170,31 @@ class NativeGreedy(Protocol):
         """`draft_greedy(ctx, anchor_tokens)`: drafts as draft-vocabulary indices and their confidence."""
         ...
 
+    def propose(self, ctx: BlockContext, anchor_tokens: torch.Tensor, timed: bool = False) -> NativeDrafts:
+        """The proposal of a context `covers` takes; `timed`: with its sections' times."""
+        ...
+
+    def propose_in_pool(self, anchor_tokens: torch.Tensor, K: int, last_hidden: torch.Tensor, pool: PagedKVPool,
+                        seq_id: int, layers: list[int], window: int, timed: bool = False) -> NativeDrafts | None:
+        """The same proposal with the context read from the pool in place, without a `BlockContext`; None where
+        the context's slots are not consecutive."""
+        ...
+
 
 @dataclass(frozen=True)
 class TargetParts:
     """The target's frozen pieces a drafter uses, shared (not copied) and not registered as modules.
 
     embed_weight: (V, H) detached. lm_head_weight: (V, H) detached. rope: positions (N, K), dtype ->
-    cos, sin (N, K, D), the target's own RoPE (theta and scaling).
+    cos, sin (N, K, D), the target's own RoPE (theta and scaling). inv_freq: (D/2,) its inverse frequencies
+    where `rope` is `models.layers.rope_cos_sin(inv_freq, ...)` (the native proposal then makes it in C++), else
+    None.
     """
 
     embed_weight: torch.Tensor
     lm_head_weight: torch.Tensor
     rope: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+    inv_freq: torch.Tensor | None = None
 
 
 class NeuralDrafter(Drafter, nn.Module):
@@ -246,8 +279,10 @@ class NeuralDrafter(Drafter, nn.Module):
     def attach_target(self, target_model: nn.Module) -> None:
         """Share the target's embedding, LM head and RoPE (after `check_target`)."""
         self.check_target(target_model.config)  # type: ignore[arg-type]
+        inv_freq = getattr(target_model, "inv_freq", None)  # TargetModel's and vLLM's view's: rope_cos_sin's
         self._target = TargetParts(target_model.embed_tokens.weight.detach(),  # type: ignore[union-attr]
-                                   target_model.lm_head_weight().detach(), target_model.rope)  # type: ignore[union-attr]
+                                   target_model.lm_head_weight().detach(), target_model.rope,  # type: ignore[union-attr]
+                                   None if inv_freq is None else inv_freq.detach())
         self.head.attach(self._target.lm_head_weight)
 
     @property
@@ -349,11 +384,15 @@ class NeuralDrafter(Drafter, nn.Module):
 
     # ---- Drafter interface -----------------------------------------------------------------------
 
+    def check_draft_len(self, K: int) -> None:
+        """Raise ValueError unless 1 <= K <= the trained draft length."""
+        if not 1 <= K <= self.config.max_draft_len:
+            raise ValueError(f"K must be in 1..{self.config.max_draft_len} (the trained draft length), got {K}")
+
     def block_context(self, batch: DraftBatch, K: int, as_stored: bool = False) -> BlockContext:
         """The block [x0, MASK x (K-1)] of each row with its context: hidden states and the pool's K/V (as the
         pool stores them where `as_stored`: `context_kv_from_pool`)."""
-        if not 1 <= K <= self.config.max_draft_len:
-            raise ValueError(f"K must be in 1..{self.config.max_draft_len} (the trained draft length), got {K}")
+        self.check_draft_len(K)
         lengths = batch.pool.lengths(batch.seq_ids)
         p = torch.tensor(lengths, dtype=torch.long, device=batch.anchor_tokens.device)  # (B,)
         block_tokens, positions = build_block(batch.anchor_tokens, p, K, self.config.mask_token_id)
@@ -363,20 +402,34 @@ class NeuralDrafter(Drafter, nn.Module):
 
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         """One block forward, then the sequential Markov correction and sampling (module docstring)."""
+        # Greedy drafts are deterministic: their one-hot distributions are not built (`Proposal.draft_probs`).
         native = self.native_greedy if batch.sampling.all_greedy else None
         if native is not None and native.covers_batch(batch, K):  # one native call (drafters/hspec/native.py)
-            ctx = self.block_context(batch, K, as_stored=native.reads_stored_kv)
-            local, confidence = native(ctx, batch.anchor_tokens)  # (1, K) x2
-            drafts = self.head.to_target_ids(local)
-            return Proposal(drafts, one_hot_probs(drafts, self.config.vocab_size), confidence=confidence)
+            out = self.native_drafts(native, batch, K)
+            return Proposal(out.drafts, None, confidence=out.confidence)
         ctx = self.block_context(batch, K)
         if batch.sampling.all_greedy:
             local, confidence = self.draft_greedy(ctx, batch.anchor_tokens)  # (B, K) x2
-            drafts = self.head.to_target_ids(local)
-            return Proposal(drafts, one_hot_probs(drafts, self.config.vocab_size), confidence=confidence)
+            return Proposal(self.head.to_target_ids(local), None, confidence=confidence)
         logits = self.block_logits(ctx)  # (B, K, Vp)
         local, probs, confidence = self.sample_block(logits, batch.anchor_tokens, batch.sampling, batch.generators)
         return Proposal(self.head.to_target_ids(local), self.head.to_full(probs), confidence=confidence)
+
+    def native_drafts(self, native: NativeGreedy, batch: DraftBatch, K: int, timed: bool = False) -> NativeDrafts:
+        """`native`'s greedy proposal of `batch`'s one sequence (`covers_batch`): its context read from the pool in
+        place where it can (`propose_in_pool`: no `BlockContext` made in Python, ~10 tensor operators fewer, each
+        costing tens of microseconds right after a verify), else from `block_context`'s views or copies.
+        `timed`: with its sections' times (`hspec bench draft --breakdown`)."""
+        self.check_draft_len(K)
+        seq_id = batch.seq_ids[0]
+        hidden = self._last_hidden.get(seq_id)  # (n_sel, H)
+        if native.reads_in_place and hidden is not None:
+            out = native.propose_in_pool(batch.anchor_tokens, K, hidden, batch.pool, seq_id,
+                                         self.context_pool_layers(batch.pool), self.config.sliding_window, timed)
+            if out is not None:
+                return out
+        return native.propose(self.block_context(batch, K, as_stored=native.reads_stored_kv), batch.anchor_tokens,
+                              timed)
 
     def draft_greedy(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block forward, then `greedy_block`: drafts (B, K) as draft-vocabulary indices and their

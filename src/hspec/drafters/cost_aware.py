@@ -265,7 +265,7 @@ class CostAwareDrafter(RowStateDrafter):
         if not drafting:  # nobody drafts: a plain decode step, verified against an empty draft
             probs = torch.zeros((1, 1, 1), dtype=torch.float32, device=device).expand(B, K, self.vocab_size)
             return Proposal(tokens, probs, torch.zeros(B, dtype=torch.long, device=device))
-        drafted = self.model.propose(batch.select(drafting), K)
+        drafted = self.model.propose(batch if len(drafting) == B else batch.select(drafting), K)
         limits = [K] * len(drafting) if drafted.num_drafts is None else drafted.num_drafts.tolist()
         confidence = None if drafted.confidence is None else drafted.confidence.float().tolist()
         keys = batch.pool.lengths([batch.seq_ids[row] for row in drafting])
@@ -285,8 +285,10 @@ class CostAwareDrafter(RowStateDrafter):
         else:
             index = torch.tensor(drafting, dtype=torch.long, device=device)
             tokens[index] = drafted.draft_tokens
-            probs = torch.zeros((B, K, self.vocab_size), dtype=drafted.draft_probs.dtype, device=device)  # (B, K, V)
-            probs[index] = drafted.draft_probs
+            probs = None  # (B, K, V), or None for one-hot drafts: the skipping rows' padding is never verified
+            if drafted.draft_probs is not None:
+                probs = torch.zeros((B, K, self.vocab_size), dtype=drafted.draft_probs.dtype, device=device)
+                probs[index] = drafted.draft_probs
         return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device))
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,

@@ -82,17 +82,20 @@ class LookupFirstDrafter(WrappingDrafter):
                       for row in range(B)]
         lookup_index = torch.tensor(list(lookup), dtype=torch.long, device=device)
         lookup_tokens = torch.tensor(list(lookup.values()), dtype=torch.long, device=device)  # (B_l, K)
+        # (B, K, V) the rows' distributions, None while all are one-hot (lookup's, greedy rows': `Proposal.draft_probs`)
+        probs: torch.Tensor | None = None
         if not model_rows:  # every row looked up; `lookup` holds them in row order
-            tokens, probs = lookup_tokens, one_hot_probs(lookup_tokens, self.vocab_size)
+            tokens = lookup_tokens
         else:
             drafted = self.model.propose(batch.select(model_rows), K)
             tokens = torch.empty((B, K), dtype=torch.long, device=device)  # (B, K)
-            probs = torch.empty((B, K, self.vocab_size), dtype=drafted.draft_probs.dtype, device=device)  # (B, K, V)
             index = torch.tensor(model_rows, dtype=torch.long, device=device)
             tokens[index] = drafted.draft_tokens
-            probs[index] = drafted.draft_probs
             tokens[lookup_index] = lookup_tokens
-            probs[lookup_index] = one_hot_probs(lookup_tokens, self.vocab_size).to(probs.dtype)
+            if drafted.draft_probs is not None:
+                probs = torch.empty((B, K, self.vocab_size), dtype=drafted.draft_probs.dtype, device=device)
+                probs[index] = drafted.draft_probs
+                probs[lookup_index] = one_hot_probs(lookup_tokens, self.vocab_size).to(probs.dtype)
             if drafted.num_drafts is not None:
                 for row, n in zip(model_rows, drafted.num_drafts.tolist()):
                     num_drafts[row] = n

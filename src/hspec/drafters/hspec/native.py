@@ -12,6 +12,13 @@ the Python path's products in the last bits. Its drafts are the Python path's bu
 such a rounding (tests/test_native_drafter.py checks drafts and logits against the Python path); the target
 verifies every draft either way.
 
+What `propose` hands it (`NeuralDrafter.native_drafts`): where the sequence's context window lies in consecutive
+slots of the pool (a lone sequence's usually do), the pool itself (`propose_in_pool`): the call makes the block,
+its RoPE (rows of a table made by `layers.rope_cos_sin`'s operators on the target's inverse frequencies) and the
+context's views in C++, and returns the drafts as target ids, so Python makes no `BlockContext` (its ~10 tensor
+operators cost tens of microseconds each right after a verify has pushed the interpreter's code and data out of
+the caches: ~0.3 ms a proposal); elsewhere the `BlockContext` of `block_context` (`propose`), with the same bits.
+
 What goes native: a proposal of one sequence whose rows are all greedy, on the CPU, without autograd
 (`NativePropose.covers`), for a drafter whose modules it knows (`NativePropose.unfit_reason`): H-Spec's layers,
 or the DFlash family's (DFlash, DSpark, DFlash-KVReuse: attention over their context, bidirectional in the
@@ -37,8 +44,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from hspec.cache.paged_pool import PagedKVPool
 from hspec.drafters.base import DraftBatch
-from hspec.drafters.common import BlockContext
+from hspec.drafters.common import BlockContext, NativeDrafts
 from hspec.drafters.dflash.layers import DraftLayer
 from hspec.drafters.dflash.model import DFlashBackbone
 from hspec.drafters.hspec.model import HSpecDrafter
@@ -120,6 +128,9 @@ class NativePropose:
         self.norm_kernel = all(m.kernel for m in drafter.modules() if isinstance(m, RMSNorm))
         self.layers = [_MAMBA * (m[1] is not None) + _ATTENTION * (m[3] is not None) for m in modules]
         self.rope = drafter.target_parts.rope  # the target's: (1, K) positions, dtype -> cos, sin (1, K, D)
+        # its inverse frequencies (D/2,) where `rope` is layers.rope_cos_sin of them: the call then makes the RoPE
+        # itself (`propose_in_pool`)
+        self.inv_freq = drafter.target_parts.inv_freq
         # The flat list native_propose.cpp reads in this order, and per linear whether it is a `layers.Linear`.
         self.weights: list[torch.Tensor | None] = []
         self.row_invariant: list[bool] = []
@@ -174,13 +185,15 @@ class NativePropose:
     def _bind(self):  # the extension's Proposer: the weights and sizes, converted to C++ once
         return self.extension.Proposer(self.weights, self.row_invariant, self.layers, self.mask_token_id,
                                        self.vocab_size, self.injects, self.markov, self.dims, self.eps,
-                                       self.mamba_eps, self.norm_kernel, self.causal, self.reads_stored_kv)
+                                       self.mamba_eps, self.norm_kernel, self.causal, self.reads_stored_kv,
+                                       self.inv_freq)
 
     def __deepcopy__(self, memo: dict) -> NativePropose:
         """A deep copy of its drafter binds the copy's tensors (`memo`); the compiled extension is shared."""
         copied = copy.copy(self)
         copied.weights = copy.deepcopy(self.weights, memo)
         copied.rope = copy.deepcopy(self.rope, memo)
+        copied.inv_freq = copy.deepcopy(self.inv_freq, memo)
         copied.proposer = copied._bind()
         return copied
 
@@ -236,28 +249,52 @@ class NativePropose:
     def _covers(self, rows: int, device: torch.device, K: int) -> bool:
         return rows == 1 and device.type == "cpu" and not torch.is_grad_enabled() and K <= self.chunk_size
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether `propose_in_pool` runs here: hspec's attention kernel and the target's RoPE frequencies."""
+        return self.reads_stored_kv and self.inv_freq is not None
+
     def __call__(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts (1, K) as draft-vocabulary indices and their confidence (1, K), as `draft_greedy` returns them."""
-        local, confidence, _ = self.forward(ctx, anchor_tokens)
-        return local, confidence
+        out = self.propose(ctx, anchor_tokens)
+        return out.local, out.confidence
 
     def forward(self, ctx: BlockContext, anchor_tokens: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The drafts (1, K), their confidence (1, K) fp32 and the backbone logits U (1, K, Vp)."""
-        drafts, confidence, logits, _ = self._propose(ctx, anchor_tokens, timed=False)
-        return drafts, confidence, logits
+        """The drafts (1, K) as draft-vocabulary indices, their confidence (1, K) fp32 and the backbone logits U
+        (1, K, Vp)."""
+        out = self.propose(ctx, anchor_tokens)
+        return out.local, out.confidence, out.logits
 
-    def breakdown(self, ctx: BlockContext, anchor_tokens: torch.Tensor) -> dict[str, tuple[float, float]]:
-        """One proposal timed by section (native_propose.cpp's `Section`): name -> (this thread's CPU time,
-        wall time) in milliseconds, each summed over the drafter's layers."""
-        _, _, _, sections = self._propose(ctx, anchor_tokens, timed=True)  # (sections, 2) ns
-        names = self.extension.section_names()
-        return {name: (row[0] / 1e6, row[1] / 1e6) for name, row in zip(names, sections.tolist(), strict=True)}
-
-    def _propose(self, ctx: BlockContext, anchor_tokens: torch.Tensor, timed: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def propose(self, ctx: BlockContext, anchor_tokens: torch.Tensor, timed: bool = False) -> NativeDrafts:
+        """The proposal of a block and context made in Python (`NeuralDrafter.block_context`, which `covers`
+        takes); `timed`: also time it by section (`NativeDrafts.timings`)."""
         dtype = self.weights[1].dtype  # type: ignore[union-attr]  # the mask embedding's: the drafter's
         cos, sin = self.rope(ctx.positions, dtype)  # (1, K, D) each, the target's RoPE
         context = [t for pair in ctx.context_kv for t in pair]
-        return self.proposer.propose(ctx.block_tokens, cos, sin, ctx.last_hidden, context, ctx.context_mask,
-                                     anchor_tokens, timed)
+        return NativeDrafts(*self.proposer.propose(ctx.block_tokens, cos, sin, ctx.last_hidden, context,
+                                                   ctx.context_mask, anchor_tokens, timed))
+
+    def propose_in_pool(self, anchor_tokens: torch.Tensor, K: int, last_hidden: torch.Tensor, pool: PagedKVPool,
+                        seq_id: int, layers: list[int], window: int, timed: bool = False) -> NativeDrafts | None:
+        """The proposal of sequence `seq_id` (`reads_in_place` must hold) with its context read from `pool` in place:
+        the same drafts, confidences and logits as `propose` of its `block_context`, without making that in Python
+        (the block, its RoPE and the context's views are made in the call). None where the context's slots are
+        not consecutive (`PagedKVPool.consecutive_window`): `propose` then takes the copies `block_context` makes.
+
+        anchor_tokens (1,) long x0; last_hidden (n_sel, H) the selected target layers' hidden states at position
+        p - 1; layers: the pool layer each attention module reads (`context_pool_layers`); window: the drafter's
+        sliding window (its context is the last min(p, window) positions).
+        """
+        found = pool.consecutive_window(seq_id, window)
+        if found is None:
+            return None
+        start, keys = found
+        return NativeDrafts(*self.proposer.propose_in_pool(anchor_tokens, pool.length(seq_id), K, last_hidden, pool.k,
+                                                           pool.v, layers, start, keys, timed))
+
+    def section_times(self, timings: torch.Tensor) -> tuple[dict[str, tuple[float, float]], tuple[float, float]]:
+        """A timed proposal's `NativeDrafts.timings` as ({section: (this thread's CPU time, wall time)}, the whole
+        call's (CPU, wall)), in milliseconds, each section summed over the drafter's layers."""
+        rows = [(cpu / 1e6, wall / 1e6) for cpu, wall in timings.tolist()]
+        return dict(zip(self.extension.section_names(), rows[:-1], strict=True)), rows[-1]

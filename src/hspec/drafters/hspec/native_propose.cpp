@@ -36,12 +36,15 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -63,17 +66,20 @@ constexpr std::array<const char*, kSections> kSectionNames = {
     "mamba.out_proj", "attention.qkv_proj", "attention.qk_norm_rope", "attention.attend", "attention.o_proj", "mlp.gate_up", "mlp.silu_mul", "mlp.down", "residual_adds",
     "head", "markov.w2_product", "markov.argmax_softmax", "outputs"};
 
-// Nanoseconds per section of one proposal: this thread's CPU time (what the section cost the calling core;
-// the products' second thread, where torch has two, is not in it) and wall time.
-struct Timings {
-  std::array<double, kSections> thread_ns{}, wall_ns{};
-};
-
 inline double thread_cpu_ns() {
   timespec now{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
   return 1e9 * static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec);
 }
+
+// Nanoseconds per section of one proposal: this thread's CPU time (what the section cost the calling core;
+// the products' second thread, where torch has two, is not in it) and wall time; and when the call began (it
+// is made as the call enters C++).
+struct Timings {
+  std::array<double, kSections> thread_ns{}, wall_ns{};
+  double call_thread_start = thread_cpu_ns();
+  std::chrono::steady_clock::time_point call_wall_start = std::chrono::steady_clock::now();
+};
 
 // Adds the time from its construction to its destruction to `section` of `timings` (nothing where null).
 class Timed {
@@ -465,9 +471,9 @@ Tensor mamba(const Tensor& hidden, const OptionalTensor& s_init, Cursor& w, cons
 
 // block_attention.BlockAttention.forward (q/k/v unfused, per-head q/k norm) then attend_block: x (1, K, H),
 // cos/sin (1, K, 1, D), context k and v (1, S', Hkv, D) with context_mask (1, S') bool, of which the first s
-// keys hold every visible one.
+// keys hold every visible one (no mask: the first s keys are all visible, hspec's kernel only).
 Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& context_k,
-                 const Tensor& context_v, const Tensor& context_mask, int64_t s, Cursor& w, const Sizes& c,
+                 const Tensor& context_v, const OptionalTensor& context_mask, int64_t s, Cursor& w, const Sizes& c,
                  Timings* t) {
   const DrafterLinear q_proj = w.linear("attn.q_proj"), k_proj = w.linear("attn.k_proj"),
                       v_proj = w.linear("attn.v_proj");
@@ -504,7 +510,8 @@ Tensor attention(const Tensor& x, const Tensor& cos, const Tensor& sin, const Te
     // -inf where hidden: in one pass, the values of the Python path's scale, masked_fill and cat
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
     Tensor scores = at::empty({n, c.hkv, rows, keys + length}, ctx_raw.options());
-    const bool* visible = context_mask.data_ptr<bool>();
+    TORCH_CHECK(context_mask.has_value(), "native_propose: attention through ATen's products needs a context mask");
+    const bool* visible = context_mask->data_ptr<bool>();
     const float* from_context = ctx_raw.data_ptr<float>();
     const float* from_block = block_raw.data_ptr<float>();
     float* out_scores = scores.data_ptr<float>();
@@ -537,229 +544,323 @@ Tensor mlp(const Tensor& x, Cursor& w, Timings* t) {
   return linear(hidden, down);
 }
 
-}  // namespace
+// What one proposal reads besides the drafter's weights: one sequence's block and context.
+struct BlockInputs {
+  Tensor block_tokens;                 // (1, K) long, [x0, MASK, ...]
+  Tensor cos, sin;                     // (1, K, D) the target's RoPE at the block's positions, the drafter's dtype
+  Tensor last_hidden;                  // (1, n_sel, H) or (n_sel, H): the selected target layers' at position p - 1
+  const std::vector<Tensor>& context;  // per attention module its context k and v, (1, S', Hkv, D) each
+  OptionalTensor context_mask;         // (1, S') bool; none: the first context_keys keys are all visible
+  int64_t context_keys;                // the keys up to the last visible one: the kernel reads no further
+  int64_t anchor;                      // x0, a target id
+};
 
-// HSpecDrafter.block_logits (or DFlashBackbone.block_logits) then NeuralDrafter.greedy_block for one sequence.
-//
-// block_tokens (1, K) long [x0, MASK, ...]; cos, sin (1, K, D) the target's RoPE at the block's positions in the
-// drafter's dtype; last_hidden (1, n_sel, H); context: per attention module its context k and v (1, S, Hkv, D)
-// (pool views: as the pool stores them where attention_kernel, else as the Python path multiplies them),
-// context_mask (1, S) bool; anchor (1,) long; weights and row_invariant as `NativePropose`
-// writes them; layers: per drafter layer 1 (Mamba) + 2 (attention); mask_token_id, vocab_size (V);
-// injects: S_init is projected (else zeros); markov: 0 none, 1 W2 as a (r, Vp) matrix, 2 W2 as an int8 linear;
-// causal: the block attends causally (H-Spec) or bidirectionally (the DFlash family); attention_kernel: the
-// attention runs hspec::block_attention (the context K/V as the pool stores them, fp32 or bf16), else ATen's
-// products (the context in the dtype the Python path multiplies it in).
-// timed: also time the sections (`Section`). Returns the drafts as draft-vocabulary indices (1, K) long, their
-// confidence (1, K) fp32, the backbone logits U (1, K, Vp) and, where timed, the sections' nanoseconds
-// (kSections, 2) fp64, this thread's CPU time then wall time (else an empty tensor).
-std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const Tensor& sin,
-                            const Tensor& last_hidden, const std::vector<Tensor>& context,
-                            const Tensor& context_mask, const Tensor& anchor,
-                            const std::vector<OptionalTensor>& weights, const std::vector<bool>& row_invariant,
-                            const std::vector<int64_t>& layers, int64_t mask_token_id, int64_t vocab_size,
-                            bool injects, int64_t markov, const std::vector<int64_t>& dims, double eps,
-                            double mamba_eps, bool norm_kernel, bool causal, bool attention_kernel, bool timed) {
-  Timings timings;
-  Timings* t = timed ? &timings : nullptr;
-  TORCH_CHECK(dims.size() == 7, "native_propose: dims must be (nh, P, N, G, Hq, Hkv, D), got ", dims.size(), " values");
-  const Sizes c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], eps, mamba_eps, norm_kernel, causal,
-                 attention_kernel};
-  TORCH_CHECK(block_tokens.dim() == 2 && block_tokens.size(0) == 1, "native_propose takes one sequence's block (1, K), got ",
-              block_tokens.sizes());
-  TORCH_CHECK(c.hkv > 0 && c.hq % c.hkv == 0 && c.ngroups > 0 && c.nheads % c.ngroups == 0,
-              "native_propose: bad head counts Hq = ", c.hq, ", Hkv = ", c.hkv, ", nh = ", c.nheads, ", G = ", c.ngroups);
-  const int64_t length = block_tokens.size(1);
-  TORCH_CHECK(cos.dim() == 3 && cos.size(1) == length && sin.sizes() == cos.sizes(),
-              "native_propose: cos and sin must be (1, ", length, ", D), got ", cos.sizes(), " and ", sin.sizes());
-  TORCH_CHECK(context_mask.dim() == 2 && context_mask.size(0) == 1, "native_propose: context_mask must be (1, S), got ",
-              context_mask.sizes());
-  Cursor w(weights, row_invariant);
-  const Tensor& embed_weight = w.tensor("the target's embedding");
-  const Tensor& mask_embedding = w.tensor("mask_embedding");
-
-  // 1. embed_block
-  std::optional<Timed> section(std::in_place, t, kEmbed);
-  const Tensor is_mask = block_tokens.eq(mask_token_id);
-  const Tensor emb = at::embedding(embed_weight, block_tokens.clamp_max(vocab_size - 1));  // (1, K, H)
-  Tensor x = at::where(is_mask.unsqueeze(-1), mask_embedding.to(emb.scalar_type()), emb);
-  const Tensor cos4 = cos.unsqueeze(2), sin4 = sin.unsqueeze(2);  // (1, K, 1, D): broadcast over heads
-
-  // 2. S_init
-  OptionalTensor s_init;
-  section.emplace(t, kInjection);
-  if (injects) {
-    const DrafterLinear proj_r = w.linear("injection.proj_r"), proj_ds = w.linear("injection.proj_ds");
-    const Tensor fused = linear(last_hidden.to(x.scalar_type()).flatten(1), proj_r);  // (1, r)
-    s_init = linear(fused, proj_ds).view({-1, c.nheads, c.headdim, c.d_state});
-  }
-
-  TORCH_CHECK(context_mask.scalar_type() == at::kBool, "native_propose: context_mask must be bool, got ",
-              context_mask.scalar_type());
-  const Tensor visible = context_mask.contiguous();
-  // the context keys up to the last visible one: the kernel reads no further (the keys after are padding,
-  // `CONTEXT_MULTIPLE`)
-  int64_t context_keys = visible.size(1);
-  while (context_keys > 0 && !visible.data_ptr<bool>()[context_keys - 1]) --context_keys;
-  const MambaSizes mamba_sizes{c.nheads, c.headdim, c.d_state, c.ngroups, c.mamba_eps};
-
-  // 3. the layers
-  section.reset();
-  const auto norm = [&](const Tensor& rows, const Tensor& weight) {
-    Timed timed_norm(t, kNorm);
-    return rms_norm(rows, weight, c.eps, c.norm_kernel);
-  };
-  const auto residual = [&](const Tensor& rows, const Tensor& update) {
-    Timed timed_add(t, kResidual);
-    return rows + update;
-  };
-  size_t attention_index = 0;
-  for (const int64_t layout : layers) {
-    if (layout & 1) {
-      const Tensor& weight = w.tensor("mamba_norm.weight");
-      x = residual(x, mamba(norm(x, weight), s_init, w, mamba_sizes, t));
-    }
-    if (layout & 2) {
-      const Tensor& weight = w.tensor("attn_norm.weight");
-      TORCH_CHECK(2 * attention_index + 1 < context.size(), "native_propose: no context K/V for attention module ",
-                  attention_index, " (", context.size(), " tensors)");
-      const Tensor& ck = context[2 * attention_index];
-      const Tensor& cv = context[2 * attention_index + 1];
-      TORCH_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == context_mask.size(1) && cv.sizes() == ck.sizes(),
-                  "native_propose: context K/V ", attention_index, " must be (1, ", context_mask.size(1),
-                  ", Hkv, D) twice, got ", ck.sizes(), " and ", cv.sizes());
-      x = residual(x, attention(norm(x, weight), cos4, sin4, ck, cv, visible, context_keys, w, c, t));
-      ++attention_index;
-    }
-    const Tensor& weight = w.tensor("mlp_norm.weight");
-    x = residual(x, mlp(norm(x, weight), w, t));
-  }
-  TORCH_CHECK(2 * attention_index == context.size(), "native_propose: ", context.size(), " context tensors for ",
-              attention_index, " attention modules");
-
-  // 4. final norm, pruned-vocabulary head
-  const Tensor& final_norm = w.tensor("norm.weight");
-  const DrafterLinear head = w.linear("head");
-  const Tensor normed = norm(x, final_norm);
-  section.emplace(t, kHead);
-  const Tensor logits = linear(normed, head);  // (1, K, Vp)
-  section.reset();
-
-  // 5. the greedy Markov loop (NeuralDrafter.greedy_block)
-  const Tensor& draft_vocab_ids = w.tensor("head.draft_vocab_ids");  // (Vp,) long
-  OptionalTensor w1, w2;
-  std::optional<DrafterLinear> w2_linear;
-  if (markov == 1) {
-    w1 = w.tensor("markov.W1");
-    w2 = w.tensor("markov.W2");
-  } else if (markov == 2) {
-    w1 = w.tensor("markov.W1");
-    w2_linear = w.linear("markov.W2 int8");
-  }
-  w.check_end();
-  TORCH_CHECK(draft_vocab_ids.scalar_type() == at::kLong && draft_vocab_ids.is_contiguous() && anchor.numel() == 1,
-              "native_propose: the draft vocabulary must be contiguous long ids and the anchor one id, got ",
-              draft_vocab_ids.scalar_type(), " and ", anchor.sizes());
-  const int64_t* vocab = draft_vocab_ids.data_ptr<int64_t>();
-  int64_t prev = anchor.item<int64_t>();  // a target id
-  std::vector<int64_t> tokens;
-  std::vector<float> confidence;
-  const int64_t vp = logits.size(2);
-  TORCH_CHECK(logits.is_contiguous() && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
-              "native_propose: the head's logits must be contiguous float32 or bfloat16, got ", logits.scalar_type());
-  std::vector<float> slot(static_cast<size_t>(vp));  // l_k in fp32, reused by every slot
-  const Tensor values = at::from_blob(slot.data(), {vp}, at::TensorOptions().dtype(at::kFloat));
-  for (int64_t k = 0; k < length; ++k) {
-    OptionalTensor correction;  // (Vp,) W2(W1[prev]) in the logits' dtype
-    if (markov != 0) {
-      TORCH_CHECK(prev >= 0 && prev < w1->size(0), "native_propose: token ", prev, " outside the Markov head's ",
-                  w1->size(0), " rows");
-      Timed timed_product(t, kMarkovProduct);
-      const Tensor low_rank = w1->select(0, prev).view({1, 1, -1});  // (1, 1, r): W1[prev], as its embedding
-      correction = (markov == 1 ? at::matmul(low_rank, *w2) : linear(low_rank, *w2_linear)).view({-1});
-      if (correction->scalar_type() != logits.scalar_type()) {  // promoted as ATen's add would, then rounded
-        correction = correction->to(at::result_type(logits, *correction)).to(logits.scalar_type());
-      }
-      correction = correction->contiguous();
-    }
-    Timed timed_select(t, kMarkovSelect);
-    // l_k = U_k + W2(W1[prev]) rounded to the logits' dtype (as ATen's add rounds it), in fp32
-    const auto slot_logits = [&](const auto* backbone) {
-      using T = std::remove_const_t<std::remove_pointer_t<decltype(backbone)>>;
-      const T* u = backbone + k * vp;
-      if (correction.has_value()) {
-        const T* c = correction->data_ptr<T>();
-        for (int64_t i = 0; i < vp; ++i) slot[i] = round_to<T>(widen(u[i]) + widen(c[i]));
-      } else {
-        for (int64_t i = 0; i < vp; ++i) slot[i] = widen(u[i]);
-      }
-    };
-    if (logits.scalar_type() == at::kFloat) {
-      slot_logits(logits.data_ptr<float>());
-    } else {
-      slot_logits(logits.data_ptr<c10::BFloat16>());
-    }
-    // argmax (the first of equal maxima, as torch.max) and 1 / sum(exp(l - max)) in fp32
-    int64_t best = 0;
-    for (int64_t i = 1; i < vp; ++i) {
-      if (slot[i] > slot[best]) best = i;
-    }
-    // ATen's vectorized exp and sum, as the Python path's (a scalar exp of 8,192 values cost ~0.1 ms a slot),
-    // in place: l_k is not needed after
-    const float total = values.sub_(slot[best]).exp_().sum().item<float>();
-    tokens.push_back(best);
-    confidence.push_back(1.0f / total);
-    prev = vocab[best];
-  }
-  section.emplace(t, kOutputs);
-  const Tensor drafts = at::tensor(tokens, at::TensorOptions().dtype(at::kLong)).view({1, length});
-  const Tensor confidences = at::tensor(confidence, at::TensorOptions().dtype(at::kFloat)).view({1, length});
-  section.reset();
-  Tensor sections = at::empty({0}, at::TensorOptions().dtype(at::kDouble));
-  if (timed) {
-    sections = at::empty({kSections, 2}, sections.options());
-    double* out = sections.data_ptr<double>();
-    for (int i = 0; i < kSections; ++i) out[2 * i] = timings.thread_ns[i], out[2 * i + 1] = timings.wall_ns[i];
-  }
-  return {drafts, confidences, logits, sections};
+// layers.rope_cos_sin at positions start..start+T-1 of one sequence, by the same ATen operators on the same
+// values: inv_freq (D/2,) fp32 -> cos and the signed sin, (1, T, D) each in `dtype`. Each value is computed alone
+// (a product, ATen's vectorized sin or cos, a rounding), so a position's row has the same bits whatever other
+// positions share the call (tests/test_native_in_place.py checks rows of a long table against the target's rope).
+std::pair<Tensor, Tensor> rope_cos_sin(const Tensor& inv_freq, int64_t start, int64_t length, at::ScalarType dtype) {
+  const Tensor positions = at::arange(start, start + length, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+  const Tensor angles = positions.to(at::kFloat).unsqueeze(-1) * inv_freq;  // (1, T, D/2)
+  const Tensor sin = angles.sin();
+  return {at::cat({angles, angles}, -1).cos().to(dtype), at::cat({sin.neg(), sin}, -1).to(dtype)};
 }
 
-// The names of the sections `propose` times, in the rows' order of its timings.
-std::vector<std::string> section_names() { return {kSectionNames.begin(), kSectionNames.end()}; }
+}  // namespace
 
-// `propose` bound to one drafter: its weights and sizes, converted from Python once, when it is made
-// (converting ~130 optional tensors from a Python list cost ~0.15 ms a call).
+// HSpecDrafter.block_logits (or DFlashBackbone.block_logits) then NeuralDrafter.greedy_block for one sequence,
+// bound to one drafter: its weights and sizes, converted from Python once, when it is made (converting ~130
+// optional tensors from a Python list cost ~0.15 ms a call).
+//
+// weights and row_invariant as `NativePropose` writes them; layers: per drafter layer 1 (Mamba) + 2 (attention);
+// mask_token_id, vocab_size (V); injects: S_init is projected (else zeros); markov: 0 none, 1 W2 as a (r, Vp)
+// matrix, 2 W2 as an int8 linear; dims (nh, P, N, G, Hq, Hkv, D); causal: the block attends causally (H-Spec) or
+// bidirectionally (the DFlash family); attention_kernel: the attention runs hspec::block_attention (the context
+// K/V as the pool stores them, fp32 or bf16), else ATen's products (the context in the dtype the Python path
+// multiplies it in); inv_freq: the target's RoPE inverse frequencies (D/2,), or none (`propose_in_pool` needs
+// them).
+//
+// Both entries return the drafts as target ids (1, K) long, as draft-vocabulary indices (1, K) long, their
+// confidence (1, K) fp32, the backbone logits U (1, K, Vp) and, where timed, the sections' nanoseconds
+// (kSections + 1, 2) fp64, this thread's CPU time then wall time, the last row the whole call's (from its entry
+// into C++ to its outputs), else an empty tensor.
 class Proposer {
  public:
   Proposer(std::vector<OptionalTensor> weights, std::vector<bool> row_invariant, std::vector<int64_t> layers,
            int64_t mask_token_id, int64_t vocab_size, bool injects, int64_t markov, std::vector<int64_t> dims,
-           double eps, double mamba_eps, bool norm_kernel, bool causal, bool attention_kernel)
+           double eps, double mamba_eps, bool norm_kernel, bool causal, bool attention_kernel,
+           OptionalTensor inv_freq)
       : weights_(std::move(weights)), row_invariant_(std::move(row_invariant)), layers_(std::move(layers)),
-        dims_(std::move(dims)), mask_token_id_(mask_token_id), vocab_size_(vocab_size), markov_(markov),
-        eps_(eps), mamba_eps_(mamba_eps), injects_(injects), norm_kernel_(norm_kernel), causal_(causal),
-        attention_kernel_(attention_kernel) {}
+        mask_token_id_(mask_token_id), vocab_size_(vocab_size), markov_(markov), injects_(injects) {
+    TORCH_CHECK(dims.size() == 7, "native_propose: dims must be (nh, P, N, G, Hq, Hkv, D), got ", dims.size(),
+                " values");
+    sizes_ = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], eps, mamba_eps, norm_kernel, causal,
+              attention_kernel};
+    TORCH_CHECK(sizes_.hkv > 0 && sizes_.hq % sizes_.hkv == 0 && sizes_.ngroups > 0 &&
+                    sizes_.nheads % sizes_.ngroups == 0,
+                "native_propose: bad head counts Hq = ", sizes_.hq, ", Hkv = ", sizes_.hkv, ", nh = ", sizes_.nheads,
+                ", G = ", sizes_.ngroups);
+    TORCH_CHECK(weights_.size() > 1 && weights_[1].has_value(), "native_propose: the weight list has no mask embedding");
+    if (inv_freq.has_value()) inv_freq_ = inv_freq->to(at::kFloat).contiguous();
+  }
 
+  // The proposal of a block and context built in Python (`NeuralDrafter.block_context`): block_tokens (1, K) long
+  // [x0, MASK, ...]; cos, sin (1, K, D) the target's RoPE at the block's positions in the drafter's dtype;
+  // last_hidden (1, n_sel, H); context: per attention module its context k and v (1, S, Hkv, D) (pool views: as the
+  // pool stores them where attention_kernel, else as the Python path multiplies them), context_mask (1, S) bool;
+  // anchor (1,) long.
   std::vector<Tensor> propose(const Tensor& block_tokens, const Tensor& cos, const Tensor& sin,
                               const Tensor& last_hidden, const std::vector<Tensor>& context,
                               const Tensor& context_mask, const Tensor& anchor, bool timed) const {
-    return ::propose(block_tokens, cos, sin, last_hidden, context, context_mask, anchor, weights_, row_invariant_,
-                     layers_, mask_token_id_, vocab_size_, injects_, markov_, dims_, eps_, mamba_eps_, norm_kernel_,
-                     causal_, attention_kernel_, timed);
+    std::optional<Timings> timings;
+    if (timed) timings.emplace();
+    TORCH_CHECK(context_mask.dim() == 2 && context_mask.size(0) == 1 && context_mask.scalar_type() == at::kBool,
+                "native_propose: context_mask must be bool (1, S), got ", context_mask.scalar_type(), " ",
+                context_mask.sizes());
+    TORCH_CHECK(anchor.numel() == 1, "native_propose: the anchor must be one id, got ", anchor.sizes());
+    const Tensor visible = context_mask.contiguous();
+    // the context keys up to the last visible one: the kernel reads no further (the keys after are padding,
+    // `CONTEXT_MULTIPLE`)
+    int64_t keys = visible.size(1);
+    while (keys > 0 && !visible.data_ptr<bool>()[keys - 1]) --keys;
+    return run({block_tokens, cos, sin, last_hidden, context, visible, keys, anchor.item<int64_t>()},
+               timed ? &*timings : nullptr);
+  }
+
+  // The proposal of a sequence whose context lies in consecutive slots of a pool, read there in place, the block
+  // and its RoPE made here as build_block and layers.rope_cos_sin make them (needs inv_freq and hspec's attention
+  // kernel): anchor (1,) long x0; position p, the sequence's length (the block sits at p..p+K-1); length K;
+  // last_hidden (n_sel, H); pool_k, pool_v the pool's K and V (L_all, slots, Hkv, D), any strides; pool_layers the
+  // pool layer each attention module reads, in module order; the context keys the slots start..start+keys-1,
+  // every one visible.
+  std::vector<Tensor> propose_in_pool(const Tensor& anchor, int64_t position, int64_t length,
+                                      const Tensor& last_hidden, const Tensor& pool_k, const Tensor& pool_v,
+                                      const std::vector<int64_t>& pool_layers, int64_t start, int64_t keys,
+                                      bool timed) {
+    std::optional<Timings> timings;
+    if (timed) timings.emplace();
+    TORCH_CHECK(inv_freq_.has_value() && sizes_.attention_kernel, "native_propose: a proposal from the pool in "
+                "place needs the target's RoPE frequencies and hspec's attention kernel");
+    TORCH_CHECK(anchor.numel() == 1 && anchor.scalar_type() == at::kLong && length >= 1 && last_hidden.dim() == 2,
+                "native_propose: takes one long anchor, K >= 1 and last_hidden (n_sel, H), got ", anchor.sizes(),
+                ", K = ", length, " and ", last_hidden.sizes());
+    TORCH_CHECK(pool_k.dim() == 4 && pool_v.sizes() == pool_k.sizes() && start >= 0 && keys >= 0 &&
+                    start + keys <= pool_k.size(1),
+                "native_propose: the pool's K and V must be (L, slots, Hkv, D), the context slots ", start, "..",
+                start + keys, " within them; got ", pool_k.sizes(), " and ", pool_v.sizes());
+    const int64_t x0 = anchor.item<int64_t>();
+    Tensor block_tokens = at::full({1, length}, mask_token_id_, at::TensorOptions().dtype(at::kLong));
+    block_tokens.data_ptr<int64_t>()[0] = x0;
+    const auto [cos, sin] = rope_rows(position, length);
+    // each module's context: slots start..start+keys-1 of its layer, (1, keys, Hkv, D), one view each
+    const auto window = [&](const Tensor& pool, int64_t layer) {
+      return pool.as_strided({1, keys, pool.size(2), pool.size(3)}, pool.strides(),
+                             pool.storage_offset() + layer * pool.stride(0) + start * pool.stride(1));
+    };
+    std::vector<Tensor> context;
+    context.reserve(2 * pool_layers.size());
+    for (const int64_t layer : pool_layers) {
+      TORCH_CHECK(layer >= 0 && layer < pool_k.size(0), "native_propose: pool layer ", layer, " outside its ",
+                  pool_k.size(0), " layers");
+      context.push_back(window(pool_k, layer));
+      context.push_back(window(pool_v, layer));
+    }
+    return run({block_tokens, cos, sin, last_hidden, context, std::nullopt, keys, x0}, timed ? &*timings : nullptr);
   }
 
  private:
+  // RoPE rows for positions p..p+K-1, (1, K, D) views of a table of kRopeSpan positions from p, made again (by
+  // `rope_cos_sin`) when a block leaves it: a block's RoPE is then one view of each table, where its ~12
+  // operators cost ~0.1 ms right after a verify (their code cold in the caches).
+  static constexpr int64_t kRopeSpan = 256;
+  std::pair<Tensor, Tensor> rope_rows(int64_t position, int64_t length) {
+    const std::lock_guard<std::mutex> lock(rope_mutex_);
+    if (!rope_cos_.defined() || position < rope_start_ || position + length > rope_start_ + rope_cos_.size(1)) {
+      std::tie(rope_cos_, rope_sin_) =
+          rope_cos_sin(*inv_freq_, position, std::max(length, kRopeSpan), weights_[1]->scalar_type());
+      rope_start_ = position;
+    }
+    return {rope_cos_.narrow(1, position - rope_start_, length), rope_sin_.narrow(1, position - rope_start_, length)};
+  }
+
+  std::vector<Tensor> run(const BlockInputs& in, Timings* t) const {
+    const Sizes& c = sizes_;
+    TORCH_CHECK(in.block_tokens.dim() == 2 && in.block_tokens.size(0) == 1,
+                "native_propose takes one sequence's block (1, K), got ", in.block_tokens.sizes());
+    const int64_t length = in.block_tokens.size(1);
+    TORCH_CHECK(in.cos.dim() == 3 && in.cos.size(1) == length && in.sin.sizes() == in.cos.sizes(),
+                "native_propose: cos and sin must be (1, ", length, ", D), got ", in.cos.sizes(), " and ",
+                in.sin.sizes());
+    const int64_t context_length = in.context_mask.has_value() ? in.context_mask->size(1) : in.context_keys;
+    Cursor w(weights_, row_invariant_);
+    const Tensor& embed_weight = w.tensor("the target's embedding");
+    const Tensor& mask_embedding = w.tensor("mask_embedding");
+
+    // 1. embed_block
+    std::optional<Timed> section(std::in_place, t, kEmbed);
+    const Tensor is_mask = in.block_tokens.eq(mask_token_id_);
+    const Tensor emb = at::embedding(embed_weight, in.block_tokens.clamp_max(vocab_size_ - 1));  // (1, K, H)
+    Tensor x = at::where(is_mask.unsqueeze(-1), mask_embedding.to(emb.scalar_type()), emb);
+    const Tensor cos4 = in.cos.unsqueeze(2), sin4 = in.sin.unsqueeze(2);  // (1, K, 1, D): broadcast over heads
+
+    // 2. S_init
+    OptionalTensor s_init;
+    section.emplace(t, kInjection);
+    if (injects_) {
+      const DrafterLinear proj_r = w.linear("injection.proj_r"), proj_ds = w.linear("injection.proj_ds");
+      const Tensor fused = linear(in.last_hidden.to(x.scalar_type()).reshape({1, -1}), proj_r);  // (1, r)
+      s_init = linear(fused, proj_ds).view({-1, c.nheads, c.headdim, c.d_state});
+    }
+    const MambaSizes mamba_sizes{c.nheads, c.headdim, c.d_state, c.ngroups, c.mamba_eps};
+
+    // 3. the layers
+    section.reset();
+    const auto norm = [&](const Tensor& rows, const Tensor& weight) {
+      Timed timed_norm(t, kNorm);
+      return rms_norm(rows, weight, c.eps, c.norm_kernel);
+    };
+    const auto residual = [&](const Tensor& rows, const Tensor& update) {
+      Timed timed_add(t, kResidual);
+      return rows + update;
+    };
+    size_t attention_index = 0;
+    for (const int64_t layout : layers_) {
+      if (layout & 1) {
+        const Tensor& weight = w.tensor("mamba_norm.weight");
+        x = residual(x, mamba(norm(x, weight), s_init, w, mamba_sizes, t));
+      }
+      if (layout & 2) {
+        const Tensor& weight = w.tensor("attn_norm.weight");
+        TORCH_CHECK(2 * attention_index + 1 < in.context.size(), "native_propose: no context K/V for attention "
+                    "module ", attention_index, " (", in.context.size(), " tensors)");
+        const Tensor& ck = in.context[2 * attention_index];
+        const Tensor& cv = in.context[2 * attention_index + 1];
+        TORCH_CHECK(ck.dim() == 4 && ck.size(0) == 1 && ck.size(1) == context_length && cv.sizes() == ck.sizes(),
+                    "native_propose: context K/V ", attention_index, " must be (1, ", context_length,
+                    ", Hkv, D) twice, got ", ck.sizes(), " and ", cv.sizes());
+        x = residual(x, attention(norm(x, weight), cos4, sin4, ck, cv, in.context_mask, in.context_keys, w, c, t));
+        ++attention_index;
+      }
+      const Tensor& weight = w.tensor("mlp_norm.weight");
+      x = residual(x, mlp(norm(x, weight), w, t));
+    }
+    TORCH_CHECK(2 * attention_index == in.context.size(), "native_propose: ", in.context.size(),
+                " context tensors for ", attention_index, " attention modules");
+
+    // 4. final norm, pruned-vocabulary head
+    const Tensor& final_norm = w.tensor("norm.weight");
+    const DrafterLinear head = w.linear("head");
+    const Tensor normed = norm(x, final_norm);
+    section.emplace(t, kHead);
+    const Tensor logits = linear(normed, head);  // (1, K, Vp)
+    section.reset();
+
+    // 5. the greedy Markov loop (NeuralDrafter.greedy_block)
+    const Tensor& draft_vocab_ids = w.tensor("head.draft_vocab_ids");  // (Vp,) long
+    OptionalTensor w1, w2;
+    std::optional<DrafterLinear> w2_linear;
+    if (markov_ == 1) {
+      w1 = w.tensor("markov.W1");
+      w2 = w.tensor("markov.W2");
+    } else if (markov_ == 2) {
+      w1 = w.tensor("markov.W1");
+      w2_linear = w.linear("markov.W2 int8");
+    }
+    w.check_end();
+    TORCH_CHECK(draft_vocab_ids.scalar_type() == at::kLong && draft_vocab_ids.is_contiguous(),
+                "native_propose: the draft vocabulary must be contiguous long ids, got ", draft_vocab_ids.scalar_type());
+    const int64_t* vocab = draft_vocab_ids.data_ptr<int64_t>();
+    int64_t prev = in.anchor;  // a target id
+    std::vector<int64_t> tokens, targets;
+    std::vector<float> confidence;
+    const int64_t vp = logits.size(2);
+    TORCH_CHECK(logits.is_contiguous() && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+                "native_propose: the head's logits must be contiguous float32 or bfloat16, got ", logits.scalar_type());
+    std::vector<float> slot(static_cast<size_t>(vp));  // l_k in fp32, reused by every slot
+    const Tensor values = at::from_blob(slot.data(), {vp}, at::TensorOptions().dtype(at::kFloat));
+    for (int64_t k = 0; k < length; ++k) {
+      OptionalTensor correction;  // (Vp,) W2(W1[prev]) in the logits' dtype
+      if (markov_ != 0) {
+        TORCH_CHECK(prev >= 0 && prev < w1->size(0), "native_propose: token ", prev, " outside the Markov head's ",
+                    w1->size(0), " rows");
+        Timed timed_product(t, kMarkovProduct);
+        const Tensor low_rank = w1->select(0, prev).view({1, 1, -1});  // (1, 1, r): W1[prev], as its embedding
+        correction = (markov_ == 1 ? at::matmul(low_rank, *w2) : linear(low_rank, *w2_linear)).view({-1});
+        if (correction->scalar_type() != logits.scalar_type()) {  // promoted as ATen's add would, then rounded
+          correction = correction->to(at::result_type(logits, *correction)).to(logits.scalar_type());
+        }
+        correction = correction->contiguous();
+      }
+      Timed timed_select(t, kMarkovSelect);
+      // l_k = U_k + W2(W1[prev]) rounded to the logits' dtype (as ATen's add rounds it), in fp32
+      const auto slot_logits = [&](const auto* backbone) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(backbone)>>;
+        const T* u = backbone + k * vp;
+        if (correction.has_value()) {
+          const T* cr = correction->data_ptr<T>();
+          for (int64_t i = 0; i < vp; ++i) slot[i] = round_to<T>(widen(u[i]) + widen(cr[i]));
+        } else {
+          for (int64_t i = 0; i < vp; ++i) slot[i] = widen(u[i]);
+        }
+      };
+      if (logits.scalar_type() == at::kFloat) {
+        slot_logits(logits.data_ptr<float>());
+      } else {
+        slot_logits(logits.data_ptr<c10::BFloat16>());
+      }
+      // argmax (the first of equal maxima, as torch.max) and 1 / sum(exp(l - max)) in fp32
+      int64_t best = 0;
+      for (int64_t i = 1; i < vp; ++i) {
+        if (slot[i] > slot[best]) best = i;
+      }
+      // ATen's vectorized exp and sum, as the Python path's (a scalar exp of 8,192 values cost ~0.1 ms a slot),
+      // in place: l_k is not needed after
+      const float total = values.sub_(slot[best]).exp_().sum().item<float>();
+      tokens.push_back(best);
+      confidence.push_back(1.0f / total);
+      prev = vocab[best];  // PrunedVocabHead.to_target_ids
+      targets.push_back(prev);
+    }
+    section.emplace(t, kOutputs);
+    const auto long_options = at::TensorOptions().dtype(at::kLong);
+    const Tensor drafts = at::tensor(targets, long_options).view({1, length});
+    const Tensor local = at::tensor(tokens, long_options).view({1, length});
+    const Tensor confidences = at::tensor(confidence, at::TensorOptions().dtype(at::kFloat)).view({1, length});
+    section.reset();
+    Tensor sections = at::empty({0}, at::TensorOptions().dtype(at::kDouble));
+    if (t != nullptr) {
+      sections = at::empty({kSections + 1, 2}, sections.options());
+      double* out = sections.data_ptr<double>();
+      for (int i = 0; i < kSections; ++i) out[2 * i] = t->thread_ns[i], out[2 * i + 1] = t->wall_ns[i];
+      out[2 * kSections] = thread_cpu_ns() - t->call_thread_start;
+      out[2 * kSections + 1] =
+          std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t->call_wall_start).count();
+    }
+    return {drafts, local, confidences, logits, sections};
+  }
+
   std::vector<OptionalTensor> weights_;
   std::vector<bool> row_invariant_;
-  std::vector<int64_t> layers_, dims_;
+  std::vector<int64_t> layers_;
   int64_t mask_token_id_, vocab_size_, markov_;
-  double eps_, mamba_eps_;
-  bool injects_, norm_kernel_, causal_, attention_kernel_;
+  bool injects_;
+  Sizes sizes_{};
+  OptionalTensor inv_freq_;
+  Tensor rope_cos_, rope_sin_;  // (1, T, D) the RoPE of positions rope_start_.. (`rope_rows`)
+  int64_t rope_start_ = 0;
+  std::mutex rope_mutex_;
 };
+
+// The names of the sections `propose` times, in the rows' order of its timings.
+std::vector<std::string> section_names() { return {kSectionNames.begin(), kSectionNames.end()}; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<Proposer>(module, "Proposer", "`propose` bound to one drafter's weights (native.py)")
       .def(pybind11::init<std::vector<OptionalTensor>, std::vector<bool>, std::vector<int64_t>, int64_t, int64_t,
-                          bool, int64_t, std::vector<int64_t>, double, double, bool, bool, bool>())
-      .def("propose", &Proposer::propose, "H-Spec's greedy proposal for one sequence (native_propose.cpp)");
+                          bool, int64_t, std::vector<int64_t>, double, double, bool, bool, bool, OptionalTensor>())
+      .def("propose", &Proposer::propose, "H-Spec's greedy proposal for one sequence (native_propose.cpp)")
+      .def("propose_in_pool", &Proposer::propose_in_pool,
+           "H-Spec's greedy proposal for one sequence, its context read from the pool in place");
   module.def("section_names", &section_names, "the sections `propose` times where asked, in its rows' order");
+  module.def("rope_cos_sin", &rope_cos_sin, "layers.rope_cos_sin at positions start..start+K-1, as the call makes it");
 }

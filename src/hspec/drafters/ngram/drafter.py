@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hspec.drafters.base import DRAFTERS, DraftBatch, Drafter, Proposal, one_hot_probs
+from hspec.drafters.base import DRAFTERS, DraftBatch, Drafter, Proposal
 from hspec.models.config import TargetConfig
 
 
@@ -32,7 +32,7 @@ class NgramDrafter(Drafter):
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         rows = [lookup_continuation(history, K, self.max_ngram, self.min_ngram) for history in batch.tokens]
         tokens = torch.tensor(rows, dtype=torch.long, device=batch.anchor_tokens.device)  # (B, K)
-        return Proposal(tokens, one_hot_probs(tokens, self.vocab_size))
+        return Proposal(tokens, None)  # deterministic drafts: one-hot distributions (`Proposal.probs`)
 
 
 @dataclass(frozen=True)
