@@ -1,0 +1,100 @@
+"""Two back-offs of `hspec:auto` measured against plain decoding in one process, item by item.
+
+`scripts/simulate_backoff.py` chooses the back-off on modelled step costs; this measures it. One H-Spec drafter
+(the shipped one) sits behind two `CostAwareDrafter`s with the same step costs (this machine's, cached), one with
+the default `Backoff`, one with another (`--other`, default the old 1,2,32); per item plain decoding and both run
+in turn (the order reversed every other item), every output checked equal to plain's; speed is decode-phase
+tokens per second over plain's, per task.
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/ab_backoff.py [--size 24] [--other 1,2,32]
+        [--out results/adaptive_length/backoff_ab]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import torch  # noqa: E402
+
+from hspec.bench.draft_breakdown import _load_average  # noqa: E402
+from hspec.data.tasks import load_task  # noqa: E402
+from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
+from hspec.drafters.cost_aware import Backoff, CostAwareDrafter  # noqa: E402
+from hspec.models.loading import load_target  # noqa: E402
+from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
+from hspec.runtime import build_drafter  # noqa: E402
+from hspec.sampling import SamplingParams  # noqa: E402
+
+TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, default=24, help="items a task (hspec eval's --size)")
+    parser.add_argument("--other", default="1,2,32", help="FIRST,GROWTH,MOST of the back-off compared")
+    parser.add_argument("--dtype", default="w4a8")
+    parser.add_argument("--out", type=Path, default=Path("results/adaptive_length/backoff_ab"))
+    args = parser.parse_args()
+    try:
+        other = Backoff(*(int(x) for x in args.other.split(",")))
+    except (TypeError, ValueError) as error:
+        parser.error(f"--other takes FIRST,GROWTH,MOST, three integers, got {args.other!r} ({error})")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    target = load_target(None, dtype=args.dtype)
+    auto = build_drafter("hspec:auto", target)
+    methods = {"plain": build_drafter("none", target),
+               "default": CostAwareDrafter(auto.model, auto.vocab_size, auto.cost, Backoff()),
+               "other": CostAwareDrafter(auto.model, auto.vocab_size, auto.cost, other)}
+    decoders = {name: SpeculativeDecoder(target.model, d, 7, target.tokenizer.eos_token_ids)
+                for name, d in methods.items()}
+    greedy = SamplingParams()
+    warm = target.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    for decoder in decoders.values():
+        decoder.generate([warm], greedy, 16)
+    rows = []
+    for task in TASKS:
+        seconds, tokens = dict.fromkeys(methods, 0.0), dict.fromkeys(methods, 0)
+        for number, item in enumerate(load_task(task, args.size).items):
+            prompt = target.tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}])
+            outputs = {}
+            for name in list(decoders) if number % 2 == 0 else list(decoders)[::-1]:
+                outputs[name] = decoders[name].generate([prompt], greedy, 128)
+                seconds[name] += outputs[name].decode_s
+                tokens[name] += outputs[name].num_new_tokens - 1
+            plain = outputs["plain"].sequences[0].token_ids
+            if any(out.sequences[0].token_ids != plain for out in outputs.values()):
+                raise SystemExit(f"{item.id}: an output differs from plain decoding's")
+        rate = {name: tokens[name] / seconds[name] for name in methods}
+        rows.append({"task": task, "plain_tok_s": rate["plain"],
+                     "default": rate["default"] / rate["plain"], "other": rate["other"] / rate["plain"]})
+        print(rows[-1], flush=True)
+    settings = {"dtype": args.dtype, "K": 7, "max_new_tokens": 128, "size_per_task": args.size,
+                "default": vars(Backoff()), "other": vars(other), "step_cost": auto.cost.to_dict(),
+                "threads": torch.get_num_threads(), "load_average": _load_average()}
+    command = f"python scripts/ab_backoff.py --size {args.size} --other {args.other} --dtype {args.dtype}"
+    payload = {"provenance": provenance(command, settings), "results": rows}
+    json_path, md_path = write_results(args.out, "ab_backoff", payload, markdown(payload))
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def markdown(payload: dict) -> str:
+    settings = payload["provenance"]["settings"]
+    d, o = settings["default"], settings["other"]
+    lines = ["# `hspec:auto` with two back-offs against plain decoding, one process\n",
+             provenance_markdown(payload["provenance"]),
+             f"\nDecode-phase speed over plain decoding, the same items interleaved (greedy, K <= 7, w4a8, every "
+             f"output equal to plain's). default: skip {d['first']}, x{d['growth']}, at most {d['most']}; other: "
+             f"skip {o['first']}, x{o['growth']}, at most {o['most']}.\n",
+             "| task | plain (tok/s) | default | other |", "|---|---|---|---|"]
+    for row in payload["results"]:
+        lines.append(f"| {row['task']} | {row['plain_tok_s']:.1f} | {row['default']:.3f}x | {row['other']:.3f}x |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
