@@ -221,6 +221,17 @@ def tiny_target(tiny_dirs) -> Target:
 
 
 @pytest.fixture(scope="session")
+def native_propose_extension():
+    """The native proposal's extension (drafters/hspec/native.py), built once; skips where it cannot be built."""
+    from hspec.drafters.hspec.native import build_native_propose
+
+    built = build_native_propose()
+    if built is None:
+        pytest.skip("the native proposal could not be built here (a C++ compiler and ninja are needed)")
+    return built
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Target:
     """The real embedded default target (slow tests only)."""
     return load_target("smollm2")

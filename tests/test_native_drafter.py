@@ -42,15 +42,7 @@ PROMPTS = ["the native drafter", "proposes in one call", "x", "a longer prompt w
 
 
 @pytest.fixture(scope="module")
-def extension():
-    built = build_native_propose()
-    if built is None:
-        pytest.skip("the native proposal could not be built here (a C++ compiler and ninja are needed)")
-    return built
-
-
-@pytest.fixture(scope="module")
-def targets(tiny_dirs, extension):
+def targets(tiny_dirs, native_propose_extension):
     return {}  # loaded on first use, per dtype (w4a8 skips where hspec's kernels do not run)
 
 

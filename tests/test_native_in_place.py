@@ -16,7 +16,6 @@ from conftest import load_tiny
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import create_drafter, drafter_config
 from hspec.drafters.base import DraftBatch, Proposal, one_hot_probs
-from hspec.drafters.hspec.native import build_native_propose
 from hspec.drafters.lookup_first import LookupFirstDrafter
 from hspec.drafters.wrapping import WrappingDrafter
 from hspec.runtime import prepare_for_inference
@@ -32,14 +31,6 @@ SETTINGS = [("float32", "floating", "hspec"), ("bfloat16", "int8", "hspec"), ("w
 # of RoPE rows (256 positions from where it was made) and back.
 WINDOW = 24
 LENGTHS = (1, 5, 17, 24, 40, 100, 300, 40)
-
-
-@pytest.fixture(scope="module")
-def extension():
-    built = build_native_propose()
-    if built is None:
-        pytest.skip("the native proposal could not be built here (a C++ compiler and ninja are needed)")
-    return built
 
 
 def _drafter(target, precision, kind, window=WINDOW):
@@ -72,7 +63,7 @@ def _batches(target, drafter, lengths, seed=1):
 
 
 @pytest.mark.parametrize("dtype,precision,kind", SETTINGS)
-def test_in_place_equals_the_call_handed_block_context(tiny_dirs, extension, dtype, precision, kind):
+def test_in_place_equals_the_call_handed_block_context(tiny_dirs, native_propose_extension, dtype, precision, kind):
     target = load_tiny(tiny_dirs["llama"], dtype=dtype)
     drafter = _drafter(target, precision, kind)
     native = drafter.native_greedy
@@ -92,7 +83,7 @@ def test_in_place_equals_the_call_handed_block_context(tiny_dirs, extension, dty
     assert len(drafts) > 1, "every context drafted the same block"
 
 
-def test_a_window_past_the_context_reads_other_keys(tiny_dirs, extension):
+def test_a_window_past_the_context_reads_other_keys(tiny_dirs, native_propose_extension):
     """The comparison above would catch a call that read the wrong slots: the same contexts under a window that
     reaches back to the first position give other logits once the context is longer than WINDOW."""
     target = load_tiny(tiny_dirs["llama"], dtype="bfloat16")
@@ -106,12 +97,13 @@ def test_a_window_past_the_context_reads_other_keys(tiny_dirs, extension):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_calls_rope_is_the_targets(tiny_dirs, extension, dtype):
+def test_the_calls_rope_is_the_targets(tiny_dirs, native_propose_extension, dtype):
     """Every block's rows of the call's RoPE table (256 positions from `start`) are the target's RoPE of that
     block alone, bit for bit."""
     target = load_tiny(tiny_dirs["llama"])
     for start in (0, 1, 37, 1000, 123457):
-        cos, sin = extension.rope_cos_sin(target.model.inv_freq.float(), start, 256, dtype)  # (1, 256, D)
+        inv_freq = target.model.inv_freq.float()
+        cos, sin = native_propose_extension.rope_cos_sin(inv_freq, start, 256, dtype)  # (1, 256, D)
         for offset in (0, 1, 100, 249):
             positions = torch.arange(start + offset, start + offset + K)[None]  # (1, K)
             expected_cos, expected_sin = target.model.rope(positions, dtype)
