@@ -95,18 +95,27 @@ def record(target, drafter_kind: str, items, path: Path) -> list[dict]:
     return rows
 
 
+def accepted_at(row: dict, position: int, n: int) -> int:
+    """How many of the first n drafts recorded at `position` the target accepts: those that match the output
+    after the anchor (within the recorded steps, as decoding stops there)."""
+    tokens, steps = row["tokens"], row["steps"]
+    drafts, ahead = steps[position][1], tokens[position + 1: len(steps)]
+    accepted = 0
+    while accepted < min(n, len(ahead)) and drafts[accepted] == ahead[accepted]:
+        accepted += 1
+    return accepted
+
+
 def replay(row: dict, cost: StepCost, backoff: Backoff) -> tuple[float, list[int]]:
     """The rule on one recorded item: its steps' summed cost (decodes) and drafts verified per step."""
-    tokens, steps = row["tokens"], row["steps"]
+    steps = row["steps"]
     state, position, total, lengths = RowState(), 0, 0.0, []
     while position < len(steps):
-        keys, drafts, confidence = steps[position]
+        keys, _, confidence = steps[position]
         drafted = state.takes_turn()
         state.pending = None
         n = state.choose(confidence, keys, cost, backoff) if drafted else 0
-        accepted, ahead = 0, tokens[position + 1: len(steps)]  # the output after the anchor, within the steps
-        while accepted < min(n, len(ahead)) and drafts[accepted] == ahead[accepted]:
-            accepted += 1
+        accepted = accepted_at(row, position, n)
         state.record(accepted)
         total += cost.of(n, keys, drafted=drafted)
         lengths.append(n)
@@ -117,13 +126,11 @@ def replay(row: dict, cost: StepCost, backoff: Backoff) -> tuple[float, list[int
 def oracle(row: dict, cost: StepCost) -> float:
     """What no rule can beat by much: each step knows how many drafts the target will accept, runs the drafter
     only where verifying exactly those pays against a plain step, and verifies them (summed cost, decodes)."""
-    tokens, steps = row["tokens"], row["steps"]
+    steps = row["steps"]
     position, total = 0, 0.0
     while position < len(steps):
-        keys, drafts, _ = steps[position]
-        accepted, ahead = 0, tokens[position + 1: len(steps)]
-        while accepted < min(K, len(ahead)) and drafts[accepted] == ahead[accepted]:
-            accepted += 1
+        keys = steps[position][0]
+        accepted = accepted_at(row, position, K)
         if accepted and accepted + 1 > cost.of(accepted, keys):
             total += cost.of(accepted, keys)
             position += accepted + 1
