@@ -1,12 +1,14 @@
-"""Two back-offs of `hspec:auto` measured against plain decoding in one process, item by item.
+"""Two rules of `hspec:auto` (back-offs, step costs) measured against plain decoding in one process, item by item.
 
 `scripts/simulate_backoff.py` chooses the back-off on modelled step costs; this measures it. One H-Spec drafter
-(the shipped one) sits behind two `CostAwareDrafter`s with the same step costs (this machine's, cached), one with
-the default `Backoff`, one with another (`--other`, default the old 1,2,32); per item plain decoding and both run
-in turn (the order reversed every other item), every output checked equal to plain's; speed is decode-phase
-tokens per second over plain's, per task.
+(the shipped one) sits behind two `CostAwareDrafter`s: "default", with this machine's step costs (measured once
+and cached) and the default `Backoff`; "other", with another back-off (`--other`, default the old 1,2,32) and the
+same costs unless `--other-cost` gives others (e.g. those an earlier way of measuring them found). Per item plain
+decoding and both run in turn (the order reversed every other item), every output checked equal to plain's;
+speed is decode-phase tokens per second over plain's, per task.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/ab_backoff.py [--size 24] [--other 1,2,32]
+        [--other-cost DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]]]
         [--out results/adaptive_length/backoff_ab]
 """
 
@@ -24,6 +26,7 @@ from hspec.bench.draft_breakdown import _load_average  # noqa: E402
 from hspec.data.tasks import load_task  # noqa: E402
 from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
 from hspec.drafters.cost_aware import Backoff, CostAwareDrafter  # noqa: E402
+from hspec.drafters.step_cost import StepCost  # noqa: E402
 from hspec.models.loading import load_target  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
 from hspec.runtime import build_drafter  # noqa: E402
@@ -36,6 +39,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=24, help="items a task (hspec eval's --size)")
     parser.add_argument("--other", default="1,2,32", help="FIRST,GROWTH,MOST of the back-off compared")
+    parser.add_argument("--other-cost", default=None, help="the other rule's step costs in 1-token decodes, "
+                        "DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]] (default: the default rule's)")
     parser.add_argument("--dtype", default="w4a8")
     parser.add_argument("--out", type=Path, default=Path("results/adaptive_length/backoff_ab"))
     args = parser.parse_args()
@@ -43,12 +48,16 @@ def main() -> int:
         other = Backoff(*(int(x) for x in args.other.split(",")))
     except (TypeError, ValueError) as error:
         parser.error(f"--other takes FIRST,GROWTH,MOST, three integers, got {args.other!r} ({error})")
+    try:
+        other_cost = None if args.other_cost is None else StepCost.parse(args.other_cost, "--other-cost")
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     target = load_target(None, dtype=args.dtype)
     auto = build_drafter("hspec:auto", target)
     methods = {"plain": build_drafter("none", target),
                "default": CostAwareDrafter(auto.model, auto.vocab_size, auto.cost, Backoff()),
-               "other": CostAwareDrafter(auto.model, auto.vocab_size, auto.cost, other)}
+               "other": CostAwareDrafter(auto.model, auto.vocab_size, other_cost or auto.cost, other)}
     decoders = {name: SpeculativeDecoder(target.model, d, 7, target.tokenizer.eos_token_ids)
                 for name, d in methods.items()}
     greedy = SamplingParams()
@@ -74,8 +83,11 @@ def main() -> int:
         print(rows[-1], flush=True)
     settings = {"dtype": args.dtype, "K": 7, "max_new_tokens": 128, "size_per_task": args.size,
                 "default": vars(Backoff()), "other": vars(other), "step_cost": auto.cost.to_dict(),
+                "other_step_cost": (other_cost or auto.cost).to_dict(),
                 "threads": torch.get_num_threads(), "load_average": _load_average()}
     command = f"python scripts/ab_backoff.py --size {args.size} --other {args.other} --dtype {args.dtype}"
+    if other_cost is not None:
+        command += f" --other-cost {args.other_cost}"
     payload = {"provenance": provenance(command, settings), "results": rows}
     json_path, md_path = write_results(args.out, "ab_backoff", payload, markdown(payload))
     print(f"wrote {json_path} and {md_path}")
@@ -85,11 +97,15 @@ def main() -> int:
 def markdown(payload: dict) -> str:
     settings = payload["provenance"]["settings"]
     d, o = settings["default"], settings["other"]
-    lines = ["# `hspec:auto` with two back-offs against plain decoding, one process\n",
+    costs = [settings["step_cost"], settings.get("other_step_cost", settings["step_cost"])]
+    lines = ["# `hspec:auto` with two rules against plain decoding, one process\n",
              provenance_markdown(payload["provenance"]),
              f"\nDecode-phase speed over plain decoding, the same items interleaved (greedy, K <= 7, w4a8, every "
              f"output equal to plain's). default: skip {d['first']}, x{d['growth']}, at most {d['most']}; other: "
-             f"skip {o['first']}, x{o['growth']}, at most {o['most']}.\n",
+             f"skip {o['first']}, x{o['growth']}, at most {o['most']}. Step costs (1-token decodes): "
+             + ("the same for both" if costs[0] == costs[1] else
+                "; ".join(f"{name} draft {c['draft']:.3f}, per token {c['per_token']:.3f}, first token "
+                          f"{c['first_token']:.3f}" for name, c in zip(("default", "other"), costs))) + ".\n",
              "| task | plain (tok/s) | default | other |", "|---|---|---|---|"]
     for row in payload["results"]:
         lines.append(f"| {row['task']} | {row['plain_tok_s']:.1f} | {row['default']:.3f}x | {row['other']:.3f}x |")

@@ -292,3 +292,55 @@ def test_a_confident_drafter_the_target_keeps_rejecting_stops_being_believed():
     last = drafter.propose(batch, K=4).num_drafts.tolist()
     assert last[0] == 4 and last[1] <= 1  # seq 11 backs off: drafting no longer pays a decode's worth
     assert drafter._rows[11].backoff > 0 and drafter._rows[10].backoff == 0
+
+
+def test_the_cost_cycle_verifies_the_lengths_it_is_given_and_skips_the_drafter_on_plain_steps(tiny_target):
+    """`measure_step_cost` times steps of a real decode whose draft lengths `FixedLengths` sets: a plain step
+    must not run the drafter (else the draft would be charged to the decode it is divided by), and a drafted
+    step must verify exactly its length."""
+    from hspec.cache.paged_pool import pages_for
+    from hspec.decoding.step import DecodeStages
+    from hspec.decoding.step_cost import FixedLengths
+    from hspec.drafters import create_drafter
+    from hspec.drafters.wrapping import WrappingDrafter
+    from hspec.sampling import SamplingBatch, SamplingParams
+
+    class Counting(WrappingDrafter):
+        def __init__(self, model):
+            super().__init__(model)
+            self.kind, self.calls = model.kind, 0
+
+        def propose(self, batch, K):
+            self.calls += 1
+            return self.model.propose(batch, K)
+
+    counting = Counting(create_drafter("hspec", tiny_target.config, target_model=tiny_target.model))
+    fixed = FixedLengths(counting)
+    stages = DecodeStages(tiny_target.model, fixed, 3, eos_token_ids=())
+    pool = tiny_target.model.new_pool(pages_for(64, 16), 16, counting.num_drafter_layers)
+    history = [5, 6, 7, 8]
+    stages.prefill(pool, 0, history[:-1])
+    sampling = SamplingBatch.from_params([SamplingParams()])
+    seen = []
+    with torch.inference_mode():
+        for length in (None, 0, 1, 3, None):
+            before = counting.calls
+            fixed.length = length
+            result = stages.step(pool, [0], [history], sampling, [torch.Generator().manual_seed(0)])
+            history.extend(result.new_tokens[0])
+            seen.append((result.num_drafted[0], counting.calls - before))
+    stages.release(pool, 0)
+    assert seen == [(0, 0), (0, 1), (1, 1), (3, 1), (0, 0)]
+
+
+def test_measuring_costs_refuses_what_it_cannot_fit(tiny_target):
+    from hspec.decoding.step_cost import measure_step_cost
+    from hspec.drafters import create_drafter
+
+    drafter = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
+    with pytest.raises(ValueError, match=r"0 < short < long, got \(64, 16\)"):
+        measure_step_cost(tiny_target.model, drafter, 3, contexts=(64, 16))
+    with pytest.raises(ValueError, match="K must be >= 1"):
+        measure_step_cost(tiny_target.model, drafter, 0)
+    with pytest.raises(ValueError, match="repeats must be >= 1 timed cycle, got 0"):
+        measure_step_cost(tiny_target.model, drafter, 3, repeats=0)

@@ -1,20 +1,33 @@
 """This machine's step costs for a target and a drafter (`StepCost`), measured once and cached.
 
-`measure_step_cost` times, on a scratch pool of random keys and values (no prefill needed: a forward's
-cost does not depend on what the keys hold), the target's (K+1)-token verify against its 1-token decode at a
-short and a long context, its 2-token verify (one drafted token) at the short one, and the drafter's propose
-of K tokens followed by a decode against two decodes at both contexts, each the median of ratios of pairs
-timed back to back (so a load that comes and goes weighs on both sides of a ratio), and fits StepCost's lines:
+`measure_step_cost` times the steps of a real greedy decode, the target and the drafter running exactly as
+`KIND:auto` runs them (`decoding.step.DecodeStages.step`, its draft, verify, commit and argmax, with the caches
+as decoding leaves them), from a prompt of random tokens at a short and at a long context. The steps follow
+a fixed cycle of what each verifies, read from no timing:
+
+    plain, plain, drafted 0, drafted 1, drafted K     (plain: the drafter does not run; drafted n: it
+                                                       proposes K and n of them are verified)
+
+and each drafted step is divided by the second plain step of its cycle (adjacent in time, so a load that
+comes and goes weighs on both alike; the first plain step, after a drafted one, is not used). The medians
+over the cycles give, at each context S, in 1-token decodes at S:
+
+    draft(S)                 = drafted 0 / plain - 1    (the propose, and what it costs the verify after it:
+                                                         the drafter's weights pushed the target's out of the caches)
+    first + n per_token(S)   = (drafted n - drafted 0) / plain,   n = 1 and K
+
+and StepCost's lines are fitted through the two contexts (S: the mean keys of each context's timed steps):
 
     verify(n, S) / decode(S) - 1 = first_token + n * (per_token + per_token_key * S)
-        (n = K at two contexts: per_token_key; n = 1 and K at the short one: first_token and per_token)
-    (propose(K) + decode after it - decode)(S) / decode(S) = draft + draft_per_key * S
-        (the decode after a propose is dearer: the drafter's weights pushed the target's out of the caches)
+    draft(S) = draft + draft_per_key * S
+
+So a step is charged all that a step of `KIND:auto` pays (the verify's argmax and commit, the Python around
+them, the caches as a propose leaves them), where forwards timed alone on a scratch pool would miss them.
 
 The costs depend on the CPU, the thread count, the target and its dtype, and the drafter, so
-`cached_step_cost` keys its file by all of them (`cache_root()/step_costs/`); a second run on the same
-machine reads them back instead of timing again, which also keeps that run's draft lengths, and so its
-sampled outputs, the same as the first's.
+`cached_step_cost` keys its file by all of them and by `METHOD` (`cache_root()/step_costs/`); a second run on
+the same machine reads them back instead of timing again, which also keeps that run's draft lengths, and so
+its sampled outputs, the same as the first's.
 
 Legend: K drafted tokens, S context keys.
 """
@@ -28,115 +41,114 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from hspec.cache.paged_pool import pages_for
-from hspec.drafters.base import DraftBatch, Drafter
+from hspec.decoding.step import DecodeStages
+from hspec.drafters.base import DraftBatch, Drafter, Proposal
 from hspec.drafters.step_cost import StepCost
+from hspec.drafters.wrapping import WrappingDrafter
 from hspec.machine import cpu_flags, cpu_model
 from hspec.models.llama import TargetModel
-from hspec.sampling import SamplingBatch, SamplingParams
+from hspec.sampling import SamplingBatch, SamplingParams, greedy_tokens
 
-CONTEXTS = (128, 1024)  # the short and the long context the line is fitted through
-REPEATS = 15  # paired timings per ratio; the median ratio is kept
-WARM_UP = 3  # untimed runs before them
+METHOD = "decode steps: plain, plain, drafted 0, 1, K"  # in the cache key: costs measured otherwise are retaken
+CONTEXTS = (128, 1024)  # the prompt lengths of the short and the long decode the lines are fitted through
+REPEATS = 24  # timed cycles per context; the median over them is kept
+WARM_UP = 3  # untimed cycles before them
 
 
-def _paired_ratios(run: Callable[[], object], reference: Callable[[], object], repeats: int) -> list[float]:
-    """`repeats` ratios seconds(run) / seconds(reference), each of a pair timed back to back (the order
-    alternating), so that another process's load, which comes and goes, weighs on both sides of a ratio alike."""
-    for _ in range(WARM_UP):  # allocations, first-call dispatch, oneDNN's first products of a shape
-        run()
-        reference()
-    ratios = []
-    for i in range(repeats):
-        times = {}
-        for name, fn in ((("run", run), ("reference", reference)) if i % 2 == 0 else
-                         (("reference", reference), ("run", run))):
-            start = time.perf_counter()
-            fn()
-            times[name] = time.perf_counter() - start
-        ratios.append(times["run"] / times["reference"])
-    return ratios
+class FixedLengths(WrappingDrafter):
+    """`model` made to verify `length` drafts this step (None: it does not run, the step is a plain decode);
+    the caller sets `length` before each step."""
+
+    def __init__(self, model: Drafter) -> None:
+        super().__init__(model)
+        self.kind = model.kind
+        self.length: int | None = None
+
+    def propose(self, batch: DraftBatch, K: int) -> Proposal:
+        B = len(batch.seq_ids)
+        device = batch.anchor_tokens.device
+        if self.length is None:
+            return Proposal(torch.zeros((B, K), dtype=torch.long, device=device), None,
+                            torch.zeros(B, dtype=torch.long, device=device))
+        proposal = self.model.propose(batch, K)
+        limit = torch.full((B,), self.length, dtype=torch.long, device=device)  # (B,)
+        num_drafts = limit if proposal.num_drafts is None else torch.minimum(proposal.num_drafts, limit)
+        return Proposal(proposal.draft_tokens, proposal.draft_probs, num_drafts, proposal.confidence)
+
+
+def _cycle_ratios(target: TargetModel, drafter: Drafter, K: int, context: int, repeats: int,
+                  generator: torch.Generator) -> tuple[dict[int, list[float]], float]:
+    """Decode greedily from `context` random tokens through `WARM_UP` + `repeats` cycles (module docstring);
+    returns, per draft length n in {0, 1, K}, each timed cycle's seconds(drafted n) / seconds(its plain step),
+    and the mean keys of the timed steps."""
+    lengths: tuple[int | None, ...] = (None, None, 0, 1, K) if K > 1 else (None, None, 0, 1)
+    cycles = WARM_UP + repeats
+    device = target.embed_tokens.weight.device
+    fixed = FixedLengths(drafter)
+    stages = DecodeStages(target, fixed, K, eos_token_ids=())
+    page = 16
+    pool = target.new_pool(pages_for(context + cycles * len(lengths) * (K + 1) + K + 1, page), page,
+                           drafter.num_drafter_layers)
+    prompt = torch.randint(0, target.config.vocab_size, (context,), generator=generator).tolist()
+    sampling = SamplingBatch.from_params([SamplingParams()], device)
+    generators = [torch.Generator(device=device).manual_seed(0)]
+    ratios: dict[int, list[float]] = {n: [] for n in lengths if n is not None}
+    keys = []
+    try:
+        history = prompt + [int(greedy_tokens(stages.prefill(pool, 0, prompt))[0])]
+        for cycle in range(cycles):
+            seconds: list[float] = []
+            for length in lengths:
+                fixed.length = length
+                keys.append(pool.length(0))
+                start = time.perf_counter()
+                result = stages.step(pool, [0], [history], sampling, generators)
+                seconds.append(time.perf_counter() - start)
+                history.extend(result.new_tokens[0])
+            if cycle >= WARM_UP:
+                for length, spent in zip(lengths[2:], seconds[2:]):
+                    ratios[length].append(spent / seconds[1])
+    finally:
+        stages.release(pool, 0)
+    return ratios, statistics.mean(keys[WARM_UP * len(lengths):])
 
 
 @torch.inference_mode()
-def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: tuple[int, int] = CONTEXTS,
+def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: Sequence[int] = CONTEXTS,
                       repeats: int = REPEATS, seed: int = 0) -> StepCost:
-    """Time decode, verify and propose on this machine and fit StepCost (module docstring)."""
+    """Time decode steps on this machine and fit StepCost (module docstring)."""
     short, long = contexts
     if not 0 < short < long:
-        raise ValueError(f"contexts must be two lengths 0 < short < long, got {contexts}")
+        raise ValueError(f"contexts must be two lengths 0 < short < long, got {tuple(contexts)}")
     if K < 1:
         raise ValueError(f"K must be >= 1 to time a verify of drafted tokens, got {K}")
-    c = target.config
-    device = target.embed_tokens.weight.device
-    g = torch.Generator().manual_seed(seed)
-    page = 16
-    pool = target.new_pool(pages_for(long + K + 1, page), page, drafter.num_drafter_layers)
-    pool.add_sequence(0)
-    pool.k.normal_(generator=g)
-    pool.v.normal_(generator=g)
-    layers = drafter.target_layers
-    decode_ids = torch.randint(0, c.vocab_size, (1, 1), generator=g).to(device)  # (1, 1)
-    verify_ids = torch.randint(0, c.vocab_size, (1, K + 1), generator=g).to(device)  # (1, K+1)
-
-    def forward(ids: torch.Tensor, length: int) -> Callable[[], object]:
-        def run() -> object:
-            out = target(ids, pool, [0], layers)
-            pool.truncate(0, length)
-            return out
-        return run
-
-    def verify_ratio(ids: torch.Tensor, length: int) -> float:  # median verify(ids) / decode at `length` keys
-        pool.extend([0], length - pool.length(0))
-        return statistics.median(_paired_ratios(forward(ids, length), forward(decode_ids, length), repeats))
-
-    one = verify_ratio(verify_ids[:, :2], short) if K > 1 else None
-    ratio_short, ratio_long = verify_ratio(verify_ids, short), verify_ratio(verify_ids, long)
-    per_token_key = max((ratio_long - ratio_short) / (K * (long - short)), 0.0)
-    # per drafted token at the short context: the step from 1 to K drafts; the first one's surcharge on top
-    at_short = (ratio_short - 1.0) / K if one is None else max((ratio_short - one) / (K - 1), 0.0)
-    first_token = 0.0 if one is None else max(one - 1.0 - at_short, 0.0)
-    per_token_short = max(at_short - per_token_key * short, 0.0)
-
-    def draft_ratio(length: int) -> float:
-        """What a propose(K) at `length` keys adds to a step, in 1-token decodes at that context: the median
-        of (propose + the decode after it) / (decode + decode), times 2, less 1; so the draft includes what it
-        costs the decode after it (the drafter's weights push the target's out of the caches)."""
-        pool.extend([0], length - pool.length(0))
-        hidden = None
-        if layers:
-            hidden = torch.randn(1, length, len(layers), c.hidden_size, generator=g)  # (1, S, n_sel, H)
-            hidden = hidden.to(target.embed_tokens.weight.dtype)
-        drafter.commit(pool, [0], hidden, torch.tensor([length], device=device))
-        history = torch.randint(0, c.vocab_size, (length + 1,), generator=g).tolist()
-        batch = DraftBatch([0], torch.tensor([history[-1]], device=device), [history], pool,
-                           SamplingBatch.from_params([SamplingParams()], device), [torch.Generator().manual_seed(seed)])
-        decode = forward(decode_ids, length)
-
-        def drafted_step() -> None:
-            drafter.propose(batch, K)
-            decode()
-
-        def plain_steps() -> None:
-            decode()
-            decode()
-
-        try:
-            return 2.0 * statistics.median(_paired_ratios(drafted_step, plain_steps, repeats)) - 1.0
-        finally:
-            drafter.release(0)
-
-    pool.truncate(0, short)
-    draft_short = draft_ratio(short)
-    draft_long = draft_ratio(long)
-    draft_per_key = max((draft_long - draft_short) / (long - short), 0.0)
-    return StepCost(draft=max(draft_short - draft_per_key * short, 0.0), per_token=per_token_short,
-                    per_token_key=per_token_key, first_token=first_token, draft_per_key=draft_per_key)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1 timed cycle, got {repeats}")
+    generator = torch.Generator().manual_seed(seed)
+    fits = []  # per context: (mean keys, draft, first_token, per_token)
+    for context in (short, long):
+        ratios, keys = _cycle_ratios(target, drafter, K, context, repeats, generator)
+        draft = statistics.median(ratios[0]) - 1.0
+        one = statistics.median([r1 - r0 for r0, r1 in zip(ratios[0], ratios[1])])
+        if K > 1:
+            block = statistics.median([rK - r0 for r0, rK in zip(ratios[0], ratios[K])])
+            per_token = max((block - one) / (K - 1), 0.0)
+        else:
+            per_token = max(one, 0.0)
+        fits.append((keys, max(draft, 0.0), max(one - per_token, 0.0), per_token))
+    (keys_s, draft_s, first_s, token_s), (keys_l, draft_l, first_l, token_l) = fits
+    span = max(keys_l - keys_s, 1.0)
+    per_token_key = max((token_l - token_s) / span, 0.0)
+    draft_per_key = max((draft_l - draft_s) / span, 0.0)
+    return StepCost(draft=max(draft_s - draft_per_key * keys_s, 0.0),
+                    per_token=max(token_s - per_token_key * keys_s, 0.0), per_token_key=per_token_key,
+                    first_token=(first_s + first_l) / 2, draft_per_key=draft_per_key)
 
 
 def kernels_digest() -> str:
@@ -161,7 +173,7 @@ def machine_key(*parts: object) -> str:
 def cached_step_cost(cache_dir: Path, key_parts: tuple[object, ...], measure: Callable[[], StepCost]) -> StepCost:
     """The StepCost cached under `cache_dir` for this machine and `key_parts`, else `measure()` once and
     cache it (written to a temporary file and renamed, so a reader never sees half a file)."""
-    path = cache_dir / f"{machine_key(*key_parts)}.json"
+    path = cache_dir / f"{machine_key(METHOD, *key_parts)}.json"
     if path.exists():
         try:
             return StepCost(**json.loads(path.read_text())["cost"])

@@ -53,8 +53,8 @@ class StepCost:
         return draft + 1.0 + first + tokens * (self.per_token + self.per_token_key * keys)
 
     @classmethod
-    def parse(cls, text: str) -> StepCost:
-        """`DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]]` (the `--step-cost` form, in 1-token
+    def parse(cls, text: str, flag: str = "--step-cost") -> StepCost:
+        """`DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]]` (the form of `flag`, in 1-token
         decodes) -> StepCost."""
         parts = text.split(",")
         try:
@@ -62,7 +62,7 @@ class StepCost:
         except ValueError:
             values = []
         if len(values) not in (3, 4, 5):
-            raise ValueError(f"--step-cost takes DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]], three "
+            raise ValueError(f"{flag} takes DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]], three "
                              f"to five numbers >= 0 in 1-token decodes (e.g. 0.6,0.13,8e-5,0.08,1e-4), got {text!r}")
         return cls(*values)
 
