@@ -333,6 +333,52 @@ def test_the_cost_cycle_verifies_the_lengths_it_is_given_and_skips_the_drafter_o
     assert seen == [(0, 0), (0, 1), (1, 1), (3, 1), (0, 0)]
 
 
+def test_the_cost_cycle_verifies_its_length_where_the_drafter_would_verify_fewer(tiny_target):
+    """A drafter may ask to verify fewer than K drafts (`:P`, a trimmed lookup row, none at all); the cycle's step
+    must still verify its length, or the verify's costs would be timed on shorter blocks."""
+    from hspec.cache.paged_pool import pages_for
+    from hspec.decoding.step import DecodeStages
+    from hspec.decoding.step_cost import FixedLengths
+    from hspec.drafters import create_drafter
+    from hspec.drafters.wrapping import WrappingDrafter
+    from hspec.sampling import SamplingBatch, SamplingParams
+
+    class VerifiesNothing(WrappingDrafter):
+        def __init__(self, model):
+            super().__init__(model)
+            self.kind = model.kind
+
+        def propose(self, batch, K):
+            proposal = self.model.propose(batch, K)
+            none = torch.zeros(len(batch.seq_ids), dtype=torch.long)  # (B,)
+            return Proposal(proposal.draft_tokens, proposal.draft_probs, none)
+
+    fixed = FixedLengths(VerifiesNothing(create_drafter("ngram", tiny_target.config)))
+    pool = tiny_target.model.new_pool(pages_for(64, 16), 16, 0)
+    stages = DecodeStages(tiny_target.model, fixed, 3, eos_token_ids=())
+    history = [5, 6, 7, 8]
+    stages.prefill(pool, 0, history[:-1])
+    fixed.length = 3
+    with torch.inference_mode():
+        result = stages.step(pool, [0], [history], SamplingBatch.from_params([SamplingParams()]),
+                             [torch.Generator().manual_seed(0)])
+    assert result.num_drafted == [3]
+
+
+def test_costs_behind_prompt_lookup_are_the_models(tmp_path, monkeypatch, tiny_target):
+    """`hspec+ngram:auto` charges its model's rows the model's draft: the costs are measured on the model alone
+    (a decode whose lookup kept matching would time no draft), so they are `hspec:auto`'s, one file for both."""
+    from hspec.runtime import build_drafter, step_cost_of
+
+    monkeypatch.setenv("HSPEC_CACHE", str(tmp_path))
+    alone = build_drafter("hspec", tiny_target, random_weights=True)
+    behind = build_drafter("hspec+ngram", tiny_target, random_weights=True)
+    first = step_cost_of(behind, tiny_target, K=3)
+    assert len(list((tmp_path / "step_costs").glob("*.json"))) == 1 and first.draft > 0
+    assert step_cost_of(alone, tiny_target, K=3) == first
+    assert len(list((tmp_path / "step_costs").glob("*.json"))) == 1
+
+
 def test_measuring_costs_refuses_what_it_cannot_fit(tiny_target):
     from hspec.decoding.step_cost import measure_step_cost
     from hspec.drafters import create_drafter

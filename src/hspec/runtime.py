@@ -104,7 +104,12 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
 def step_cost_of(drafter: Drafter, target: Target, K: int = COST_PROBE_K, path: str | Path | None = None,
                  precision: str = "auto", compiled: bool = False) -> StepCost:
     """This machine's StepCost for `drafter` on `target`, measured once (about ten seconds) and cached under
-    `cache_root()/step_costs/` (`decoding.step_cost`)."""
+    `cache_root()/step_costs/` (`decoding.step_cost`). Behind prompt lookup (`KIND+ngram`) the costs are its
+    model's: a row the lookup drafts pays no draft (`CostAwareDrafter.free_cost`), so the draft to charge is the
+    model's, which a decode whose lookup keeps matching (a greedy decode from random tokens repeats itself)
+    would never time."""
+    if isinstance(drafter, LookupFirstDrafter):
+        drafter = drafter.model
     what = (target.name, target.model.dtype_name, drafter.kind, str(path or "shipped"),
             drafter_precision_of(precision, target), compiled, K)
     return cached_step_cost(cache_root() / "step_costs", what, lambda: measure_step_cost(target.model, drafter, K))

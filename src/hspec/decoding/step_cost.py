@@ -62,8 +62,9 @@ WARM_UP = 3  # untimed cycles before them
 
 
 class FixedLengths(WrappingDrafter):
-    """`model` made to verify `length` drafts this step (None: it does not run, the step is a plain decode);
-    the caller sets `length` before each step."""
+    """`model` made to verify `length` of its K drafts this step (None: it does not run, the step is a plain
+    decode); the caller sets `length` before each step. Exactly `length`, whatever the model would verify (a
+    lookup without a match proposes padding): what the tokens are does not change what verifying them costs."""
 
     def __init__(self, model: Drafter) -> None:
         super().__init__(model)
@@ -77,24 +78,23 @@ class FixedLengths(WrappingDrafter):
             return Proposal(torch.zeros((B, K), dtype=torch.long, device=device), None,
                             torch.zeros(B, dtype=torch.long, device=device))
         proposal = self.model.propose(batch, K)
-        limit = torch.full((B,), self.length, dtype=torch.long, device=device)  # (B,)
-        num_drafts = limit if proposal.num_drafts is None else torch.minimum(proposal.num_drafts, limit)
-        return Proposal(proposal.draft_tokens, proposal.draft_probs, num_drafts, proposal.confidence)
+        return Proposal(proposal.draft_tokens, proposal.draft_probs,
+                        torch.full((B,), self.length, dtype=torch.long, device=device), proposal.confidence)
 
 
 def _cycle_ratios(target: TargetModel, drafter: Drafter, K: int, context: int, repeats: int,
                   generator: torch.Generator) -> tuple[dict[int, list[float]], float]:
-    """Decode greedily from `context` random tokens through `WARM_UP` + `repeats` cycles (module docstring);
-    returns, per draft length n in {0, 1, K}, each timed cycle's seconds(drafted n) / seconds(its plain step),
-    and the mean keys of the timed steps."""
+    """Decode greedily from `context` random tokens through `WARM_UP` + `repeats` cycles (module docstring), or
+    as many as the target's positions hold; returns, per draft length n in {0, 1, K}, each timed cycle's
+    seconds(drafted n) / seconds(its plain step), and the mean keys of the timed steps."""
     lengths: tuple[int | None, ...] = (None, None, 0, 1, K) if K > 1 else (None, None, 0, 1)
-    cycles = WARM_UP + repeats
+    cycle_growth = len(lengths) * (K + 1)  # the most positions a cycle adds (every draft accepted)
+    positions = min(context + (WARM_UP + repeats) * cycle_growth, target.config.max_position_embeddings)
     device = target.embed_tokens.weight.device
     fixed = FixedLengths(drafter)
     stages = DecodeStages(target, fixed, K, eos_token_ids=())
     page = 16
-    pool = target.new_pool(pages_for(context + cycles * len(lengths) * (K + 1) + K + 1, page), page,
-                           drafter.num_drafter_layers)
+    pool = target.new_pool(pages_for(positions + K + 1, page), page, drafter.num_drafter_layers)
     prompt = torch.randint(0, target.config.vocab_size, (context,), generator=generator).tolist()
     sampling = SamplingBatch.from_params([SamplingParams()], device)
     generators = [torch.Generator(device=device).manual_seed(0)]
@@ -102,7 +102,9 @@ def _cycle_ratios(target: TargetModel, drafter: Drafter, K: int, context: int, r
     keys = []
     try:
         history = prompt + [int(greedy_tokens(stages.prefill(pool, 0, prompt))[0])]
-        for cycle in range(cycles):
+        for cycle in range(WARM_UP + repeats):
+            if pool.length(0) + cycle_growth > positions:
+                break
             seconds: list[float] = []
             for length in lengths:
                 fixed.length = length
@@ -116,14 +118,22 @@ def _cycle_ratios(target: TargetModel, drafter: Drafter, K: int, context: int, r
                     ratios[length].append(spent / seconds[1])
     finally:
         stages.release(pool, 0)
+    if not ratios[0]:
+        raise ValueError(f"a prompt of {context} tokens leaves the target's {target.config.max_position_embeddings}"
+                         f" positions no room for {WARM_UP} + 1 cycles of {cycle_growth}; give shorter contexts")
     return ratios, statistics.mean(keys[WARM_UP * len(lengths):])
 
 
 @torch.inference_mode()
 def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: Sequence[int] = CONTEXTS,
                       repeats: int = REPEATS, seed: int = 0) -> StepCost:
-    """Time decode steps on this machine and fit StepCost (module docstring)."""
+    """Time decode steps on this machine and fit StepCost (module docstring). A target of fewer positions than
+    the long context and its cycles need (a test's tiny one) is timed from shorter prompts: the long one at half
+    its positions, the short one at a quarter of that."""
     short, long = contexts
+    if long > target.config.max_position_embeddings // 2:
+        long = target.config.max_position_embeddings // 2
+        short = min(short, long // 4)
     if not 0 < short < long:
         raise ValueError(f"contexts must be two lengths 0 < short < long, got {tuple(contexts)}")
     if K < 1:
