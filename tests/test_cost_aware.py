@@ -171,8 +171,9 @@ def test_drafts_without_a_confidence_are_judged_by_the_rows_record():
     # a_k = 0.5 before any verdict: 1.5 / 1.3 > 1, 1.75 / 1.6 < 1.5 / 1.3: one draft each
     assert drafter.propose(batch, K=4).num_drafts.tolist() == [1, 1]
     drafter.commit(None, [10, 11], None, torch.tensor([2, 1]))  # seq 10 accepted its draft, seq 11 did not
-    assert drafter._rows[10].lookup.estimates(2) == pytest.approx([2 / 3, 2 / 3])  # (1 + 2 x 0.5) / 3; then the prior
-    assert drafter._rows[11].lookup.estimates(2) == pytest.approx([1 / 3, 1 / 3])
+    # bucket 0: a drafter that reports no match length; (1 + 2 x 0.5) / 3, then the prior
+    assert drafter._rows[10].lookup[0].estimates(2) == pytest.approx([2 / 3, 2 / 3])
+    assert drafter._rows[11].lookup[0].estimates(2) == pytest.approx([1 / 3, 1 / 3])
     lengths = []
     for _ in range(16):  # seq 10 keeps accepting whatever it verifies: it learns to verify more, position by position
         n = drafter.propose(batch, K=4).num_drafts.tolist()
@@ -390,3 +391,37 @@ def test_measuring_costs_refuses_what_it_cannot_fit(tiny_target):
         measure_step_cost(tiny_target.model, drafter, 0)
     with pytest.raises(ValueError, match="repeats must be >= 1 timed cycle, got 0"):
         measure_step_cost(tiny_target.model, drafter, 3, repeats=0)
+
+
+class _LookupAfterMatch(Drafter):
+    """Drafts token 9 everywhere without a confidence, reporting a match of `length` tokens, as prompt lookup does."""
+
+    kind = "lookup-match-test"
+
+    def __init__(self) -> None:
+        self.length = 1
+
+    def propose(self, batch: DraftBatch, K: int) -> Proposal:
+        B = len(batch.seq_ids)
+        return Proposal(torch.full((B, K), 9, dtype=torch.long), None,
+                        match_length=torch.full((B,), self.length, dtype=torch.long))
+
+
+def test_lookup_drafts_are_judged_by_a_record_per_match_length():
+    """A row whose lookups after 1-token matches are always rejected and after 3-token ones always accepted
+    verifies nothing after the first and more and more after the second: one record for both would verify
+    the same after either."""
+    lookup = _LookupAfterMatch()
+    drafter = CostAwareDrafter(lookup, 16, StepCost(draft=0.0, per_token=0.3, per_token_key=0.0))
+    batch = _batch(1)
+    after = {1: [], 3: []}
+    for step in range(24):
+        lookup.length = 1 if step % 2 == 0 else 3
+        n = drafter.propose(batch, K=4).num_drafts.tolist()[0]
+        after[lookup.length].append(n)
+        accepted = 0 if lookup.length == 1 else n
+        drafter.commit(None, [10], None, torch.tensor([accepted + 1]))
+    assert after[1][-1] == 0 and after[3][-1] == 4
+    assert sorted(drafter._rows[10].lookup) == [1, 3]
+    lookup.length = 5  # matches of 3 or more tokens share a record
+    assert drafter.propose(batch, K=4).num_drafts.tolist() == [4]

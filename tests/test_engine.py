@@ -29,8 +29,11 @@ K = 4
 
 def _model(target, kind):
     """A drafter of a registered kind. Tree kinds get every weight perturbed: SpecBlock's zero-initialised
-    shift would otherwise make the state it carries between steps (kept across preemption) do nothing."""
-    drafter = create_drafter(kind, target.config, target_model=target.model)
+    shift would otherwise make the state it carries between steps (kept across preemption) do nothing. The
+    weights are drawn from a fixed seed, so a test sees the same drafts whichever tests ran before it."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        drafter = create_drafter(kind, target.config, target_model=target.model)
     if drafter.proposes_tree:
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():

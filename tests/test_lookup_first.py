@@ -11,7 +11,7 @@ import torch
 from conftest import pool_free_draft_batch
 from hspec.drafters import DraftBatch, Drafter, Proposal, create_drafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
-from hspec.drafters.ngram.drafter import longest_suffix_match, lookup_continuation
+from hspec.drafters.ngram.drafter import longest_suffix_match
 
 
 def _brute_force_match(history, max_ngram):
@@ -37,11 +37,15 @@ def test_longest_suffix_match_equals_brute_force():
         assert (None if match is None else (match.length, match.end)) == expected, (history, max_ngram)
 
 
-def test_lookup_continuation_pads_with_the_last_token():
+def test_ngram_continues_its_match_padded_with_the_last_token_and_drafts_nothing_without_one(tiny_target):
+    ngram = create_drafter("ngram", tiny_target.config)  # max_ngram 3
     history = [5, 6, 7, 1, 5, 6]
-    assert lookup_continuation(history, 4, max_ngram=3, min_ngram=1) == [7, 1, 5, 6]
-    assert lookup_continuation(history, 6, max_ngram=3, min_ngram=1) == [7, 1, 5, 6, 6, 6]
-    assert lookup_continuation(history, 2, max_ngram=3, min_ngram=3) == [6, 6]  # "5 6" is only 2 long
+    proposal = ngram.propose(pool_free_draft_batch([history, [1, 2, 3]]), 6)
+    assert proposal.draft_tokens.tolist() == [[7, 1, 5, 6, 6, 6], [3] * 6]
+    assert proposal.num_drafts.tolist() == [6, 0]  # "3" never occurred before: a plain decode step
+    assert proposal.match_length.tolist() == [2, 0]
+    strict = create_drafter("ngram", tiny_target.config, max_ngram=3, min_ngram=3)
+    assert strict.propose(pool_free_draft_batch([history]), 2).num_drafts.tolist() == [0]  # "5 6" is only 2 long
 
 
 class _CountingDrafter(Drafter):

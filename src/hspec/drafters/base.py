@@ -77,12 +77,16 @@ class Proposal:
     never of d_k itself: the choice to verify d_k may then depend on c_1..c_k without biasing sampled
     output (a rule that verified d_k only when d_k itself was likely would favour likely tokens).
     None for drafters without a distribution.
+    match_length: (B,) long, for a row drafted by prompt lookup how many trailing tokens of its history the
+    match its drafts continue covers (0: the row was drafted otherwise); what `KIND:auto` keeps a record per,
+    since a longer match is accepted further. None where the drafter reports none.
     """
 
     draft_tokens: torch.Tensor
     draft_probs: torch.Tensor | None
     num_drafts: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    match_length: torch.Tensor | None = None
 
     def probs(self, vocab_size: int) -> torch.Tensor:
         """(B, K, V) the distributions the drafts were drawn from: `draft_probs`, or where it is None the

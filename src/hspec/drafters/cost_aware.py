@@ -13,7 +13,11 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
    drafts at k against the confidence they had (a drafter sure of drafts the target keeps rejecting, as a
    chat-trained drafter on translation, stops being believed); else (prompt lookup, n-gram: drafts without
    a distribution) the row's record alone, the share of its earlier such steps that accepted position k once
-   they reached it (with a prior of two steps at a_{k-1}, and 0.5 for a_1). The row verifies drafts while
+   they reached it (with a prior of two steps at a_{k-1}, and 0.5 for a_1), one record for lookups after a
+   match of 1 token, one for 2 and one for 3 or more (`lookup_bucket`): on Spec-Bench a 4-token match is
+   accepted about 2.5 times as far as a 1-token one (`results/lookup_match_stats.md`), and one record for
+   both verified too many drafts after short matches and too few after long ones (replayed on recorded
+   outputs: `scripts/simulate_backoff.py --lookup`). The row verifies drafts while
    each one raises the step's rate, tokens per decode's cost:
 
        rate(n) = E(n) / cost(n),   E(n) = 1 + sum_{k<=n} prod_{j<=k} a_j,
@@ -58,6 +62,7 @@ from hspec.drafters.step_cost import StepCost
 from hspec.drafters.wrapping import WrappingDrafter
 
 ADAPTIVE_LENGTH = "auto"  # the P of `KIND:P` that asks for the cost-aware length
+LOOKUP_MATCH_BUCKETS = 3  # lookup drafts judged by a record per match length: 1, 2, and 3 or more tokens
 
 
 @dataclass(frozen=True)
@@ -155,17 +160,24 @@ class Record:
         return Record(list(self.reached), list(self.accepted), list(self.confidence))
 
 
+def lookup_bucket(match_length: int) -> int:
+    """Which record judges a lookup row's drafts: one per length of the match they continue, 1, 2, and 3 or
+    more tokens (0: the drafter did not say)."""
+    return min(match_length, LOOKUP_MATCH_BUCKETS)
+
+
 @dataclass
 class RowState:
     """What the rule keeps for one row: its place in the back-off of step 3 (steps still to skip, the length
-    of the last skip), its records of the model's drafts and of drafts without a confidence (step 2), and this
-    step's verified drafts with their confidences until `commit` tells the verdict."""
+    of the last skip), its records of the model's drafts and of drafts without a confidence (step 2; those per
+    `lookup_bucket`), and this step's verified drafts with their confidences (None: drafts without one) and
+    lookup bucket until `commit` tells the verdict."""
 
     skip: int = 0
     backoff: int = 0
     model: Record = field(default_factory=Record)
-    lookup: Record = field(default_factory=Record)
-    pending: tuple[int, list[float] | None] | None = None
+    lookup: dict[int, Record] = field(default_factory=dict)
+    pending: tuple[int, list[float] | None, int] | None = None
 
     def takes_turn(self) -> bool:
         """Whether the row may draft this step (it is not backing off); counts a skipped step down."""
@@ -188,18 +200,29 @@ class RowState:
         outlook = self.model.estimates(len(confidence))
         n, rate = best_draft_length(self.model.calibrated(confidence), keys, cost, outlook)
         self.after_draft(rate, backoff)
-        self.pending = (n, list(confidence[:n])) if n else None
+        self.pending = (n, list(confidence[:n]), 0) if n else None
+        return n
+
+    def choose_lookup(self, limit: int, K: int, keys: int, cost: StepCost, match_length: int) -> int:
+        """How many of at most `limit` drafts without a confidence (a lookup's, after a match of `match_length`
+        tokens; 0: not said) to verify, by the row's record of such drafts after matches of that length (module
+        docstring, step 2), the drafts kept pending until `record` tells their verdict. Free drafts: no back-off."""
+        bucket = lookup_bucket(match_length)
+        record = self.lookup.setdefault(bucket, Record())
+        n, _ = best_draft_length(record.estimates(limit), keys, cost, record.estimates(K))
+        self.pending = (n, None, bucket) if n else None
         return n
 
     def record(self, num_accepted: int) -> None:
         """This step's verdict: `num_accepted` of its pending drafts were accepted."""
         if self.pending is not None:
-            verified, confidence = self.pending
-            (self.lookup if confidence is None else self.model).add(verified, num_accepted, confidence)
+            verified, confidence, bucket = self.pending
+            (self.lookup[bucket] if confidence is None else self.model).add(verified, num_accepted, confidence)
         self.pending = None
 
     def copy(self) -> RowState:
-        return RowState(self.skip, self.backoff, self.model.copy(), self.lookup.copy(), self.pending)
+        return RowState(self.skip, self.backoff, self.model.copy(),
+                        {bucket: record.copy() for bucket, record in self.lookup.items()}, self.pending)
 
 
 class RowStateDrafter(WrappingDrafter):
@@ -268,6 +291,7 @@ class CostAwareDrafter(RowStateDrafter):
         drafted = self.model.propose(batch if len(drafting) == B else batch.select(drafting), K)
         limits = [K] * len(drafting) if drafted.num_drafts is None else drafted.num_drafts.tolist()
         confidence = None if drafted.confidence is None else drafted.confidence.float().tolist()
+        matched = [0] * len(drafting) if drafted.match_length is None else drafted.match_length.tolist()
         keys = batch.pool.lengths([batch.seq_ids[row] for row in drafting])
         for i, row in enumerate(drafting):
             state = states[row]
@@ -276,10 +300,7 @@ class CostAwareDrafter(RowStateDrafter):
             if confidence is not None and not math.isnan(confidence[i][0]):
                 num_drafts[row] = state.choose(confidence[i][: limits[i]], keys[i], self.cost, self.backoff)
                 continue
-            n, _ = best_draft_length(state.lookup.estimates(limits[i]), keys[i], self.free_cost,
-                                     state.lookup.estimates(K))
-            num_drafts[row] = n
-            state.pending = (n, None) if n else None
+            num_drafts[row] = state.choose_lookup(limits[i], K, keys[i], self.free_cost, matched[i])
         if len(drafting) == B:
             tokens, probs = drafted.draft_tokens, drafted.draft_probs
         else:

@@ -100,8 +100,10 @@ class LookupFirstDrafter(WrappingDrafter):
                 for row, n in zip(model_rows, drafted.num_drafts.tolist()):
                     num_drafts[row] = n
         stops = any(n < K for n in num_drafts)
+        match_length = torch.tensor([matches[row].length if row in lookup else 0 for row in range(B)], device=device)
         return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device) if stops else None,
-                        self._confidence(B, K, lookup_index, model_rows, drafted if model_rows else None, device))
+                        self._confidence(B, K, lookup_index, model_rows, drafted if model_rows else None, device),
+                        match_length)
 
     @staticmethod
     def _confidence(B: int, K: int, lookup_index: torch.Tensor, model_rows: list[int], drafted: Proposal | None,

@@ -3,7 +3,9 @@
 Find the most recent earlier occurrence of the history's last n tokens (n from `max_ngram` down to
 `min_ngram`) and propose the K tokens that followed it. Proposals are deterministic, so the draft
 distribution is one-hot; stochastic verification then accepts d_k with probability p(d_k), which
-keeps sampling exact. With no match, the drafts repeat x0: cheap guesses the target rejects freely.
+keeps sampling exact. A row without a match drafts nothing: its step is a plain decode (the last token
+repeated, what it would otherwise propose, is a guess the target rejects, and each verified guess costs a
+verify row). Each row reports its match's length (`Proposal.match_length`), which `ngram:auto` keeps a record per.
 """
 
 from __future__ import annotations
@@ -30,9 +32,15 @@ class NgramDrafter(Drafter):
         return [True] * len(batch.seq_ids)  # a lookup in the history, no model
 
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
-        rows = [lookup_continuation(history, K, self.max_ngram, self.min_ngram) for history in batch.tokens]
-        tokens = torch.tensor(rows, dtype=torch.long, device=batch.anchor_tokens.device)  # (B, K)
-        return Proposal(tokens, None)  # deterministic drafts: one-hot distributions (`Proposal.probs`)
+        device = batch.anchor_tokens.device
+        matches = [longest_suffix_match(history, self.max_ngram) for history in batch.tokens]
+        lengths = [m.length if m is not None and m.length >= self.min_ngram else 0 for m in matches]
+        rows = [m.continuation(history, K) if length else [history[-1]] * K
+                for m, length, history in zip(matches, lengths, batch.tokens)]
+        tokens = torch.tensor(rows, dtype=torch.long, device=device)  # (B, K)
+        num_drafts = None if all(lengths) else torch.tensor([K if length else 0 for length in lengths], device=device)
+        # deterministic drafts: one-hot distributions (`Proposal.probs`)
+        return Proposal(tokens, None, num_drafts, match_length=torch.tensor(lengths, device=device))
 
 
 @dataclass(frozen=True)
@@ -70,11 +78,3 @@ def longest_suffix_match(history: Sequence[int], max_ngram: int) -> SuffixMatch 
             if length == max_ngram:
                 break
     return best
-
-
-def lookup_continuation(history: Sequence[int], K: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """K tokens continuing `history` by its latest earlier n-gram match, padded with the last token."""
-    match = longest_suffix_match(history, max_ngram)
-    if match is None or match.length < min_ngram:
-        return [history[-1]] * K
-    return match.continuation(history, K)
