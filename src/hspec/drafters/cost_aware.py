@@ -17,7 +17,7 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
    match of 1 token, one for 2 and one for 3 or more (`lookup_bucket`): on Spec-Bench a 4-token match is
    accepted about 2.5 times as far as a 1-token one (`results/lookup_match_stats.md`), and one record for
    both verified too many drafts after short matches and too few after long ones (replayed on recorded
-   outputs: `scripts/simulate_backoff.py --lookup`). The row verifies drafts while
+   outputs: `scripts/simulate_lookup.py`). The row verifies drafts while
    each one raises the step's rate, tokens per decode's cost:
 
        rate(n) = E(n) / cost(n),   E(n) = 1 + sum_{k<=n} prod_{j<=k} a_j,
