@@ -592,6 +592,58 @@ HSPEC_AVX2 float sum_of_squares(const c10::BFloat16* row, int64_t h) {
   return sum;
 }
 
+// 8 fp32 lanes rounded to bf16 as c10::BFloat16(float) rounds (nearest even, a NaN to 0x7FC0), the bits left
+// in each 32-bit lane's low half: the glue kernels below take 8 values a step with the scalar conversion's bits.
+HSPEC_AVX2 inline __m256i bf16_bits(__m256 values) {
+  const __m256i bits = _mm256_castps_si256(values);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m256 nan = _mm256_cmp_ps(values, values, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded),
+                                              _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+}
+
+// The bf16 value `bf16_bits` rounds to, as fp32 (exact).
+HSPEC_AVX2 inline __m256 rounded_to_bf16(__m256 values) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(values), 16));
+}
+
+// 8 fp32 lanes stored as 8 bf16, rounded as `bf16_bits`.
+HSPEC_AVX2 inline void store8_bf16(c10::BFloat16* out, __m256 values) {
+  const __m256i bits = bf16_bits(values);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+
+// One row of hspec::rms_norm after its sum of squares: out = bf16(w * bf16(x * inverse)), 8 values a step,
+// the last h % 8 one by one, each the scalar steps' bits.
+HSPEC_AVX2 void scale_row(const c10::BFloat16* in, const c10::BFloat16* w, float inverse, int64_t h,
+                          c10::BFloat16* out) {
+  const __m256 by = _mm256_set1_ps(inverse);
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8) {
+    const __m256 normed = rounded_to_bf16(_mm256_mul_ps(load8(in + i), by));
+    store8_bf16(out + i, _mm256_mul_ps(load8(w + i), normed));
+  }
+  for (; i < h; ++i) {
+    const c10::BFloat16 normed(static_cast<float>(in[i]) * inverse);
+    out[i] = c10::BFloat16(static_cast<float>(w[i]) * static_cast<float>(normed));
+  }
+}
+
+// One head of d values rotated (apply_rope's x * cos + swapped * sin, each product and the sum rounded to bf16
+// as torch's bf16 mul and add round), d a multiple of 16 so that a step of 8 never straddles the halves.
+HSPEC_AVX2 void rotate_head(const c10::BFloat16* head, const c10::BFloat16* cos, const c10::BFloat16* sin, int64_t d,
+                            c10::BFloat16* out) {
+  const int64_t half = d / 2;
+  for (int64_t e = 0; e < d; e += 8) {
+    const __m256 turned = rounded_to_bf16(_mm256_mul_ps(load8(head + e), load8(cos + e)));
+    const __m256 swapped = rounded_to_bf16(_mm256_mul_ps(load8(head + (e < half ? e + half : e - half)), load8(sin + e)));
+    store8_bf16(out + e, _mm256_add_ps(turned, swapped));
+  }
+}
+
 // The scores of R query rows q (R, D) of one KV head against up to 8 V consecutive keys from j0 (n of
 // them) of K^T (D, S) with row stride ld: V vectors side by side per row, the last one masked where n is
 // not a multiple of 8; each key vector is loaded once for the R rows. scores: R rows of stride lds.
@@ -1291,10 +1343,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     // F.rms_norm's steps: x / sqrt(mean(x^2) + eps) rounded to bf16, then times the weight, rounded again
     const float inverse = 1.0f / std::sqrt(sum_of_squares(in + r * h, h) / static_cast<float>(h) +
                                            static_cast<float>(eps));
-    for (int64_t i = 0; i < h; ++i) {
-      const c10::BFloat16 normed(static_cast<float>(in[r * h + i]) * inverse);
-      o[r * h + i] = c10::BFloat16(static_cast<float>(w[i]) * static_cast<float>(normed));
-    }
+    scale_row(in + r * h, w, inverse, h, o + r * h);
   }
   return out;
 #else
@@ -1634,6 +1683,14 @@ at::Tensor rope_and_write(const at::Tensor& projected, const at::Tensor& cos, co
   const c10::BFloat16* sp = sn.data_ptr<c10::BFloat16>();
   c10::BFloat16* qp = queries.data_ptr<c10::BFloat16>();
   const int64_t half = d / 2, width = (hq + 2 * hkv) * d;
+#ifdef HSPEC_X86
+  // `rotate_head`'s steps of 8 within each half; else one value at a time
+  const bool vectors = d % 16 == 0 && cpu_kernels_available();
+#else
+  constexpr bool vectors = false;
+#endif
+  std::vector<c10::BFloat16> key(static_cast<size_t>(d));  // a rotated key before it is written
+  const int64_t key_stride[3] = {pool_k.stride(0), pool_k.stride(1), pool_k.stride(2)};
   const auto write = [&](auto* kp, auto* vp) {  // float or c10::BFloat16, the pool's dtype
     using KV = std::remove_pointer_t<decltype(kp)>;
     for (int64_t i = 0; i < b * t; ++i) {  // token i: its heads q (Hq), k (Hkv), v (Hkv)
@@ -1642,15 +1699,23 @@ at::Tensor rope_and_write(const at::Tensor& projected, const at::Tensor& cos, co
       const c10::BFloat16* si = sp + i * d;
       for (int64_t h = 0; h < hq + hkv; ++h) {
         const c10::BFloat16* head = row + h * d;
-        for (int64_t e = 0; e < d; ++e) {
-          const c10::BFloat16 turned(static_cast<float>(head[e]) * static_cast<float>(ci[e]));
-          const c10::BFloat16 swapped(static_cast<float>(head[e < half ? e + half : e - half]) * static_cast<float>(si[e]));
-          const c10::BFloat16 rotated(static_cast<float>(turned) + static_cast<float>(swapped));
-          if (h < hq) {
-            qp[(i * hq + h) * d + e] = rotated;
-          } else {
-            kp[slot[i] * pool_k.stride(0) + (h - hq) * pool_k.stride(1) + e * pool_k.stride(2)] = static_cast<KV>(rotated);
+        // a query straight into the output, a key through `key` into the pool's strides (K^T: one value a line)
+        c10::BFloat16* rotated = h < hq ? qp + (i * hq + h) * d : key.data();
+        if (vectors) {
+#ifdef HSPEC_X86
+          rotate_head(head, ci, si, d, rotated);
+#endif
+        } else {
+          for (int64_t e = 0; e < d; ++e) {
+            const c10::BFloat16 turned(static_cast<float>(head[e]) * static_cast<float>(ci[e]));
+            const c10::BFloat16 swapped(static_cast<float>(head[e < half ? e + half : e - half]) *
+                                        static_cast<float>(si[e]));
+            rotated[e] = c10::BFloat16(static_cast<float>(turned) + static_cast<float>(swapped));
           }
+        }
+        if (h >= hq) {
+          KV* to = kp + slot[i] * key_stride[0] + (h - hq) * key_stride[1];
+          for (int64_t e = 0; e < d; ++e) to[e * key_stride[2]] = static_cast<KV>(key[e]);
         }
       }
       for (int64_t h = 0; h < hkv; ++h) {
