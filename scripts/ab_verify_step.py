@@ -5,8 +5,8 @@ CPU kernels (built beside this tree's as torch.ops.hspec_baseline, scripts/ab_pr
 SmolLM2-135M w4a8 weights, with the greedy argmax of its time, `logits.float().argmax(-1)`; this tree's side is
 the target's own stack and `sampling.greedy_tokens`. The final norm and the LM head are this tree's on both
 sides (the same call). Per context S and T new tokens (T = 1: a decode), the two sides alternate forward by
-forward over the same pool (each rolled back), thread CPU time, medians; their logits and tokens are compared
-bit for bit every time.
+forward over the same pool (each rolled back, each side first in every other round), thread CPU time,
+medians; their logits and tokens are compared bit for bit every time.
 
     python scripts/ab_verify_step.py --baseline 87da03c [--contexts 256,2048] [--rounds 30]
 
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds + 1):  # round 0 warms up
                 for t in TOKENS:
                     ids = torch.randint(0, model.config.vocab_size, (1, t), generator=gen)
-                    outs = {name: _step(model, pool, ids, context, *side) for name, side in sides.items()}
+                    order = list(sides) if r % 2 else list(sides)[::-1]  # each side first in every other round
+                    outs = {name: _step(model, pool, ids, context, *sides[name]) for name in order}
                     same &= all(torch.equal(outs["baseline"][i], outs["this tree"][i]) for i in (1, 2))
                     if r > 0:
                         for name, (seconds, _, _) in outs.items():
