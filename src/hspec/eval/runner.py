@@ -73,10 +73,13 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
              step_cost: StepCost | None = None, findings: FindingsRule | None = None,
              build: DrafterBuilder = build_drafter, decoder: type[SpeculativeDecoder] = SpeculativeDecoder
              ) -> dict[str, Any]:
-    """Evaluate `methods` (plain decoding always runs first) at each draft length in `K`.
+    """Evaluate `methods` and plain decoding at each draft length in `K`.
 
     Every method first decodes WARM_UP_TOKENS untimed (first-call dispatch, and with `compile_drafters`
-    the drafters' torch.compile), then the items run interleaved. `drafter_precision`: how trained
+    the drafters' torch.compile), then the items run interleaved: each turn every method in turn, plain
+    decoding first and the methods in the given order on even turns, in the reverse order on odd ones, so
+    that whatever one run leaves the CPU for the next (a speculating run can leave it slower:
+    results/adaptive_length/README.md) weighs on every method alike. `drafter_precision`: how trained
     drafters store their linear weights (`hspec.runtime.for_inference`). `drafter_options`: per drafter kind,
     decoding options set on its trained config (`hspec.runtime.decoding_options_of`); the settings record them
     per label.
@@ -144,6 +147,7 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
     total_turns = sum(len(item.turns) for task in tasks for item in task.items)
     done_turns = sum(len(item.turns) for task in tasks for item in task.items if (task.name, item.id) in log.done)
     bar = tqdm(total=total_turns, initial=done_turns, desc="eval", unit="turn")
+    turns_run = 0  # turns decoded by this call: their parity sets the methods' order
     for task in tasks:
         for item in task.items:
             if (task.name, item.id) in log.done:
@@ -154,7 +158,9 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 messages.append({"role": "user", "content": turn})
                 prompt = target.tokenizer.encode_chat(messages)
                 outputs, lookup_steps = {}, {}
-                for label, (dec, _) in runs.items():
+                order = list(runs.items()) if turns_run % 2 == 0 else list(runs.items())[::-1]
+                turns_run += 1
+                for label, (dec, _) in order:
                     looked_up = dec.drafter.lookup_rows
                     outputs[label] = dec.generate([prompt], sampling, max_new_tokens, seeds=[seed])
                     if looked_up is not None:  # KIND+ngram: the steps prompt lookup drafted
@@ -167,7 +173,8 @@ def run_eval(target_name: str, methods: Sequence[MethodSpec], task_names: Sequen
                 # How busy the CPU was while the turn's methods ran (its 1-minute load average, the eval's own
                 # threads included): timings from a shared CPU are not evidence (`lab.claims`, SHARED_LOAD).
                 busy = {"load_1min": round(os.getloadavg()[0], 2), "threads": torch.get_num_threads()}
-                for label, out in outputs.items():
+                for label in runs:  # records in the methods' order, whatever order they ran in
+                    out = outputs[label]
                     seq = out.sequences[0]
                     if sampling.greedy and seq.token_ids != reference:
                         raise RuntimeError(f"{label} changed the greedy output on {item.id}: lossless bug")
