@@ -335,3 +335,23 @@ def test_decoding_options_reach_the_drafter_and_the_reports_settings(tmp_path, t
     assert config.node_budget == 5 and not config.adapt_tree
     code = cli.main(["eval", "--target", "nowhere", "--drafters", "ngram,dflash", "--drafter-option", "node_budget=5"])
     assert code == 2 and "'node_budget=5': no drafter here takes it" in capsys.readouterr().err
+
+
+def test_the_methods_run_in_the_reverse_order_on_every_other_turn(tmp_path, tiny_target, monkeypatch):
+    """Whatever a run leaves the CPU weighs on the run after it: plain decoding must not always run first."""
+    from hspec.decoding.generate import SpeculativeDecoder
+    from hspec.eval.runner import MethodSpec, run_eval
+    from hspec.sampling import SamplingParams
+
+    target = _tiny_eval_setup(tmp_path, tiny_target, monkeypatch)
+    kinds = []
+
+    class Recording(SpeculativeDecoder):
+        def generate(self, prompts, *args, **kwargs):
+            kinds.append(self.drafter.kind)
+            return super().generate(prompts, *args, **kwargs)
+
+    payload = run_eval("tiny", [MethodSpec("ngram")], ["mt_bench"], 1, 3, SamplingParams(), 8, tmp_path, "order",
+                       target=target, decoder=Recording)
+    assert kinds == ["none", "ngram", "none", "ngram", "ngram", "none"]  # warm-ups, turn 1, turn 2 (2 turns an item)
+    assert [r["method"] for r in payload["records"]] == ["none", "ngram", "none", "ngram"]  # records keep the order
