@@ -11,6 +11,15 @@ and a least-squares fit of the two costs (in 1-token decodes) says what the veri
 the `StepCost` the run measured for `ngram:auto` at its start (its settings' `step_costs`), which is what
 `ngram:auto`'s rule decided by.
 
+A joint fit over the items of all four kinds the run holds (`ngram`, `ngram:auto`, `hspec`, `hspec:auto`) adds
+two terms: a surcharge on every step of a speculative run, drafting or not (`tax`), and the H-Spec drafter's
+propose on each step it verified drafts (`draft`; a step where it ran and verified none is not in the records,
+so it is missed):
+
+    decode_s / (plain_decode_s / plain steps) - steps
+        = tax * steps + first_token * (steps verifying drafts) + per_token * (drafts verified)
+          + draft * (H-Spec steps verifying drafts)
+
     python scripts/fit_step_costs.py results/adaptive_length/size24/eval_spec_bench_tasks_k7_greedy_w4a8_t2.json
         [--out results/adaptive_length/size24]
 """
@@ -27,6 +36,8 @@ from hspec.provenance import provenance, provenance_markdown, write_results
 
 LOOKUP_METHODS = ("ngram", "ngram:auto")  # drafted without a model: their steps add only verify rows
 LOOKUP_COSTS = "ngram:auto"  # whose costs, measured at the run's start, the fitted ones are set beside
+JOINT_METHODS = ("ngram", "ngram:auto", "hspec", "hspec:auto")  # the joint fit's items
+JOINT_TERMS = ("tax", "first_token", "per_token", "draft")
 
 
 def fit(records: list[dict], method: str) -> dict[str, float] | None:
@@ -49,6 +60,31 @@ def fit(records: list[dict], method: str) -> dict[str, float] | None:
             "verify_of_7": float(first + 7 * per_token)}
 
 
+def joint_fit(records: list[dict]) -> dict[str, float] | None:
+    """tax, first_token, per_token and draft (1-token decodes) fitted over the items of `JOINT_METHODS` (module
+    docstring), with each method's mean residual a step; None unless every one of them has items."""
+    rows, extra, methods = [], [], []
+    for record in records:
+        if record["method"] not in JOINT_METHODS:
+            continue
+        unit = record["plain_decode_s"] / max(record["plain_tokens"] - 1, 1)
+        drafted = record.get("num_drafted", [record["K"]] * len(record["num_accepted"]))
+        verifying = sum(1 for n in drafted if n > 0)
+        model = verifying if record["method"].startswith("hspec") else 0
+        rows.append([len(drafted), verifying, sum(drafted), model])
+        extra.append(record["decode_s"] / unit - len(drafted))
+        methods.append(record["method"])
+    if set(methods) != set(JOINT_METHODS):
+        return None
+    x, y = np.array(rows, dtype=float), np.array(extra)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    residual = y - x @ coef
+    per_method = {m: float(sum(r for r, k in zip(residual, methods) if k == m)
+                           / sum(row[0] for row, k in zip(rows, methods) if k == m)) for m in JOINT_METHODS}
+    return {"items": len(rows), **{term: float(c) for term, c in zip(JOINT_TERMS, coef)},
+            "verify_of_7": float(coef[1] + 7 * coef[2]), "residual_per_step": per_method}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("eval_json", type=Path, help="an `hspec eval` results JSON with per-step records")
@@ -68,7 +104,7 @@ def main() -> int:
     command = f"python scripts/fit_step_costs.py {args.eval_json}"
     payload = {"provenance": provenance(command, {"eval": str(args.eval_json),
                                                   "eval_commit": data["provenance"].get("commit")}),
-               "results": rows}
+               "results": rows, "joint": joint_fit(data["records"]), "used_hspec": given.get("hspec:auto")}
     json_path, md_path = write_results(args.out or args.eval_json.parent, "fit_step_costs", payload, markdown(payload))
     print(f"wrote {json_path} and {md_path}")
     return 0
@@ -90,6 +126,20 @@ def markdown(payload: dict) -> str:
                 f"| {u['first_token']:.3f} | {u['per_token']:.3f} | {u['first_token'] + 7 * u['per_token']:.3f} |")
         lines.append(f"| {row['method']} | {f['items']} | {f['steps_verifying']} | {f['drafts_verified']} | "
                      f"{f['first_token']:.3f} | {f['per_token']:.3f} | {f['verify_of_7']:.3f} " + used)
+    joint, used = payload.get("joint"), payload.get("used_hspec")
+    if joint is not None:
+        lines += ["\nThe joint fit over the items of " + ", ".join(f"`{m}`" for m in JOINT_METHODS) + " (module "
+                  "docstring): a surcharge on every step of a speculative run (`tax`), and H-Spec's propose on each "
+                  "step it verified drafts (`draft`), beside the costs `hspec:auto` decided by (`used`).\n",
+                  "| | items | tax a step | first token | per token | a verify of 7 | draft |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| fitted | {joint['items']} | {joint['tax']:.3f} | {joint['first_token']:.3f} | "
+                  f"{joint['per_token']:.3f} | {joint['verify_of_7']:.3f} | {joint['draft']:.3f} |"]
+        if used is not None:
+            lines.append(f"| used | - | 0 | {used['first_token']:.3f} | {used['per_token']:.3f} | "
+                         f"{used['first_token'] + 7 * used['per_token']:.3f} | {used['draft']:.3f} |")
+        lines.append("\nWhat the fit leaves, a step, by method: " + ", ".join(
+            f"`{m}` {r:+.3f}" for m, r in joint["residual_per_step"].items()) + ".")
     return "\n".join(lines) + "\n"
 
 
