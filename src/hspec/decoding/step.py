@@ -30,7 +30,7 @@ import torch
 
 from hspec.cache.paged_pool import PagedKVPool
 from hspec.decoding.tree_step import tree_step
-from hspec.decoding.verify import verify, verify_greedy
+from hspec.decoding.verify import greedy_verdict, verify
 from hspec.drafters.base import DraftBatch, Drafter
 from hspec.models.llama import TargetModel
 from hspec.sampling import SamplingBatch, draw_uniforms, greedy_tokens, sample_with_uniform
@@ -146,22 +146,24 @@ class DecodeStages:
         drafts_t = proposal.draft_tokens[:, :L]  # (B, L)
         t1 = time.perf_counter()
         # 2. verify: the target scores [x0, d_1..d_L] at positions p..p+L in one forward.
-        block = torch.cat([anchors[:, None], drafts_t], dim=1)  # (B, L+1)
+        block = torch.cat([anchors[:, None], drafts_t], dim=1) if L else anchors[:, None]  # (B, L+1)
         out = self.target(block, pool, seq_ids, self.drafter.target_layers)
-        uniforms = draw_uniforms(generators, self.K + 1, self.device)  # (B, K+1): the same draws whatever L is
-        if sampling.all_greedy:  # the same verdict as `verify` on one-hot distributions, without building them
-            result = verify_greedy(out.logits, drafts_t, num_drafts)
+        drafts = drafts_t.tolist()
+        if sampling.all_greedy:  # the same verdict as `verify` on one-hot distributions, read on the host
+            limits = [min(n, drafts_t.shape[1]) for n in drafted]
+            accepted, next_tokens = greedy_verdict(greedy_tokens(out.logits).tolist(), drafts, limits)
         else:
+            uniforms = draw_uniforms(generators, self.K + 1, self.device)  # (B, K+1): the same draws whatever L is
             target_probs = sampling.probs(out.logits)  # (B, L+1, V)
             draft_probs = proposal.probs(target_probs.shape[-1])[:, :L]  # (B, L, V)
             result = verify(target_probs, draft_probs, drafts_t, uniforms[:, :L], uniforms[:, self.K], num_drafts)
-        accepted = result.num_accepted.tolist()  # the step's one host sync
-        next_tokens = result.next_tokens.tolist()
-        drafts = drafts_t.tolist()
+            accepted = result.num_accepted.tolist()  # the step's one host sync
+            next_tokens = result.next_tokens.tolist()
         # 3. commit: keep x0 and the accepted drafts; the new token is the next anchor, not yet cached.
         for row, seq_id in enumerate(seq_ids):
             pool.truncate(seq_id, pool.length(seq_id) - L + accepted[row])
-        self.drafter.commit(pool, seq_ids, out.hidden, result.num_accepted + 1)
+        committed = torch.tensor(accepted, dtype=torch.long, device=self.device) + 1  # (B,)
+        self.drafter.commit(pool, seq_ids, out.hidden, committed)
         new_tokens = [drafts[row][: accepted[row]] + [next_tokens[row]] for row in range(len(seq_ids))]
         return StepResult(accepted, drafted, new_tokens, t1 - t0, time.perf_counter() - t1)
 

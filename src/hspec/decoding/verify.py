@@ -48,11 +48,29 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     if draft_tokens.shape != (b, k):
         raise ValueError(f"shapes disagree: target_logits {tuple(target_logits.shape)}, "
                          f"draft_tokens {tuple(draft_tokens.shape)}")
-    best = greedy_tokens(target_logits)  # (B, K+1)
-    limit = torch.full((b,), k, dtype=torch.long, device=best.device) if num_drafts is None else num_drafts
-    accepted = (draft_tokens == best[:, :k]) & (torch.arange(k, device=best.device) < limit[:, None])  # (B, K)
-    num_accepted = accepted.long().cumprod(-1).sum(-1)  # (B,)
-    return VerifyResult(num_accepted, best[torch.arange(b, device=best.device), num_accepted])
+    best = greedy_tokens(target_logits).tolist()  # B lists of K+1
+    limits = [k] * b if num_drafts is None else num_drafts.tolist()
+    num_accepted, next_tokens = greedy_verdict(best, draft_tokens.tolist(), limits)
+    device = target_logits.device
+    return VerifyResult(torch.tensor(num_accepted, dtype=torch.long, device=device),
+                        torch.tensor(next_tokens, dtype=torch.long, device=device))
+
+
+def greedy_verdict(best: list[list[int]], drafts: list[list[int]], limits: list[int]) -> tuple[list[int], list[int]]:
+    """`verify_greedy` on the host: each row's accepted drafts and next token, from the target's argmax at each
+    of its L+1 positions (`best`, B lists), its L drafts and how many of them it verifies (`limits`, each <= L).
+
+    A decode step reads its tokens on the host anyway; there, a loop over B rows costs less than the handful of
+    torch operators on (B, L) tensors that the same verdict takes on the device.
+    """
+    num_accepted, next_tokens = [], []
+    for row, limit in enumerate(limits):
+        n = 0
+        while n < limit and drafts[row][n] == best[row][n]:
+            n += 1
+        num_accepted.append(n)
+        next_tokens.append(best[row][n])
+    return num_accepted, next_tokens
 
 
 def acceptance_prob(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
