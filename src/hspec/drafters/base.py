@@ -52,7 +52,9 @@ class DraftBatch:
     generators: Sequence[torch.Generator]
 
     def select(self, rows: Sequence[int]) -> DraftBatch:
-        """The sub-batch of `rows` (indices into this batch), in that order."""
+        """The sub-batch of `rows` (indices into this batch), in that order: this batch where that is all of it."""
+        if list(rows) == list(range(len(self.seq_ids))):
+            return self
         index = torch.tensor(list(rows), dtype=torch.long, device=self.anchor_tokens.device)
         return DraftBatch(seq_ids=[self.seq_ids[r] for r in rows], anchor_tokens=self.anchor_tokens[index],
                           tokens=[self.tokens[r] for r in rows], pool=self.pool, sampling=self.sampling.select(rows),

@@ -492,10 +492,8 @@ class NeuralDrafter(Drafter, nn.Module):
         """Keep the hidden states of each row's last committed position (O(1) per sequence)."""
         if hidden is None:
             raise ValueError(f"drafter {self.kind!r} needs the hidden states of layers {self.target_layers}")
-        rows = torch.arange(len(seq_ids), device=hidden.device)
-        last = hidden[rows, num_committed.to(hidden.device) - 1]  # (B, n_sel, H)
-        for row, seq_id in enumerate(seq_ids):
-            self._last_hidden[seq_id] = last[row]
+        for row, (seq_id, committed) in enumerate(zip(seq_ids, num_committed.tolist())):
+            self._last_hidden[seq_id] = hidden[row, committed - 1].clone()  # (n_sel, H), not a view of the step's
 
     def release(self, seq_id: int) -> None:
         self._last_hidden.pop(seq_id, None)

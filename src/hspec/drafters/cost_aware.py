@@ -94,20 +94,21 @@ def best_draft_length(estimate: Sequence[float], keys: int, cost: StepCost,
     low still goes in when the drafts expected after it make up for it (the first drafted token's surcharge,
     `StepCost.first_token`, is paid once), and the choice of draft n + 1 reads nothing of drafts n + 2..K."""
     K = len(estimate)
-    n, rate = 0, 1.0 / cost.of(0, keys)
+    costs = [cost.of(length, keys) for length in range(K + 1)]  # a step verifying 0..K drafts
+    n, rate = 0, 1.0 / costs[0]
     emitted, reach = 1.0, 1.0  # E(n) and prod_{j<=n} a_j
     while n < K:
         reach_next = reach * float(estimate[n])
         emitted_next = emitted + reach_next
-        best, ahead, reach_ahead = emitted_next / cost.of(n + 1, keys), emitted_next, reach_next
+        best, ahead, reach_ahead = emitted_next / costs[n + 1], emitted_next, reach_next
         for m in range(n + 1, min(K, len(outlook))):  # the block through draft m + 1 as the outlook sees it
             reach_ahead *= float(outlook[m])
             ahead += reach_ahead
-            best = max(best, ahead / cost.of(m + 1, keys))
+            best = max(best, ahead / costs[m + 1])
         if best <= rate:
             break
         n, emitted, reach = n + 1, emitted_next, reach_next
-        rate = emitted / cost.of(n, keys)
+        rate = emitted / costs[n]
     return n, rate
 
 
