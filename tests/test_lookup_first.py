@@ -83,6 +83,19 @@ def test_the_model_does_not_run_when_every_row_looks_up():
     assert proposal.draft_tokens.tolist() == [[7, 8], [5, 3]]
 
 
+def test_propose_after_free_rows_drafts_what_propose_alone_drafts_and_searches_a_grown_history_again():
+    model = _CountingDrafter(vocab_size=16)
+    drafter = LookupFirstDrafter(model, vocab_size=16, min_match=1)
+    history = [1, 2, 3, 1, 2]
+    batch = pool_free_draft_batch([history])
+    alone = drafter.propose(batch, K=3).draft_tokens.tolist()
+    assert drafter.free_rows(batch) == [True]
+    assert drafter.propose(batch, K=3).draft_tokens.tolist() == alone == [[3, 1, 2]]
+    assert drafter.free_rows(batch) == [True]
+    history.append(3)  # the step after: the match free_rows found for the shorter history is not taken
+    assert drafter.propose(batch, K=3).draft_tokens.tolist() == [[1, 2, 3]]
+
+
 def test_bad_settings_name_the_value(tiny_target):
     model = _CountingDrafter(vocab_size=16)
     with pytest.raises(ValueError, match="min_match 0"):
