@@ -17,9 +17,15 @@ no draft, as the rule believes; every n-gram step its lookup's measured cost). T
 The replay of `per match` is checked against the real `:auto` runs of both kinds on the first item of each task
 (the same drafts verified at every step: the `check` rows).
 
+`--charge-from` charges each step what `scripts/fit_step_costs.py`'s joint fit of an evaluation found a step
+costs inside real runs (its surcharge on every step, first-token, per-token and draft costs) while the rules
+still decide by the measured costs, as the real `:auto` does: a check of how far the measured costs are from
+what runs pay (the results then go beside that fit, `fit_step_costs.json`'s folder, as `lookup_sim_charged`).
+
     .venv/bin/python scripts/simulate_lookup.py
         [--step-cost-from results/adaptive_length/size24/eval_spec_bench_tasks_k7_greedy_w4a8_t2.json]
         [--records runs/backoff_sim] [--out results/adaptive_length/lookup_sim]
+        [--charge-from results/adaptive_length/size24/fit_step_costs.json]
 """
 
 from __future__ import annotations
@@ -60,12 +66,15 @@ def accepted(drafts: list[int], ahead: list[int], n: int) -> int:
     return count
 
 
-def replay(row: dict, prompt: list[int], kind: str, rule: str, cost: StepCost, max_ngram: int
-           ) -> tuple[float, list[int]]:
+def replay(row: dict, prompt: list[int], kind: str, rule: str, cost: StepCost, max_ngram: int,
+           charge: StepCost | None = None, tax: float = 0.0) -> tuple[float, list[int]]:
     """`kind`:auto (or `ngram` verifying all K, rules "all K...") under `rule` on one recorded item: its steps'
-    summed cost (decodes) and drafts verified per step."""
+    summed cost (decodes) and drafts verified per step. The rule decides by `cost`; each step is charged by
+    `charge` (default `cost`) plus `tax`, and every n-gram step its lookup's measured cost."""
     tokens, steps = row["tokens"], row["steps"]
     free = replace(cost, draft=0.0, draft_per_key=0.0)  # what a lookup row pays (`CostAwareDrafter.free_cost`)
+    charge = cost if charge is None else charge
+    free_charge = replace(charge, draft=0.0, draft_per_key=0.0)
     state, position, total, lengths = RowState(), 0, 0.0, []
     while position < len(steps):
         keys, model_drafts, confidence = steps[position]
@@ -80,17 +89,17 @@ def replay(row: dict, prompt: list[int], kind: str, rule: str, cost: StepCost, m
                 n = K
             else:
                 n = state.choose_lookup(K, K, keys, free, match.length if match and rule == "per match" else 0)
-            charge = free.of(n, keys) + (cost.draft if kind == "ngram" else 0.0)
+            spent = free_charge.of(n, keys) + (cost.draft if kind == "ngram" else 0.0)
         elif kind == "ngram":  # no match: a plain decode step
-            drafts, n, charge = [], 0, free.of(0, keys) + cost.draft
+            drafts, n, spent = [], 0, free_charge.of(0, keys) + cost.draft
         elif turn:
             drafts, n = model_drafts, state.choose(confidence, keys, cost, Backoff())
-            charge = cost.of(n, keys)
+            spent = charge.of(n, keys)
         else:
-            drafts, n, charge = [], 0, 1.0
+            drafts, n, spent = [], 0, 1.0
         count = accepted(drafts, tokens[position + 1: len(steps)], n)
         state.record(count)
-        total += charge
+        total += spent + tax
         lengths.append(n)
         position += count + 1
     return total, lengths
@@ -121,7 +130,17 @@ def main() -> int:
     parser.add_argument("--records", type=Path, default=Path("runs/backoff_sim"),
                         help="simulate_backoff.py's records (made there if missing)")
     parser.add_argument("--out", type=Path, default=Path("results/adaptive_length/lookup_sim"))
+    parser.add_argument("--charge-from", type=Path, default=None,
+                        help="a fit_step_costs.json whose joint fit each step is charged by (module docstring)")
     args = parser.parse_args()
+    charge, tax = None, 0.0
+    if args.charge_from is not None:
+        joint = json.loads(args.charge_from.read_text()).get("joint")
+        if joint is None:
+            parser.error(f"{args.charge_from} holds no joint fit; make it with scripts/fit_step_costs.py")
+        charge = StepCost(draft=joint["draft"], per_token=joint["per_token"], per_token_key=0.0,
+                          first_token=joint["first_token"], draft_per_key=0.0)
+        tax = joint["tax"]
     given = json.loads(args.step_cost_from.read_text())["provenance"]["settings"]["step_costs"]
     costs = {kind: StepCost(**given[f"{kind}:auto"]) for kind in KINDS}
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -136,15 +155,20 @@ def main() -> int:
     checked = check(target, rows["eval"], prompts, costs, max_ngrams)
     results = [{"kind": kind, "rule": rule,
                 **{name: speeds(r, lambda row, k=kind, u=rule: replay(row, prompts[row["item"]], k, u, costs[k],
-                                                                       max_ngrams[k])[0])
+                                                                       max_ngrams[k], charge, tax)[0])
                    for name, r in rows.items()}}
                for kind in KINDS for rule in RULES[kind]]
     settings = {"K": K, "max_new_tokens": MAX_NEW_TOKENS, "step_costs": {k: c.to_dict() for k, c in costs.items()},
                 "max_ngram": max_ngrams, "items": {name: len(r) for name, r in rows.items()},
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(),
+                **({} if charge is None else {"charged": {**charge.to_dict(), "tax": tax},
+                                              "charged_from": str(args.charge_from)})}
     command = f"python scripts/simulate_lookup.py --step-cost-from {args.step_cost_from}"
+    if args.charge_from is not None:
+        command += f" --charge-from {args.charge_from}"
     payload = {"provenance": provenance(command, settings), "check": checked, "results": results}
-    json_path, md_path = write_results(args.out, "lookup_sim", payload, markdown(payload))
+    out, stem = (args.out, "lookup_sim") if charge is None else (args.charge_from.parent, "lookup_sim_charged")
+    json_path, md_path = write_results(out, stem, payload, markdown(payload))
     print(f"wrote {json_path} and {md_path}")
     return 0
 
@@ -153,7 +177,8 @@ def markdown(payload: dict) -> str:
     lines = ["# Prompt lookup's drafts under `KIND:auto`, replayed on recorded outputs\n",
              provenance_markdown(payload["provenance"]),
              "\nPredicted speed over plain decoding (plain steps over the replayed steps' costs in decodes, greedy, "
-             f"K = {K}, at most {MAX_NEW_TOKENS} new tokens; the costs: settings' step_costs). Rules: `per match` "
+             f"K = {K}, at most {MAX_NEW_TOKENS} new tokens; the costs: settings' step_costs, and where the settings "
+             "name `charged`, each step charged those and their surcharge `tax` instead). Rules: `per match` "
              "a record per match length (1, 2, 3+ tokens), the rule now; `one record` one for all lookups; "
              "`padding verified` (n-gram) a row without a match verifying its last token repeated, judged with the "
              "lookups; `all K` the kind without `:auto`, verifying every draft.\n",
