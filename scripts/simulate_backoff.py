@@ -17,6 +17,12 @@ other items (every third); a back-off is chosen on `dev` by its worst task, and 
     .venv/bin/python scripts/simulate_backoff.py [--drafter hspec] [--dtype w4a8]
         [--step-cost-from results/adaptive_length/size24_pair/eval_spec_bench_tasks_k7_greedy_w4a8_t2.json]
         [--records runs/backoff_sim] [--out results/adaptive_length/backoff_sim]
+        [--charge-from results/adaptive_length/size24/fit_step_costs.json]
+
+`--charge-from` charges each step what `scripts/fit_step_costs.py`'s joint fit of an evaluation found a step
+costs inside real runs (its surcharge on every step, first-token, per-token and draft costs) while the rule still
+decides by the measured costs, as the real `:auto` does, and the oracle knows the charged costs; the results then
+go beside that fit (`fit_step_costs.json`'s folder), as `backoff_sim_charged`.
 
 Records go to <records>/<set>.jsonl (kept between runs: an item recorded is not recorded again); the results to
 <out>/backoff_sim.{json,md}.
@@ -106,8 +112,19 @@ def accepted_at(row: dict, position: int, n: int) -> int:
     return accepted
 
 
-def replay(row: dict, cost: StepCost, backoff: Backoff) -> tuple[float, list[int]]:
-    """The rule on one recorded item: its steps' summed cost (decodes) and drafts verified per step."""
+def charged_from(path: Path) -> tuple[StepCost, float]:
+    """The costs and the surcharge a step (1-token decodes) of `scripts/fit_step_costs.py`'s joint fit in `path`."""
+    joint = json.loads(path.read_text()).get("joint")
+    if joint is None:
+        raise SystemExit(f"{path} holds no joint fit; make it with scripts/fit_step_costs.py")
+    return StepCost(draft=joint["draft"], per_token=joint["per_token"], per_token_key=0.0,
+                    first_token=joint["first_token"], draft_per_key=0.0), joint["tax"]
+
+
+def replay(row: dict, cost: StepCost, backoff: Backoff, charge: StepCost | None = None, tax: float = 0.0
+           ) -> tuple[float, list[int]]:
+    """The rule on one recorded item: its steps' summed cost (decodes) and drafts verified per step. The rule
+    decides by `cost`; each step is charged by `charge` (default `cost`) plus `tax`."""
     steps = row["steps"]
     state, position, total, lengths = RowState(), 0, 0.0, []
     while position < len(steps):
@@ -117,13 +134,13 @@ def replay(row: dict, cost: StepCost, backoff: Backoff) -> tuple[float, list[int
         n = state.choose(confidence, keys, cost, backoff) if drafted else 0
         accepted = accepted_at(row, position, n)
         state.record(accepted)
-        total += cost.of(n, keys, drafted=drafted)
+        total += (charge or cost).of(n, keys, drafted=drafted) + tax
         lengths.append(n)
         position += accepted + 1
     return total, lengths
 
 
-def oracle(row: dict, cost: StepCost) -> float:
+def oracle(row: dict, cost: StepCost, tax: float = 0.0) -> float:
     """What no rule can beat by much: each step knows how many drafts the target will accept, runs the drafter
     only where verifying exactly those pays against a plain step, and verifies them (summed cost, decodes)."""
     steps = row["steps"]
@@ -132,10 +149,10 @@ def oracle(row: dict, cost: StepCost) -> float:
         keys = steps[position][0]
         accepted = accepted_at(row, position, K)
         if accepted and accepted + 1 > cost.of(accepted, keys):
-            total += cost.of(accepted, keys)
+            total += cost.of(accepted, keys) + tax
             position += accepted + 1
         else:
-            total += 1.0
+            total += 1.0 + tax
             position += 1
     return total
 
@@ -176,7 +193,10 @@ def main() -> int:
                         "overrides --step-cost-from")
     parser.add_argument("--records", type=Path, default=Path("runs/backoff_sim"))
     parser.add_argument("--out", type=Path, default=Path("results/adaptive_length/backoff_sim"))
+    parser.add_argument("--charge-from", type=Path, default=None,
+                        help="a fit_step_costs.json whose joint fit each step is charged by (module docstring)")
     args = parser.parse_args()
+    charge, tax = (None, 0.0) if args.charge_from is None else charged_from(args.charge_from)
     cost = args.step_cost
     if cost is None:
         given = json.loads(args.step_cost_from.read_text())["provenance"]["settings"]["step_costs"]
@@ -191,17 +211,23 @@ def main() -> int:
     for first, growth, most in itertools.product(*GRID.values()):
         if first <= most:
             backoff = Backoff(first, growth, most)
-            results.append({"backoff": vars(backoff), **{name: speeds(r, lambda row, b=backoff: replay(row, cost, b)[0])
-                                                          for name, r in rows.items()}})
+            results.append({"backoff": vars(backoff),
+                            **{name: speeds(r, lambda row, b=backoff: replay(row, cost, b, charge, tax)[0])
+                               for name, r in rows.items()}})
     results.sort(key=lambda r: (-min(r["dev"][task] for task in TASKS), -r["dev"]["all"]))
-    bound = {name: speeds(r, lambda row: oracle(row, cost)) for name, r in rows.items()}
+    bound = {name: speeds(r, lambda row: oracle(row, charge or cost, tax)) for name, r in rows.items()}
     settings = {"drafter": args.drafter, "dtype": args.dtype, "K": K, "max_new_tokens": MAX_NEW_TOKENS,
                 "step_cost": cost.to_dict(), "items": {name: len(r) for name, r in rows.items()},
-                "grid": GRID, "threads": torch.get_num_threads()}
+                "grid": GRID, "threads": torch.get_num_threads(),
+                **({} if charge is None else {"charged": {**charge.to_dict(), "tax": tax},
+                                              "charged_from": str(args.charge_from)})}
     command = (f"python scripts/simulate_backoff.py --drafter {args.drafter} --dtype {args.dtype} "
                + (f"--step-cost {args.step_cost}" if args.step_cost else f"--step-cost-from {args.step_cost_from}"))
+    if args.charge_from is not None:
+        command += f" --charge-from {args.charge_from}"
     payload = {"provenance": provenance(command, settings), "check": checked, "results": results, "oracle": bound}
-    json_path, md_path = write_results(args.out, "backoff_sim", payload, markdown(payload))
+    out, stem = (args.out, "backoff_sim") if charge is None else (args.charge_from.parent, "backoff_sim_charged")
+    json_path, md_path = write_results(out, stem, payload, markdown(payload))
     print(f"wrote {json_path} and {md_path}")
     return 0
 
@@ -214,7 +240,8 @@ def markdown(payload: dict) -> str:
     lines = [f"# `{settings['drafter']}:auto`'s back-off replayed on recorded proposals\n",
              provenance_markdown(payload["provenance"]),
              "\nPredicted speed over plain decoding (plain steps over the replayed steps' costs in decodes, "
-             f"greedy, K = {K}, at most {MAX_NEW_TOKENS} new tokens; the costs: settings' step_cost). A back-off: "
+             f"greedy, K = {K}, at most {MAX_NEW_TOKENS} new tokens; the costs: settings' step_cost, and where the "
+             "settings name `charged`, each step charged those and their surcharge `tax` instead). A back-off: "
              "skip `first` steps after drafting did not pay, `growth` times the last skip after each further "
              "time, at most `most`. Sorted by the worst task on `dev`; the default and the old back-off "
              "(1, 2, 32) are marked.\n",

@@ -40,7 +40,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from simulate_backoff import MAX_NEW_TOKENS, TASKS, K, item_sets, record, speeds  # noqa: E402
+from simulate_backoff import MAX_NEW_TOKENS, TASKS, K, charged_from, item_sets, record, speeds  # noqa: E402
 
 from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
 from hspec.drafters import create_drafter  # noqa: E402
@@ -133,14 +133,7 @@ def main() -> int:
     parser.add_argument("--charge-from", type=Path, default=None,
                         help="a fit_step_costs.json whose joint fit each step is charged by (module docstring)")
     args = parser.parse_args()
-    charge, tax = None, 0.0
-    if args.charge_from is not None:
-        joint = json.loads(args.charge_from.read_text()).get("joint")
-        if joint is None:
-            parser.error(f"{args.charge_from} holds no joint fit; make it with scripts/fit_step_costs.py")
-        charge = StepCost(draft=joint["draft"], per_token=joint["per_token"], per_token_key=0.0,
-                          first_token=joint["first_token"], draft_per_key=0.0)
-        tax = joint["tax"]
+    charge, tax = (None, 0.0) if args.charge_from is None else charged_from(args.charge_from)
     given = json.loads(args.step_cost_from.read_text())["provenance"]["settings"]["step_costs"]
     costs = {kind: StepCost(**given[f"{kind}:auto"]) for kind in KINDS}
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
