@@ -127,9 +127,10 @@ def test_full_num_drafts_changes_nothing():
 
 @pytest.mark.parametrize("k", [0, 1, 4, 7])
 def test_greedy_verification_from_logits_equals_verify_on_one_hots(k):
-    """`verify_greedy` must give `verify`'s verdict on the one-hot distributions greedy rows get, ties included."""
-    from hspec.decoding.verify import verify_greedy
-    from hspec.sampling import SamplingBatch, SamplingParams
+    """`greedy_verdict` on the target's argmaxes must give `verify`'s verdict on the one-hot distributions greedy
+    rows get, ties included."""
+    from hspec.decoding.verify import greedy_verdict
+    from hspec.sampling import SamplingBatch, SamplingParams, greedy_tokens
 
     torch.manual_seed(k)
     b, v = 64, 11
@@ -141,7 +142,8 @@ def test_greedy_verification_from_logits_equals_verify_on_one_hots(k):
     draft_probs = torch.zeros(b, k, v).scatter_(-1, drafts[..., None], 1.0)
     for num_drafts in (None, torch.randint(1, k + 1, (b,)) if k else None):
         expected = verify(probs, draft_probs, drafts, torch.rand(b, k), torch.rand(b), num_drafts)
-        got = verify_greedy(logits, drafts, num_drafts)
-        assert torch.equal(got.num_accepted, expected.num_accepted)
-        assert torch.equal(got.next_tokens, expected.next_tokens)
+        limits = [k] * b if num_drafts is None else num_drafts.tolist()
+        num_accepted, next_tokens = greedy_verdict(greedy_tokens(logits).tolist(), drafts.tolist(), limits)
+        assert torch.equal(torch.tensor(num_accepted), expected.num_accepted)
+        assert torch.equal(torch.tensor(next_tokens), expected.next_tokens)
     assert 0 < int(expected.num_accepted.sum()) < b * max(k, 1) or k == 0

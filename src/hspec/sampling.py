@@ -77,7 +77,7 @@ class SamplingBatch:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> (...) the greedy token: the argmax of the fp32 copy, the first index of the largest
-    value (a NaN the largest). Every greedy path (the one-hots below, `decoding.verify.verify_greedy`, a plain
+    value (a NaN the largest). Every greedy path (the one-hots below, `decoding.verify.greedy_verdict`, a plain
     decode's step) takes it from here, so they break ties alike. Where hspec's CPU kernels are loaded, bf16 and
     fp32 CPU logits take `hspec::greedy_tokens`, the same index without the copy (torch's argmax took ~130 us
     a 49,152-value row on one core, docs/fast-path.md)."""

@@ -133,7 +133,7 @@ def tree_verify_greedy(target_logits: torch.Tensor, tokens: torch.Tensor, parent
     With one-hot p, `tree_verify` accepts a child exactly when it is the target's argmax at its parent
     (a rejection leaves p' one-hot where it was, whatever q), and the next token is the argmax after the
     accepted path; this walks the tree on the argmaxes alone, skipping the (B, N+1, V) one-hots and
-    residuals (`decoding.verify.verify_greedy` for a chain).
+    residuals (`decoding.verify.greedy_verdict` for a chain).
 
     target_logits: (B, N+1, V), [:, 0] after x0 and [:, j+1] after node j; tokens, parents (B, N) and
     num_nodes as in `tree_verify`.

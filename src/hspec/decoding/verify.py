@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hspec.sampling import greedy_tokens, sample_with_uniform
+from hspec.sampling import sample_with_uniform
 
 
 @dataclass(frozen=True)
@@ -32,36 +32,16 @@ class VerifyResult:
     next_tokens: torch.Tensor
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-                  num_drafts: torch.Tensor | None = None) -> VerifyResult:
-    """`verify` for a batch of greedy rows, from the target's logits, without distributions.
+def greedy_verdict(best: list[list[int]], drafts: list[list[int]], limits: list[int]) -> tuple[list[int], list[int]]:
+    """`verify` for greedy rows, from the target's argmax at each of a row's L+1 positions (`best`, B lists of
+    L+1), its L drafts (`drafts`) and how many of them it verifies (`limits`, each <= L): each row's accepted
+    drafts and its next token.
 
     With one-hot p and q (greedy), `verify` accepts d_k exactly when it is the target's argmax, and the
     recovered or bonus token is the argmax after the accepted prefix; this computes that directly, skipping
-    the (B, K+1, V) one-hots, gathers and residuals (under a millisecond a step on this CPU at V = 49,152,
-    docs/fast-path.md).
-
-    target_logits: (B, K+1, V); draft_tokens: (B, K) long; num_drafts: (B,) long in 0..K or None (all K).
-    """
-    b, k1, _ = target_logits.shape
-    k = k1 - 1
-    if draft_tokens.shape != (b, k):
-        raise ValueError(f"shapes disagree: target_logits {tuple(target_logits.shape)}, "
-                         f"draft_tokens {tuple(draft_tokens.shape)}")
-    best = greedy_tokens(target_logits).tolist()  # B lists of K+1
-    limits = [k] * b if num_drafts is None else num_drafts.tolist()
-    num_accepted, next_tokens = greedy_verdict(best, draft_tokens.tolist(), limits)
-    device = target_logits.device
-    return VerifyResult(torch.tensor(num_accepted, dtype=torch.long, device=device),
-                        torch.tensor(next_tokens, dtype=torch.long, device=device))
-
-
-def greedy_verdict(best: list[list[int]], drafts: list[list[int]], limits: list[int]) -> tuple[list[int], list[int]]:
-    """`verify_greedy` on the host: each row's accepted drafts and next token, from the target's argmax at each
-    of its L+1 positions (`best`, B lists), its L drafts and how many of them it verifies (`limits`, each <= L).
-
-    A decode step reads its tokens on the host anyway; there, a loop over B rows costs less than the handful of
-    torch operators on (B, L) tensors that the same verdict takes on the device.
+    the (B, L+1, V) one-hots, gathers and residuals (docs/fast-path.md). It runs on the host: a decode step
+    reads its tokens there anyway, and a loop over B rows costs less than the torch operators on (B, L)
+    tensors that the same verdict takes on the device.
     """
     num_accepted, next_tokens = [], []
     for row, limit in enumerate(limits):

@@ -66,7 +66,7 @@ class Proposal:
     """draft_tokens: (B, K) long. draft_probs: (B, K, V) the distributions they were drawn from, or None where
     every draft was chosen deterministically (greedy rows, prompt lookup): each is then one-hot at its draft, a
     (B, K, V) tensor `probs` builds only for a verifier that reads it (sampled rows; greedy verification reads
-    the tokens alone, `decoding.verify.verify_greedy`), so a greedy proposal does not build it each step.
+    the tokens alone, `decoding.verify.greedy_verdict`), so a greedy proposal does not build it each step.
 
     num_drafts: (B,) long in 0..K, how many leading drafts of each row to verify (a drafter that is
     unsure after d_n saves the target the cost of scoring the rest; 0 makes the row's step a plain
