@@ -7,10 +7,10 @@ under another namespace (`hspec_baseline::`), then per shape and row count times
 alternation (each call's thread CPU time, medians), and checks their outputs equal bit for bit.
 
 Shapes: SmolLM2-135M's (the target's layers and LM head, w4a8 and w8a8) and H-Spec's drafter's (its
-layers, pruned head of 8,192 rows and Markov W2 of rank 256); rows 1 (a decode, the Markov head's slot), 7 (a
-drafted block) and 8 (a K = 7 verify).
+layers, pruned head of 8,192 rows and Markov W2 of rank 256); by default rows 1 (a decode, the Markov head's
+slot), 7 (a drafted block) and 8 (a K = 7 verify).
 
-    .venv/bin/python scripts/ab_products.py --baseline 66df221 [--rounds 60] [--out results/native_drafter]
+    .venv/bin/python scripts/ab_products.py --baseline 66df221 [--rounds 60] [--rows 1,7,8] [--out results/native_drafter]
 
 Writes <out>/ab_products.{json,md}. One thread (OMP_NUM_THREADS=1 is set before torch loads).
 """
@@ -39,7 +39,6 @@ from hspec.provenance import provenance, provenance_markdown, write_results  # n
 SHAPES = [("gate/up (1536 x 576)", 1536, 576), ("down (576 x 1536)", 576, 1536), ("q/o (576 x 576)", 576, 576),
           ("k/v (192 x 576)", 192, 576), ("LM head (49152 x 576)", 49152, 576),
           ("pruned head (8192 x 576)", 8192, 576), ("Markov W2 (8192 x 256)", 8192, 256)]
-ROWS = (1, 7, 8)
 SOURCE = "src/hspec/models/cpu_kernels.cpp"
 
 
@@ -80,8 +79,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", required=True, help="the commit whose kernels are timed against this tree's")
     p.add_argument("--rounds", type=int, default=60, help="alternating calls per kernel, shape and rows (default 60)")
+    p.add_argument("--rows", default="1,7,8", help="comma-separated row counts (default 1,7,8)")
     p.add_argument("--out", type=Path, default=Path("results/native_drafter"))
     args = p.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
+    if not row_counts or min(row_counts) < 1:
+        raise SystemExit(f"--rows must be positive row counts, got {args.rows!r}")
     load_beside_baseline(args.baseline)
     new, old = torch.ops.hspec, torch.ops.hspec_baseline
     torch.manual_seed(0)
@@ -91,7 +94,7 @@ def main() -> int:
         w8 = pack_w8a8(q)
         levels, steps = quantize_groups(torch.randn(n, k), torch.bfloat16)
         w4 = pack_w4a8(levels, steps)
-        for m in ROWS:
+        for m in row_counts:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             pairs = {"w8a8": (new.w8a8_linear, old.w8a8_linear, (x, w8, scale)),
                      "w4a8": (new.w4a8_linear, old.w4a8_linear, (x, w4))}
@@ -108,8 +111,9 @@ def main() -> int:
                                  "baseline_us": us["baseline"], "this_tree_us": us["this tree"]})
                 print(f"{name} {kind} M={m}: {us['baseline']:.0f} -> {us['this tree']:.0f} us"
                       f"{'' if same else '  BITS DIFFER'}", flush=True)
-    command = f"python scripts/ab_products.py --baseline {args.baseline} --rounds {args.rounds} --out {args.out}"
-    settings = {"baseline": args.baseline, "rounds": args.rounds, "threads": 1, "rows_dtype": "bfloat16",
+    command = (f"python scripts/ab_products.py --baseline {args.baseline} --rounds {args.rounds} --rows {args.rows} "
+               f"--out {args.out}")
+    settings = {"baseline": args.baseline, "rounds": args.rounds, "rows": row_counts, "threads": 1, "rows_dtype": "bfloat16",
                 "integer_capability": integer_capability()}
     payload = {"provenance": provenance(command, settings), "results": rows_out}
     lines = ["# w4a8 and w8a8 products: this tree's kernels against the baseline's\n",

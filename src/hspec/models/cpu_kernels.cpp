@@ -318,6 +318,75 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
   }
 }
 
+// Blocks of inputs per pass of `w4a8_tile_in_passes` (its buffers on the stack: 20 KB at 8 rows).
+constexpr int64_t kPassBlocks = 64;
+// Fewest rows for which the AVX2 w4a8 product takes `w4a8_tile_in_passes`: a decode's one row runs faster in
+// one pass, where nothing spills (scripts/ab_products.py, docs/fast-path.md#w4a8).
+constexpr int kPassRows = 2;
+
+// `w4a8_tile` for several rows, in two passes over each run of up to kPassBlocks blocks: first every block's
+// integer sums for all MT rows (as fp32, exact) into a buffer, with the block's steps and offsets; then row by
+// row the same floating-point steps as `w4a8_tile`, in block order, its two sums carried from run to run. So
+// every output gets `w4a8_tile`'s bits. In one pass the 8 unpacked weight vectors, MT rows' two sums, the
+// steps and temporaries exceed AVX2's 16 registers and GCC spills (docs/fast-path.md, w4a8); here the integer
+// pass keeps the weights, the pair-sum chains and the ones in 13 registers, and the float pass a row's sums.
+template <int MT, typename Out>
+HSPEC_AVX2 void w4a8_tile_in_passes(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out,
+                                    int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  alignas(32) float steps[kPassBlocks][kW4a8Outputs], offsets_of[kPassBlocks][kW4a8Outputs];
+  alignas(32) float sums[kPassBlocks][MT][kW4a8Outputs];
+  alignas(32) float acc[MT][kW4a8Outputs] = {}, offsets[MT][kW4a8Outputs] = {};
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0xF);
+  const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
+  for (int64_t g0 = 0; g0 < blocks; g0 += kPassBlocks) {
+    const int64_t run = std::min(kPassBlocks, blocks - g0);
+    for (int64_t b = 0; b < run; ++b) {
+      const uint8_t* tile = tiles + (g0 + b) * kW4a8Tile;
+      __m256i w[8];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c));
+        w[2 * c] = _mm256_and_si256(chunk, nibble);
+        w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
+      }
+      const __m256 step = bf16x8(tile + 128);
+      _mm256_store_ps(steps[b], step);
+      _mm256_store_ps(offsets_of[b], _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), step, bf16x8(tile + 144)));
+      const int8_t* xg = x.levels.data() + (g0 + b) * MT * kBlock;
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xm = xg + m * kBlock;
+        // Two chains of int16 pair sums, joined before madd: int16 addition is exact here, so the order of
+        // the 8 pair sums does not change the block's sum.
+        __m256i a = _mm256_maddubs_epi16(w[0], inputs_in_every_lane(xm));
+        __m256i b1 = _mm256_maddubs_epi16(w[1], inputs_in_every_lane(xm + 4));
+        for (int q = 2; q < 8; q += 2) {
+          a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[q], inputs_in_every_lane(xm + 4 * q)));
+          b1 = _mm256_add_epi16(b1, _mm256_maddubs_epi16(w[q + 1], inputs_in_every_lane(xm + 4 * q + 4)));
+        }
+        _mm256_store_ps(sums[b][m], _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(a, b1), ones)));
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      __m256 sum = _mm256_load_ps(acc[m]), offset = _mm256_load_ps(offsets[m]);
+      for (int64_t b = 0; b < run; ++b) {
+        const int64_t at = (g0 + b) * MT + m;
+        const __m256 scale = _mm256_mul_ps(_mm256_load_ps(steps[b]), _mm256_set1_ps(x.step[at]));
+        sum = _mm256_fmadd_ps(_mm256_load_ps(sums[b][m]), scale, sum);
+        offset = _mm256_fmadd_ps(_mm256_load_ps(offsets_of[b]), _mm256_set1_ps(x.step_sum[at]), offset);
+      }
+      _mm256_store_ps(acc[m], sum);
+      _mm256_store_ps(offsets[m], offset);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float result[kW4a8Outputs];
+    _mm256_store_ps(result, _mm256_add_ps(_mm256_load_ps(acc[m]), _mm256_load_ps(offsets[m])));
+    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, result[j]);
+  }
+}
+
 // One tile: MT int8 rows (`quantize_rows`) times the 8 int8 outputs from n0 of a weight stored tile-major
 // (N / 8, K / 32, 256, models.quantize.pack_w8a8: per block 8 vectors, vector q holding inputs 4q .. 4q + 3
 // of output j in bytes 4j .. 4j + 3), lane j of each vector being output n0 + j. Per vector, maddubs takes
@@ -1459,6 +1528,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
       constexpr int MT = decltype(rows)::value;
       if (outputs == 2 * kW4a8Outputs) {
         w4a8_tile_wide<MT>(q, k, w, n0, o, n);
+      } else if constexpr (MT >= kPassRows) {
+        w4a8_tile_in_passes<MT>(q, k, w, n0, o, n);
       } else {
         w4a8_tile<MT>(q, k, w, n0, o, n);
       }
