@@ -277,6 +277,18 @@ HSPEC_AVX2 inline __m256i inputs_in_every_lane(const int8_t* p) {
   return _mm256_set1_epi32(four);
 }
 
+// One block of a w4a8 tile (`tile`: its 160 bytes): the 8 vectors of levels (0..15) into w, and the 8 outputs'
+// steps and offsets (zero - 8 step) in fp32. nibble: 0x0F in every byte.
+HSPEC_AVX2 inline void unpack_w4a8_block(const uint8_t* tile, __m256i nibble, __m256i* w, __m256& step, __m256& offset) {
+  for (int c = 0; c < 4; ++c) {
+    const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c));
+    w[2 * c] = _mm256_and_si256(chunk, nibble);
+    w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
+  }
+  step = bf16x8(tile + 128);
+  offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), step, bf16x8(tile + 144));
+}
+
 // One tile: MT int8 rows (`quantize_rows`) times the 8 w4a8 outputs from n0, lane j of each vector being
 // output n0 + j. Per block and row, maddubs multiplies vector q's levels (0..15) by the row's inputs
 // 4q .. 4q + 3 (-127..127) and adds them in pairs; the 8 vectors' pair sums add up in int16 (at most 8 x 2
@@ -295,13 +307,8 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
   for (int64_t g = 0; g < blocks; ++g) {
     const uint8_t* tile = tiles + g * kW4a8Tile;
     __m256i w[8];
-    for (int c = 0; c < 4; ++c) {
-      const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c));
-      w[2 * c] = _mm256_and_si256(chunk, nibble);
-      w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
-    }
-    const __m256 step = bf16x8(tile + 128);
-    const __m256 offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), step, bf16x8(tile + 144));
+    __m256 step, offset;
+    unpack_w4a8_block(tile, nibble, w, step, offset);
     for (int m = 0; m < MT; ++m) {
       const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
       __m256i pairs = _mm256_maddubs_epi16(w[0], inputs_in_every_lane(xm));
@@ -320,9 +327,9 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
 
 // Blocks of inputs per pass of `w4a8_tile_in_passes` (its buffers on the stack: 20 KB at 8 rows).
 constexpr int64_t kPassBlocks = 64;
-// Fewest rows for which the AVX2 w4a8 product takes `w4a8_tile_in_passes`: a decode's one row runs faster in
-// one pass, where nothing spills (scripts/ab_products.py, docs/fast-path.md#w4a8).
-constexpr int kPassRows = 2;
+// Fewest rows for which the AVX2 w4a8 product takes `w4a8_tile_in_passes`: one row runs faster in one pass,
+// two rows about as fast either way (results/avx2_zen1/ab_products.md, docs/fast-path.md#w4a8).
+constexpr int kPassRows = 3;
 
 // `w4a8_tile` for several rows, in two passes over each run of up to kPassBlocks blocks: first every block's
 // integer sums for all MT rows (as fp32, exact) into a buffer, with the block's steps and offsets; then row by
@@ -345,14 +352,10 @@ HSPEC_AVX2 void w4a8_tile_in_passes(const Int8Rows& x, int64_t k, const uint8_t*
     for (int64_t b = 0; b < run; ++b) {
       const uint8_t* tile = tiles + (g0 + b) * kW4a8Tile;
       __m256i w[8];
-      for (int c = 0; c < 4; ++c) {
-        const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * c));
-        w[2 * c] = _mm256_and_si256(chunk, nibble);
-        w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
-      }
-      const __m256 step = bf16x8(tile + 128);
+      __m256 step, offset;
+      unpack_w4a8_block(tile, nibble, w, step, offset);
       _mm256_store_ps(steps[b], step);
-      _mm256_store_ps(offsets_of[b], _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), step, bf16x8(tile + 144)));
+      _mm256_store_ps(offsets_of[b], offset);
       const int8_t* xg = x.levels.data() + (g0 + b) * MT * kBlock;
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
