@@ -10,7 +10,8 @@ Shapes: SmolLM2-135M's (the target's layers and LM head, w4a8 and w8a8) and H-Sp
 layers, pruned head of 8,192 rows and Markov W2 of rank 256); by default rows 1 (a decode, the Markov head's
 slot), 7 (a drafted block) and 8 (a K = 7 verify).
 
-    .venv/bin/python scripts/ab_products.py --baseline 66df221 [--rounds 60] [--rows 1,7,8] [--out results/native_drafter]
+    .venv/bin/python scripts/ab_products.py --baseline 66df221 [--rounds 60] [--rows 1,7,8]
+        [--out results/native_drafter]
 
 Writes <out>/ab_products.{json,md}. One thread (OMP_NUM_THREADS=1 is set before torch loads).
 """
@@ -113,8 +114,8 @@ def main() -> int:
                       f"{'' if same else '  BITS DIFFER'}", flush=True)
     command = (f"python scripts/ab_products.py --baseline {args.baseline} --rounds {args.rounds} --rows {args.rows} "
                f"--out {args.out}")
-    settings = {"baseline": args.baseline, "rounds": args.rounds, "rows": row_counts, "threads": 1, "rows_dtype": "bfloat16",
-                "integer_capability": integer_capability()}
+    settings = {"baseline": args.baseline, "rounds": args.rounds, "rows": row_counts, "threads": 1,
+                "rows_dtype": "bfloat16", "integer_capability": integer_capability()}
     payload = {"provenance": provenance(command, settings), "results": rows_out}
     lines = ["# w4a8 and w8a8 products: this tree's kernels against the baseline's\n",
              provenance_markdown(payload["provenance"]),

@@ -66,7 +66,8 @@ def _stored(weight: torch.Tensor, storage: str) -> tuple[torch.Tensor, torch.Ten
 
 
 # (48, 2112): 66 blocks of 32 inputs, more than the AVX2 w4a8 tile takes in one pass (kPassBlocks, cpu_kernels.cpp)
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (3072, 576), (40, 48), (37, 64), (48, 2112)])
+@pytest.mark.parametrize("out_features,in_features",
+                         [(960, 576), (576, 1536), (3072, 576), (40, 48), (37, 64), (48, 2112)])
 @pytest.mark.parametrize("storage", STORAGES)
 def test_linear_computes_a_row_the_same_alone_or_among_others(out_features, in_features, storage):
     torch.manual_seed(0)
