@@ -328,7 +328,7 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
 // Blocks of inputs per pass of `w4a8_tile_in_passes` (its buffers on the stack: 20 KB at 8 rows).
 constexpr int64_t kPassBlocks = 64;
 // Fewest rows for which the AVX2 w4a8 product takes `w4a8_tile_in_passes`: one row runs faster in one pass,
-// two rows about as fast either way (results/avx2_zen1/ab_products.md, docs/fast-path.md#w4a8).
+// two rows about as fast either way (results/avx2_zen1/ab_products.md; docs/fast-path.md, w4a8).
 constexpr int kPassRows = 3;
 
 // `w4a8_tile` for several rows, in two passes over each run of up to kPassBlocks blocks: first every block's
@@ -336,7 +336,7 @@ constexpr int kPassRows = 3;
 // row the same floating-point steps as `w4a8_tile`, in block order, its two sums carried from run to run. So
 // every output gets `w4a8_tile`'s bits. In one pass the 8 unpacked weight vectors, MT rows' two sums, the
 // steps and temporaries exceed AVX2's 16 registers and GCC spills (docs/fast-path.md, w4a8); here the integer
-// pass keeps the weights, the pair-sum chains and the ones in 13 registers, and the float pass a row's sums.
+// pass keeps the weights and a row's two pair-sum chains in registers, and the float pass a row's two sums.
 template <int MT, typename Out>
 HSPEC_AVX2 void w4a8_tile_in_passes(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out,
                                     int64_t ldo) {
@@ -362,13 +362,13 @@ HSPEC_AVX2 void w4a8_tile_in_passes(const Int8Rows& x, int64_t k, const uint8_t*
         const int8_t* xm = xg + m * kBlock;
         // Two chains of int16 pair sums, joined before madd: int16 addition is exact here, so the order of
         // the 8 pair sums does not change the block's sum.
-        __m256i a = _mm256_maddubs_epi16(w[0], inputs_in_every_lane(xm));
-        __m256i b1 = _mm256_maddubs_epi16(w[1], inputs_in_every_lane(xm + 4));
+        __m256i even = _mm256_maddubs_epi16(w[0], inputs_in_every_lane(xm));
+        __m256i odd = _mm256_maddubs_epi16(w[1], inputs_in_every_lane(xm + 4));
         for (int q = 2; q < 8; q += 2) {
-          a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[q], inputs_in_every_lane(xm + 4 * q)));
-          b1 = _mm256_add_epi16(b1, _mm256_maddubs_epi16(w[q + 1], inputs_in_every_lane(xm + 4 * q + 4)));
+          even = _mm256_add_epi16(even, _mm256_maddubs_epi16(w[q], inputs_in_every_lane(xm + 4 * q)));
+          odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(w[q + 1], inputs_in_every_lane(xm + 4 * q + 4)));
         }
-        _mm256_store_ps(sums[b][m], _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(a, b1), ones)));
+        _mm256_store_ps(sums[b][m], _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(even, odd), ones)));
       }
     }
     for (int m = 0; m < MT; ++m) {
