@@ -14,8 +14,10 @@ import torch
 
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import PLAIN
+from hspec.drafters.base import Drafter
+from hspec.drafters.step_cost import StepCost
 from hspec.metrics import merge_stats
-from hspec.models.loading import load_target
+from hspec.models.loading import Target, load_target
 from hspec.runtime import build_drafter
 from hspec.sampling import SamplingParams
 
@@ -25,7 +27,12 @@ WARM_UP_TOKENS = 8  # untimed tokens each method decodes before the timed runs
 def run_demo(target_name: str, drafter_kinds: Sequence[str], K: int, max_new_tokens: int,
              prompts: Sequence[str], dtype: str = "auto") -> int:
     started = time.perf_counter()
-    target = load_target(target_name, dtype=dtype)
+    return demo_on(load_target(target_name, dtype=dtype), drafter_kinds, K, max_new_tokens, prompts, started)
+
+
+def demo_on(target: Target, drafter_kinds: Sequence[str], K: int, max_new_tokens: int, prompts: Sequence[str],
+            started: float) -> int:
+    """`run_demo` on a loaded target; `started`: the perf_counter the run's total time counts from."""
     kinds = [PLAIN, *[k for k in drafter_kinds if k != PLAIN]]
     decoders = {kind: SpeculativeDecoder(target.model, build_drafter(kind, target, K=K),
                                          K, target.tokenizer.eos_token_ids) for kind in kinds}
@@ -64,5 +71,20 @@ def run_demo(target_name: str, drafter_kinds: Sequence[str], K: int, max_new_tok
         rate = tokens[kind] / decode_s[kind]
         speedup = decode_s[PLAIN] / decode_s[kind]
         print(f"{kind:<{width}} {mal:>6.2f} {drafted:>8} {rate:>8.1f} {speedup:>7.2f}x")
+    costs = {kind: cost for kind in kinds if (cost := step_cost_in(decoders[kind].drafter)) is not None}
+    if costs:
+        each = [f"{kind} a draft {cost.draft:.2f}, each verified token {cost.per_token:.2f}"
+                for kind, cost in costs.items()]
+        print("\nthis machine's step costs, in 1-token decodes (what `:auto` drafts by): " + "; ".join(each))
     print(f"\nall outputs identical to plain greedy decoding ({time.perf_counter() - started:.0f} s in all)")
     return 0
+
+
+def step_cost_in(drafter: Drafter) -> StepCost | None:
+    """The step costs a cost-aware drafter decides by, found through its wrappers (None: it has none)."""
+    while drafter is not None:
+        cost = getattr(drafter, "cost", None)
+        if isinstance(cost, StepCost):
+            return cost
+        drafter = getattr(drafter, "model", None)
+    return None
