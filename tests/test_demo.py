@@ -5,10 +5,7 @@ from __future__ import annotations
 import time
 
 from conftest import load_tiny
-from hspec.demo import demo_on, step_cost_in
-from hspec.drafters.cost_aware import CostAwareDrafter
-from hspec.drafters.ngram.drafter import NgramDrafter
-from hspec.drafters.step_cost import StepCost
+from hspec.demo import demo_on
 
 
 def test_the_demo_prints_each_method_and_the_costs_auto_decides_by(tiny_dirs, tmp_path, monkeypatch, capsys):
@@ -22,9 +19,3 @@ def test_the_demo_prints_each_method_and_the_costs_auto_decides_by(tiny_dirs, tm
     assert "ngram:auto a draft" in costs and costs.count("a draft") == 1  # plain n-gram decides by no costs
     assert "all outputs identical to plain greedy decoding" in out
 
-
-def test_step_cost_in_finds_the_costs_through_wrappers(tiny_target):
-    cost = StepCost(draft=0.5, per_token=0.2, per_token_key=0.0)
-    ngram = NgramDrafter(tiny_target.config)
-    assert step_cost_in(CostAwareDrafter(ngram, tiny_target.config.vocab_size, cost)) is cost
-    assert step_cost_in(ngram) is None

@@ -14,8 +14,7 @@ import torch
 
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters import PLAIN
-from hspec.drafters.base import Drafter
-from hspec.drafters.step_cost import StepCost
+from hspec.drafters.cost_aware import CostAwareDrafter
 from hspec.metrics import merge_stats
 from hspec.models.loading import Target, load_target
 from hspec.runtime import build_drafter
@@ -71,7 +70,7 @@ def demo_on(target: Target, drafter_kinds: Sequence[str], K: int, max_new_tokens
         rate = tokens[kind] / decode_s[kind]
         speedup = decode_s[PLAIN] / decode_s[kind]
         print(f"{kind:<{width}} {mal:>6.2f} {drafted:>8} {rate:>8.1f} {speedup:>7.2f}x")
-    costs = {kind: cost for kind in kinds if (cost := step_cost_in(decoders[kind].drafter)) is not None}
+    costs = {kind: dec.drafter.cost for kind, dec in decoders.items() if isinstance(dec.drafter, CostAwareDrafter)}
     if costs:
         each = [f"{kind} a draft {cost.draft:.2f}, each verified token {cost.per_token:.2f}"
                 for kind, cost in costs.items()]
@@ -79,12 +78,3 @@ def demo_on(target: Target, drafter_kinds: Sequence[str], K: int, max_new_tokens
     print(f"\nall outputs identical to plain greedy decoding ({time.perf_counter() - started:.0f} s in all)")
     return 0
 
-
-def step_cost_in(drafter: Drafter) -> StepCost | None:
-    """The step costs a cost-aware drafter decides by, found through its wrappers (None: it has none)."""
-    while drafter is not None:
-        cost = getattr(drafter, "cost", None)
-        if isinstance(cost, StepCost):
-            return cost
-        drafter = getattr(drafter, "model", None)
-    return None
