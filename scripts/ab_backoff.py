@@ -2,12 +2,12 @@
 
 `scripts/simulate_backoff.py` chooses the back-off on modelled step costs; this measures it. One H-Spec drafter
 (the shipped one) sits behind two `CostAwareDrafter`s: "default", with this machine's step costs (measured once
-and cached) and the default `Backoff`; "other", with another back-off (`--other`, default the old 1,2,32) and the
-same costs unless `--other-cost` gives others (e.g. those an earlier way of measuring them found). Per item plain
+and cached) and the default `Backoff`; "other", with another back-off (`--other`, default the old 1,2,32 without the
+cold rule) and the same costs unless `--other-cost` gives others (e.g. those an earlier way of measuring them found). Per item plain
 decoding and both run in turn (the order reversed every other item), every output checked equal to plain's;
 speed is decode-phase tokens per second over plain's, per task.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/ab_backoff.py [--size 24] [--other 1,2,32]
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/ab_backoff.py [--size 24] [--other 1,2,32,0]
         [--other-cost DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]]]
         [--out results/adaptive_length/backoff_ab]
 """
@@ -38,7 +38,8 @@ TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=24, help="items a task (hspec eval's --size)")
-    parser.add_argument("--other", default="1,2,32", help="FIRST,GROWTH,MOST of the back-off compared")
+    parser.add_argument("--other", default="1,2,32,0", help="FIRST,GROWTH,MOST[,COLD] of the back-off compared "
+                        "(`Backoff`; COLD defaults to the default back-off's)")
     parser.add_argument("--other-cost", default=None, help="the other rule's step costs in 1-token decodes, "
                         "DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]] (default: the default rule's)")
     parser.add_argument("--dtype", default="w4a8")
@@ -47,7 +48,7 @@ def main() -> int:
     try:
         other = Backoff(*(int(x) for x in args.other.split(",")))
     except (TypeError, ValueError) as error:
-        parser.error(f"--other takes FIRST,GROWTH,MOST, three integers, got {args.other!r} ({error})")
+        parser.error(f"--other takes FIRST,GROWTH,MOST[,COLD], three or four integers, got {args.other!r} ({error})")
     try:
         other_cost = None if args.other_cost is None else StepCost.parse(args.other_cost, "--other-cost")
     except ValueError as error:
@@ -94,6 +95,13 @@ def main() -> int:
     return 0
 
 
+def _backoff_words(backoff: dict) -> str:
+    """A `Backoff`'s fields in words (results written before `Backoff.cold` have none: no cold rule)."""
+    cold = backoff.get("cold", 0)
+    return (f"skip {backoff['first']}, x{backoff['growth']}, at most {backoff['most']}"
+            + (f", {cold} while the row's drafting never paid" if cold else ", no cold rule"))
+
+
 def markdown(payload: dict) -> str:
     settings = payload["provenance"]["settings"]
     d, o = settings["default"], settings["other"]
@@ -101,8 +109,8 @@ def markdown(payload: dict) -> str:
     lines = ["# `hspec:auto` with two rules against plain decoding, one process\n",
              provenance_markdown(payload["provenance"]),
              f"\nDecode-phase speed over plain decoding, the same items interleaved (greedy, K <= 7, w4a8, every "
-             f"output equal to plain's). default: skip {d['first']}, x{d['growth']}, at most {d['most']}; other: "
-             f"skip {o['first']}, x{o['growth']}, at most {o['most']}. Step costs (1-token decodes): "
+             f"output equal to plain's). default: {_backoff_words(d)}; other: {_backoff_words(o)}. "
+             "Step costs (1-token decodes): "
              + ("the same for both" if costs[0] == costs[1] else
                 "; ".join(f"{name} draft {c['draft']:.3f}, per token {c['per_token']:.3f}, first token "
                           f"{c['first_token']:.3f}" for name, c in zip(("default", "other"), costs))) + ".\n",

@@ -54,8 +54,11 @@ from hspec.sampling import SamplingParams  # noqa: E402
 TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
 K = 7
 MAX_NEW_TOKENS = 128
-GRID = {"first": (1, 2, 3, 4, 6), "growth": (2, 3, 4, 6, 8), "most": (32, 64, 128)}
-SHOWN = 10  # back-offs in the table besides the default and the old one
+GRID = {"first": (1, 2, 4, 8, 16), "growth": (2, 4, 6, 8), "most": (32, 64, 128), "cold": (0, 32, 64, 128)}
+SHOWN = 10  # back-offs in the table besides the default and the earlier ones
+# Earlier defaults, marked in the table: before the cold rule (`Backoff.cold`) and the first one.
+EARLIER = {"before cold": {"first": 2, "growth": 6, "most": 128, "cold": 0},
+           "old": {"first": 1, "growth": 2, "most": 32, "cold": 0}}
 
 
 class Recorder(WrappingDrafter):
@@ -208,9 +211,9 @@ def main() -> int:
             for name, items in item_sets().items()}
     checked = check(target, args.drafter, rows["eval"], cost)
     results = []
-    for first, growth, most in itertools.product(*GRID.values()):
+    for first, growth, most, cold in itertools.product(*GRID.values()):
         if first <= most:
-            backoff = Backoff(first, growth, most)
+            backoff = Backoff(first, growth, most, cold)
             results.append({"backoff": vars(backoff),
                             **{name: speeds(r, lambda row, b=backoff: replay(row, cost, b, charge, tax)[0])
                                for name, r in rows.items()}})
@@ -234,32 +237,34 @@ def main() -> int:
 
 def markdown(payload: dict) -> str:
     settings = payload["provenance"]["settings"]
-    default, old = vars(Backoff()), {"first": 1, "growth": 2, "most": 32}
+    default = vars(Backoff())
     shown = payload["results"][:SHOWN]
-    shown += [r for r in payload["results"] if r["backoff"] in (default, old) and r not in shown]
+    shown += [r for r in payload["results"] if r["backoff"] in (default, *EARLIER.values()) and r not in shown]
     lines = [f"# `{settings['drafter']}:auto`'s back-off replayed on recorded proposals\n",
              provenance_markdown(payload["provenance"]),
              "\nPredicted speed over plain decoding (plain steps over the replayed steps' costs in decodes, "
              f"greedy, K = {K}, at most {MAX_NEW_TOKENS} new tokens; the costs: settings' step_cost, and where the "
              "settings name `charged`, each step charged those and their surcharge `tax` instead). A back-off: "
-             "skip `first` steps after drafting did not pay, `growth` times the last skip after each further "
-             "time, at most `most`. Sorted by the worst task on `dev`; the default and the old back-off "
-             "(1, 2, 32) are marked.\n",
+             "while none of a row's drafting has paid yet, skip `cold` steps each time drafting does not pay (0: no "
+             "such rule); after, skip `first` steps after drafting did not pay, `growth` times the last skip after "
+             "each further time, at most `most`. Sorted by the worst task on `dev`; the default and the earlier "
+             "ones (" + "; ".join(f"{name}: {', '.join(map(str, b.values()))}" for name, b in EARLIER.items())
+             + ") are marked.\n",
              "Replay checked against the real `:auto` run (the same drafts verified at every step): "
              + ", ".join(f"{c['item']} ({c['steps']} steps) {'same' if c['same_lengths'] else 'DIFFERENT'}"
                          for c in payload["check"]) + "\n",
-             "| first | growth | most | set | " + " | ".join(TASKS) + " | all | worst |",
-             "|---|---|---|---|" + "---|" * (len(TASKS) + 2)]
+             "| first | growth | most | cold | set | " + " | ".join(TASKS) + " | all | worst |",
+             "|---|---|---|---|---|" + "---|" * (len(TASKS) + 2)]
     for r in shown:
         b = r["backoff"]
-        mark = " (default)" if b == default else " (old)" if b == old else ""
+        mark = " (default)" if b == default else next((f" ({n})" for n, e in EARLIER.items() if b == e), "")
         for name in ("dev", "eval"):
             s = r[name]
-            lines.append(f"| {b['first']}{mark} | {b['growth']} | {b['most']} | {name} | "
+            lines.append(f"| {b['first']}{mark} | {b['growth']} | {b['most']} | {b['cold']} | {name} | "
                          + " | ".join(f"{s[t]:.3f}" for t in TASKS)
                          + f" | {s['all']:.3f} | {min(s[t] for t in TASKS):.3f} |")
     for name, s in payload["oracle"].items():
-        lines.append(f"| oracle | | | {name} | " + " | ".join(f"{s[t]:.3f}" for t in TASKS)
+        lines.append(f"| oracle | | | | {name} | " + " | ".join(f"{s[t]:.3f}" for t in TASKS)
                      + f" | {s['all']:.3f} | {min(s[t] for t in TASKS):.3f} |")
     lines.append("\nThe oracle knows, at every step, how many drafts the target will accept: it runs the drafter only "
                  "where verifying exactly those pays against a plain step (`oracle`). What separates a rule from it "

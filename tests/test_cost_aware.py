@@ -95,9 +95,10 @@ def test_a_longer_context_drafts_less():
 
 def test_rows_that_do_not_pay_back_off_and_the_drafter_skips_them():
     # seq 10 pays (sure drafts, cheap verify); seq 11 never does: it is probed after 1, 2, 4, 4, ... skipped steps
+    # (no cold rule: the growing skips from its first probe)
     model = _ConfidentDrafter(16, {10: [0.9] * 4, 11: [0.01] * 4})
     drafter = CostAwareDrafter(model, 16, StepCost(draft=0.2, per_token=0.05, per_token_key=0.0),
-                               Backoff(first=1, growth=2, most=4))
+                               Backoff(first=1, growth=2, most=4, cold=0))
     batch = _batch(2)
     drafted = []
     for _ in range(14):
@@ -110,22 +111,40 @@ def test_rows_that_do_not_pay_back_off_and_the_drafter_skips_them():
     assert drafter.kind == "confident-test:auto"
 
 
-def test_by_default_a_row_that_never_pays_skips_2_then_12_72_and_128_steps():
-    model = _ConfidentDrafter(16, {10: [0.01] * 4})
-    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.2, per_token=0.05, per_token_key=0.0))
-    steps = []
-    for step in range(250):
+def _probes(drafter: CostAwareDrafter, model: _ConfidentDrafter, steps: int, start: int = 0) -> list[int]:
+    """The steps start..start + steps - 1 at which the model drafted for sequence 10."""
+    probed = []
+    for step in range(start, start + steps):
         calls = len(model.calls)
         drafter.propose(_batch(1), K=4)
         if len(model.calls) > calls:
-            steps.append(step)
-    assert steps == [0, 3, 16, 89, 218]
+            probed.append(step)
+    return probed
 
 
-@pytest.mark.parametrize("first, growth, most", [(0, 2, 8), (4, 2, 2), (1, 0, 8)])
-def test_a_backoff_that_cannot_work_is_refused_with_its_values(first, growth, most):
-    with pytest.raises(ValueError, match=f"first={first}, growth={growth}, most={most}"):
-        Backoff(first=first, growth=growth, most=most)
+def test_by_default_a_row_whose_drafting_never_paid_probes_once_every_129_steps():
+    model = _ConfidentDrafter(16, {10: [0.01] * 4})
+    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.2, per_token=0.05, per_token_key=0.0))
+    assert _probes(drafter, model, 300) == [0, 129, 258]
+    assert not drafter._rows[10].paid
+
+
+def test_by_default_a_row_whose_drafting_paid_once_skips_2_then_12_72_and_128_steps():
+    model = _ConfidentDrafter(16, {10: [0.9] * 4})
+    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.2, per_token=0.05, per_token_key=0.0))
+    assert _probes(drafter, model, 3) == [0, 1, 2]  # sure drafts pay: the row drafts every step
+    model.confidence[10] = [0.01] * 4  # from step 3 its drafts stop paying
+    assert _probes(drafter, model, 250, start=3) == [3, 6, 19, 92, 221]
+    state = drafter.carried_state(10)  # through a preemption the row keeps that its drafting once paid
+    drafter.release(10)
+    drafter.restore_carried_state(10, state)
+    assert drafter._rows[10].paid
+
+
+@pytest.mark.parametrize("first, growth, most, cold", [(0, 2, 8, 0), (4, 2, 2, 0), (1, 0, 8, 0), (1, 2, 8, -1)])
+def test_a_backoff_that_cannot_work_is_refused_with_its_values(first, growth, most, cold):
+    with pytest.raises(ValueError, match=f"first={first}, growth={growth}, most={most}, cold={cold}"):
+        Backoff(first=first, growth=growth, most=most, cold=cold)
 
 
 def test_a_batch_where_every_row_backs_off_runs_no_drafter():
@@ -140,7 +159,7 @@ def test_a_batch_where_every_row_backs_off_runs_no_drafter():
 
 def test_the_backoff_follows_a_row_through_a_preemption_and_is_forgotten_on_release():
     model = _ConfidentDrafter(16, {10: [0.01] * 3})
-    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.5, per_token=0.1, per_token_key=0.0))
+    drafter = CostAwareDrafter(model, 16, StepCost(draft=0.5, per_token=0.1, per_token_key=0.0), Backoff(cold=0))
     batch = _batch(1)
     for _ in range(2):  # the probe, then the first of the 2 steps it skips
         drafter.propose(batch, K=3)
@@ -189,7 +208,8 @@ def test_a_row_backing_off_the_model_still_drafts_by_lookup():
     from hspec.drafters.lookup_first import LookupFirstDrafter
 
     model = _ConfidentDrafter(16, {10: [0.01] * 4})
-    drafter = CostAwareDrafter(LookupFirstDrafter(model, 16), 16, StepCost(draft=0.5, per_token=0.05, per_token_key=0))
+    drafter = CostAwareDrafter(LookupFirstDrafter(model, 16), 16, StepCost(draft=0.5, per_token=0.05, per_token_key=0),
+                               Backoff(cold=0))
     no_match, match = _batch(1), replace(_batch(1), tokens=[[5, 6, 7, 5]])
     drafter.propose(no_match, K=4)  # the model's probe: it does not pay, so the row skips the next 2 steps
     assert len(model.calls) == 1 and drafter._rows[10].skip == 2

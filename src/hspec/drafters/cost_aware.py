@@ -31,15 +31,19 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
    verified then depends on a_1..a_k, which depend on d_1..d_{k-1} and earlier steps only
    (`Proposal.confidence`), and on the record, never on d_k or the drafts after it.
 3. When even the best n emits less than 1 token per decode's cost, drafting did not pay for this row:
-   it skips its next steps, 2 at first, six times as many each time drafting again does not pay (2, 12,
-   72), at most 128 (`Backoff`); a step that pays resets it. So a drafter that never pays costs four probes
-   in a row's first 90 steps and one every 129 after, and one that pays on some stretches of text drafts
-   there. Rows a drafter drafts for free (prompt lookup's matches) draft in any case and leave the back-off
-   alone. Why these numbers: each probe costs a whole draft (about 0.7 of a decode for H-Spec under a w4a8
-   target on a 2-core CPU) and, where drafting does not pay, wins ~0.3 tokens; a back-off that doubled from
-   1 spent 5-6% of a 128-token answer on its probes. Simulated on 80 Spec-Bench items outside `hspec eval`'s
-   (`scripts/simulate_backoff.py`, `results/adaptive_length/backoff_sim/`), growing the skip sixfold from 2
-   kept more of every task's speed than doubling from 1, math and RAG, where drafting pays, included.
+   it skips its next steps (`Backoff`). A row whose drafting has never paid skips 128 steps each time (it
+   probes once every 129 steps); once some step of the row has paid, it skips 2 steps at first, six times
+   as many each time drafting again does not pay (2, 12, 72), at most 128, and a step that pays resets
+   that. So a drafter that never pays for a row costs it one probe every 129 steps, and one that pays on
+   some stretches of a row's text drafts there and looks again soon after a stretch ends. Rows a drafter
+   drafts for free (prompt lookup's matches) draft in any case and leave the back-off alone. Why these
+   numbers: each probe costs a whole draft (about 0.7 of a decode for H-Spec under a w4a8 target on a
+   2-core CPU) and, where drafting does not pay, wins ~0.3 tokens. Replayed on 80 Spec-Bench items outside
+   `hspec eval`'s (`scripts/simulate_backoff.py`, `results/adaptive_length/backoff_sim/`), growing the skip
+   sixfold from 2 kept more of every task's speed than doubling from 1; and a row whose first probes did not
+   pay rarely paid later in a 128-token answer, so such a row probing once every 129 steps instead of four
+   times in its first 90 raised the worst task's predicted speed by 1-2% on both CPUs' step costs, math,
+   where drafting pays, keeping its gain (`backoff_sim/zen1/`, `backoff_sim/zen1_records_xeon_costs/`).
 
 Losslessness is untouched: how many drafts a row verifies, and whether it drafts at all, depends only on
 that row's own earlier steps, its drafts before the one in question and their confidences, never on this
@@ -67,20 +71,26 @@ LOOKUP_MATCH_BUCKETS = 3  # lookup drafts judged by a record per match length: 1
 
 @dataclass(frozen=True)
 class Backoff:
-    """How many steps a row skips drafting after drafting did not pay (module docstring, step 3): `first`
-    after the first such step, `growth` times the last skip after each further one, never more than `most`."""
+    """How many steps a row skips drafting after drafting did not pay (module docstring, step 3): while none of
+    the row's drafting has paid yet, `cold` steps each time (0: no such rule, the skips below from the start);
+    after, `first` after the first such step, `growth` times the last skip after each further one, never more
+    than `most`."""
 
     first: int = 2
     growth: int = 6
     most: int = 128
+    cold: int = 128
 
     def __post_init__(self) -> None:
-        if not (1 <= self.first <= self.most and self.growth >= 1):
-            raise ValueError(f"a back-off needs 1 <= first <= most and growth >= 1, got first={self.first}, "
-                             f"growth={self.growth}, most={self.most}")
+        if not (1 <= self.first <= self.most and self.growth >= 1 and self.cold >= 0):
+            raise ValueError(f"a back-off needs 1 <= first <= most, growth >= 1 and cold >= 0, got first="
+                             f"{self.first}, growth={self.growth}, most={self.most}, cold={self.cold}")
 
-    def after(self, skip: int) -> int:
-        """The next skip after a skip of `skip` steps (0: none yet)."""
+    def after(self, skip: int, paid: bool = True) -> int:
+        """The next skip after a skip of `skip` steps (0: none yet), for a row whose drafting has (`paid`) or has
+        not yet paid on some step."""
+        if self.cold and not paid:
+            return self.cold
         return min(max(self.first, self.growth * skip), self.most)
 
 
@@ -170,12 +180,13 @@ def lookup_bucket(match_length: int) -> int:
 @dataclass
 class RowState:
     """What the rule keeps for one row: its place in the back-off of step 3 (steps still to skip, the length
-    of the last skip), its records of the model's drafts and of drafts without a confidence (step 2; those per
+    of the last skip, whether some step of it has paid), its records of the model's drafts and of drafts without a confidence (step 2; those per
     `lookup_bucket`), and this step's verified drafts with their confidences (None: drafts without one) and
     lookup bucket until `commit` tells the verdict."""
 
     skip: int = 0
     backoff: int = 0
+    paid: bool = False  # some step of this row drafted at a rate that paid
     model: Record = field(default_factory=Record)
     lookup: dict[int, Record] = field(default_factory=dict)
     pending: tuple[int, list[float] | None, int] | None = None
@@ -190,9 +201,9 @@ class RowState:
     def after_draft(self, rate: float, backoff: Backoff) -> None:
         """Update the back-off after a step that drafted at `rate` tokens per decode's cost."""
         if rate >= 1.0:
-            self.backoff = 0
+            self.backoff, self.paid = 0, True
         else:
-            self.backoff = backoff.after(self.backoff)
+            self.backoff = backoff.after(self.backoff, self.paid)
             self.skip = self.backoff
 
     def choose(self, confidence: Sequence[float], keys: int, cost: StepCost, backoff: Backoff) -> int:
@@ -222,7 +233,7 @@ class RowState:
         self.pending = None
 
     def copy(self) -> RowState:
-        return RowState(self.skip, self.backoff, self.model.copy(),
+        return RowState(self.skip, self.backoff, self.paid, self.model.copy(),
                         {bucket: record.copy() for bucket, record in self.lookup.items()}, self.pending)
 
 
