@@ -2,10 +2,10 @@
 
 `scripts/simulate_backoff.py` chooses the back-off on modelled step costs; this measures it. One H-Spec drafter
 (the shipped one) sits behind two `CostAwareDrafter`s: "default", with this machine's step costs (measured once
-and cached) and the default `Backoff`; "other", with another back-off (`--other`, default the old 1,2,32 without the
-cold rule) and the same costs unless `--other-cost` gives others (e.g. those an earlier way of measuring them found). Per item plain
-decoding and both run in turn (the order reversed every other item), every output checked equal to plain's;
-speed is decode-phase tokens per second over plain's, per task.
+and cached) and the default `Backoff`; "other", with another back-off (`--other`, default the old 1,2,32 without
+the cold rule) and the same costs unless `--other-cost` gives others (e.g. those an earlier way of measuring them
+found). Per item plain decoding and both run in turn (the order reversed every other item), every output checked
+equal to plain's; speed is decode-phase tokens per second over plain's, per task.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/ab_backoff.py [--size 24] [--other 1,2,32,0]
         [--other-cost DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]]]

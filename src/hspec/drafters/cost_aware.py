@@ -180,9 +180,9 @@ def lookup_bucket(match_length: int) -> int:
 @dataclass
 class RowState:
     """What the rule keeps for one row: its place in the back-off of step 3 (steps still to skip, the length
-    of the last skip, whether some step of it has paid), its records of the model's drafts and of drafts without a confidence (step 2; those per
-    `lookup_bucket`), and this step's verified drafts with their confidences (None: drafts without one) and
-    lookup bucket until `commit` tells the verdict."""
+    of the last skip, whether some step of it has paid), its records of the model's drafts and of drafts
+    without a confidence (step 2; those per `lookup_bucket`), and this step's verified drafts with their
+    confidences (None: drafts without one) and lookup bucket until `commit` tells the verdict."""
 
     skip: int = 0
     backoff: int = 0
@@ -220,8 +220,8 @@ class RowState:
         tokens; 0: not said) to verify, by the row's record of such drafts after matches of that length (module
         docstring, step 2), the drafts kept pending until `record` tells their verdict. Free drafts: no back-off."""
         bucket = lookup_bucket(match_length)
-        record = self.lookup.setdefault(bucket, Record())
-        n, _ = best_draft_length(record.estimates(limit), keys, cost, record.estimates(K))
+        outlook = self.lookup.setdefault(bucket, Record()).estimates(K)  # estimates(limit) is its first `limit`
+        n, _ = best_draft_length(outlook[:limit], keys, cost, outlook)
         self.pending = (n, None, bucket) if n else None
         return n
 
@@ -295,11 +295,11 @@ class CostAwareDrafter(RowStateDrafter):
                           | {row for row, f in zip(skipping, free) if f})
         for state in states:
             state.pending = None
-        tokens = torch.zeros((B, K), dtype=torch.long, device=device)  # (B, K); rows that skip: padding
         num_drafts = [0] * B
         if not drafting:  # nobody drafts: a plain decode step, verified against an empty draft
             probs = torch.zeros((1, 1, 1), dtype=torch.float32, device=device).expand(B, K, self.vocab_size)
-            return Proposal(tokens, probs, torch.zeros(B, dtype=torch.long, device=device))
+            return Proposal(torch.zeros((B, K), dtype=torch.long, device=device), probs,
+                            torch.zeros(B, dtype=torch.long, device=device))
         drafted = self.model.propose(batch if len(drafting) == B else batch.select(drafting), K)
         limits = [K] * len(drafting) if drafted.num_drafts is None else drafted.num_drafts.tolist()
         confidence = None if drafted.confidence is None else drafted.confidence.float().tolist()
@@ -317,6 +317,7 @@ class CostAwareDrafter(RowStateDrafter):
             tokens, probs = drafted.draft_tokens, drafted.draft_probs
         else:
             index = torch.tensor(drafting, dtype=torch.long, device=device)
+            tokens = torch.zeros((B, K), dtype=torch.long, device=device)  # (B, K); rows that skip: padding
             tokens[index] = drafted.draft_tokens
             probs = None  # (B, K, V), or None for one-hot drafts: the skipping rows' padding is never verified
             if drafted.draft_probs is not None:
