@@ -242,12 +242,14 @@ def test_batched_equals_one_by_one_when_sampling(tiny_target, kind):
 
 # The sampled-distribution test costs 12-45 s a kind here. The ablations and the wrappers' second settings
 # share every sampling path with a kind in the default suite; they and the costliest kinds (dels, dfly, dspark,
-# dflash2: 23-45 s each) run with `-m slow`, which CI runs too, so that the default suite stays under 15 minutes.
-# Every kind is tested in one suite or the other.
+# dflash2: 23-45 s each; specblock, 35 s, whose sampled trees test_specblock.py and test_specblock_tree_verify.py
+# also check in the default suite; peagle, 21 s, a chain drafter like hspec and dflash) run with `-m slow`, which
+# CI runs too, so that the default suite stays under 15 minutes. Every kind is tested in one suite or the other.
 ABLATIONS = ("hspec-kvreuse-only", "hspec-lasttoken-only", "hspec-nomarkov", "mamba-only", "attention-only",
              "dflash-kvreuse")
 SAMPLED_IN_SLOW = (*ABLATIONS, "peagle+ngram", "hspec+ngram:0.1", "dflash:0.07", "random-test:0.05", "dels", "dfly",
-                   "dspark", "dflash2", "hspec+ngram:auto", "dflash:auto", "ngram:auto", "dflash:tree")
+                   "dspark", "dflash2", "hspec+ngram:auto", "dflash:auto", "ngram:auto", "dflash:tree", "specblock",
+                   "peagle")
 
 
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SAMPLED_IN_SLOW else k
