@@ -86,7 +86,7 @@ class Backoff:
             raise ValueError(f"a back-off needs 1 <= first <= most, growth >= 1 and cold >= 0, got first="
                              f"{self.first}, growth={self.growth}, most={self.most}, cold={self.cold}")
 
-    def after(self, skip: int, paid: bool = True) -> int:
+    def after(self, skip: int, paid: bool) -> int:
         """The next skip after a skip of `skip` steps (0: none yet), for a row whose drafting has (`paid`) or has
         not yet paid on some step."""
         if self.cold and not paid:
