@@ -18,4 +18,3 @@ def test_the_demo_prints_each_method_and_the_costs_auto_decides_by(tiny_dirs, tm
     costs = next(line for line in out.splitlines() if line.startswith("this machine's step costs"))
     assert "ngram:auto a draft" in costs and costs.count("a draft") == 1  # plain n-gram decides by no costs
     assert "all outputs identical to plain greedy decoding" in out
-

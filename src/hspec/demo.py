@@ -77,4 +77,3 @@ def demo_on(target: Target, drafter_kinds: Sequence[str], K: int, max_new_tokens
         print("\nthis machine's step costs, in 1-token decodes (what `:auto` drafts by): " + "; ".join(each))
     print(f"\nall outputs identical to plain greedy decoding ({time.perf_counter() - started:.0f} s in all)")
     return 0
-
