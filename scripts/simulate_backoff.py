@@ -16,7 +16,7 @@ other items (every third); a back-off is chosen on `dev` by its worst task, and 
 
     .venv/bin/python scripts/simulate_backoff.py [--drafter hspec] [--dtype w4a8]
         [--step-cost-from results/adaptive_length/size24_pair/eval_spec_bench_tasks_k7_greedy_w4a8_t2.json]
-        [--records runs/backoff_sim] [--out results/adaptive_length/backoff_sim]
+        [--max-new-tokens 128] [--records runs/backoff_sim] [--out results/adaptive_length/backoff_sim]
         [--charge-from results/adaptive_length/size24/fit_step_costs.json]
 
 `--charge-from` charges each step what `scripts/fit_step_costs.py`'s joint fit of an evaluation found a step
@@ -85,9 +85,14 @@ def item_sets() -> dict[str, list[tuple[str, object]]]:
     return sets
 
 
-def record(target, drafter_kind: str, items, path: Path) -> list[dict]:
-    """Each item's output and per-position proposals, from `path` where recorded before."""
+def record(target, drafter_kind: str, items, path: Path, max_new_tokens: int = MAX_NEW_TOKENS) -> list[dict]:
+    """Each item's output (at most `max_new_tokens`) and per-position proposals, from `path` where recorded before
+    (rows without a `max_new_tokens` field were recorded at 128)."""
     done = {row["item"]: row for row in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+    other = {row.get("max_new_tokens", 128) for row in done.values()} - {max_new_tokens}
+    if other:
+        raise SystemExit(f"{path} holds records of at most {sorted(other)} new tokens, not {max_new_tokens}: "
+                         "give --records a folder of its own for each length")
     recorder = Recorder(build_drafter(drafter_kind, target))
     decoder = SpeculativeDecoder(target.model, recorder, K, target.tokenizer.eos_token_ids)
     rows = []
@@ -95,8 +100,9 @@ def record(target, drafter_kind: str, items, path: Path) -> list[dict]:
         if item.id not in done:
             prompt = target.tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}])
             recorder.steps = []
-            output = decoder.generate([prompt], SamplingParams(), MAX_NEW_TOKENS).sequences[0]
-            done[item.id] = {"task": task, "item": item.id, "tokens": output.token_ids, "steps": recorder.steps}
+            output = decoder.generate([prompt], SamplingParams(), max_new_tokens).sequences[0]
+            done[item.id] = {"task": task, "item": item.id, "max_new_tokens": max_new_tokens,
+                             "tokens": output.token_ids, "steps": recorder.steps}
             with path.open("a") as f:
                 f.write(json.dumps(done[item.id]) + "\n")
             print(f"recorded {path.stem} {number}/{len(items)} {item.id}", flush=True)
@@ -170,7 +176,8 @@ def speeds(rows: list[dict], cost_of) -> dict[str, float]:
     return out
 
 
-def check(target, drafter_kind: str, rows: list[dict], cost: StepCost) -> list[dict]:
+def check(target, drafter_kind: str, rows: list[dict], cost: StepCost, max_new_tokens: int = MAX_NEW_TOKENS
+          ) -> list[dict]:
     """The first recorded item of each task drafted by the real `KIND:auto`: the same lengths as the replay?"""
     drafter = build_drafter(f"{drafter_kind}:auto", target, step_cost=cost)
     decoder = SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids)
@@ -179,7 +186,7 @@ def check(target, drafter_kind: str, rows: list[dict], cost: StepCost) -> list[d
         row = next(row for row in rows if row["task"] == task)
         item = next(item for item in load_task(task, 24).items if item.id == row["item"])
         prompt = target.tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}])
-        real = decoder.generate([prompt], SamplingParams(), MAX_NEW_TOKENS).sequences[0].num_drafted
+        real = decoder.generate([prompt], SamplingParams(), max_new_tokens).sequences[0].num_drafted
         same = list(real) == replay(row, cost, Backoff())[1]
         out.append({"item": row["item"], "steps": len(real), "same_lengths": same})
     return out
@@ -194,11 +201,16 @@ def main() -> int:
                         help="a results JSON whose provenance settings hold the step costs of DRAFTER:auto")
     parser.add_argument("--step-cost", type=StepCost.parse, help="the costs themselves (`--step-cost` form); "
                         "overrides --step-cost-from")
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                        help=f"the most tokens an answer gets (default {MAX_NEW_TOKENS}; records of another length "
+                        "need a --records folder of their own)")
     parser.add_argument("--records", type=Path, default=Path("runs/backoff_sim"))
     parser.add_argument("--out", type=Path, default=Path("results/adaptive_length/backoff_sim"))
     parser.add_argument("--charge-from", type=Path, default=None,
                         help="a fit_step_costs.json whose joint fit each step is charged by (module docstring)")
     args = parser.parse_args()
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     charge, tax = (None, 0.0) if args.charge_from is None else charged_from(args.charge_from)
     cost = args.step_cost
     if cost is None:
@@ -207,9 +219,9 @@ def main() -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     target = load_target(None, dtype=args.dtype)
     args.records.mkdir(parents=True, exist_ok=True)
-    rows = {name: record(target, args.drafter, items, args.records / f"{name}.jsonl")
+    rows = {name: record(target, args.drafter, items, args.records / f"{name}.jsonl", args.max_new_tokens)
             for name, items in item_sets().items()}
-    checked = check(target, args.drafter, rows["eval"], cost)
+    checked = check(target, args.drafter, rows["eval"], cost, args.max_new_tokens)
     results = []
     for first, growth, most, cold in itertools.product(*GRID.values()):
         if first <= most:
@@ -219,7 +231,7 @@ def main() -> int:
                                for name, r in rows.items()}})
     results.sort(key=lambda r: (-min(r["dev"][task] for task in TASKS), -r["dev"]["all"]))
     bound = {name: speeds(r, lambda row: oracle(row, charge or cost, tax)) for name, r in rows.items()}
-    settings = {"drafter": args.drafter, "dtype": args.dtype, "K": K, "max_new_tokens": MAX_NEW_TOKENS,
+    settings = {"drafter": args.drafter, "dtype": args.dtype, "K": K, "max_new_tokens": args.max_new_tokens,
                 "step_cost": cost.to_dict(), "items": {name: len(r) for name, r in rows.items()},
                 "grid": GRID, "threads": torch.get_num_threads(),
                 **({} if charge is None else {"charged": {**charge.to_dict(), "tax": tax},
@@ -228,6 +240,8 @@ def main() -> int:
                + (f"--step-cost {args.step_cost}" if args.step_cost else f"--step-cost-from {args.step_cost_from}"))
     if args.charge_from is not None:
         command += f" --charge-from {args.charge_from}"
+    if args.max_new_tokens != MAX_NEW_TOKENS:
+        command += f" --max-new-tokens {args.max_new_tokens} --records {args.records} --out {args.out}"
     payload = {"provenance": provenance(command, settings), "check": checked, "results": results, "oracle": bound}
     out, stem = (args.out, "backoff_sim") if charge is None else (args.charge_from.parent, "backoff_sim_charged")
     json_path, md_path = write_results(out, stem, payload, markdown(payload))
@@ -243,12 +257,13 @@ def markdown(payload: dict) -> str:
     lines = [f"# `{settings['drafter']}:auto`'s back-off replayed on recorded proposals\n",
              provenance_markdown(payload["provenance"]),
              "\nPredicted speed over plain decoding (plain steps over the replayed steps' costs in decodes, "
-             f"greedy, K = {K}, at most {MAX_NEW_TOKENS} new tokens; the costs: settings' step_cost, and where the "
-             "settings name `charged`, each step charged those and their surcharge `tax` instead). A back-off: "
-             "while none of a row's drafting has paid yet, skip `cold` steps each time drafting does not pay (0: no "
-             "such rule); after, skip `first` steps after drafting did not pay, `growth` times the last skip after "
-             "each further time, at most `most`. Sorted by the worst task on `dev`; the default and the earlier "
-             "ones (" + "; ".join(f"{name}: {', '.join(map(str, b.values()))}" for name, b in EARLIER.items())
+             f"greedy, K = {K}, at most {settings['max_new_tokens']} new tokens; the costs: settings' step_cost, "
+             "and where the settings name `charged`, each step charged those and their surcharge `tax` instead). "
+             "A back-off: while none of a row's drafting has paid yet, skip `cold` steps each time drafting does "
+             "not pay (0: no such rule); after, skip `first` steps after drafting did not pay, `growth` times the "
+             "last skip after each further time, at most `most`. Sorted by the worst task on `dev`; the default "
+             "and the earlier ones ("
+             + "; ".join(f"{name}: {', '.join(map(str, b.values()))}" for name, b in EARLIER.items())
              + ") are marked.\n",
              "Replay checked against the real `:auto` run (the same drafts verified at every step): "
              + ", ".join(f"{c['item']} ({c['steps']} steps) {'same' if c['same_lengths'] else 'DIFFERENT'}"
