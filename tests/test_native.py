@@ -19,7 +19,8 @@ import torch
 
 from hspec.cache.paged_pool import pages_for
 from hspec.models import native as native_module
-from hspec.models.native import NativeDecoderStack, build_extension
+from hspec.models.loading import read_config
+from hspec.models.native import NativeDecoderStack
 
 
 class _Counting:
@@ -135,21 +136,47 @@ def test_a_deep_copy_binds_the_copys_weights(tiny_dirs):
     assert copied.native.extension is model.native.extension
 
 
-def test_a_stack_that_cannot_be_built_warns_and_the_python_layers_run(tiny_dirs, tmp_path, monkeypatch):
-    from conftest import load_tiny
+# A child process: with the decoder stack's source broken (argv[1]) and built in a folder of its own (argv[3]),
+# building it warns and returns None, and a bf16 target (argv[2]) loads with the Python layers, which decode. A
+# child, because torch's loader remembers each extension's source within a process: a broken one built here
+# would make the next load of the real stack in this process build it again under a new version (~30 s), and
+# every later process once more. The CPU kernels load first from the usual folder (built there already).
+_BROKEN_CHILD = """
+import os, sys, warnings
+from pathlib import Path
+import torch
+from conftest import load_tiny
+from hspec.cache.paged_pool import pages_for
+from hspec.models import native
+native.load_kernels()
+native._SOURCE = Path(sys.argv[1])
+os.environ["TORCH_EXTENSIONS_DIR"] = sys.argv[3]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert native.build_extension() is None
+    model = load_tiny(Path(sys.argv[2]), dtype="bfloat16").model
+messages = [str(w.message) for w in caught]
+assert any("native decoder stack could not be built" in m for m in messages), messages
+assert any("Python layers run instead" in m for m in messages), messages
+assert model.native is None
+pool = model.new_pool(num_pages=pages_for(5, 16))
+pool.add_sequence(0)
+with torch.inference_mode():
+    model.prefill(torch.tensor([[3, 4, 5, 6]]), pool, [0], last_logits_only=True)
+    print(tuple(model(torch.tensor([[7]]), pool, [0]).logits.shape))
+"""
 
+
+def test_a_stack_that_cannot_be_built_warns_and_the_python_layers_run(tiny_dirs, tmp_path):
     broken = tmp_path / "decoder_stack.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(native_module, "_SOURCE", broken)
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
-    with pytest.warns(UserWarning, match="native decoder stack could not be built"):
-        assert build_extension() is None
-    with pytest.warns(UserWarning, match="Python layers run instead"):
-        model = load_tiny(tiny_dirs["llama"], dtype="bfloat16").model
-    assert model.native is None
-    pool = _prefilled(model, [3, 4, 5, 6], 4)
-    with torch.inference_mode():
-        assert model(torch.tensor([[7]]), pool, [0]).logits.shape == (1, 1, model.config.vocab_size)
+    src = Path(native_module.__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(Path(__file__).parent)])}
+    child = subprocess.run([sys.executable, "-c", _BROKEN_CHILD, str(broken), str(tiny_dirs["llama"]),
+                            str(tmp_path / "extensions")], env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    vocab = read_config(tiny_dirs["llama"]).vocab_size
+    assert child.stdout.strip().splitlines()[-1] == str((1, 1, vocab))
 
 
 def test_fits_names_what_the_stack_runs(tiny_dirs):
