@@ -231,16 +231,19 @@ def test_max_new_tokens_inside_a_block(tiny_target):
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_batched_equals_one_by_one_when_sampling(tiny_target, kind):
-    """Per-row generators make each row's draws independent of who else is in the batch."""
+    """Per-row generators make each row's draws independent of who else is in the batch; a row whose prompt
+    came before takes a copy of that prefill (`DecodeStages.prefill_copy`), and with the same seed it emits
+    what that row emits."""
     prompts = [tiny_target.tokenizer.encode_prompt(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.8, top_p=0.9)
     decoder = _decoder(tiny_target, _make(kind, tiny_target), 4)
-    batched = decoder.generate(prompts, params, 25, seeds=[11, 12, 13]).sequences
+    batched = decoder.generate([*prompts, prompts[0], prompts[2]], params, 25, seeds=[11, 12, 13, 11, 13]).sequences
     singles = [decoder.generate([p], params, 25, seeds=[s]).sequences[0] for p, s in zip(prompts, [11, 12, 13])]
-    assert [s.token_ids for s in batched] == [s.token_ids for s in singles]
+    assert [s.token_ids for s in batched] == [s.token_ids for s in singles + [singles[0], singles[2]]]
 
 
-# The sampled-distribution test costs 12-45 s a kind here. The ablations and the wrappers' second settings
+# The sampled-distribution test costs 4-15 s a kind here (its 4,000 rows share one prefill; 12-45 s when each
+# ran its own). The ablations and the wrappers' second settings
 # share every sampling path with a kind in the default suite; they and the costliest kinds (dels, dfly, dspark,
 # dflash2: 23-45 s each; specblock, 35 s, whose sampled trees test_specblock.py and test_specblock_tree_verify.py
 # also check in the default suite; peagle, 21 s, a chain drafter like hspec and dflash) run with `-m slow`, which

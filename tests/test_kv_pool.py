@@ -131,6 +131,41 @@ def test_a_pool_returns_what_was_written_and_a_transposed_one_hands_out_k_transp
         assert pool.k.is_contiguous()
 
 
+@pytest.mark.parametrize("transposed_k", [True, False])
+def test_a_copied_sequence_holds_the_sources_kv_in_every_layer_on_pages_of_its_own(transposed_k):
+    pool = PagedKVPool(2, num_kv_heads=3, head_dim=8, num_pages=8, page_size=4, num_drafter_layers=1,
+                       transposed_k=transposed_k)
+    pool.add_sequence(0)
+    slots = pool.extend([0], 6)
+    written = [torch.randn(2, 1, 6, 3, 8) for _ in range(3)]
+    for layer, (k, v) in enumerate(written):  # both target layers and the drafter's
+        pool.write(layer, slots, k, v)
+    pool.copy_sequence(0, 1)
+    assert pool.length(1) == 6 and pool.num_free_pages == 4
+    assert not set(pool.slot_table([1]).slots[0].tolist()) & set(slots[0].tolist())
+    for layer, (k, v) in enumerate(written):
+        keys, values = pool.gather(layer, pool.slot_table([1]))
+        assert torch.equal(keys, k) and torch.equal(values, v)
+    pool.free(0)  # the copy owns its pages
+    assert torch.equal(pool.gather(2, pool.slot_table([1]))[0], written[2][0])
+    pool.add_sequence(2)
+    pool.copy_sequence(2, 3)  # an empty sequence copies to an empty one
+    assert pool.length(3) == 0
+
+
+def test_a_copy_the_pool_cannot_hold_or_onto_a_held_id_changes_nothing():
+    pool = PagedKVPool(1, 1, 4, num_pages=3, page_size=4)
+    pool.add_sequence(0)
+    pool.extend([0], 8)
+    with pytest.raises(PoolFullError, match="need 2 pages to copy sequence 0, 1 free"):
+        pool.copy_sequence(0, 1)
+    with pytest.raises(ValueError, match="sequence 0 is already in the pool"):
+        pool.copy_sequence(0, 0)
+    assert pool.sequence_ids() == [0] and pool.num_free_pages == 1
+    with pytest.raises(KeyError, match="sequence 5"):
+        pool.copy_sequence(5, 6)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("kernels", [True, False])
 def test_a_target_pool_is_bf16_where_hspecs_kernel_reads_it_and_transposed_where_attention_is_row_invariant(

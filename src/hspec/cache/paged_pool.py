@@ -221,6 +221,25 @@ class PagedKVPool:
                          for t in range(start, start + num_new)])
         return torch.tensor(rows, dtype=torch.long, device=self.k.device)
 
+    def copy_sequence(self, source: int, dest: int) -> None:
+        """Add `dest` holding a copy of `source`'s positions: pages of its own, every layer's K/V copied.
+
+        All-or-nothing like `extend`: where the pool cannot hold the copy, raises PoolFullError and adds nothing.
+        """
+        length = self._lengths[self._check(source)]
+        if dest in self._lengths:
+            raise ValueError(f"sequence {dest} is already in the pool")
+        if pages_for(length, self.page_size) > len(self._free_pages):
+            raise PoolFullError(f"pool full: need {pages_for(length, self.page_size)} pages to copy sequence "
+                                f"{source}, {len(self._free_pages)} free")
+        self.add_sequence(dest)
+        if not length:
+            return
+        into = self.extend([dest], length)[0]  # (S,)
+        start = self.slot_table([source]).slots[0]  # (S,)
+        for cache in (self.k, self.v):  # (L_all, slots, Hkv, D) each
+            cache.index_copy_(1, into, cache.index_select(1, start))
+
     def truncate(self, seq_id: int, new_length: int) -> None:
         """Roll `seq_id` back to its first `new_length` positions and free pages no longer needed."""
         length = self._lengths[self._check(seq_id)]

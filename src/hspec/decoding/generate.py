@@ -12,12 +12,14 @@ which the serving engine shares):
 
 Plain decoding is the same loop with the `none` drafter (K = 0): every step verifies [x0] alone.
 This loop runs a fixed batch to completion; `hspec.serving.engine` runs the same stages with
-requests joining and leaving between steps.
+requests joining and leaving between steps. Rows with the same prompt (n samples of one prompt) run its
+prefill once; the others take a copy of it (`DecodeStages.prefill_copy`), with the same bits.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from hspec.cache.paged_pool import PagedKVPool, pages_for
-from hspec.decoding.step import DecodeStages, SequenceOutput, stop_prefix_length
+from hspec.decoding.step import DecodeStages, Prefilled, SequenceOutput, stop_prefix_length
 from hspec.drafters.base import Drafter
 from hspec.metrics import AcceptanceStats, acceptance_stats, merge_stats
 from hspec.models.llama import TargetModel
@@ -126,8 +128,17 @@ class SpeculativeDecoder:
         # they started: every sequence this call added is released.
         try:
             start = time.perf_counter()
+            repeated = {prompt for prompt, count in Counter(map(tuple, prompts)).items() if count > 1}
+            kept: dict[tuple[int, ...], Prefilled] = {}  # a repeated prompt's first prefill, which the others copy
             for i, prompt in enumerate(prompts):
-                logits = stages.prefill(pool, seq_ids[i], prompt)
+                key = tuple(prompt)
+                if key in kept:
+                    logits = stages.prefill_copy(pool, seq_ids[i], kept[key])
+                else:
+                    done = stages.prefill_and_keep(pool, seq_ids[i], prompt)
+                    logits = done.logits
+                    if key in repeated:
+                        kept[key] = done
                 token = stages.first_token(logits, sampling_all.select([i]), generators[i])
                 histories[i].append(token)
                 stages.emit(outputs[i], [token], max_new_tokens, stop)

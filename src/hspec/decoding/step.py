@@ -4,7 +4,8 @@
 so a caller chooses which sequences take part in each step:
 
 - `prefill`:  run a sequence's context into the pool (its first turn, or a recompute after
-              preemption) and give the drafter the hidden states of every position;
+              preemption) and give the drafter the hidden states of every position; `prefill_copy`
+              gives another sequence of the same tokens a copy of it without running the target again;
 - `first_token`: draw the first anchor x0 from the prefill's last logits;
 - `step`:     for a batch of running sequences, 1. draft, 2. verify, 3. commit/rollback, with ragged
               acceptance per row (`step_tree` when the drafter drafts token trees, `proposes_tree`);
@@ -47,6 +48,16 @@ class SequenceOutput:
     finish_reason: str | None = None  # "eos", "length" or "stop"
     num_accepted: list[int] = field(default_factory=list)
     num_drafted: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What a prefill gave one sequence, kept so that a sequence of the same tokens can take a copy of it
+    (`DecodeStages.prefill_copy`) instead of running the target again."""
+
+    seq_id: int
+    logits: torch.Tensor  # (1, V) the last position's
+    hidden: torch.Tensor | None  # (1, T, n_sel, H) the hidden states the drafter committed; None without layers
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,11 @@ class DecodeStages:
         a prompt's prefill (`TargetModel.prefill`) and the rest as decoding did, so a
         recompute writes the K/V bits the sequence had before it was preempted.
         """
+        return self.prefill_and_keep(pool, seq_id, tokens, prompt_length).logits
+
+    def prefill_and_keep(self, pool: PagedKVPool, seq_id: int, tokens: Sequence[int],
+                         prompt_length: int | None = None) -> Prefilled:
+        """`prefill`, returning what `prefill_copy` needs to repeat it for another sequence."""
         n = len(tokens) if prompt_length is None else prompt_length
         if not 0 < n <= len(tokens):
             raise ValueError(f"prompt_length must be in 1..{len(tokens)} (the tokens to prefill), got {n}")
@@ -114,7 +130,16 @@ class DecodeStages:
             out = self.target(ids[:, n:], pool, [seq_id], layers, last_logits_only=True)
             hidden = None if hidden is None else torch.cat([hidden, out.hidden], dim=1)  # (1, T, n_sel, H)
         self.drafter.commit(pool, [seq_id], hidden, torch.tensor([len(tokens)], device=self.device))
-        return out.logits[:, -1]
+        return Prefilled(seq_id, out.logits[:, -1], hidden)
+
+    def prefill_copy(self, pool: PagedKVPool, seq_id: int, source: Prefilled) -> torch.Tensor:
+        """`prefill` of `seq_id` with the tokens `source` was prefilled with, without running the target: the
+        pool copies its K/V and the drafter commits the same hidden states, so the sequence holds the bits its
+        own prefill would give it (a prefill's bits depend on its tokens alone). `source`'s sequence must not
+        have moved on since. Returns the last position's logits, (1, V)."""
+        pool.copy_sequence(source.seq_id, seq_id)
+        self.drafter.commit(pool, [seq_id], source.hidden, torch.tensor([pool.length(seq_id)], device=self.device))
+        return source.logits
 
     def first_token(self, logits: torch.Tensor, sampling: SamplingBatch, generator: torch.Generator) -> int:
         """Draw x0 from the prefill's last logits (1, V) with one uniform of the row's generator."""
