@@ -19,7 +19,7 @@ from conftest import load_tiny
 from hspec.drafters.common import kv_layer_of, select_target_layers
 from hspec.models.loading import resolve_device
 from hspec.training import run as train_run
-from hspec.training.features import OnlineFeatures, compute_features
+from hspec.training.features import OnlineFeatures, compute_features, compute_features_batch
 from hspec.training.store import FeatureStore, FeatureStores
 from hspec.training.trainer import TrainConfig
 
@@ -71,6 +71,30 @@ def test_online_features_are_the_targets_and_ordered_like_the_cache(tmp_path, ti
         torch.testing.assert_close(feats.hidden, stored.hidden, rtol=1e-2, atol=1e-2)  # bf16 in the cache
         for layer in kv_layers:
             torch.testing.assert_close(feats.kv[layer][0], stored.kv[layer][0], rtol=2e-3, atol=2e-3)  # fp16
+
+
+def test_a_steps_sequences_computed_in_one_forward_are_each_computed_alone(tiny_target, corpora):
+    """`compute_features_batch` pads sequences of several lengths to the longest and cuts them back: what each
+    gets equals its own forward to float32 rounding; `OnlineFeatures.load_many` returns them in the order asked,
+    a sequence asked twice computed once."""
+    layers, kv_layers = _layers(tiny_target)
+    online = OnlineFeatures(corpora, tiny_target.model, "tiny", layers, kv_layers)
+    records = online.records[:4]
+    assert len({len(r["prompt_ids"] + r["response_ids"]) for r in records}) > 1
+    batch = compute_features_batch(tiny_target.model, [(r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]))
+                                                       for r in records], layers, kv_layers)
+    for record, feats in zip(records, batch):
+        alone = compute_features(tiny_target.model, record["prompt_ids"] + record["response_ids"],
+                                 len(record["prompt_ids"]), layers, kv_layers)
+        assert torch.equal(feats.tokens, alone.tokens) and feats.prompt_length == alone.prompt_length
+        for ours, theirs in [(feats.hidden, alone.hidden), (feats.final_hidden, alone.final_hidden),
+                             *[(feats.kv[x][i], alone.kv[x][i]) for x in kv_layers for i in (0, 1)]]:
+            assert ours.shape == theirs.shape
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    many = online.load_many([2, 0, 2])
+    assert [f.tokens.shape[0] for f in many] == [online.lengths[2], online.lengths[0], online.lengths[2]]
+    assert many[0] is many[2] and many[0].target_lse is not None  # one forward, the teacher's summary added
+    torch.testing.assert_close(many[1].final_hidden, online.load(0).final_hidden, rtol=1e-5, atol=1e-5)
 
 
 def _cache(target, corpus, out_dir):

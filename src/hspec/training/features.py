@@ -11,7 +11,8 @@ For a training sequence (prompt + the target's response) the target runs once an
   runs once per sequence here instead of once per step and drafter kind (it was a quarter of a CPU step).
 
 `OnlineFeatures` computes them when training asks for a sequence instead of reading a cache: on a GPU
-the target's forward pass costs less than reading the cache back, and nothing is stored.
+the target's forward pass costs less than reading the cache back, and nothing is stored; a training step's
+sequences go through the target together (`compute_features_batch`).
 
 Legend: S sequence length, n_sel selected layers, H hidden, Hkv KV heads, D head dim, V vocab.
 """
@@ -118,26 +119,46 @@ def teacher_summary(model: TargetModel, final_hidden: torch.Tensor) -> tuple[tor
 def compute_features(model: TargetModel, tokens: Sequence[int], prompt_length: int, target_layers: Sequence[int],
                      kv_layers: Sequence[int], page_size: int = 64) -> SequenceFeatures:
     """Run the target over `tokens` once and keep what training needs (see module docstring)."""
+    return compute_features_batch(model, [(tokens, prompt_length)], target_layers, kv_layers, page_size)[0]
+
+
+@torch.no_grad()
+def compute_features_batch(model: TargetModel, sequences: Sequence[tuple[Sequence[int], int]],
+                           target_layers: Sequence[int], kv_layers: Sequence[int], page_size: int = 64
+                           ) -> list[SequenceFeatures]:
+    """`compute_features` for several (tokens, prompt_length) sequences in one target forward: each padded at
+    its end to the longest (a causal model's positions never see what follows them), then cut back to its own
+    length. On a GPU one forward of B sequences costs about what one of a sequence does (launches, not
+    arithmetic, set it); the values equal `compute_features`' to the products' rounding in a batch."""
+    if not sequences:
+        return []
     L = model.config.num_layers
     wanted = tuple(sorted(set(target_layers) | {L}))
-    ids = torch.tensor([list(tokens)], dtype=torch.long, device=model.embed_tokens.weight.device)
-    pool = model.new_pool(num_pages=pages_for(ids.shape[1], page_size), page_size=page_size)
-    pool.add_sequence(0)
-    out = model(ids, pool, [0], hidden_layers=wanted, last_logits_only=True)
-    by_layer = {layer: out.hidden[0, :, i] for i, layer in enumerate(wanted)}  # each (S, H)
-    table = pool.slot_table([0])
-    kv = {}
-    for layer in kv_layers:
-        k, v = pool.gather(layer, table)  # (1, S, Hkv, D) views into the temporary pool
-        kv[layer] = (k[0].to(pool.product_dtype, copy=True), v[0].to(pool.product_dtype, copy=True))
-    return SequenceFeatures(
-        tokens=ids[0].clone(),
-        prompt_length=prompt_length,
-        hidden=torch.stack([by_layer[layer] for layer in target_layers], dim=1).clone(),
-        target_layers=tuple(target_layers),
-        final_hidden=model.norm(by_layer[L]).clone(),
-        kv=kv,
-    )
+    lengths = [len(tokens) for tokens, _ in sequences]
+    longest = max(lengths)
+    device = model.embed_tokens.weight.device
+    ids = torch.zeros((len(sequences), longest), dtype=torch.long, device=device)  # (B, S_max), 0 after each end
+    for row, (tokens, _) in enumerate(sequences):
+        ids[row, :len(tokens)] = torch.tensor(list(tokens), dtype=torch.long)
+    pool = model.new_pool(num_pages=len(sequences) * pages_for(longest, page_size), page_size=page_size)
+    rows = list(range(len(sequences)))
+    for row in rows:
+        pool.add_sequence(row)
+    out = model(ids, pool, rows, hidden_layers=wanted, last_logits_only=True)  # hidden (B, S_max, n_wanted, H)
+    features = []
+    for row, (length, (_, prompt_length)) in enumerate(zip(lengths, sequences)):
+        by_layer = {layer: out.hidden[row, :length, i] for i, layer in enumerate(wanted)}  # each (S, H)
+        table = pool.slot_table([row])
+        kv = {}
+        for layer in kv_layers:
+            k, v = pool.gather(layer, table)  # (1, S_max, Hkv, D) views into the temporary pool
+            kv[layer] = (k[0, :length].to(pool.product_dtype, copy=True),
+                         v[0, :length].to(pool.product_dtype, copy=True))
+        features.append(SequenceFeatures(
+            tokens=ids[row, :length].clone(), prompt_length=prompt_length,
+            hidden=torch.stack([by_layer[layer] for layer in target_layers], dim=1).clone(),
+            target_layers=tuple(target_layers), final_hidden=model.norm(by_layer[L]).clone(), kv=kv))
+    return features
 
 
 class OnlineFeatures:
@@ -172,6 +193,16 @@ class OnlineFeatures:
         r = self.records[i]
         return compute_features(self.model, r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]),
                                 self.target_layers, self.kv_layers).with_teacher(self.model)
+
+    def load_many(self, indices: Sequence[int]) -> list[SequenceFeatures]:
+        """`load` of each of `indices`, in order, from one target forward over the distinct ones
+        (`compute_features_batch`): a training step's sequences at the cost of about one on a GPU."""
+        distinct = list(dict.fromkeys(indices))
+        records = [self.records[i] for i in distinct]
+        computed = compute_features_batch(self.model, [(r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]))
+                                                       for r in records], self.target_layers, self.kv_layers)
+        by_index = {i: f.with_teacher(self.model) for i, f in zip(distinct, computed)}
+        return [by_index[i] for i in indices]
 
     def tokens(self, i: int) -> torch.Tensor:
         """The token ids of sequence i, (S,) long, on the CPU."""

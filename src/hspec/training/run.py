@@ -189,7 +189,8 @@ def set_up_run(kind: str, target_name: str, features_dirs: list[Path], run_dir: 
         drafter.to(where)
     if hasattr(drafter, "set_log_prior"):  # DeLS-Spec's l_prior: unigram frequencies of the training tokens
         drafter.set_log_prior(_token_counts(store, train_ids, target.config.vocab_size))
-    trainer = Trainer(drafter, target.model, store.load, train_ids, config, rank, world)
+    trainer = Trainer(drafter, target.model, store.load, train_ids, config, rank, world,
+                      load_sequences=store.load_many if isinstance(store, OnlineFeatures) else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     start = 0
     if (run_dir / "state").exists():

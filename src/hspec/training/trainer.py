@@ -247,10 +247,14 @@ class Trainer:
     """Runs the recipe for one drafter over a list of sequence loaders."""
 
     def __init__(self, drafter: NeuralDrafter, target: TargetModel, load_sequence: Callable[[int], SequenceFeatures],
-                 train_ids: Sequence[int], config: TrainConfig, rank: int = 0, world_size: int = 1) -> None:
+                 train_ids: Sequence[int], config: TrainConfig, rank: int = 0, world_size: int = 1,
+                 load_sequences: Callable[[list[int]], list[SequenceFeatures]] | None = None) -> None:
+        """`load_sequence(i)` gives sequence i's features; `load_sequences(ids)`, where given, those of several at
+        once (`OnlineFeatures.load_many`: one target forward), which a step's and validation's batches take."""
         if not train_ids:
             raise ValueError("no training sequences")
         self.drafter, self.target, self.load_sequence = drafter, target, load_sequence
+        self.load_sequences = load_sequences
         # The target is frozen: without this a tied LM head would get a full-vocabulary weight gradient
         # every step (the target's distribution is computed from it), costing more than the drafter.
         target.requires_grad_(False)
@@ -272,6 +276,12 @@ class Trainer:
     def load(self, seq: int) -> SequenceFeatures:
         """Sequence `seq`'s features on the drafter's device, with the teacher's summary."""
         return self.load_sequence(seq).to(self.device).with_teacher(self.target)
+
+    def load_many(self, seqs: Sequence[int]) -> list[SequenceFeatures]:
+        """`load` of each of `seqs`, through `load_sequences` where the trainer has it."""
+        if self.load_sequences is None:
+            return [self.load(seq) for seq in seqs]
+        return [f.to(self.device).with_teacher(self.target) for f in self.load_sequences(list(seqs))]
 
     def sequences_for_step(self, step: int) -> list[tuple[int, int]]:
         """This process's (slot, sequence) pairs at `step`: one seeded draw for all ranks, sharded by rank.
@@ -335,11 +345,11 @@ class Trainer:
 
     def step_batch(self, step: int) -> Batch | None:
         """This process's blocks of `step`, one group per sequence (None: no sequence has an anchor)."""
-        feats, anchors, cod = [], [], []
-        for slot, seq in self.sequences_for_step(step):
+        chosen = self.sequences_for_step(step)
+        feats, anchors, cod = self.load_many([seq for _, seq in chosen]), [], []
+        for (slot, _), f in zip(chosen, feats):
             g = step_generator(self.config.seed, step, slot)
-            feats.append(self.load(seq))
-            anchors.append(sample_anchors(feats[-1], self.config.anchors_per_seq, g))
+            anchors.append(sample_anchors(f, self.config.anchors_per_seq, g))
             cod.append(g if self.config.cod_keep else None)  # draws after the anchors, from the same source
         if not any(a.numel() for a in anchors):
             return None
@@ -388,7 +398,7 @@ class Trainer:
         losses = []
         for start in range(0, len(val_ids), seqs_per_forward):
             seqs = val_ids[start:start + seqs_per_forward]
-            feats = [self.load(seq) for seq in seqs]
+            feats = self.load_many(seqs)
             anchors = [sample_anchors(f, anchors_per_seq, step_generator(self.config.seed, -1, seq))
                        for f, seq in zip(feats, seqs)]
             if not any(a.numel() for a in anchors):
