@@ -24,8 +24,10 @@
 #            6,144 blocks), peak learning rate, optimizer steps
 #   BENCH_BLOCKS [18432]  blocks per configuration of step 1 (0 skips it);  TESTS [1] (0 skips step 0)
 #   PIECE [16M]  the largest piece;  PYTHON [python3];  DEVICE [cuda]
-# Not yet at the paper's speed: with --corpus the target computes each sequence's features when a step loads it,
-# one sequence at a time (48 target forwards a step at 48 x 128); a batched feature pass is the next step.
+#   COMPILE [1]  0 runs the step eager (in the bench too): with DEVICE=cpu and small sizes the whole recipe runs
+#            on a CPU in minutes, which tests/test_gpu_recipe.py does to check its plumbing
+# With --corpus the target computes a step's features when the step loads its sequences, all of them in one
+# forward (`OnlineFeatures.load_many`: 1 target forward a step at 48 x 128, not 48).
 # Every step resumes when the script is rerun with the same WORK_DIR. Outputs: WORK_DIR/out/ (pieces,
 # SHA256SUMS and the line that puts each file together again).
 set -euo pipefail
@@ -48,6 +50,9 @@ TESTS=${TESTS:-1}
 PIECE=${PIECE:-16M}
 PYTHON=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
+COMPILE=${COMPILE:-1}
+compile_bench=off,on compile_train=(--compile-step)
+if [ "$COMPILE" = 0 ]; then compile_bench=off compile_train=(); fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 HSPEC="$PYTHON -m hspec.cli"
 mkdir -p "$WORK/data" "$WORK/results" "$WORK/out"
@@ -59,11 +64,15 @@ if [ "$TESTS" != 0 ]; then
   tail -3 "$WORK/results/gpu_tests.log"
 fi
 
-# 1. Throughput: today's step against the paper's, eager and compiled (round 0, the compile, is untimed).
+# 1. Throughput: today's step against the paper's, eager and compiled (round 0, the compile, is untimed); a
+#    round is a whole number of steps of both (the least common multiple of 64 and SEQS x ANCHORS blocks).
 if [ "$BENCH_BLOCKS" != 0 ] && [ ! -f "$WORK/results/train_throughput_gpu.md" ]; then
+  round=$((SEQS * ANCHORS)); a=$round; b=64
+  while [ "$b" != 0 ]; do t=$((a % b)); a=$b; b=$t; done
+  round=$((round * 64 / a))
   $HSPEC bench train --target "$TARGET" --device "$DEVICE" --features "$WORK/features/bench" --corpus "${CORPORA%%,*}" \
-    --seqs-per-step 4,"$SEQS" --anchors-per-seq 16,"$ANCHORS" --compile off,on --blocks "$BENCH_BLOCKS" \
-    --round-blocks $((SEQS * ANCHORS)) --out "$WORK/results" --name train_throughput_gpu \
+    --seqs-per-step 4,"$SEQS" --anchors-per-seq 16,"$ANCHORS" --compile "$compile_bench" --blocks "$BENCH_BLOCKS" \
+    --round-blocks "$round" --out "$WORK/results" --name train_throughput_gpu \
     >"$WORK/results/train_throughput_gpu.log" 2>&1 || echo "[gpu] bench train failed (see its log)"
 fi
 
@@ -80,8 +89,8 @@ start=(--draft-vocab 8192)  # a fresh drafter: the shipped drafter's vocabulary 
 if [ -n "$INIT" ]; then start=(--init-from "$INIT"); fi
 $HSPEC train --target "$TARGET" --drafter hspec --corpus "$corpora" --device "$DEVICE" "${start[@]}" \
   --seqs-per-step "$SEQS" --anchors-per-seq "$ANCHORS" --lr "$LR" --steps "$STEPS" \
-  --val-every $(((STEPS + 1) / 2)) --compile-step --out "$WORK/run" >"$WORK/results/train.log" 2>&1
-$HSPEC export-drafter "$WORK/run/drafter" "$WORK/export" --dtype bf16
+  --val-every $(((STEPS + 1) / 2)) "${compile_train[@]}" --out "$WORK/run" >"$WORK/results/train.log" 2>&1
+$HSPEC export-drafter "$WORK/run/drafter" "$WORK/export" --dtype bfloat16
 
 # 4. Pieces of at most $PIECE, with their sums and the command that joins each file again.
 cut_pieces() {  # cut_pieces FILE NAME
