@@ -22,7 +22,9 @@
 #            generation keeps its finished batches and resumes on a rerun)
 #   SEQS [48], ANCHORS [128], LR [6e-4], STEPS [300]  the step: sequences x anchors per sequence (the paper's
 #            6,144 blocks), peak learning rate, optimizer steps
-#   BENCH_BLOCKS [18432]  blocks per configuration of step 1 (0 skips it);  TESTS [1] (0 skips step 0)
+#   BENCH_BLOCKS [18432]  blocks per configuration of step 1 (0 skips it); BENCH_PRECISION [bf16-autocast]
+#            the bench's precision (fp32 where bf16 is software: a CPU without AVX512-BF16);  TESTS [1] (0 skips
+#            step 0)
 #   PIECE [16M]  the largest piece;  PYTHON [python3];  DEVICE [cuda]
 #   COMPILE [1]  0 runs the step eager (in the bench too): with DEVICE=cpu and small sizes the whole recipe runs
 #            on a CPU in minutes, which tests/test_gpu_recipe.py does to check its plumbing
@@ -46,6 +48,7 @@ ANCHORS=${ANCHORS:-128}
 LR=${LR:-6e-4}
 STEPS=${STEPS:-300}
 BENCH_BLOCKS=${BENCH_BLOCKS:-18432}
+BENCH_PRECISION=${BENCH_PRECISION:-bf16-autocast}
 TESTS=${TESTS:-1}
 PIECE=${PIECE:-16M}
 PYTHON=${PYTHON:-python3}
@@ -72,6 +75,7 @@ if [ "$BENCH_BLOCKS" != 0 ] && [ ! -f "$WORK/results/train_throughput_gpu.md" ];
   round=$((round * 64 / a))
   $HSPEC bench train --target "$TARGET" --device "$DEVICE" --features "$WORK/features/bench" --corpus "${CORPORA%%,*}" \
     --seqs-per-step 4,"$SEQS" --anchors-per-seq 16,"$ANCHORS" --compile "$compile_bench" --blocks "$BENCH_BLOCKS" \
+    --precision "$BENCH_PRECISION" \
     --round-blocks "$round" --out "$WORK/results" --name train_throughput_gpu \
     >"$WORK/results/train_throughput_gpu.log" 2>&1 || echo "[gpu] bench train failed (see its log)"
 fi
