@@ -30,14 +30,21 @@ def test_full_pool_raises_and_changes_nothing():
     assert pool.lengths([0, 1]) == [4, 4] and pool.num_free_pages == 1
 
 
-def test_bad_truncate_and_unknown_sequence():
-    pool = PagedKVPool(1, 1, 2, num_pages=2, page_size=2)
+def test_bad_truncate_bad_copy_and_unknown_sequence():
+    pool = PagedKVPool(1, 1, 2, num_pages=3, page_size=2)
     pool.add_sequence(0)
-    pool.extend([0], 2)
+    pool.extend([0], 4)
     with pytest.raises(ValueError, match="cannot truncate"):
-        pool.truncate(0, 3)
+        pool.truncate(0, 5)
     with pytest.raises(KeyError, match="sequence 5"):
         pool.length(5)
+    with pytest.raises(PoolFullError, match="need 2 pages to copy sequence 0, 1 free"):
+        pool.copy_sequence(0, 1)
+    with pytest.raises(ValueError, match="sequence 0 is already in the pool"):
+        pool.copy_sequence(0, 0)
+    with pytest.raises(KeyError, match="sequence 5"):
+        pool.copy_sequence(5, 6)
+    assert pool.sequence_ids() == [0] and pool.num_free_pages == 1  # no copy took a page or an id
 
 
 def test_capacity_from_budget_counts_drafter_layers():
@@ -151,19 +158,6 @@ def test_a_copied_sequence_holds_the_sources_kv_in_every_layer_on_pages_of_its_o
     pool.add_sequence(2)
     pool.copy_sequence(2, 3)  # an empty sequence copies to an empty one
     assert pool.length(3) == 0
-
-
-def test_a_copy_the_pool_cannot_hold_or_onto_a_held_id_changes_nothing():
-    pool = PagedKVPool(1, 1, 4, num_pages=3, page_size=4)
-    pool.add_sequence(0)
-    pool.extend([0], 8)
-    with pytest.raises(PoolFullError, match="need 2 pages to copy sequence 0, 1 free"):
-        pool.copy_sequence(0, 1)
-    with pytest.raises(ValueError, match="sequence 0 is already in the pool"):
-        pool.copy_sequence(0, 0)
-    assert pool.sequence_ids() == [0] and pool.num_free_pages == 1
-    with pytest.raises(KeyError, match="sequence 5"):
-        pool.copy_sequence(5, 6)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
