@@ -190,9 +190,7 @@ class OnlineFeatures:
         return list(range(len(self.records)))
 
     def load(self, i: int) -> SequenceFeatures:
-        r = self.records[i]
-        return compute_features(self.model, r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]),
-                                self.target_layers, self.kv_layers).with_teacher(self.model)
+        return self.load_many([i])[0]
 
     def load_many(self, indices: Sequence[int]) -> list[SequenceFeatures]:
         """`load` of each of `indices`, in order, from one target forward over the distinct ones
