@@ -87,9 +87,9 @@ def item_sets() -> dict[str, list[tuple[str, object]]]:
 
 def record(target, drafter_kind: str, items, path: Path, max_new_tokens: int = MAX_NEW_TOKENS) -> list[dict]:
     """Each item's output (at most `max_new_tokens`) and per-position proposals, from `path` where recorded before
-    (rows without a `max_new_tokens` field were recorded at 128)."""
+    (rows without a `max_new_tokens` field were recorded at the default, `MAX_NEW_TOKENS`)."""
     done = {row["item"]: row for row in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
-    other = {row.get("max_new_tokens", 128) for row in done.values()} - {max_new_tokens}
+    other = {row.get("max_new_tokens", MAX_NEW_TOKENS) for row in done.values()} - {max_new_tokens}
     if other:
         raise SystemExit(f"{path} holds records of at most {sorted(other)} new tokens, not {max_new_tokens}: "
                          "give --records a folder of its own for each length")
