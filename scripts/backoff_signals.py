@@ -25,7 +25,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from simulate_backoff import K, accepted_at, item_sets  # noqa: E402
+from simulate_backoff import MAX_NEW_TOKENS, K, accepted_at, item_sets  # noqa: E402
 
 from hspec.drafters.step_cost import StepCost  # noqa: E402
 from hspec.models.loading import load_target  # noqa: E402
@@ -92,14 +92,20 @@ def main() -> int:
     prompts = {item.id: tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}])
                for items in item_sets().values() for _, item in items}
     signals = tally(records, prompts, cost)
-    settings = {"records": str(args.records), "items": len(records), "K": K, "late_from": LATE,
+    lengths = [len(row["tokens"]) for row in records]
+    limit = max(row.get("max_new_tokens", MAX_NEW_TOKENS) for row in records)
+    answers = {"tokens_mean": sum(lengths) / len(lengths), "at_limit": sum(n >= limit for n in lengths),
+               "limit": limit}
+    settings = {"records": str(args.records), "items": len(records), "answers": answers, "K": K, "late_from": LATE,
                 "step_cost": cost.to_dict(), "step_cost_from": str(args.step_cost_from)}
     command = (f"python scripts/backoff_signals.py --records {args.records} --step-cost-from {args.step_cost_from} "
                f"--out {args.out}")
     payload = {"provenance": provenance(command, settings), "signals": signals}
     lines = ["# Where drafting pays, by what is known before and after drafting\n",
              provenance_markdown(payload["provenance"]),
-             f"\nEvery output position of the {len(records)} recorded items (not only the anchors a decoding visits): "
+             f"\nThe {len(records)} recorded answers: {answers['tokens_mean']:.1f} tokens on average, "
+             f"{answers['at_limit']} stopped at the limit of {limit}.\n",
+             f"Every output position of the {len(records)} recorded items (not only the anchors a decoding visits): "
              f"the share where H-Spec's drafts there pay (n >= 1 accepted and n + 1 tokens cost less than n + 1 "
              f"plain steps, by the settings' step costs) and the decodes that gains, per position. \"late\": "
              f"positions {LATE} and after.\n",
