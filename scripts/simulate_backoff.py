@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from hspec.data.tasks import load_task  # noqa: E402
 from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
 from hspec.drafters.base import DraftBatch, Proposal  # noqa: E402
-from hspec.drafters.cost_aware import Backoff, RowState  # noqa: E402
+from hspec.drafters.cost_aware import Backoff, RowState, outlook_pays  # noqa: E402
 from hspec.drafters.step_cost import StepCost  # noqa: E402
 from hspec.drafters.wrapping import WrappingDrafter  # noqa: E402
 from hspec.models.loading import load_target  # noqa: E402
@@ -130,15 +130,17 @@ def charged_from(path: Path) -> tuple[StepCost, float]:
                     first_token=joint["first_token"], draft_per_key=0.0), joint["tax"]
 
 
-def replay(row: dict, cost: StepCost, backoff: Backoff, charge: StepCost | None = None, tax: float = 0.0
-           ) -> tuple[float, list[int]]:
+def replay(row: dict, cost: StepCost, backoff: Backoff, charge: StepCost | None = None, tax: float = 0.0,
+           outlook: list[list[float]] | None = None, margin: float = 1.0) -> tuple[float, list[int]]:
     """The rule on one recorded item: its steps' summed cost (decodes) and drafts verified per step. The rule
-    decides by `cost`; each step is charged by `charge` (default `cost`) plus `tax`."""
+    decides by `cost`; each step is charged by `charge` (default `cost`) plus `tax`. `outlook`: per output
+    position an outlook's a_1..a_K (`Outlook.estimates`), which then decides whether a step drafts instead of
+    the back-off, as in `CostAwareDrafter` with an outlook of that `margin`."""
     steps = row["steps"]
     state, position, total, lengths = RowState(), 0, 0.0, []
     while position < len(steps):
         keys, _, confidence = steps[position]
-        drafted = state.takes_turn()
+        drafted = state.takes_turn() if outlook is None else outlook_pays(outlook[position], keys, cost, margin)
         state.pending = None
         n = state.choose(confidence, keys, cost, backoff) if drafted else 0
         accepted = accepted_at(row, position, n)

@@ -31,6 +31,7 @@ from hspec.drafters.cost_aware import CostAwareDrafter
 from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.hspec.native import native_propose_for
 from hspec.drafters.lookup_first import LookupFirstDrafter
+from hspec.drafters.outlook import Outlook, load_outlook
 from hspec.drafters.spec import parse_drafter_spec
 from hspec.drafters.step_cost import StepCost
 from hspec.models.dtype import cpu_has_native_bf16, drafter_int8
@@ -75,7 +76,8 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
             model = LookupFirstDrafter(model, target.config.vocab_size, trim_lookup=spec.confidence_floor is not None)
         if spec.adaptive_length:  # around everything: lookup rows too get their length by cost
             cost = step_cost or step_cost_of(model, target, K, path, precision, compiled)
-            model = CostAwareDrafter(model, target.config.vocab_size, cost)
+            outlook = None if random_weights else outlook_of(spec.base, target, path)
+            model = CostAwareDrafter(model, target.config.vocab_size, cost, outlook=outlook)
         return model
     cls = DRAFTERS.get(kind)
     if not cls.needs_target_model:
@@ -99,6 +101,14 @@ def build_drafter(kind: str, target: Target, path: str | Path | None = None, ran
     if drafter.kind != kind:
         raise ValueError(f"checkpoint {checkpoint} holds a {drafter.kind!r} drafter, not {kind!r}")
     return for_inference(drafter, target, compiled, precision)
+
+
+def outlook_of(kind: str, target: Target, path: str | Path | None = None) -> Outlook | None:
+    """The outlook (`drafters/outlook.py`) beside the checkpoint of trained kind `kind` (`path`, or the shipped
+    one), or None: a model-free kind, or a checkpoint without one."""
+    if not DRAFTERS.get(kind).needs_target_model:
+        return None
+    return load_outlook(Path(path) if path is not None else shipped_drafter_path(kind, target.name))
 
 
 def step_cost_of(drafter: Drafter, target: Target, K: int = COST_PROBE_K, path: str | Path | None = None,

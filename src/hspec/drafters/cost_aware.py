@@ -5,8 +5,11 @@ On a CPU neither the draft nor the verify is free: with the w4a8 target a propos
 drafter costs about a decode and a half, and each drafted token adds a tenth of a decode or more to the
 verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step, each row:
 
-1. If the row is backing off (below), it drafts nothing: its step verifies x0 alone, a plain decode, and
-   the drafter does not run for it.
+1. If the row is backing off (step 3), it drafts nothing: its step verifies x0 alone, a plain decode, and
+   the drafter does not run for it. Where the drafter ships an outlook (`drafters/outlook.py`: from the
+   target's hidden states at the row's last committed token, how far the drafts will be accepted), the
+   outlook decides instead of the back-off: the row drafts when the best length by the outlook's estimates
+   is expected to emit at least as many tokens per decode's cost as a plain step (`Outlook.margin`).
 2. Otherwise the drafter proposes K tokens with an estimate a_k that draft k is accepted given the drafts
    before it were: its confidence c_k (the largest probability of its distribution at k, before the sampling
    transform) where it reports one, scaled by the row's own record of how often it accepted the drafter's
@@ -62,6 +65,7 @@ import torch
 
 from hspec.cache.paged_pool import PagedKVPool
 from hspec.drafters.base import DraftBatch, Drafter, Proposal
+from hspec.drafters.outlook import Outlook
 from hspec.drafters.step_cost import StepCost
 from hspec.drafters.wrapping import WrappingDrafter
 
@@ -120,6 +124,12 @@ def best_draft_length(estimate: Sequence[float], keys: int, cost: StepCost,
         n, emitted, reach = n + 1, emitted_next, reach_next
         rate = emitted / costs[n]
     return n, rate
+
+
+def outlook_pays(outlook: Sequence[float], keys: int, cost: StepCost, margin: float = 1.0) -> bool:
+    """Whether a row whose outlook expects a_1..a_K (`Outlook.estimates`) drafts (module docstring, step 1): the
+    best draft length by them emits at least `margin` tokens per decode's cost, the draft's included."""
+    return best_draft_length(outlook, keys, cost)[1] >= margin
 
 
 @dataclass
@@ -182,7 +192,8 @@ class RowState:
     """What the rule keeps for one row: its place in the back-off of step 3 (steps still to skip, the length
     of the last skip, whether some step of it has paid), its records of the model's drafts and of drafts
     without a confidence (step 2; those per `lookup_bucket`), and this step's verified drafts with their
-    confidences (None: drafts without one) and lookup bucket until `commit` tells the verdict."""
+    confidences (None: drafts without one) and lookup bucket until `commit` tells the verdict; and, for an
+    outlook, the target's hidden states at its last committed token (len(layers), H), float32."""
 
     skip: int = 0
     backoff: int = 0
@@ -190,6 +201,7 @@ class RowState:
     model: Record = field(default_factory=Record)
     lookup: dict[int, Record] = field(default_factory=dict)
     pending: tuple[int, list[float] | None, int] | None = None
+    hidden: torch.Tensor | None = None  # replaced at each commit, never written in place
 
     def takes_turn(self) -> bool:
         """Whether the row may draft this step (it is not backing off); counts a skipped step down."""
@@ -234,7 +246,7 @@ class RowState:
 
     def copy(self) -> RowState:
         return RowState(self.skip, self.backoff, self.paid, self.model.copy(),
-                        {bucket: record.copy() for bucket, record in self.lookup.items()}, self.pending)
+                        {bucket: record.copy() for bucket, record in self.lookup.items()}, self.pending, self.hidden)
 
 
 class RowStateDrafter(WrappingDrafter):
@@ -269,14 +281,19 @@ class CostAwareDrafter(RowStateDrafter):
     """`model`'s proposals, each row verifying the number of drafts that pays most per step cost, and drafting
     nothing while it backs off after drafts that did not pay (module docstring)."""
 
-    def __init__(self, model: Drafter, vocab_size: int, cost: StepCost, backoff: Backoff = Backoff()) -> None:
+    def __init__(self, model: Drafter, vocab_size: int, cost: StepCost, backoff: Backoff = Backoff(),
+                 outlook: Outlook | None = None) -> None:
         if not model.drafts:
             raise ValueError(f"drafter {model.kind!r} drafts nothing; there is no draft length to choose")
+        if outlook is not None and tuple(outlook.layers) != tuple(model.target_layers):
+            raise ValueError(f"the outlook reads target layers {list(outlook.layers)}, but drafter {model.kind!r} "
+                             f"is handed layers {list(model.target_layers)}: an outlook belongs to its checkpoint")
         super().__init__(model)
         self.vocab_size = vocab_size
         self.cost = cost
         self.free_cost = replace(cost, draft=0.0, draft_per_key=0.0)  # a row drafted without the model
         self.backoff = backoff
+        self.outlook = outlook
         self.kind = f"{model.kind}:{ADAPTIVE_LENGTH}"
 
     @property
@@ -288,7 +305,7 @@ class CostAwareDrafter(RowStateDrafter):
         device = batch.anchor_tokens.device
         states = [self._rows.setdefault(s, RowState()) for s in batch.seq_ids]
         # A row backing off still drafts where the drafter drafts it without a model (a lookup match): free.
-        turns = [state.takes_turn() for state in states]
+        turns = [self._takes_turn(state, keys, K) for state, keys in zip(states, batch.pool.lengths(batch.seq_ids))]
         skipping = [row for row, turn in enumerate(turns) if not turn]
         free = self.model.free_rows(batch.select(skipping)) if skipping else []
         drafting = sorted({row for row, turn in enumerate(turns) if turn}
@@ -325,11 +342,22 @@ class CostAwareDrafter(RowStateDrafter):
                 probs[index] = drafted.draft_probs
         return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device))
 
+    def _takes_turn(self, state: RowState, keys: int, K: int) -> bool:
+        """Whether the row drafts this step (module docstring, step 1): by the outlook where there is one and
+        the row has committed a token, else by the back-off."""
+        if self.outlook is None or state.hidden is None:
+            return state.takes_turn()
+        return outlook_pays(self.outlook.estimates(state.hidden)[:K], keys, self.cost, self.outlook.margin)
+
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:
-        """After a step, each row that verified drafts adds the verdict to its record."""
-        for seq_id, committed in zip(seq_ids, num_committed.tolist()):
+        """After a step (or a prefill), each row that verified drafts adds the verdict to its record; with an
+        outlook, each row keeps the hidden states of its last committed token, hidden[b, num_committed[b] - 1]."""
+        for row, (seq_id, committed) in enumerate(zip(seq_ids, num_committed.tolist())):
             state = self._rows.get(seq_id)
             if state is not None:
                 state.record(committed - 1)  # committed = x0 + the accepted drafts
+            if self.outlook is not None and hidden is not None:
+                kept = hidden[row, committed - 1].to(torch.float32, copy=True)  # (len(layers), H)
+                self._rows.setdefault(seq_id, RowState()).hidden = kept
         super().commit(pool, seq_ids, hidden, num_committed)
