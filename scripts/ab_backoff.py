@@ -1,14 +1,16 @@
 """Two rules of `hspec:auto` (back-offs, step costs) measured against plain decoding in one process, item by item.
 
-`scripts/simulate_backoff.py` chooses the back-off on modelled step costs; this measures it. One H-Spec drafter
-(the shipped one) sits behind two `CostAwareDrafter`s: "default", with this machine's step costs (measured once
-and cached) and the default `Backoff`; "other", with another back-off (`--other`, default the old 1,2,32 without
-the cold rule) and the same costs unless `--other-cost` gives others (e.g. those an earlier way of measuring them
-found). Per item plain decoding and both run in turn (the order reversed every other item), every output checked
-equal to plain's; speed is decode-phase tokens per second over plain's, per task.
+`scripts/simulate_backoff.py` chooses the back-off on modelled step costs; this measures it. One H-Spec drafter (the
+shipped one) sits behind two `CostAwareDrafter`s: "default", with this machine's step costs (measured once and
+cached), the default `Backoff` and the drafter's outlook where it ships one (`hspec.drafters.outlook`); "other",
+with another back-off (`--other`, default the old 1,2,32 without the cold rule), no outlook unless `--other-outlook
+shipped`, and the same costs unless `--other-cost` gives others (e.g. those an earlier way of measuring them found).
+`--other 2,6,128,128` (the default back-off) measures the outlook alone. Per item plain decoding and both run in
+turn (the order reversed every other item), every output checked equal to plain's; speed is decode-phase tokens per
+second over plain's, per task.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/ab_backoff.py [--size 24] [--other 1,2,32,0]
-        [--other-cost DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]]]
+        [--other-outlook none|shipped] [--other-cost DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]]]
         [--out results/adaptive_length/backoff_ab]
 """
 
@@ -42,6 +44,8 @@ def main() -> int:
                         "(`Backoff`; COLD defaults to the default back-off's)")
     parser.add_argument("--other-cost", default=None, help="the other rule's step costs in 1-token decodes, "
                         "DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]] (default: the default rule's)")
+    parser.add_argument("--other-outlook", choices=("none", "shipped"), default="none",
+                        help="whether the other rule reads the drafter's shipped outlook too (default none)")
     parser.add_argument("--dtype", default="w4a8")
     parser.add_argument("--out", type=Path, default=Path("results/adaptive_length/backoff_ab"))
     args = parser.parse_args()
@@ -57,8 +61,9 @@ def main() -> int:
     target = load_target(None, dtype=args.dtype)
     auto = build_drafter("hspec:auto", target)
     methods = {"plain": build_drafter("none", target),
-               "default": CostAwareDrafter(auto.model, auto.vocab_size, auto.cost, Backoff()),
-               "other": CostAwareDrafter(auto.model, auto.vocab_size, other_cost or auto.cost, other)}
+               "default": CostAwareDrafter(auto.model, auto.vocab_size, auto.cost, Backoff(), auto.outlook),
+               "other": CostAwareDrafter(auto.model, auto.vocab_size, other_cost or auto.cost, other,
+                                         auto.outlook if args.other_outlook == "shipped" else None)}
     decoders = {name: SpeculativeDecoder(target.model, d, 7, target.tokenizer.eos_token_ids)
                 for name, d in methods.items()}
     greedy = SamplingParams()
@@ -84,9 +89,12 @@ def main() -> int:
         print(rows[-1], flush=True)
     settings = {"dtype": args.dtype, "K": 7, "max_new_tokens": 128, "size_per_task": args.size,
                 "default": vars(Backoff()), "other": vars(other), "step_cost": auto.cost.to_dict(),
+                "default_outlook": auto.outlook is not None,
+                "other_outlook": auto.outlook is not None and args.other_outlook == "shipped",
                 "other_step_cost": (other_cost or auto.cost).to_dict(),
                 "threads": torch.get_num_threads(), "load_average": _load_average()}
-    command = f"python scripts/ab_backoff.py --size {args.size} --other {args.other} --dtype {args.dtype}"
+    command = (f"python scripts/ab_backoff.py --size {args.size} --other {args.other} "
+               f"--other-outlook {args.other_outlook} --dtype {args.dtype}")
     if other_cost is not None:
         command += f" --other-cost {args.other_cost}"
     payload = {"provenance": provenance(command, settings), "results": rows}
@@ -95,8 +103,11 @@ def main() -> int:
     return 0
 
 
-def _backoff_words(backoff: dict) -> str:
-    """A `Backoff`'s fields in words (results written before `Backoff.cold` have none: no cold rule)."""
+def _rule_words(backoff: dict, outlook: bool) -> str:
+    """A rule in words: with an outlook, the outlook decides whether a row drafts; else its `Backoff`'s fields
+    (results written before `Backoff.cold` have none: no cold rule; before the outlook, no outlook)."""
+    if outlook:
+        return "the drafter's outlook deciding whether a row drafts"
     cold = backoff.get("cold", 0)
     return (f"skip {backoff['first']}, x{backoff['growth']}, at most {backoff['most']}"
             + (f", {cold} while the row's drafting never paid" if cold else ", no cold rule"))
@@ -109,7 +120,8 @@ def markdown(payload: dict) -> str:
     lines = ["# `hspec:auto` with two rules against plain decoding, one process\n",
              provenance_markdown(payload["provenance"]),
              f"\nDecode-phase speed over plain decoding, the same items interleaved (greedy, K <= 7, w4a8, every "
-             f"output equal to plain's). default: {_backoff_words(d)}; other: {_backoff_words(o)}. "
+             f"output equal to plain's). default: {_rule_words(d, settings.get('default_outlook', False))}; other: "
+             f"{_rule_words(o, settings.get('other_outlook', False))}. "
              "Step costs (1-token decodes): "
              + ("the same for both" if costs[0] == costs[1] else
                 "; ".join(f"{name} draft {c['draft']:.3f}, per token {c['per_token']:.3f}, first token "

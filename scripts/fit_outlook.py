@@ -1,20 +1,20 @@
 """Fit a drafter's outlook (`hspec.drafters.outlook`) on recorded decoding, and replay `KIND:auto` with it.
 
-The records are `scripts/simulate_backoff.py`'s (one greedy answer per Spec-Bench item with the drafter's K
-drafts at every output position; `dev`: items outside `hspec eval`'s, `eval`: its 24 a task). At each position
-the features are the target's hidden states at the last committed token, at the drafter's target layers, as
-decoding hands them to `commit` (the prompt's prefill, then the answer's tokens through the target's decode
-path: the same bits as one-by-one decoding, the kernels being row-invariant), cached beside the records; the
-label is how many of the K drafts there the target accepted.
+The records are `scripts/simulate_backoff.py`'s (one greedy answer per Spec-Bench item with the drafter's K drafts
+at every output position; `dev`: items outside `hspec eval`'s, `eval`: its 24 a task). At each position the features
+are the target's hidden states at the last committed token, at the drafter's target layers, as decoding hands them
+to `commit` (the prompt's prefill, then the answer's tokens through the target's decode path: the same bits as
+one-by-one decoding, the kernels being row-invariant), cached beside the records; the label is how many of the K
+drafts there the target accepted.
 
-The outlook is fitted on `dev` only: the L2 weight is chosen on half of `dev`'s items (every other one), by the
-predicted speed over all tasks of the replay on the other half with the first `--step-cost-from` costs, then the
-outlook is refitted on all of `dev`. Shown on both sets, each cost set, over the whole answers and over their
-first 128 positions (`hspec eval`'s answers): the replay's predicted speed over plain decoding per task for the
-back-off alone (the default `Backoff`) and with the outlook deciding, the oracle's bound, the outlook's AUC per
-draft position and its calibration (mean S_k against the share accepting at least k). The replay is checked
-against the real `KIND:auto` with the fitted outlook on the first `eval` item of each task (the same draft
-lengths at every step).
+The outlook is fitted on `dev` only: the L2 weight is chosen by two-fold cross-validation over `dev`'s items (every
+other one in a fold), by the replay's predicted speed over all tasks on the held-out fold with the first
+`--step-cost-from` costs, then the outlook is refitted on all of `dev`. Shown on both sets, each cost set, over the
+whole answers and over their first 128 positions (`hspec eval`'s answers): the replay's predicted speed over plain
+decoding per task for the back-off alone (the default `Backoff`) and with the outlook deciding, the oracle's bound,
+the outlook's AUC per draft position and its calibration (mean S_k against the share accepting at least k). The
+replay is checked against the real `KIND:auto` with the fitted outlook on the first `eval` item of each task (the
+same draft lengths at every step).
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/fit_outlook.py [--records runs/backoff_sim_512]
         [--step-cost-from A.json,B.json] [--head src/hspec/assets/hspec-smollm2-135m-instruct/outlook.safetensors]
@@ -177,15 +177,18 @@ def main() -> int:
     labels = {name: [labels_of(row) for row in rows[name]] for name in SETS}
 
     first_cost = costs[cost_files[0]]
-    fit_half, check_half = range(0, len(rows["dev"]), 2), range(1, len(rows["dev"]), 2)
+    halves = (range(0, len(rows["dev"]), 2), range(1, len(rows["dev"]), 2))
     choice = {}
-    for l2 in L2_GRID:
-        half = fit_outlook(torch.cat([features["dev"][i] for i in fit_half]),
-                           torch.cat([labels["dev"][i] for i in fit_half]), K, layers, l2)
-        held = [rows["dev"][i] for i in check_half]
-        choice[l2] = rules(held, estimates_of(half, held, [features["dev"][i] for i in check_half]), first_cost,
-                           None)["outlook"]["all"]
-        print(f"l2 {l2}: predicted speed on dev's other half {choice[l2]:.3f}", flush=True)
+    for l2 in L2_GRID:  # two-fold: fitted on each half of dev, replayed on the other, their speeds averaged
+        held_speeds = []
+        for fitted, held in (halves, halves[::-1]):
+            half = fit_outlook(torch.cat([features["dev"][i] for i in fitted]),
+                               torch.cat([labels["dev"][i] for i in fitted]), K, layers, l2)
+            held_rows = [rows["dev"][i] for i in held]
+            estimates = estimates_of(half, held_rows, [features["dev"][i] for i in held])
+            held_speeds.append(rules(held_rows, estimates, first_cost, None)["outlook"]["all"])
+        choice[l2] = sum(held_speeds) / len(held_speeds)
+        print(f"l2 {l2}: predicted speed on dev's held-out halves {choice[l2]:.3f}", flush=True)
     l2 = max(choice, key=choice.get)
     outlook = fit_outlook(torch.cat(features["dev"]), torch.cat(labels["dev"]), K, layers, l2)
     estimates = {name: estimates_of(outlook, rows[name], features[name]) for name in SETS}
@@ -227,7 +230,8 @@ def markdown(payload: dict) -> str:
              f"\nThe outlook (`hspec.drafters.outlook`): S_k ~ P(at least k of the K = {K} drafts accepted), one "
              f"logistic regression per k over the target's hidden states at the last committed token (layers "
              f"{settings['layers']}), fitted on the {settings['positions']['dev']} positions of the "
-             f"{settings['items']['dev']} `dev` items; L2 weight {settings['l2']} (chosen on dev's halves: "
+             f"{settings['items']['dev']} `dev` items; L2 weight {settings['l2']} (chosen by two-fold "
+             "cross-validation on dev: "
              + ", ".join(f"{k}: {v:.3f}" for k, v in settings["l2_choice"].items()) + ").\n",
              "Replay checked against the real `:auto` with this outlook (the same drafts verified at every step): "
              + ", ".join(f"{c['item']} ({c['steps']} steps) {'same' if c['same_lengths'] else 'DIFFERENT'}"

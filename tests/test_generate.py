@@ -18,6 +18,7 @@ from hspec.drafters.block_tree import BlockTreeDrafter
 from hspec.drafters.cost_aware import CostAwareDrafter
 from hspec.drafters.early_stop import EarlyStopDrafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
+from hspec.drafters.outlook import Outlook
 from hspec.drafters.spec import parse_drafter_spec
 from hspec.drafters.step_cost import StepCost
 from hspec.sampling import SamplingParams
@@ -48,6 +49,14 @@ def _decoder(target, drafter, K):
 
 
 def _make(kind, target):
+    if kind == WITH_OUTLOOK:  # H-Spec's cost-aware length, an outlook deciding which steps draft
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = _make("hspec", target)
+            features = len(model.target_layers) * target.config.hidden_size
+            weight = torch.randn((7, features)) * 6.0 / features ** 0.5
+        outlook = Outlook(weight, torch.full((7,), -2.0), tuple(model.target_layers))
+        return CostAwareDrafter(model, target.config.vocab_size, ADAPTIVE_COST, outlook=outlook)
     spec = parse_drafter_spec(kind)  # the grammar `hspec.runtime.build_drafter` reads
     if spec.tree:  # greedy rows verify token trees, sampled rows their chains as trees
         with torch.random.fork_rng():
@@ -84,13 +93,16 @@ EARLY_STOP = ("hspec:0.1", "hspec+ngram:0.1", "dflash:0.07", "random-test:0.05")
 # back off, and others verify several: a drafted token costs 0.05 decodes, drafting 0.02.
 ADAPTIVE_COST = StepCost(draft=0.02, per_token=0.05, per_token_key=0.0)
 ADAPTIVE = ("hspec:auto", "hspec+ngram:auto", "dflash:auto", "ngram:auto")
+# Not a drafter string: `hspec:auto` with a random outlook (hspec.drafters.outlook) that drafts on some steps
+# and not others, as one fitted to a trained drafter does.
+WITH_OUTLOOK = "hspec:auto+outlook"
 # Costs at which the random-weight drafters grow trees of several nodes (dflash) or back off on most steps
 # between trees (hspec: a drafted token's value ~0.3 does not pay for a draft of 0.3 decodes).
 TREE_COSTS = {"hspec:tree": StepCost(draft=0.3, per_token=0.005, per_token_key=0.0),
               "dflash:tree": StepCost(draft=0.06, per_token=0.005, per_token_key=0.0)}
 TREES = tuple(TREE_COSTS)
 ALL_KINDS = [k for k in DRAFTERS.names() if k != "none"] + ["random-test", *LOOKUP_FIRST, *EARLY_STOP, *ADAPTIVE,
-                                                            *TREES]
+                                                            WITH_OUTLOOK, *TREES]
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +143,9 @@ def test_greedy_equals_plain(targets_by_dtype, kind, dtype, B, K):
         assert min(n for s in got.sequences for n in s.num_drafted) < K, "no row ever stopped early"
     if kind == "hspec:tree" and dtype == "float32":
         assert 0 in {d for s in got.sequences for d in s.num_drafted}, "no row ever backed off"
+    if kind == WITH_OUTLOOK and dtype == "float32":
+        lengths = {d for s in got.sequences for d in s.num_drafted}
+        assert 0 in lengths and max(lengths) > 0, "the outlook should keep some steps plain and let others draft"
 
 
 TRAINED_KINDS = [k for k in DRAFTERS.names() if DRAFTERS.get(k).needs_target_model]
