@@ -7,9 +7,10 @@ to `commit` (the prompt's prefill, then the answer's tokens through the target's
 one-by-one decoding, the kernels being row-invariant), cached beside the records; the label is how many of the K
 drafts there the target accepted.
 
-The outlook is fitted on `dev` only: the L2 weight is chosen by two-fold cross-validation over `dev`'s items (every
-other one in a fold), by the replay's predicted speed over all tasks on the held-out fold with the first
-`--step-cost-from` costs, then the outlook is refitted on all of `dev`. Shown on both sets, each cost set, over the
+The outlook is fitted on `dev` only (or, `--fit-on dev,more`, on `dev` and the other 200 Spec-Bench items outside
+`eval`, recorded here first): the L2 weight is chosen by two-fold cross-validation over those items (every other
+one in a fold), by the replay's predicted speed over all tasks on the held-out fold with the first
+`--step-cost-from` costs, then the outlook is refitted on all of them. Shown on both sets, each cost set, over the
 whole answers and over their first 128 positions (`hspec eval`'s answers): the replay's predicted speed over plain
 decoding per task for the back-off alone (the default `Backoff`) and with the outlook deciding, the oracle's bound,
 the outlook's AUC per draft position and its calibration (mean S_k against the share accepting at least k). The
@@ -17,8 +18,12 @@ replay is checked against the real `KIND:auto` with the fitted outlook on the fi
 same draft lengths at every step).
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/fit_outlook.py [--records runs/backoff_sim_512]
-        [--step-cost-from A.json,B.json] [--head src/hspec/assets/hspec-smollm2-135m-instruct/outlook.safetensors]
-        [--out results/adaptive_length/outlook]
+        [--drafter hspec] [--drafter-path DIR] [--step-cost-from A.json,B.json]
+        [--step-cost DRAFT,PER_TOKEN,PER_TOKEN_KEY[,...]] [--head FILE] [--out results/adaptive_length/outlook]
+
+For a drafter of your own: records first (`scripts/simulate_backoff.py --drafter-path DIR --max-new-tokens 512
+--records runs/my_records --step-cost C`, C this machine's costs, which `hspec generate --drafter KIND:auto`
+prints), then this with the same `--drafter-path`, `--records` and `--step-cost`; the outlook lands in DIR.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from simulate_backoff import TASKS, K, accepted_at, item_sets, oracle, replay  # noqa: E402
+from simulate_backoff import MAX_NEW_TOKENS, TASKS, K, accepted_at, item_sets, oracle, record, replay  # noqa: E402
 
 from hspec.data.tasks import load_task  # noqa: E402
 from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
@@ -45,11 +50,17 @@ from hspec.provenance import provenance, provenance_markdown, write_results  # n
 from hspec.runtime import build_drafter, shipped_drafter_path  # noqa: E402
 from hspec.sampling import SamplingParams  # noqa: E402
 
-SETS = ("dev", "eval")
+SETS = ("dev", "more", "eval")  # "more": recorded here when fitted on (`more_items`)
 L2_GRID = (0.03, 0.1, 0.3, 1.0)
 SHORT = 128  # `hspec eval`'s answers: the replay also over each answer's first SHORT positions
 COSTS = ("results/adaptive_length/size24_pair/eval_spec_bench_tasks_k7_greedy_w4a8_t2.json",
          "results/adaptive_length/zen1/eval_spec_bench_tasks_k7_greedy_w4a8_t2.json")
+
+
+def more_items() -> list[tuple[str, object]]:
+    """Spec-Bench items of the five tasks in neither `eval` nor `dev` (simulate_backoff.item_sets): 40 a task."""
+    taken = {item.id for chosen in item_sets().values() for _, item in chosen}
+    return [(task, item) for task in TASKS for item in load_task(task).items if item.id not in taken]
 
 
 def prompt_of(target, item_id: str, items: dict) -> list[int]:
@@ -131,9 +142,9 @@ def estimates_of(outlook: Outlook, rows: list[dict], features: list[torch.Tensor
 
 
 def check(target, drafter_kind: str, outlook: Outlook, rows: list[dict], estimates, cost: StepCost,
-          max_new_tokens: int) -> list[dict]:
+          max_new_tokens: int, drafter_path: Path | None = None) -> list[dict]:
     """The first recorded item of each task decoded by the real `KIND:auto` with `outlook`: the replay's lengths?"""
-    auto = build_drafter(f"{drafter_kind}:auto", target, step_cost=cost)
+    auto = build_drafter(f"{drafter_kind}:auto", target, drafter_path, step_cost=cost)
     drafter = CostAwareDrafter(auto.model, auto.vocab_size, cost, outlook=outlook)
     decoder = SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids)
     out = []
@@ -152,69 +163,97 @@ def main() -> int:
     parser.add_argument("--records", type=Path, default=Path("runs/backoff_sim_512"),
                         help="a folder of simulate_backoff.py's records (dev.jsonl, eval.jsonl)")
     parser.add_argument("--drafter", default="hspec", help="the trained kind the records were made with")
+    parser.add_argument("--drafter-path", type=Path, default=None,
+                        help="the checkpoint the records were made with (simulate_backoff.py's --drafter-path; "
+                        "default: the shipped one)")
     parser.add_argument("--dtype", default="w4a8", help="the target's dtype (the records')")
     parser.add_argument("--step-cost-from", default=",".join(COSTS),
                         help="comma-separated results JSONs whose provenance settings hold DRAFTER:auto's step costs; "
                         "the first chooses the L2 weight, every one is replayed")
+    parser.add_argument("--step-cost", default=None,
+                        help="the costs themselves, in 1-token decodes (`hspec generate --step-cost`'s form); "
+                        "overrides --step-cost-from")
     parser.add_argument("--head", type=Path, default=None,
-                        help=f"where the fitted outlook goes (default: the shipped drafter's folder, {OUTLOOK_FILE})")
+                        help=f"where the fitted outlook goes (default: {OUTLOOK_FILE} in the drafter's folder, "
+                        "where `KIND:auto` reads it)")
+    parser.add_argument("--fit-on", choices=("dev", "dev,more"), default="dev",
+                        help="the records fitted on: dev (default), or dev and 200 more Spec-Bench items outside eval "
+                        "(recorded here into RECORDS/more.jsonl first, resumably: ~1 h at one thread)")
     parser.add_argument("--out", type=Path, default=Path("results/adaptive_length/outlook"))
     args = parser.parse_args()
-    cost_files = [Path(p) for p in args.step_cost_from.split(",")]
-    for path in cost_files:
-        if not path.exists():
-            parser.error(f"--step-cost-from: no file {path}")
-    costs = {path: step_costs_in(path, args.drafter) for path in cost_files}
+    if args.step_cost is not None:
+        try:
+            costs = {"--step-cost": StepCost.parse(args.step_cost)}
+        except ValueError as error:
+            parser.error(str(error))
+    else:
+        cost_files = [Path(p) for p in args.step_cost_from.split(",")]
+        for path in cost_files:
+            if not path.exists():
+                parser.error(f"--step-cost-from: no file {path}")
+        costs = {str(path): step_costs_in(path, args.drafter) for path in cost_files}
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     target = load_target(None, dtype=args.dtype)
-    layers = tuple(build_drafter(args.drafter, target).target_layers)
-    items = {item.id: item for chosen in item_sets().values() for _, item in chosen}
+    layers = tuple(build_drafter(args.drafter, target, args.drafter_path).target_layers)
+    fit_on = args.fit_on.split(",")
+    sets = [name for name in SETS if name in ("dev", "eval", *fit_on)]
+    items = {item.id: item for chosen in (*item_sets().values(), more_items()) for _, item in chosen}
     rows = {name: [json.loads(line) for line in (args.records / f"{name}.jsonl").read_text().splitlines()]
-            for name in SETS}
-    prompts = {row["item"]: prompt_of(target, row["item"], items) for name in SETS for row in rows[name]}
+            for name in ("dev", "eval")}
+    if "more" in fit_on:  # recorded at the records' length, resuming where a run stopped
+        length = max(row.get("max_new_tokens", MAX_NEW_TOKENS) for row in rows["eval"])
+        rows["more"] = record(target, args.drafter, more_items(), args.records / "more.jsonl", length,
+                              args.drafter_path)
+    prompts = {row["item"]: prompt_of(target, row["item"], items) for name in sets for row in rows[name]}
     features = {name: load_features(target, layers, rows[name], prompts, args.records / f"outlook_features_{name}.pt")
-                for name in SETS}
-    labels = {name: [labels_of(row) for row in rows[name]] for name in SETS}
+                for name in sets}
+    labels = {name: [labels_of(row) for row in rows[name]] for name in sets}
 
-    first_cost = costs[cost_files[0]]
-    halves = (range(0, len(rows["dev"]), 2), range(1, len(rows["dev"]), 2))
+    fit_rows = [row for name in fit_on for row in rows[name]]
+    fit_features = [f for name in fit_on for f in features[name]]
+    fit_labels = [y for name in fit_on for y in labels[name]]
+    first_cost = next(iter(costs.values()))
+    halves = (range(0, len(fit_rows), 2), range(1, len(fit_rows), 2))
     choice = {}
-    for l2 in L2_GRID:  # two-fold: fitted on each half of dev, replayed on the other, their speeds averaged
+    for l2 in L2_GRID:  # two-fold: fitted on each half of the items, replayed on the other, the speeds averaged
         held_speeds = []
         for fitted, held in (halves, halves[::-1]):
-            half = fit_outlook(torch.cat([features["dev"][i] for i in fitted]),
-                               torch.cat([labels["dev"][i] for i in fitted]), K, layers, l2)
-            held_rows = [rows["dev"][i] for i in held]
-            estimates = estimates_of(half, held_rows, [features["dev"][i] for i in held])
+            half = fit_outlook(torch.cat([fit_features[i] for i in fitted]), torch.cat([fit_labels[i] for i in fitted]),
+                               K, layers, l2)
+            held_rows = [fit_rows[i] for i in held]
+            estimates = estimates_of(half, held_rows, [fit_features[i] for i in held])
             held_speeds.append(rules(held_rows, estimates, first_cost, None)["outlook"]["all"])
         choice[l2] = sum(held_speeds) / len(held_speeds)
-        print(f"l2 {l2}: predicted speed on dev's held-out halves {choice[l2]:.3f}", flush=True)
+        print(f"l2 {l2}: predicted speed on the held-out halves {choice[l2]:.3f}", flush=True)
     l2 = max(choice, key=choice.get)
-    outlook = fit_outlook(torch.cat(features["dev"]), torch.cat(labels["dev"]), K, layers, l2)
-    estimates = {name: estimates_of(outlook, rows[name], features[name]) for name in SETS}
+    outlook = fit_outlook(torch.cat(fit_features), torch.cat(fit_labels), K, layers, l2)
+    estimates = {name: estimates_of(outlook, rows[name], features[name]) for name in sets}
 
     quality = {}
-    for name in SETS:
+    for name in sets:
         survival = torch.tensor([outlook.survival(h) for f in features[name] for h in f])  # (N, K)
         accepted = torch.cat(labels[name])
         quality[name] = [{"k": k, "auc": auc(survival[:, k - 1], accepted >= k),
                           "mean_S": float(survival[:, k - 1].mean()), "share": float((accepted >= k).float().mean())}
                          for k in range(1, K + 1)]
     replays = {str(path): {name: {str(horizon or "all"): rules(rows[name], estimates[name], cost, horizon)
-                                  for horizon in (None, SHORT)} for name in SETS}
+                                  for horizon in (None, SHORT)} for name in sets}
                for path, cost in costs.items()}
     max_new_tokens = max(row.get("max_new_tokens", SHORT) for row in rows["eval"])
-    checked = check(target, args.drafter, outlook, rows["eval"], estimates["eval"], first_cost, max_new_tokens)
+    checked = check(target, args.drafter, outlook, rows["eval"], estimates["eval"], first_cost, max_new_tokens,
+                    args.drafter_path)
 
-    head = args.head or shipped_drafter_path(args.drafter, target.name) / OUTLOOK_FILE
-    about = {"records": str(args.records), "fitted_on": f"{len(rows['dev'])} dev items", "l2": l2,
-             "dtype": args.dtype, "K": K}
+    head = args.head or (args.drafter_path or shipped_drafter_path(args.drafter, target.name)) / OUTLOOK_FILE
+    fitted_on = " + ".join(f"{len(rows[name])} {name} items" for name in fit_on)
+    about = {"records": str(args.records), "fitted_on": fitted_on, "l2": l2, "dtype": args.dtype, "K": K}
     outlook.save(head, about)
-    command = (f"python scripts/fit_outlook.py --records {args.records} --drafter {args.drafter} --dtype {args.dtype} "
-               f"--step-cost-from {args.step_cost_from} --head {head} --out {args.out}")
+    command = (f"python scripts/fit_outlook.py --records {args.records} --drafter {args.drafter} "
+               + (f"--drafter-path {args.drafter_path} " if args.drafter_path else "") + f"--dtype {args.dtype} "
+               + (f"--step-cost {args.step_cost} " if args.step_cost else f"--step-cost-from {args.step_cost_from} ")
+               + f"--fit-on {args.fit_on} --head {head} --out {args.out}")
     settings = {**about, "drafter": args.drafter, "layers": list(layers), "l2_grid": list(L2_GRID), "l2_choice": choice,
-                "positions": {name: sum(len(x) for x in labels[name]) for name in SETS},
-                "items": {name: len(rows[name]) for name in SETS}, "short_horizon": SHORT,
+                "fit_on": fit_on, "positions": {name: sum(len(x) for x in labels[name]) for name in sets},
+                "items": {name: len(rows[name]) for name in sets}, "short_horizon": SHORT,
                 "step_costs": {str(path): cost.to_dict() for path, cost in costs.items()}, "head": str(head),
                 "threads": torch.get_num_threads()}
     payload = {"provenance": provenance(command, settings), "check": checked, "quality": quality, "replays": replays}
@@ -229,9 +268,9 @@ def markdown(payload: dict) -> str:
              provenance_markdown(payload["provenance"]),
              f"\nThe outlook (`hspec.drafters.outlook`): S_k ~ P(at least k of the K = {K} drafts accepted), one "
              f"logistic regression per k over the target's hidden states at the last committed token (layers "
-             f"{settings['layers']}), fitted on the {settings['positions']['dev']} positions of the "
-             f"{settings['items']['dev']} `dev` items; L2 weight {settings['l2']} (chosen by two-fold "
-             "cross-validation on dev: "
+             f"{settings['layers']}), fitted on the "
+             f"{sum(settings['positions'][name] for name in settings.get('fit_on', ['dev']))} positions of "
+             f"{settings['fitted_on']}; L2 weight {settings['l2']} (chosen by two-fold cross-validation on them: "
              + ", ".join(f"{k}: {v:.3f}" for k, v in settings["l2_choice"].items()) + ").\n",
              "Replay checked against the real `:auto` with this outlook (the same drafts verified at every step): "
              + ", ".join(f"{c['item']} ({c['steps']} steps) {'same' if c['same_lengths'] else 'DIFFERENT'}"
@@ -252,7 +291,8 @@ def markdown(payload: dict) -> str:
         for name, by_horizon in by_set.items():
             for horizon, by_rule in by_horizon.items():
                 for rule, s in by_rule.items():
-                    lines.append(f"| {Path(path).parent.name} | {name} | {horizon} | {rule} | "
+                    label = Path(path).parent.name if path.endswith(".json") else "given"
+                    lines.append(f"| {label} | {name} | {horizon} | {rule} | "
                                  + " | ".join(f"{s[t]:.3f}" for t in TASKS)
                                  + f" | {s['all']:.3f} | {min(s[t] for t in TASKS):.3f} |")
     return "\n".join(lines) + "\n"

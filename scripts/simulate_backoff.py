@@ -17,6 +17,7 @@ other items (every third); a back-off is chosen on `dev` by its worst task, and 
     .venv/bin/python scripts/simulate_backoff.py [--drafter hspec] [--dtype w4a8]
         [--step-cost-from results/adaptive_length/size24_pair/eval_spec_bench_tasks_k7_greedy_w4a8_t2.json]
         [--max-new-tokens 128] [--records runs/backoff_sim] [--out results/adaptive_length/backoff_sim]
+        [--drafter-path DIR]
         [--charge-from results/adaptive_length/size24/fit_step_costs.json]
 
 `--charge-from` charges each step what `scripts/fit_step_costs.py`'s joint fit of an evaluation found a step
@@ -85,7 +86,8 @@ def item_sets() -> dict[str, list[tuple[str, object]]]:
     return sets
 
 
-def record(target, drafter_kind: str, items, path: Path, max_new_tokens: int = MAX_NEW_TOKENS) -> list[dict]:
+def record(target, drafter_kind: str, items, path: Path, max_new_tokens: int = MAX_NEW_TOKENS,
+           drafter_path: Path | None = None) -> list[dict]:
     """Each item's output (at most `max_new_tokens`) and per-position proposals, from `path` where recorded before
     (rows without a `max_new_tokens` field were recorded at the default, `MAX_NEW_TOKENS`)."""
     done = {row["item"]: row for row in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
@@ -93,7 +95,7 @@ def record(target, drafter_kind: str, items, path: Path, max_new_tokens: int = M
     if other:
         raise SystemExit(f"{path} holds records of at most {sorted(other)} new tokens, not {max_new_tokens}: "
                          "give --records a folder of its own for each length")
-    recorder = Recorder(build_drafter(drafter_kind, target))
+    recorder = Recorder(build_drafter(drafter_kind, target, drafter_path))
     decoder = SpeculativeDecoder(target.model, recorder, K, target.tokenizer.eos_token_ids)
     rows = []
     for number, (task, item) in enumerate(items, 1):
@@ -178,10 +180,10 @@ def speeds(rows: list[dict], cost_of) -> dict[str, float]:
     return out
 
 
-def check(target, drafter_kind: str, rows: list[dict], cost: StepCost, max_new_tokens: int = MAX_NEW_TOKENS
-          ) -> list[dict]:
+def check(target, drafter_kind: str, rows: list[dict], cost: StepCost, max_new_tokens: int = MAX_NEW_TOKENS,
+          drafter_path: Path | None = None) -> list[dict]:
     """The first recorded item of each task drafted by the real `KIND:auto`: the same lengths as the replay?"""
-    drafter = build_drafter(f"{drafter_kind}:auto", target, step_cost=cost)
+    drafter = build_drafter(f"{drafter_kind}:auto", target, drafter_path, step_cost=cost)
     decoder = SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids)
     out = []
     for task in TASKS:
@@ -197,6 +199,8 @@ def check(target, drafter_kind: str, rows: list[dict], cost: StepCost, max_new_t
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", default="hspec", help="a trained kind with confidences (default hspec)")
+    parser.add_argument("--drafter-path", type=Path, default=None,
+                        help="a checkpoint of DRAFTER (default: the shipped one)")
     parser.add_argument("--dtype", default="w4a8")
     parser.add_argument("--step-cost-from", type=Path,
                         default=Path("results/adaptive_length/size24_pair/eval_spec_bench_tasks_k7_greedy_w4a8_t2.json"),
@@ -221,9 +225,10 @@ def main() -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     target = load_target(None, dtype=args.dtype)
     args.records.mkdir(parents=True, exist_ok=True)
-    rows = {name: record(target, args.drafter, items, args.records / f"{name}.jsonl", args.max_new_tokens)
+    rows = {name: record(target, args.drafter, items, args.records / f"{name}.jsonl", args.max_new_tokens,
+                         args.drafter_path)
             for name, items in item_sets().items()}
-    checked = check(target, args.drafter, rows["eval"], cost, args.max_new_tokens)
+    checked = check(target, args.drafter, rows["eval"], cost, args.max_new_tokens, args.drafter_path)
     results = []
     for first, growth, most, cold in itertools.product(*GRID.values()):
         if first <= most:
@@ -244,6 +249,8 @@ def main() -> int:
         command += f" --charge-from {args.charge_from}"
     if args.max_new_tokens != MAX_NEW_TOKENS:
         command += f" --max-new-tokens {args.max_new_tokens} --records {args.records} --out {args.out}"
+    if args.drafter_path is not None:
+        command += f" --drafter-path {args.drafter_path}"
     payload = {"provenance": provenance(command, settings), "check": checked, "results": results, "oracle": bound}
     out, stem = (args.out, "backoff_sim") if charge is None else (args.charge_from.parent, "backoff_sim_charged")
     json_path, md_path = write_results(out, stem, payload, markdown(payload))
