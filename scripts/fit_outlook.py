@@ -246,17 +246,19 @@ def main() -> int:
     head = args.head or (args.drafter_path or shipped_drafter_path(args.drafter, target.name)) / OUTLOOK_FILE
     fitted_on = " + ".join(f"{len(rows[name])} {name} items" for name in fit_on)
     about = {"records": str(args.records), "fitted_on": fitted_on, "l2": l2, "dtype": args.dtype, "K": K}
-    outlook.save(head, about)
+    shown = head.resolve().relative_to(Path.cwd()) if head.resolve().is_relative_to(Path.cwd()) else head
     command = (f"python scripts/fit_outlook.py --records {args.records} --drafter {args.drafter} "
                + (f"--drafter-path {args.drafter_path} " if args.drafter_path else "") + f"--dtype {args.dtype} "
                + (f"--step-cost {args.step_cost} " if args.step_cost else f"--step-cost-from {args.step_cost_from} ")
-               + f"--fit-on {args.fit_on} --head {head} --out {args.out}")
+               + f"--fit-on {args.fit_on} --head {shown} --out {args.out}")
     settings = {**about, "drafter": args.drafter, "layers": list(layers), "l2_grid": list(L2_GRID), "l2_choice": choice,
                 "fit_on": fit_on, "positions": {name: sum(len(x) for x in labels[name]) for name in sets},
                 "items": {name: len(rows[name]) for name in sets}, "short_horizon": SHORT,
-                "step_costs": {str(path): cost.to_dict() for path, cost in costs.items()}, "head": str(head),
+                "step_costs": {str(path): cost.to_dict() for path, cost in costs.items()}, "head": str(shown),
                 "threads": torch.get_num_threads()}
+    # The tree this ran from, read before the head replaces a tracked file.
     payload = {"provenance": provenance(command, settings), "check": checked, "quality": quality, "replays": replays}
+    outlook.save(head, about)
     json_path, md_path = write_results(args.out, "outlook", payload, markdown(payload))
     print(f"wrote {head}, {json_path} and {md_path}")
     return 0
