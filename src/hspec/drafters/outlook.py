@@ -65,8 +65,11 @@ class Outlook:
         if h.numel() != self.weight.shape[1]:
             raise ValueError(f"the outlook reads {self.weight.shape[1]} features (layers {list(self.layers)}), "
                              f"got {h.numel()}")
-        s = torch.sigmoid(torch.mv(self.weight, h) + self.bias)
-        return torch.cummin(s, 0).values.tolist()
+        out, least = [], 1.0
+        for s in torch.addmv(self.bias, self.weight, h).sigmoid_().tolist():  # one small op: this runs every step
+            least = min(least, s)
+            out.append(least)
+        return out
 
     def estimates(self, hidden: torch.Tensor) -> list[float]:
         """a_1..a_K: the chance draft k is accepted given drafts 1..k-1 were, S_k / S_{k-1}."""
