@@ -320,13 +320,18 @@ def test_greedy_equals_plain_on_smollm2(smollm2, B, K):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,B,K", [("hspec", 1, 7), ("hspec", 3, 3), ("hspec+ngram", 1, 7), ("hspec+ngram", 3, 3),
-                                      ("hspec+ngram:0.4", 1, 7), ("hspec+ngram:0.4", 3, 7)])
+                                      ("hspec+ngram:0.4", 1, 7), ("hspec+ngram:0.4", 3, 7), ("hspec:auto", 3, 7),
+                                      ("hspec+ngram:auto", 3, 7)])
 def test_shipped_hspec_drafter_is_lossless_on_smollm2(smollm2, kind, B, K):
-    """The trained drafter the README's main command uses (alone, behind prompt lookup, and verifying only
-    its sure drafts): greedy output equals plain decoding, and it drafts."""
+    """The trained drafter the README's main command uses (alone, behind prompt lookup, verifying only its sure
+    drafts, and with the length that pays, whether a row drafts decided by the outlook shipped with it, at costs
+    where drafting often pays): greedy output equals plain decoding, and it drafts."""
     from hspec.runtime import build_drafter
 
-    drafter = build_drafter(kind, smollm2)
+    cheap = StepCost(draft=0.1, per_token=0.05, per_token_key=0.0)
+    drafter = build_drafter(kind, smollm2, step_cost=cheap if kind.endswith(":auto") else None)
+    if kind.endswith(":auto"):
+        assert drafter.outlook is not None, "the shipped H-Spec drafter ships an outlook"
     prompts = [smollm2.tokenizer.encode_prompt(p) for p in
                ("Explain what a hash table is.", "Translate 'good morning' into French.", "Name two planets.")[:B]]
     plain = _decoder(smollm2, create_drafter("none", smollm2.config), 1).generate(prompts, SamplingParams(), 40)
