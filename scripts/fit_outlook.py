@@ -38,17 +38,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from simulate_backoff import MAX_NEW_TOKENS, TASKS, K, accepted_at, item_sets, oracle, record, replay  # noqa: E402
+from simulate_backoff import MAX_NEW_TOKENS, TASKS, K, accepted_at, check, item_sets, oracle, record, replay  # noqa: E402, E501
 
 from hspec.data.tasks import load_task  # noqa: E402
-from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
-from hspec.drafters.cost_aware import Backoff, CostAwareDrafter  # noqa: E402
+from hspec.drafters.cost_aware import Backoff  # noqa: E402
 from hspec.drafters.outlook import OUTLOOK_FILE, Outlook, fit_outlook  # noqa: E402
 from hspec.drafters.step_cost import StepCost  # noqa: E402
 from hspec.models.loading import load_target  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
 from hspec.runtime import build_drafter, shipped_drafter_path  # noqa: E402
-from hspec.sampling import SamplingParams  # noqa: E402
 
 SETS = ("dev", "more", "eval")  # "more": recorded here when fitted on (`more_items`)
 L2_GRID = (0.03, 0.1, 0.3, 1.0)
@@ -141,23 +139,6 @@ def estimates_of(outlook: Outlook, rows: list[dict], features: list[torch.Tensor
     return {row["item"]: [outlook.estimates(h) for h in f] for row, f in zip(rows, features)}
 
 
-def check(target, drafter_kind: str, outlook: Outlook, rows: list[dict], estimates, cost: StepCost,
-          max_new_tokens: int, drafter_path: Path | None = None) -> list[dict]:
-    """The first recorded item of each task decoded by the real `KIND:auto` with `outlook`: the replay's lengths?"""
-    auto = build_drafter(f"{drafter_kind}:auto", target, drafter_path, step_cost=cost)
-    drafter = CostAwareDrafter(auto.model, auto.vocab_size, cost, outlook=outlook)
-    decoder = SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids)
-    out = []
-    for task in TASKS:
-        row = next(row for row in rows if row["task"] == task)
-        item = next(item for item in load_task(task, 24).items if item.id == row["item"])
-        prompt = target.tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}])
-        real = decoder.generate([prompt], SamplingParams(), max_new_tokens).sequences[0].num_drafted
-        replayed = replay(row, cost, Backoff(), outlook=estimates[row["item"]])[1]
-        out.append({"item": row["item"], "steps": len(real), "same_lengths": list(real) == replayed})
-    return out
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=Path, default=Path("runs/backoff_sim_512"),
@@ -240,8 +221,8 @@ def main() -> int:
                                   for horizon in (None, SHORT)} for name in sets}
                for path, cost in costs.items()}
     max_new_tokens = max(row.get("max_new_tokens", SHORT) for row in rows["eval"])
-    checked = check(target, args.drafter, outlook, rows["eval"], estimates["eval"], first_cost, max_new_tokens,
-                    args.drafter_path)
+    checked = check(target, args.drafter, rows["eval"], first_cost, max_new_tokens, args.drafter_path, outlook,
+                    estimates["eval"])
 
     head = args.head or (args.drafter_path or shipped_drafter_path(args.drafter, target.name)) / OUTLOOK_FILE
     fitted_on = " + ".join(f"{len(rows[name])} {name} items" for name in fit_on)

@@ -44,7 +44,8 @@ import torch  # noqa: E402
 from hspec.data.tasks import load_task  # noqa: E402
 from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
 from hspec.drafters.base import DraftBatch, Proposal  # noqa: E402
-from hspec.drafters.cost_aware import Backoff, RowState, outlook_pays  # noqa: E402
+from hspec.drafters.cost_aware import Backoff, CostAwareDrafter, RowState, outlook_pays  # noqa: E402
+from hspec.drafters.outlook import Outlook  # noqa: E402
 from hspec.drafters.step_cost import StepCost  # noqa: E402
 from hspec.drafters.wrapping import WrappingDrafter  # noqa: E402
 from hspec.models.loading import load_target  # noqa: E402
@@ -181,9 +182,12 @@ def speeds(rows: list[dict], cost_of) -> dict[str, float]:
 
 
 def check(target, drafter_kind: str, rows: list[dict], cost: StepCost, max_new_tokens: int = MAX_NEW_TOKENS,
-          drafter_path: Path | None = None) -> list[dict]:
-    """The first recorded item of each task drafted by the real `KIND:auto`: the same lengths as the replay?"""
-    drafter = build_drafter(f"{drafter_kind}:auto", target, drafter_path, step_cost=cost)
+          drafter_path: Path | None = None, outlook: Outlook | None = None,
+          estimates: dict[str, list[list[float]]] | None = None) -> list[dict]:
+    """The first recorded item of each task drafted by the real `KIND:auto`, with the back-off alone or (`outlook`,
+    and its `estimates` per item and position) with an outlook: the same lengths as the replay?"""
+    auto = build_drafter(f"{drafter_kind}:auto", target, drafter_path, step_cost=cost)
+    drafter = CostAwareDrafter(auto.model, auto.vocab_size, cost, outlook=outlook)
     decoder = SpeculativeDecoder(target.model, drafter, K, target.tokenizer.eos_token_ids)
     out = []
     for task in TASKS:
@@ -191,8 +195,8 @@ def check(target, drafter_kind: str, rows: list[dict], cost: StepCost, max_new_t
         item = next(item for item in load_task(task, 24).items if item.id == row["item"])
         prompt = target.tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}])
         real = decoder.generate([prompt], SamplingParams(), max_new_tokens).sequences[0].num_drafted
-        same = list(real) == replay(row, cost, Backoff())[1]
-        out.append({"item": row["item"], "steps": len(real), "same_lengths": same})
+        replayed = replay(row, cost, Backoff(), outlook=None if outlook is None else estimates[row["item"]])[1]
+        out.append({"item": row["item"], "steps": len(real), "same_lengths": list(real) == replayed})
     return out
 
 
