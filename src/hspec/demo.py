@@ -7,6 +7,7 @@ every method alike. Greedy outputs must match plain decoding token for token; a 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -66,10 +67,11 @@ def demo_on(target: Target, drafter_kinds: Sequence[str], K: int, max_new_tokens
           f"MAL over the steps that drafted)")
     for kind in kinds:
         mal = merge_stats(stats[kind]).mean_accepted_length if stats[kind] else 1.0
+        mal_text = "-" if math.isnan(mal) else f"{mal:.2f}"  # nan: no step drafted
         drafted = f"{drafted_steps[kind] / steps[kind]:.0%}" if steps[kind] else "-"
         rate = tokens[kind] / decode_s[kind]
         speedup = decode_s[PLAIN] / decode_s[kind]
-        print(f"{kind:<{width}} {mal:>6.2f} {drafted:>8} {rate:>8.1f} {speedup:>7.2f}x")
+        print(f"{kind:<{width}} {mal_text:>6} {drafted:>8} {rate:>8.1f} {speedup:>7.2f}x")
     costs = {kind: dec.drafter.cost for kind, dec in decoders.items() if isinstance(dec.drafter, CostAwareDrafter)}
     if costs:
         each = [f"{kind} a draft {cost.draft:.2f}, each verified token {cost.per_token:.2f}"
