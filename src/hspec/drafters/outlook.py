@@ -55,10 +55,6 @@ class Outlook:
         if self.margin <= 0:
             raise ValueError(f"an outlook's margin must be positive, got {self.margin}")
 
-    @property
-    def K(self) -> int:
-        return self.weight.shape[0]
-
     def survival(self, hidden: torch.Tensor) -> list[float]:
         """S_1..S_K for one row's hidden states (len(layers), H) or (F,): non-increasing in k."""
         h = hidden.reshape(-1).to(self.weight.dtype)
