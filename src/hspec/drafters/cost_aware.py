@@ -305,7 +305,8 @@ class CostAwareDrafter(RowStateDrafter):
         device = batch.anchor_tokens.device
         states = [self._rows.setdefault(s, RowState()) for s in batch.seq_ids]
         # A row backing off still drafts where the drafter drafts it without a model (a lookup match): free.
-        turns = [self._takes_turn(state, keys, K) for state, keys in zip(states, batch.pool.lengths(batch.seq_ids))]
+        contexts = batch.pool.lengths(batch.seq_ids)  # each row's keys, read once a step
+        turns = [self._takes_turn(state, keys, K) for state, keys in zip(states, contexts)]
         skipping = [row for row, turn in enumerate(turns) if not turn]
         free = self.model.free_rows(batch.select(skipping)) if skipping else []
         drafting = sorted({row for row, turn in enumerate(turns) if turn}
@@ -321,7 +322,7 @@ class CostAwareDrafter(RowStateDrafter):
         limits = [K] * len(drafting) if drafted.num_drafts is None else drafted.num_drafts.tolist()
         confidence = None if drafted.confidence is None else drafted.confidence.float().tolist()
         matched = [0] * len(drafting) if drafted.match_length is None else drafted.match_length.tolist()
-        keys = batch.pool.lengths([batch.seq_ids[row] for row in drafting])
+        keys = [contexts[row] for row in drafting]
         for i, row in enumerate(drafting):
             state = states[row]
             # Drafts without a model's confidence (lookup, n-gram) were drafted without a model: free, so
