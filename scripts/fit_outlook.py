@@ -3,9 +3,10 @@
 The records are `scripts/simulate_backoff.py`'s (one greedy answer per Spec-Bench item with the drafter's K drafts
 at every output position; `dev`: items outside `hspec eval`'s, `eval`: its 24 a task). At each position the features
 are the target's hidden states at the last committed token, at the drafter's target layers, as decoding hands them
-to `commit` (the prompt's prefill, then the answer's tokens through the target's decode path: the same bits as
-one-by-one decoding, the kernels being row-invariant), cached beside the records; the label is how many of the K
-drafts there the target accepted.
+to `commit` (the prompt's prefill, then the answer's tokens in one call of the target's decode path, the calls
+decoding makes; compared with `DecodeStages.prefill_and_keep`'s hidden states they differ in layers 21 and 28 by
+bf16-rounding-sized amounts, cause not yet found, while the replay's check below agrees step for step), cached
+beside the records; the label is how many of the K drafts there the target accepted.
 
 The outlook is fitted on `dev` only (or, `--fit-on dev,more`, on `dev` and the other 200 Spec-Bench items outside
 `eval`, recorded here first): the L2 weight is chosen by two-fold cross-validation over those items (every other
@@ -38,7 +39,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from simulate_backoff import MAX_NEW_TOKENS, TASKS, K, accepted_at, check, item_sets, oracle, record, replay  # noqa: E402, E501
+from simulate_backoff import MAX_NEW_TOKENS, TASKS, K, accepted_at, check, item_sets, oracle, record, replay, speeds  # noqa: E402, E501
 
 from hspec.data.tasks import load_task  # noqa: E402
 from hspec.drafters.cost_aware import Backoff  # noqa: E402
@@ -105,14 +106,6 @@ def labels_of(row: dict) -> torch.Tensor:
 
 def truncated(row: dict, positions: int) -> dict:
     return {**row, "steps": row["steps"][:positions]}
-
-
-def speeds(rows: list[dict], cost_of) -> dict[str, float]:
-    out = {}
-    for task in (*TASKS, "all"):
-        chosen = [row for row in rows if task in ("all", row["task"])]
-        out[task] = sum(len(row["steps"]) for row in chosen) / sum(cost_of(row) for row in chosen)
-    return out
 
 
 def auc(score: torch.Tensor, label: torch.Tensor) -> float:
