@@ -3,10 +3,10 @@
 The records are `scripts/simulate_backoff.py`'s (one greedy answer per Spec-Bench item with the drafter's K drafts
 at every output position; `dev`: items outside `hspec eval`'s, `eval`: its 24 a task). At each position the features
 are the target's hidden states at the last committed token, at the drafter's target layers, as decoding hands them
-to `commit` (the prompt's prefill, then the answer's tokens in one call of the target's decode path, the calls
-decoding makes; compared with `DecodeStages.prefill_and_keep`'s hidden states they differ in layers 21 and 28 by
-bf16-rounding-sized amounts, cause not yet found, while the replay's check below agrees step for step), cached
-beside the records; the label is how many of the K drafts there the target accepted.
+to `commit` (the prompt's prefill, then the answer's tokens in one call of the target's decode path, with autograd
+off as in decoding: on SmolLM2 in w4a8 the same calls with it on take other products and differ in the last
+layers; equal to decoding's bits, tests/test_outlook.py), cached beside the records; the label is how many of the
+K drafts there the target accepted.
 
 The outlook is fitted on `dev` only (or, `--fit-on dev,more`, on `dev` and the other 200 Spec-Bench items outside
 `eval`, recorded here first): the L2 weight is chosen by two-fold cross-validation over those items (every other

@@ -142,3 +142,40 @@ def test_build_drafter_takes_the_outlook_beside_the_checkpoint(tmp_path, tiny_ta
     for kind in ("hspec:auto", "hspec+ngram:auto"):
         assert build_drafter(kind, tiny_target, path=tmp_path, step_cost=COST).outlook.layers == hspec.target_layers
     assert build_drafter("ngram:auto", tiny_target, step_cost=COST).outlook is None
+
+
+class _Committed(CostAwareDrafter):
+    """A `KIND:auto` drafter that also keeps, at each commit, the committed context's length and the hidden
+    states of its last token: what the outlook reads at the next step."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple[int, torch.Tensor]] = []
+
+    def commit(self, pool, seq_ids, hidden, num_committed):
+        last = int(num_committed[0]) - 1
+        self.seen.append((pool.length(seq_ids[0]), hidden[0, last].float().clone()))
+        super().commit(pool, seq_ids, hidden, num_committed)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "w4a8"])
+def test_fit_outlooks_features_are_the_hidden_states_decoding_commits(tiny_dirs, dtype):
+    """scripts/fit_outlook.py fits on features of recorded answers; in the dtypes whose products give a row the
+    same bits in a block of any size, they must be the bits decoding hands the outlook at every step, drafted
+    or not."""
+    from conftest import load_script, load_tiny
+
+    target = load_tiny(tiny_dirs["llama"], dtype=dtype)
+    torch.manual_seed(0)
+    hspec = create_drafter("hspec", target.config, target_model=target.model)
+    drafter = _Committed(hspec, target.config.vocab_size, COST,
+                         outlook=_outlook(hspec, target.config.hidden_size, bias=-2.0, scale=6.0))
+    prompt = target.tokenizer.encode_prompt("one two three four")
+    answer = _run(target, drafter, [prompt], max_new_tokens=30)[0]
+    assert 0 < sum(n > 0 for n in answer.num_drafted) < len(answer.num_drafted), "steps of both kinds"
+    tokens = answer.token_ids
+    features = load_script("fit_outlook").features_of(target, hspec.target_layers, prompt,
+                                                      {"steps": tokens, "tokens": tokens})
+    assert len(drafter.seen) == len(answer.num_drafted) + 1  # the prefill and every step
+    for length, hidden in drafter.seen:
+        assert torch.equal(features[length - len(prompt)], hidden.flatten()), f"context length {length}"
