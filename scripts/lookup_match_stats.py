@@ -28,7 +28,7 @@ import torch
 from hspec.data.tasks import default_data_dir
 from hspec.decoding.generate import SpeculativeDecoder
 from hspec.drafters.lookup_first import LookupFirstDrafter
-from hspec.drafters.ngram.drafter import longest_suffix_match
+from hspec.drafters.ngram.suffix import longest_suffix_match
 from hspec.models.loading import load_target
 from hspec.provenance import provenance, provenance_markdown, write_results
 from hspec.runtime import build_drafter

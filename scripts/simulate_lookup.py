@@ -46,7 +46,7 @@ from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
 from hspec.drafters import create_drafter  # noqa: E402
 from hspec.drafters.cost_aware import Backoff, RowState  # noqa: E402
 from hspec.drafters.lookup_first import LookupFirstDrafter  # noqa: E402
-from hspec.drafters.ngram.drafter import longest_suffix_match  # noqa: E402
+from hspec.drafters.ngram.suffix import longest_suffix_match  # noqa: E402
 from hspec.drafters.step_cost import StepCost  # noqa: E402
 from hspec.models.loading import load_target  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 from conftest import pool_free_draft_batch
 from hspec.drafters import DraftBatch, Drafter, Proposal, create_drafter
 from hspec.drafters.lookup_first import LookupFirstDrafter
-from hspec.drafters.ngram.drafter import longest_suffix_match
+from hspec.drafters.ngram.suffix import SuffixMatcher, longest_suffix_match
 
 
 def _brute_force_match(history, max_ngram):
@@ -35,6 +35,27 @@ def test_longest_suffix_match_equals_brute_force():
         match = longest_suffix_match(history, max_ngram)
         expected = _brute_force_match(history, max_ngram)
         assert (None if match is None else (match.length, match.end)) == expected, (history, max_ngram)
+
+
+def test_the_suffix_matcher_follows_growing_histories_as_a_fresh_search_does():
+    rng = random.Random(1)
+    for max_ngram in (1, 2, 3, 8):
+        matcher = SuffixMatcher(max_ngram)
+        histories = {seq_id: [] for seq_id in range(3)}
+        for step in range(400):
+            seq_id = rng.randrange(3)
+            history = histories[seq_id]
+            if step % 97 == 96:  # a sequence id taken over by another history, or by a cut copy of its own
+                history = histories[seq_id] = [rng.randrange(4) for _ in range(rng.randint(0, 6))]
+            elif step % 61 == 60:
+                history = histories[seq_id] = history[:rng.randrange(len(history) + 1)]
+            history += [rng.randrange(rng.choice((2, 4, 9))) for _ in range(rng.randint(1, 8))]
+            for _ in range(2):  # asked twice a step, as lookup_matches and propose do
+                match = matcher.match(seq_id, history)
+                expected = longest_suffix_match(history, max_ngram)
+                assert match == expected, (history, max_ngram)
+            if step % 50 == 49:
+                matcher.release(seq_id)
 
 
 def test_ngram_continues_its_match_padded_with_the_last_token_and_drafts_nothing_without_one(tiny_target):
@@ -83,16 +104,16 @@ def test_the_model_does_not_run_when_every_row_looks_up():
     assert proposal.draft_tokens.tolist() == [[7, 8], [5, 3]]
 
 
-def test_propose_after_free_rows_drafts_what_propose_alone_drafts_and_searches_a_grown_history_again():
+def test_propose_after_lookup_matches_drafts_what_propose_alone_drafts_and_searches_a_grown_history_again():
     model = _CountingDrafter(vocab_size=16)
     drafter = LookupFirstDrafter(model, vocab_size=16, min_match=1)
     history = [1, 2, 3, 1, 2]
     batch = pool_free_draft_batch([history])
     alone = drafter.propose(batch, K=3).draft_tokens.tolist()
-    assert drafter.free_rows(batch) == [True]
+    assert drafter.lookup_matches(batch) == [2]
     assert drafter.propose(batch, K=3).draft_tokens.tolist() == alone == [[3, 1, 2]]
-    assert drafter.free_rows(batch) == [True]
-    history.append(3)  # the step after: the match free_rows found for the shorter history is not taken
+    assert drafter.lookup_matches(batch) == [2]
+    history.append(3)  # the step after: the match lookup_matches found for the shorter history is not taken
     assert drafter.propose(batch, K=3).draft_tokens.tolist() == [[1, 2, 3]]
 
 

@@ -179,3 +179,25 @@ def test_fit_outlooks_features_are_the_hidden_states_decoding_commits(tiny_dirs,
     assert len(drafter.seen) == len(answer.num_drafted) + 1  # the prefill and every step
     for length, hidden in drafter.seen:
         assert torch.equal(features[length - len(prompt)], hidden.flatten()), f"context length {length}"
+
+
+@pytest.mark.parametrize("features", [1, 7, 8, 9, 2880])
+def test_the_outlooks_kernel_computes_the_survival_torch_does(features):
+    """`hspec::outlook_survival` (models/cpu_kernels.cpp), what `Outlook.survival` takes where hspec's kernels are
+    loaded: torch's value to fp32 rounding, and the same bits from bf16 hidden states as from their fp32 copy
+    (an outlook is fitted on the fp32 copies of decoding's bf16 ones)."""
+    from hspec.models.native import load_kernels
+
+    if not load_kernels():
+        pytest.skip("hspec's CPU kernels do not run here")
+    gen = torch.Generator().manual_seed(features)
+    weight, bias = torch.randn((K, features), generator=gen) / features ** 0.5, torch.randn(K, generator=gen)
+    hidden = torch.randn(features, generator=gen).bfloat16()
+    kernel = torch.ops.hspec.outlook_survival(hidden, weight, bias)
+    assert torch.equal(kernel, torch.ops.hspec.outlook_survival(hidden.float(), weight, bias))
+    torch.testing.assert_close(kernel, torch.addmv(bias, weight, hidden.float()).sigmoid(), rtol=1e-5, atol=1e-6)
+    outlook = Outlook(weight, bias, (0,))
+    survival = outlook.survival(hidden)
+    assert survival == [min(kernel.tolist()[: k + 1]) for k in range(K)]
+    with pytest.raises(RuntimeError, match=f"the weight reads {features} features, the hidden states hold"):
+        torch.ops.hspec.outlook_survival(torch.zeros(features + 1), weight, bias)

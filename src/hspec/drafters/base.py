@@ -204,10 +204,11 @@ class Drafter(ABC):
         """Draft a token tree of depth <= K per row (kinds with `proposes_tree`)."""
         raise NotImplementedError(f"drafter kind {self.kind!r} drafts chains, not trees")
 
-    def free_rows(self, batch: DraftBatch) -> list[bool]:
-        """Per row, whether this drafter would draft it without running a model (prompt lookup, n-gram): such a
-        row costs nothing to draft, so `KIND:auto` lets it draft even while the row backs off the model."""
-        return [False] * len(batch.seq_ids)
+    def lookup_matches(self, batch: DraftBatch) -> list[int]:
+        """Per row, the length of the prompt-lookup match this drafter would draft it by, without running a model
+        (0: it would run a model, or draft nothing). Such a row costs nothing to draft, so `KIND:auto` lets it
+        draft even while the row backs off the model, as far as its record after such matches says it pays."""
+        return [0] * len(batch.seq_ids)
 
     def draft_positions(self, K: int) -> int:
         """Most tokens after x0 one verification scores: K for a chain, the node budget for a tree."""

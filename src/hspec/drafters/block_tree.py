@@ -40,7 +40,7 @@ import torch
 
 from hspec.drafters.base import DraftBatch, Proposal, TreeDraft
 from hspec.drafters.common import NeuralDrafter
-from hspec.drafters.cost_aware import Backoff, RowState, RowStateDrafter
+from hspec.drafters.cost_aware import Backoff, RowStateDrafter
 from hspec.drafters.step_cost import StepCost
 
 TREE = "tree"  # the suffix of `KIND:tree`
@@ -119,7 +119,7 @@ class BlockTreeDrafter(RowStateDrafter):
         assert isinstance(model, NeuralDrafter)  # checked in __init__
         device = batch.anchor_tokens.device
         greedy = (batch.sampling.temperature == 0).tolist()
-        states = [self._rows.setdefault(s, RowState()) for s in batch.seq_ids]
+        states = [self._state(s) for s in batch.seq_ids]
         turns = [state.takes_turn() for state in states]
         drafting = [row for row, turn in enumerate(turns) if turn or not greedy[row]]
         rows: list[tuple[list[int], list[int]]] = [([], [])] * len(states)  # (tokens, parents) per row

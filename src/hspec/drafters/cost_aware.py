@@ -26,7 +26,7 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
        rate(n) = E(n) / cost(n),   E(n) = 1 + sum_{k<=n} prod_{j<=k} a_j,
        cost(n) = draft + 1 + [n > 0] first + n (t + t_S S)
 
-   (StepCost; S the row's context; a row drafted without a model, `Drafter.free_rows`, pays no draft). Draft
+   (StepCost; S the row's context; a row drafted without a model, `Drafter.lookup_matches`, pays no draft). Draft
    n + 1 goes in while some longer block pays more than the n drafts do, with a_k from this step up to n + 1
    and, after it, the row's record alone (its acceptance per position on earlier steps): so a first draft
    that pays only with the ones behind it (the first verified token costs a surcharge) is still taken.
@@ -192,8 +192,8 @@ class RowState:
     """What the rule keeps for one row: its place in the back-off of step 3 (steps still to skip, the length
     of the last skip, whether some step of it has paid), its records of the model's drafts and of drafts
     without a confidence (step 2; those per `lookup_bucket`), and this step's verified drafts with their
-    confidences (None: drafts without one) and lookup bucket until `commit` tells the verdict; and, for an
-    outlook, the target's hidden states at its last committed token (len(layers), H), float32."""
+    confidences (None: drafts without one) and lookup bucket until `commit` tells the verdict; and, with an
+    outlook, what it expects from the target's hidden states at the row's last committed token, a_1..a_K."""
 
     skip: int = 0
     backoff: int = 0
@@ -201,7 +201,7 @@ class RowState:
     model: Record = field(default_factory=Record)
     lookup: dict[int, Record] = field(default_factory=dict)
     pending: tuple[int, list[float] | None, int] | None = None
-    hidden: torch.Tensor | None = None  # replaced at each commit, never written in place
+    outlook: list[float] | None = None  # `Outlook.estimates`, replaced at each commit
 
     def takes_turn(self) -> bool:
         """Whether the row may draft this step (it is not backing off); counts a skipped step down."""
@@ -231,11 +231,15 @@ class RowState:
         """How many of at most `limit` drafts without a confidence (a lookup's, after a match of `match_length`
         tokens; 0: not said) to verify, by the row's record of such drafts after matches of that length (module
         docstring, step 2), the drafts kept pending until `record` tells their verdict. Free drafts: no back-off."""
-        bucket = lookup_bucket(match_length)
-        outlook = self.lookup.setdefault(bucket, Record()).estimates(K)  # estimates(limit) is its first `limit`
-        n, _ = best_draft_length(outlook[:limit], keys, cost, outlook)
-        self.pending = (n, None, bucket) if n else None
+        n = self.lookup_length(limit, K, keys, cost, match_length)
+        self.pending = (n, None, lookup_bucket(match_length)) if n else None
         return n
+
+    def lookup_length(self, limit: int, K: int, keys: int, cost: StepCost, match_length: int) -> int:
+        """`choose_lookup`'s length, nothing kept. With limit = K, 0 means 0 at any limit: a shorter block
+        only leaves out blocks the rule could take."""
+        outlook = self.lookup.setdefault(lookup_bucket(match_length), Record()).estimates(K)  # (limit) is its first
+        return best_draft_length(outlook[:limit], keys, cost, outlook)[0]
 
     def record(self, num_accepted: int) -> None:
         """This step's verdict: `num_accepted` of its pending drafts were accepted."""
@@ -246,7 +250,7 @@ class RowState:
 
     def copy(self) -> RowState:
         return RowState(self.skip, self.backoff, self.paid, self.model.copy(),
-                        {bucket: record.copy() for bucket, record in self.lookup.items()}, self.pending, self.hidden)
+                        {bucket: record.copy() for bucket, record in self.lookup.items()}, self.pending, self.outlook)
 
 
 class RowStateDrafter(WrappingDrafter):
@@ -256,6 +260,12 @@ class RowStateDrafter(WrappingDrafter):
     def __init__(self, model: Drafter) -> None:
         super().__init__(model)
         self._rows: dict[int, RowState] = {}
+
+    def _state(self, seq_id: int) -> RowState:
+        state = self._rows.get(seq_id)
+        if state is None:
+            state = self._rows[seq_id] = RowState()
+        return state
 
     def release(self, seq_id: int) -> None:
         self._rows.pop(seq_id, None)
@@ -295,6 +305,7 @@ class CostAwareDrafter(RowStateDrafter):
         self.backoff = backoff
         self.outlook = outlook
         self.kind = f"{model.kind}:{ADAPTIVE_LENGTH}"
+        self._plain: dict[tuple[int, int, torch.device], Proposal] = {}  # (B, K, device) -> `_plain_step`'s
 
     @property
     def lookup_rows(self) -> int | None:  # type: ignore[override]
@@ -303,21 +314,21 @@ class CostAwareDrafter(RowStateDrafter):
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         B = len(batch.seq_ids)
         device = batch.anchor_tokens.device
-        states = [self._rows.setdefault(s, RowState()) for s in batch.seq_ids]
-        # A row backing off still drafts where the drafter drafts it without a model (a lookup match): free.
+        states = [self._state(s) for s in batch.seq_ids]
         contexts = batch.pool.lengths(batch.seq_ids)  # each row's keys, read once a step
         turns = [self._takes_turn(state, keys, K) for state, keys in zip(states, contexts)]
-        skipping = [row for row, turn in enumerate(turns) if not turn]
-        free = self.model.free_rows(batch.select(skipping)) if skipping else []
-        drafting = sorted({row for row, turn in enumerate(turns) if turn}
-                          | {row for row, f in zip(skipping, free) if f})
+        # A row the drafter drafts by a lookup match (free) drafts whether or not it takes a turn, where its
+        # record after such matches lets some drafts pay; where it lets none, the drafts would all be cut, so the
+        # drafter is not asked for them.
+        matches = self.model.lookup_matches(batch)
+        drafting = [row for row in range(B) if (
+            states[row].lookup_length(K, K, contexts[row], self.free_cost, matches[row]) > 0 if matches[row]
+            else turns[row])]
         for state in states:
             state.pending = None
         num_drafts = [0] * B
-        if not drafting:  # nobody drafts: a plain decode step, verified against an empty draft
-            probs = torch.zeros((1, 1, 1), dtype=torch.float32, device=device).expand(B, K, self.vocab_size)
-            return Proposal(torch.zeros((B, K), dtype=torch.long, device=device), probs,
-                            torch.zeros(B, dtype=torch.long, device=device))
+        if not drafting:
+            return self._plain_step(B, K, device)
         drafted = self.model.propose(batch if len(drafting) == B else batch.select(drafting), K)
         limits = [K] * len(drafting) if drafted.num_drafts is None else drafted.num_drafts.tolist()
         confidence = None if drafted.confidence is None else drafted.confidence.float().tolist()
@@ -343,22 +354,31 @@ class CostAwareDrafter(RowStateDrafter):
                 probs[index] = drafted.draft_probs
         return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device))
 
+    def _plain_step(self, B: int, K: int, device: torch.device) -> Proposal:
+        """A step where no row drafts: a plain decode, verified against an empty draft. Made once per shape (most
+        steps of a row that does not pay are such steps) and never written to."""
+        key = (B, K, device)
+        if key not in self._plain:
+            probs = torch.zeros((1, 1, 1), dtype=torch.float32, device=device).expand(B, K, self.vocab_size)
+            self._plain[key] = Proposal(torch.zeros((B, K), dtype=torch.long, device=device), probs,
+                                        torch.zeros(B, dtype=torch.long, device=device))
+        return self._plain[key]
+
     def _takes_turn(self, state: RowState, keys: int, K: int) -> bool:
         """Whether the row drafts this step (module docstring, step 1): by the outlook where there is one and
         the row has committed a token, else by the back-off."""
-        if self.outlook is None or state.hidden is None:
+        if self.outlook is None or state.outlook is None:
             return state.takes_turn()
-        return outlook_pays(self.outlook.estimates(state.hidden)[:K], keys, self.cost, self.outlook.margin)
+        return outlook_pays(state.outlook[:K], keys, self.cost, self.outlook.margin)
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:
         """After a step (or a prefill), each row that verified drafts adds the verdict to its record; with an
-        outlook, each row keeps the hidden states of its last committed token, hidden[b, num_committed[b] - 1]."""
+        outlook, each row keeps what it expects from the hidden states of its last committed token,
+        hidden[b, num_committed[b] - 1]."""
         for row, (seq_id, committed) in enumerate(zip(seq_ids, num_committed.tolist())):
-            state = self._rows.get(seq_id)
-            if state is not None:
-                state.record(committed - 1)  # committed = x0 + the accepted drafts
+            state = self._state(seq_id)
+            state.record(committed - 1)  # committed = x0 + the accepted drafts
             if self.outlook is not None and hidden is not None:
-                kept = hidden[row, committed - 1].to(torch.float32, copy=True)  # (len(layers), H)
-                self._rows.setdefault(seq_id, RowState()).hidden = kept
+                state.outlook = self.outlook.estimates(hidden[row, committed - 1])  # from (len(layers), H)
         super().commit(pool, seq_ids, hidden, num_committed)

@@ -26,13 +26,11 @@ drafts. Choosing a row depends only on that row's history, so a row drafts the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from hspec.drafters.base import DraftBatch, Drafter, Proposal, one_hot_probs
 from hspec.drafters.early_stop import CONFIDENCE_SEPARATOR, EarlyStopDrafter
-from hspec.drafters.ngram.drafter import SuffixMatch, longest_suffix_match
+from hspec.drafters.ngram.suffix import SuffixMatcher
 from hspec.drafters.wrapping import WrappingDrafter
 
 LOOKUP_SUFFIX = "+ngram"
@@ -62,28 +60,16 @@ class LookupFirstDrafter(WrappingDrafter):
             self.kind = model.kind + LOOKUP_SUFFIX
         self.lookup_rows = 0  # rows drafted by lookup so far (with model_rows: how often each drafted)
         self.model_rows = 0
-        # The matches `free_rows` found, each with the history it searched and that history's length: a
-        # `propose` of the same step finds them there rather than searching again (a history only grows, and
-        # holding it keeps its id from naming another list).
-        self._found: dict[int, tuple[Sequence[int], int, SuffixMatch | None]] = {}  # id(history) -> those
+        self._matcher = SuffixMatcher(max_ngram)  # a match `lookup_matches` found, `propose` finds kept
 
-    def free_rows(self, batch: DraftBatch) -> list[bool]:
-        """The rows this step drafts by lookup (a suffix match of at least min_match tokens)."""
-        self._found = {id(history): (history, len(history), longest_suffix_match(history, self.max_ngram))
-                       for history in batch.tokens}
-        return [m is not None and m.length >= self.min_match for _, _, m in self._found.values()]
-
-    def _match(self, history: Sequence[int]) -> SuffixMatch | None:
-        """`longest_suffix_match` of `history`, as `free_rows` found it this step if it searched it."""
-        searched, length, match = self._found.get(id(history), (None, 0, None))
-        if searched is history and length == len(history):
-            return match
-        return longest_suffix_match(history, self.max_ngram)
+    def lookup_matches(self, batch: DraftBatch) -> list[int]:
+        """The rows this step drafts by lookup: their suffix matches' lengths, at least min_match tokens."""
+        matches = [self._matcher.match(seq_id, history) for seq_id, history in zip(batch.seq_ids, batch.tokens)]
+        return [m.length if m is not None and m.length >= self.min_match else 0 for m in matches]
 
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         B = len(batch.seq_ids)
-        matches = [self._match(history) for history in batch.tokens]
-        self._found = {}
+        matches = [self._matcher.match(seq_id, history) for seq_id, history in zip(batch.seq_ids, batch.tokens)]
         lookup = {row: m.continuation(history, K) for row, (m, history) in enumerate(zip(matches, batch.tokens))
                   if m is not None and m.length >= self.min_match}
         model_rows = [row for row in range(B) if row not in lookup]
@@ -131,6 +117,10 @@ class LookupFirstDrafter(WrappingDrafter):
         if drafted is not None:
             confidence[torch.tensor(model_rows, dtype=torch.long, device=device)] = drafted.confidence.float()
         return confidence
+
+    def release(self, seq_id: int) -> None:
+        self._matcher.release(seq_id)
+        super().release(seq_id)
 
     def lookup_share(self) -> float:
         """Fraction of row-steps drafted by lookup so far (0 before any proposal)."""

@@ -34,6 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hspec.models.native import kernels_loaded
+
 OUTLOOK_FILE = "outlook.safetensors"  # beside a drafter checkpoint's model.safetensors
 
 
@@ -56,13 +58,18 @@ class Outlook:
             raise ValueError(f"an outlook's margin must be positive, got {self.margin}")
 
     def survival(self, hidden: torch.Tensor) -> list[float]:
-        """S_1..S_K for one row's hidden states (len(layers), H) or (F,): non-increasing in k."""
-        h = hidden.reshape(-1).to(self.weight.dtype)
-        if h.numel() != self.weight.shape[1]:
+        """S_1..S_K for one row's hidden states (len(layers), H) or (F,): non-increasing in k. Where hspec's CPU
+        kernels are loaded, in one call of `hspec::outlook_survival` (this runs every step of every row); else by
+        torch's operators, whose sums may round otherwise."""
+        if hidden.numel() != self.weight.shape[1]:
             raise ValueError(f"the outlook reads {self.weight.shape[1]} features (layers {list(self.layers)}), "
-                             f"got {h.numel()}")
+                             f"got {hidden.numel()}")
+        if hidden.device.type == "cpu" and hidden.dtype in (torch.bfloat16, torch.float32) and kernels_loaded():
+            survival = torch.ops.hspec.outlook_survival(hidden, self.weight, self.bias)
+        else:
+            survival = torch.addmv(self.bias, self.weight, hidden.reshape(-1).to(self.weight.dtype)).sigmoid_()
         out, least = [], 1.0
-        for s in torch.addmv(self.bias, self.weight, h).sigmoid_().tolist():  # one small op: this runs every step
+        for s in survival.tolist():
             least = min(least, s)
             out.append(least)
         return out

@@ -30,8 +30,8 @@ class WrappingDrafter(Drafter):
     def check_target(self, config: TargetConfig) -> None:
         self.model.check_target(config)
 
-    def free_rows(self, batch: DraftBatch) -> list[bool]:
-        return self.model.free_rows(batch)
+    def lookup_matches(self, batch: DraftBatch) -> list[int]:
+        return self.model.lookup_matches(batch)
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:

@@ -10,13 +10,10 @@ verify row). Each row reports its match's length (`Proposal.match_length`), whic
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
 from hspec.drafters.base import DRAFTERS, DraftBatch, Drafter, Proposal
+from hspec.drafters.ngram.suffix import SuffixMatcher
 from hspec.models.config import TargetConfig
 
 
@@ -27,13 +24,15 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min {min_ngram}, max {max_ngram}")
         self.vocab_size = config.vocab_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._matcher = SuffixMatcher(max_ngram)
 
-    def free_rows(self, batch: DraftBatch) -> list[bool]:
-        return [True] * len(batch.seq_ids)  # a lookup in the history, no model
+    def lookup_matches(self, batch: DraftBatch) -> list[int]:
+        matches = [self._matcher.match(seq_id, history) for seq_id, history in zip(batch.seq_ids, batch.tokens)]
+        return [m.length if m is not None and m.length >= self.min_ngram else 0 for m in matches]
 
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         device = batch.anchor_tokens.device
-        matches = [longest_suffix_match(history, self.max_ngram) for history in batch.tokens]
+        matches = [self._matcher.match(seq_id, history) for seq_id, history in zip(batch.seq_ids, batch.tokens)]
         lengths = [m.length if m is not None and m.length >= self.min_ngram else 0 for m in matches]
         rows = [m.continuation(history, K) if length else [history[-1]] * K
                 for m, length, history in zip(matches, lengths, batch.tokens)]
@@ -42,39 +41,5 @@ class NgramDrafter(Drafter):
         # deterministic drafts: one-hot distributions (`Proposal.probs`)
         return Proposal(tokens, None, num_drafts, match_length=torch.tensor(lengths, device=device))
 
-
-@dataclass(frozen=True)
-class SuffixMatch:
-    """The history's last `length` tokens also end at index `end` (< len(history) - 1)."""
-
-    length: int
-    end: int
-
-    def continuation(self, history: Sequence[int], K: int) -> list[int]:
-        """The K tokens after the match, padded with the history's last token."""
-        follow = list(history[self.end + 1:self.end + 1 + K])
-        return follow + [history[-1]] * (K - len(follow))
-
-
-def longest_suffix_match(history: Sequence[int], max_ngram: int) -> SuffixMatch | None:
-    """The most recent earlier occurrence of the longest suffix of `history` (at most `max_ngram`
-    tokens) that leaves at least one token after it; None if even the last token never occurred.
-
-    Equivalent to trying n = max_ngram, ..., 1 and taking the most recent match of the last n
-    tokens, but it looks only at the positions holding the last token (numpy finds them).
-    """
-    n_tokens = len(history)
-    if n_tokens < 2:
-        return None
-    ids = np.asarray(history, dtype=np.int64)
-    ends = np.flatnonzero(ids[:-1] == ids[-1])  # earlier positions of the last token, ascending
-    best: SuffixMatch | None = None
-    for end in ends[::-1].tolist():  # most recent first: a later match wins ties
-        length = 1
-        while length < max_ngram and end - length >= 0 and ids[end - length] == ids[n_tokens - 1 - length]:
-            length += 1
-        if best is None or length > best.length:
-            best = SuffixMatch(length, end)
-            if length == max_ngram:
-                break
-    return best
+    def release(self, seq_id: int) -> None:
+        self._matcher.release(seq_id)
