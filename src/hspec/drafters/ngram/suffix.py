@@ -40,10 +40,17 @@ def longest_suffix_match(history: Sequence[int], max_ngram: int) -> SuffixMatch 
         return None
     ids = np.asarray(history, dtype=np.int64)
     ends = np.flatnonzero(ids[:-1] == ids[-1])  # earlier positions of the last token, ascending
+    return _longest(ids, ends[::-1].tolist(), 1, max_ngram)
+
+
+def _longest(history: Sequence[int], ends: Sequence[int], matched: int, max_ngram: int) -> SuffixMatch | None:
+    """The longest match (at most max_ngram tokens) of the history's suffix among earlier ends, each known to
+    match its last `matched` tokens, given most recent first: the first of the longest wins."""
+    n = len(history)
     best: SuffixMatch | None = None
-    for end in ends[::-1].tolist():  # most recent first: a later match wins ties
-        length = 1
-        while length < max_ngram and end - length >= 0 and ids[end - length] == ids[n_tokens - 1 - length]:
+    for end in ends:
+        length = matched
+        while length < max_ngram and end - length >= 0 and history[end - length] == history[n - 1 - length]:
             length += 1
         if best is None or length > best.length:
             best = SuffixMatch(length, end)
@@ -93,21 +100,11 @@ class SuffixIndex:
     def _search(self, history: Sequence[int], max_ngram: int) -> SuffixMatch | None:
         # A match of two or more tokens ends where the last pair occurred before, the most recent of the longest
         # winning; without one, the last token's most recent earlier occurrence is the match.
-        n = len(history)
         ends = self._by_pair.get((history[-2], history[-1])) if max_ngram >= 2 else None
         if not ends:
             positions = self._by_token.get(history[-1])
             return SuffixMatch(1, positions[-1]) if positions else None
-        best: SuffixMatch | None = None
-        for end in reversed(ends):
-            length = 2
-            while length < max_ngram and end - length >= 0 and history[end - length] == history[n - 1 - length]:
-                length += 1
-            if best is None or length > best.length:
-                best = SuffixMatch(length, end)
-                if length == max_ngram:
-                    break
-        return best
+        return _longest(history, ends[::-1], 2, max_ngram)
 
 
 class SuffixMatcher:
