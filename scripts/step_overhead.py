@@ -7,7 +7,7 @@ plus the wrapper's rule, the lookup, the proposal's tensors and the commit; the 
 back-off's first probes, which the medians leave out), and its steps are timed in lockstep with plain decoding's:
 the arms decode the same prompt on their own pools one step each in turn (the order reversed every step), so a
 load that comes and goes weighs on all alike. Per prompt, each arm's median step less plain's median step; per
-task, the medians of those.
+task and over all items, the medians of those.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/step_overhead.py [--items 4] [--steps 120]
         [--out results/adaptive_length/step_overhead]
@@ -90,8 +90,9 @@ def main() -> int:
                              "plain_ms": 1000 * medians["none"],
                              "extra_ms": {n: 1000 * (medians[n] - medians["none"]) for n in ARMS[1:]}})
                 print(rows[-1], flush=True)
-    summary = {task: {n: statistics.median(r["extra_ms"][n] / r["plain_ms"] for r in rows if r["task"] == task)
-                      for n in ARMS[1:]} for task in TASKS}
+    summary = {group: {n: statistics.median(r["extra_ms"][n] / r["plain_ms"] for r in rows
+                                            if group in (r["task"], "all"))
+                       for n in ARMS[1:]} for group in (*TASKS, "all")}
     settings = {"dtype": "w4a8", "K": K, "items_per_task": args.items, "steps": args.steps, "skipped": SKIPPED,
                 "threads": torch.get_num_threads(), "load_average": _load_average()}
     command = f"python scripts/step_overhead.py --items {args.items} --steps {args.steps}"
@@ -106,13 +107,13 @@ def markdown(payload: dict) -> str:
              provenance_markdown(payload["provenance"]),
              "\nw4a8 target, greedy; each `KIND:auto` with step costs no draft pays, timed in lockstep with plain "
              "decoding (module docstring of `scripts/step_overhead.py`). Per item: plain decoding's median step and "
-             "what each arm's median step adds; per task: the median of that over plain's step.\n",
+             "what each arm's median step adds; per task and over all items: the median of that over plain's step.\n",
              "| task | item | prompt tokens | plain (ms) | " + " | ".join(f"+ {n} (ms)" for n in ARMS[1:]) + " |",
              "|---|---|---|---|" + "---|" * (len(ARMS) - 1)]
     for row in payload["rows"]:
         lines.append(f"| {row['task']} | {row['item']} | {row['prompt_tokens']} | {row['plain_ms']:.2f} | "
                      + " | ".join(f"{row['extra_ms'][n]:+.3f}" for n in ARMS[1:]) + " |")
-    lines += ["", "| task | " + " | ".join(ARMS[1:]) + " |", "|---|" + "---|" * (len(ARMS) - 1)]
+    lines += ["", "| task (all: every item) | " + " | ".join(ARMS[1:]) + " |", "|---|" + "---|" * (len(ARMS) - 1)]
     for task, by_arm in payload["summary"].items():
         lines.append(f"| {task} | " + " | ".join(f"{v:+.1%}" for v in by_arm.values()) + " |")
     return "\n".join(lines) + "\n"
