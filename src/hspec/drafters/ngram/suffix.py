@@ -65,7 +65,8 @@ class SuffixIndex:
     another list, or shorter than the part indexed, is indexed afresh; a list cut and regrown in place is not
     noticed (its matches would be stale: wrong drafts, which verification rejects, never wrong output)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
         self._start(None)
 
     def _start(self, history: Sequence[int] | None) -> None:
@@ -73,17 +74,16 @@ class SuffixIndex:
         self._indexed = 0  # positions 0.._indexed-1 are in the maps: every end a match may have
         self._by_token: dict[int, list[int]] = {}  # token -> its positions, ascending
         self._by_pair: dict[tuple[int, int], list[int]] = {}  # (history[e-1], history[e]) -> e, ascending
-        self._answer: tuple[tuple[int, int, int], SuffixMatch | None] | None = None  # ((n, last, max_ngram), match)
+        self._answer: tuple[int, SuffixMatch | None] | None = None  # (len(history), its match)
 
-    def match(self, history: Sequence[int], max_ngram: int) -> SuffixMatch | None:
+    def match(self, history: Sequence[int]) -> SuffixMatch | None:
         """`longest_suffix_match(history, max_ngram)`."""
         n = len(history)
         if n < 2:
             return None
         self._catch_up(history)
-        key = (n, history[-1], max_ngram)
-        if self._answer is None or self._answer[0] != key:
-            self._answer = (key, self._search(history, max_ngram))
+        if self._answer is None or self._answer[0] != n:
+            self._answer = (n, self._search(history))
         return self._answer[1]
 
     def _catch_up(self, history: Sequence[int]) -> None:
@@ -97,14 +97,14 @@ class SuffixIndex:
                 self._by_pair.setdefault((history[end - 1], token), []).append(end)
         self._indexed = len(history) - 1
 
-    def _search(self, history: Sequence[int], max_ngram: int) -> SuffixMatch | None:
+    def _search(self, history: Sequence[int]) -> SuffixMatch | None:
         # A match of two or more tokens ends where the last pair occurred before, the most recent of the longest
         # winning; without one, the last token's most recent earlier occurrence is the match.
-        ends = self._by_pair.get((history[-2], history[-1])) if max_ngram >= 2 else None
+        ends = self._by_pair.get((history[-2], history[-1])) if self.max_ngram >= 2 else None
         if not ends:
             positions = self._by_token.get(history[-1])
             return SuffixMatch(1, positions[-1]) if positions else None
-        return _longest(history, ends[::-1], 2, max_ngram)
+        return _longest(history, ends[::-1], 2, self.max_ngram)
 
 
 class SuffixMatcher:
@@ -118,8 +118,8 @@ class SuffixMatcher:
     def match(self, seq_id: int, history: Sequence[int]) -> SuffixMatch | None:
         index = self._indexes.get(seq_id)
         if index is None:
-            index = self._indexes[seq_id] = SuffixIndex()
-        return index.match(history, self.max_ngram)
+            index = self._indexes[seq_id] = SuffixIndex(self.max_ngram)
+        return index.match(history)
 
     def release(self, seq_id: int) -> None:
         self._indexes.pop(seq_id, None)
