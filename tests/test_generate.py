@@ -7,6 +7,7 @@ target's distribution (a chi-square test with a stated false-failure probability
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -366,3 +367,24 @@ def test_metrics_name_the_decode_rate_apart_from_the_rate_with_prefill(tiny_targ
     assert "tokens_per_s" not in m  # one word, one measure
     assert m["decode_tokens_per_s"] == pytest.approx((out.num_new_tokens - 1) / out.decode_s)
     assert m["tokens_per_s_with_prefill"] == pytest.approx(out.num_new_tokens / (out.prefill_s + out.decode_s))
+
+
+def test_metrics_of_a_run_that_drafted_nothing_have_no_mean_accepted_length(tiny_target):
+    """A `:auto` row whose drafting never pays runs plain steps: no MAL to report (None, which JSON has), not NaN."""
+    from hspec.runtime import build_drafter
+
+    never_pays = StepCost(draft=50.0, per_token=1.0, per_token_key=0.0)
+    drafter = build_drafter("ngram:auto", tiny_target, step_cost=never_pays)
+    out = _decoder(tiny_target, drafter, 3).generate([tiny_target.tokenizer.encode_prompt(PROMPTS[1])],
+                                                     SamplingParams(), 12)
+    m = out.metrics()
+    assert m["mean_accepted_length"] is None and m["drafted_share"] == 0.0
+    assert all(a is None for a in m["acceptance_by_position"])
+    json.loads(json.dumps(m, allow_nan=False))
+
+
+def test_drafted_share_counts_the_rows_steps_that_drafted(tiny_target):
+    out = _decoder(tiny_target, create_drafter("ngram", tiny_target.config), 3).generate(
+        [tiny_target.tokenizer.encode_prompt(p) for p in PROMPTS[:2]], SamplingParams(), 12)
+    row_steps = [n for s in out.sequences for n in s.num_drafted]
+    assert 0 < out.metrics()["drafted_share"] == sum(n > 0 for n in row_steps) / len(row_steps)

@@ -33,7 +33,7 @@ def generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, no chat template")
     add_target(gen)
     add_dtype(gen)
-    add_drafter(gen, "ngram")
+    add_drafter(gen, "ngram:auto")
     add_compile_drafter(gen)
     add_drafter_precision(gen)
     add_decoding_options(gen)
@@ -81,12 +81,19 @@ def run_generate(args: argparse.Namespace) -> int:
                           **metrics}), file=args.json_out)
         return 0
     print(text)
+    mal = metrics["mean_accepted_length"]
+    if metrics["K"] == 0:
+        drafting = "plain decoding"
+    elif mal is None:
+        drafting = "no step drafted"
+    else:
+        drafting = f"MAL {mal:.2f} over the {metrics['drafted_share']:.0%} of steps that drafted"
     print(f"\n[{args.drafter}, K={metrics['K']}] {metrics['num_tokens']} tokens, finish={seq.finish_reason}, "
-          f"MAL {metrics['mean_accepted_length']:.2f}, {metrics['decode_tokens_per_s']:.1f} tok/s decoding "
+          f"{drafting}, {metrics['decode_tokens_per_s']:.1f} tok/s decoding "
           f"(prefill {metrics['prefill_s']:.2f} s), "
           f"ITL {metrics['itl_ms']:.1f} ms, draft {metrics['draft_ms_per_step']:.1f} ms/step, "
           f"verify {metrics['verify_ms_per_step']:.1f} ms/step")
-    if metrics["acceptance_by_position"]:
+    if metrics["acceptance_by_position"] and mal is not None:
         acc = ", ".join("-" if a is None else f"{a:.2f}" for a in metrics["acceptance_by_position"])
         print(f"acceptance by position: {acc}")
     return 0

@@ -164,11 +164,16 @@ def add_drafter(p: argparse.ArgumentParser, default: str) -> None:
                         "KIND+ngram (e.g. hspec+ngram) drafts by prompt lookup when the last token occurred "
                         "before, by KIND otherwise; a :P suffix (e.g. hspec+ngram:0.4) verifies only the leading "
                         "drafts the drafter is at least P sure of (K stays the most per step), and behind lookup "
-                        "2m+1 drafts after an m-token match; KIND=DIR loads a trained checkpoint (as `hspec eval "
-                        "--drafters` takes it)")
+                        "2m+1 drafts after an m-token match; a :auto suffix (e.g. ngram:auto, hspec+ngram:auto) "
+                        "lets each row verify per step the number of drafts, 0 to K, that pays most by this machine's "
+                        "measured step costs, so drafting that does not pay falls back to plain decoding steps; "
+                        "KIND:tree (e.g. hspec:tree) verifies a cost-aware token tree grown from a trained block "
+                        "drafter; KIND=DIR loads a trained checkpoint (as `hspec eval --drafters` takes it); "
+                        "docs/guide/generate.md#drafters")
     p.add_argument("--k", type=int, default=7,
-                   help=f"tokens drafted per step, 1 <= K <= {MAX_DRAFT_LEN}; a trained drafter allows at most the "
-                        "K it was trained for (7 for the shipped ones) (default 7)")
+                   help=f"tokens drafted per step (the most per step for :P and :auto), 1 <= K <= {MAX_DRAFT_LEN}; "
+                        "a trained drafter allows at most the K it was trained for (7 for the shipped ones) "
+                        "(default 7)")
     p.add_argument("--drafter-path", default=None,
                    help="trained drafter checkpoint dir, as --drafter KIND=DIR (default: the one shipped for the "
                         "embedded target); only for trained kinds, not none or ngram")

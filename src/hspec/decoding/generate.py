@@ -68,11 +68,15 @@ class GenerationOutput:
         stats = self.acceptance()
         decode_tokens = self.num_new_tokens - len(self.sequences)
         steps = len(self.verify_s)
+        row_steps = sum(len(s.num_drafted) for s in self.sequences)
+        drafted = sum(n > 0 for s in self.sequences for n in s.num_drafted)
         return {
             "K": self.K,
             "num_tokens": self.num_new_tokens,
             "num_steps": steps,
-            "mean_accepted_length": stats.mean_accepted_length if stats else 1.0,
+            # over the steps that drafted; None where none did (a `:auto` run that kept to plain steps)
+            "mean_accepted_length": (stats.to_dict()["mean_accepted_length"] if stats else 1.0),
+            "drafted_share": drafted / row_steps if row_steps else 0.0,  # of the rows' steps, those that drafted
             "acceptance_by_position": list(stats.to_dict()["acceptance_by_position"]) if stats else [],
             "itl_ms": 1000 * self.decode_s * len(self.sequences) / max(decode_tokens, 1),
             "decode_tokens_per_s": decode_tokens / max(self.decode_s, 1e-9),
