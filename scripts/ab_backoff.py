@@ -10,7 +10,8 @@ turn (the order reversed every other item), every output checked equal to plain'
 second over plain's, per task.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/ab_backoff.py [--size 24] [--other 1,2,32,0]
-        [--other-outlook none|shipped] [--other-cost DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]]]
+        [--other-outlook none|shipped]
+        [--other-cost DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY[,DRAFT_PER_POSITION]]]]
         [--out results/adaptive_length/backoff_ab]
 """
 
@@ -28,7 +29,7 @@ from hspec.bench.draft_breakdown import _load_average  # noqa: E402
 from hspec.data.tasks import load_task  # noqa: E402
 from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
 from hspec.drafters.cost_aware import Backoff, CostAwareDrafter  # noqa: E402
-from hspec.drafters.step_cost import StepCost  # noqa: E402
+from hspec.drafters.step_cost import FORM, StepCost  # noqa: E402
 from hspec.models.loading import load_target  # noqa: E402
 from hspec.provenance import provenance, provenance_markdown, write_results  # noqa: E402
 from hspec.runtime import build_drafter  # noqa: E402
@@ -43,7 +44,7 @@ def main() -> int:
     parser.add_argument("--other", default="1,2,32,0", help="FIRST,GROWTH,MOST[,COLD] of the back-off compared "
                         "(`Backoff`; COLD defaults to the default back-off's)")
     parser.add_argument("--other-cost", default=None, help="the other rule's step costs in 1-token decodes, "
-                        "DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]] (default: the default rule's)")
+                        f"{FORM} (default: the default rule's)")
     parser.add_argument("--other-outlook", choices=("none", "shipped"), default="none",
                         help="whether the other rule reads the drafter's shipped outlook too (default none)")
     parser.add_argument("--dtype", default="w4a8")

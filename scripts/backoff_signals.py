@@ -54,7 +54,7 @@ def tally(records: list[dict], prompts: dict[str, list[int]], cost: StepCost) ->
         paid_before = None  # whether drafting paid at the position before
         for position, (keys, _, confidence) in enumerate(row["steps"]):
             accepted = accepted_at(row, position, K)
-            step = cost.of(accepted, keys) if accepted else float("inf")
+            step = cost.of(accepted, keys, K) if accepted else float("inf")
             gain = accepted + 1 - step if accepted + 1 > step else 0.0
             match = repeated_suffix(prompt + tokens[:position + 1])
             late = "late" if position >= LATE else "early"

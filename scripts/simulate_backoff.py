@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from hspec.data.tasks import load_task  # noqa: E402
 from hspec.decoding.generate import SpeculativeDecoder  # noqa: E402
 from hspec.drafters.base import DraftBatch, Proposal  # noqa: E402
-from hspec.drafters.cost_aware import Backoff, CostAwareDrafter, RowState, outlook_pays  # noqa: E402
+from hspec.drafters.cost_aware import Backoff, CostAwareDrafter, RowState, outlook_length  # noqa: E402
 from hspec.drafters.outlook import Outlook  # noqa: E402
 from hspec.drafters.step_cost import StepCost  # noqa: E402
 from hspec.drafters.wrapping import WrappingDrafter  # noqa: E402
@@ -143,12 +143,16 @@ def replay(row: dict, cost: StepCost, backoff: Backoff, charge: StepCost | None 
     state, position, total, lengths = RowState(), 0, 0.0, []
     while position < len(steps):
         keys, _, confidence = steps[position]
-        drafted = state.takes_turn() if outlook is None else outlook_pays(outlook[position], keys, cost, margin)
+        if outlook is None:
+            drafted = K if state.takes_turn() else 0
+        else:
+            drafted = outlook_length(outlook[position], keys, cost, margin)
+            drafted = drafted if drafted == 0 or cost.draft_per_position > 0 else K
         state.pending = None
-        n = state.choose(confidence, keys, cost, backoff) if drafted else 0
+        n = state.choose(confidence[:drafted], keys, cost, backoff, positions=drafted) if drafted else 0
         accepted = accepted_at(row, position, n)
         state.record(accepted)
-        total += (charge or cost).of(n, keys, drafted=drafted) + tax
+        total += (charge or cost).of(n, keys, drafted) + tax
         lengths.append(n)
         position += accepted + 1
     return total, lengths
@@ -162,8 +166,8 @@ def oracle(row: dict, cost: StepCost, tax: float = 0.0) -> float:
     while position < len(steps):
         keys = steps[position][0]
         accepted = accepted_at(row, position, K)
-        if accepted and accepted + 1 > cost.of(accepted, keys):
-            total += cost.of(accepted, keys) + tax
+        if accepted and accepted + 1 > cost.of(accepted, keys, accepted):
+            total += cost.of(accepted, keys, accepted) + tax
             position += accepted + 1
         else:
             total += 1.0 + tax

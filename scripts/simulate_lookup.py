@@ -89,12 +89,12 @@ def replay(row: dict, prompt: list[int], kind: str, rule: str, cost: StepCost, m
                 n = K
             else:
                 n = state.choose_lookup(K, K, keys, free, match.length if match and rule == "per match" else 0)
-            spent = free_charge.of(n, keys) + (cost.draft if kind == "ngram" else 0.0)
+            spent = free_charge.of(n, keys, n) + (cost.draft if kind == "ngram" else 0.0)
         elif kind == "ngram":  # no match: a plain decode step
-            drafts, n, spent = [], 0, free_charge.of(0, keys) + cost.draft
+            drafts, n, spent = [], 0, free_charge.of(0, keys, 0) + cost.draft
         elif turn:
             drafts, n = model_drafts, state.choose(confidence, keys, cost, Backoff())
-            spent = charge.of(n, keys)
+            spent = charge.of(n, keys, K)
         else:
             drafts, n, spent = [], 0, 1.0
         count = accepted(drafts, tokens[position + 1: len(steps)], n)

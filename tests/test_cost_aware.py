@@ -51,8 +51,10 @@ def test_expected_emitted_and_cost_by_hand():
     assert expected_emitted([0.9, 0.5]) == pytest.approx(1 + 0.9 + 0.45)
     assert expected_emitted([]) == 1.0
     cost = StepCost(draft=0.5, per_token=0.1, per_token_key=1e-4)
-    assert cost.of(3, 1000) == pytest.approx(0.5 + 1 + 3 * 0.2)
-    assert cost.of(0, 1000, drafted=False) == 1.0
+    assert cost.of(3, 1000, 7) == pytest.approx(0.5 + 1 + 3 * 0.2)
+    assert cost.of(0, 1000, 0) == 1.0  # the drafter did not run
+    by_position = StepCost(draft=0.2, per_token=0.1, per_token_key=0.0, draft_per_position=0.05)
+    assert by_position.of(2, 0, 3) == pytest.approx(0.2 + 3 * 0.05 + 1 + 2 * 0.1)  # 3 drafted, 2 verified
     with pytest.raises(ValueError, match="per_token must be a number >= 0"):
         StepCost(0.5, -0.1, 0.0)
 
@@ -69,7 +71,7 @@ def test_the_length_stops_at_the_first_draft_that_does_not_pay():
 
 def test_a_first_draft_that_pays_only_with_the_ones_expected_after_it_is_taken():
     cost = StepCost(draft=0.5, per_token=0.1, per_token_key=0.0, first_token=0.3)
-    assert cost.of(0, 0) == pytest.approx(1.5) and cost.of(2, 0) == pytest.approx(0.5 + 1 + 0.3 + 0.2)
+    assert cost.of(0, 0, 7) == pytest.approx(1.5) and cost.of(2, 0, 7) == pytest.approx(0.5 + 1 + 0.3 + 0.2)
     # n=0 1/1.5 = 0.667; n=1 (1 + 0.25) / 1.9 = 0.658 does not pay alone, but with the record expecting 0.9
     # after it n=4 (1 + 0.25 + 0.225 + 0.2025 + 0.182) / 2.2 = 0.845 does: the first draft goes in
     estimate = [0.25, 0.9, 0.9, 0.9]
@@ -288,8 +290,9 @@ def test_given_step_costs_are_parsed_and_bad_ones_named(capsys):
     assert StepCost.parse("0.6,0.13,8e-5") == StepCost(0.6, 0.13, 8e-5)
     grows = StepCost.parse("0.6,0.13,8e-5,0.08,1e-4")  # the draft grows with the context too
     assert grows == StepCost(0.6, 0.13, 8e-5, 0.08, 1e-4)
-    assert grows.of(0, 1000) == pytest.approx(0.6 + 0.1 + 1.0) and grows.of(0, 1000, drafted=False) == 1.0
-    for bad in ("0.6,0.13", "a,b,c", "0.6,-1,0", "1,2,3,4,5,6"):
+    assert grows.of(0, 1000, 7) == pytest.approx(0.6 + 0.1 + 1.0) and grows.of(0, 1000, 0) == 1.0
+    assert StepCost.parse("0.6,0.13,8e-5,0.08,1e-4,0.05").draft_per_position == 0.05  # and with the positions
+    for bad in ("0.6,0.13", "a,b,c", "0.6,-1,0", "1,2,3,4,5,6,7"):
         with pytest.raises(ValueError, match="--step-cost|per_token must"):
             StepCost.parse(bad)
     assert main(["generate", "--prompt", "hi", "--drafter", "hspec:auto", "--step-cost", "1,2"]) == 2
@@ -333,6 +336,7 @@ def test_the_cost_cycle_verifies_the_lengths_it_is_given_and_skips_the_drafter_o
 
         def propose(self, batch, K):
             self.calls += 1
+            self.asked = K
             return self.model.propose(batch, K)
 
     counting = Counting(create_drafter("hspec", tiny_target.config, target_model=tiny_target.model))
@@ -344,14 +348,14 @@ def test_the_cost_cycle_verifies_the_lengths_it_is_given_and_skips_the_drafter_o
     sampling = SamplingBatch.from_params([SamplingParams()])
     seen = []
     with torch.inference_mode():
-        for length in (None, 0, 1, 3, None):
-            before = counting.calls
-            fixed.length = length
+        for positions, length in ((None, None), (None, 0), (None, 1), (None, 3), (1, 0), (2, 1), (None, None)):
+            before, counting.asked = counting.calls, None
+            fixed.positions, fixed.length = positions, length
             result = stages.step(pool, [0], [history], sampling, [torch.Generator().manual_seed(0)])
             history.extend(result.new_tokens[0])
-            seen.append((result.num_drafted[0], counting.calls - before))
+            seen.append((result.num_drafted[0], counting.calls - before, counting.asked))
     stages.release(pool, 0)
-    assert seen == [(0, 0), (0, 1), (1, 1), (3, 1), (0, 0)]
+    assert seen == [(0, 0, None), (0, 1, 3), (1, 1, 3), (3, 1, 3), (0, 1, 1), (1, 1, 2), (0, 0, None)]
 
 
 def test_the_cost_cycle_verifies_its_length_where_the_drafter_would_verify_fewer(tiny_target):

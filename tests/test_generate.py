@@ -57,7 +57,7 @@ def _make(kind, target):
             features = len(model.target_layers) * target.config.hidden_size
             weight = torch.randn((7, features)) * 6.0 / features ** 0.5
         outlook = Outlook(weight, torch.full((7,), -2.0), tuple(model.target_layers))
-        return CostAwareDrafter(model, target.config.vocab_size, ADAPTIVE_COST, outlook=outlook)
+        return CostAwareDrafter(model, target.config.vocab_size, OUTLOOK_COST, outlook=outlook)
     spec = parse_drafter_spec(kind)  # the grammar `hspec.runtime.build_drafter` reads
     if spec.tree:  # greedy rows verify token trees, sampled rows their chains as trees
         with torch.random.fork_rng():
@@ -97,6 +97,9 @@ ADAPTIVE = ("hspec:auto", "hspec+ngram:auto", "dflash:auto", "ngram:auto")
 # Not a drafter string: `hspec:auto` with a random outlook (hspec.drafters.outlook) that drafts on some steps
 # and not others, as one fitted to a trained drafter does.
 WITH_OUTLOOK = "hspec:auto+outlook"
+# its costs: a draft that grows with its positions, so a row drafts (and its sampled rows draw) only the length its
+# outlook expects to pay, under K on some steps
+OUTLOOK_COST = StepCost(draft=0.02, per_token=0.05, per_token_key=0.0, draft_per_position=0.05)
 # Costs at which the random-weight drafters grow trees of several nodes (dflash) or back off on most steps
 # between trees (hspec: a drafted token's value ~0.3 does not pay for a draft of 0.3 decodes).
 TREE_COSTS = {"hspec:tree": StepCost(draft=0.3, per_token=0.005, per_token_key=0.0),

@@ -18,6 +18,8 @@ from hspec.sampling import SamplingParams
 
 K = 4
 COST = StepCost(draft=0.02, per_token=0.05, per_token_key=0.0)
+# the same with a draft that grows with the positions drafted: a row drafts the length its outlook expects to pay
+BY_POSITION = StepCost(draft=0.02, per_token=0.05, per_token_key=0.0, draft_per_position=0.05)
 
 
 def _synthetic(n: int = 3000, features: int = 6, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +62,7 @@ def test_an_outlook_survives_saving_and_loading(tmp_path):
 def test_bad_outlooks_and_inputs_are_refused_with_their_shapes():
     with pytest.raises(ValueError, match=r"weight \(K, F\) and bias \(K,\), got \(3,\) and \(3,\)"):
         Outlook(torch.zeros(3), torch.zeros(3), (1,))
-    with pytest.raises(ValueError, match="margin must be positive, got 0"):
+    with pytest.raises(ValueError, match="margin must be >= 1.*got 0"):
         Outlook(torch.zeros(2, 4), torch.zeros(2), (1,), margin=0)
     with pytest.raises(ValueError, match="reads 4 features .* got 6"):
         Outlook(torch.zeros(2, 4), torch.zeros(2), (1,)).survival(torch.zeros(6))
@@ -74,9 +76,11 @@ class _Counting(WrappingDrafter):
     def __init__(self, model) -> None:
         super().__init__(model)
         self.rows = 0
+        self.asked: list[int] = []  # the positions each call was asked for
 
     def propose(self, batch, K):
         self.rows += len(batch.seq_ids)
+        self.asked.append(K)
         return self.model.propose(batch, K)
 
 
@@ -114,19 +118,53 @@ def test_the_outlook_decides_whether_a_row_drafts(tiny_target):
     assert [s.token_ids for s in out] == [s.token_ids for s in plain]
 
 
-def test_a_row_drafts_by_its_own_outlook_whatever_its_batch(tiny_target):
+@pytest.mark.parametrize("cost", [COST, BY_POSITION], ids=["whole draft", "draft by position"])
+def test_a_row_drafts_by_its_own_outlook_whatever_its_batch(tiny_target, cost):
     torch.manual_seed(0)
     hspec = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
     outlook = _outlook(hspec, tiny_target.config.hidden_size, bias=-2.0, scale=6.0)
     prompts = [tiny_target.tokenizer.encode_prompt(p) for p in ("one two three", "a b c d e", "hello world")]
-    together = _run(tiny_target, CostAwareDrafter(hspec, tiny_target.config.vocab_size, COST, outlook=outlook),
+    together = _run(tiny_target, CostAwareDrafter(hspec, tiny_target.config.vocab_size, cost, outlook=outlook),
                     prompts)
     lengths = [d for s in together for d in s.num_drafted]
     assert 0 in lengths and max(lengths) > 0, "this outlook should let some steps draft and keep others plain"
     for prompt, row in zip(prompts, together):
-        alone = _run(tiny_target, CostAwareDrafter(hspec, tiny_target.config.vocab_size, COST, outlook=outlook),
+        alone = _run(tiny_target, CostAwareDrafter(hspec, tiny_target.config.vocab_size, cost, outlook=outlook),
                      [prompt])[0]
         assert alone.num_drafted == row.num_drafted and alone.token_ids == row.token_ids
+
+
+def test_a_row_drafts_only_the_positions_its_outlook_expects_to_pay_where_each_position_costs(tiny_target):
+    """With a draft that grows per position the model is asked for the outlook's best length (under K on some
+    steps) and no more is verified; with a draft that costs the same at any length it is asked for all K."""
+    from hspec.drafters.cost_aware import outlook_length
+
+    torch.manual_seed(0)
+    hspec = _Counting(create_drafter("hspec", tiny_target.config, target_model=tiny_target.model))
+    outlook = _outlook(hspec, tiny_target.config.hidden_size, bias=-2.0, scale=6.0)
+    prompts = [[tiny_target.tokenizer.encode_prompt(p)] for p in ("one two three", "a b c d e", "hello world")]
+    expected, drafted = [], []
+    for prompt in prompts:  # one row at a time: each call of the model is that row's
+        plain = _run(tiny_target, create_drafter("none", tiny_target.config), prompt)[0]
+        drafter = CostAwareDrafter(hspec, tiny_target.config.vocab_size, BY_POSITION, outlook=outlook)
+        original = drafter.propose
+
+        def propose(batch, K, drafter=drafter, original=original):  # the outlook's length before the step
+            state = drafter._state(batch.seq_ids[0])
+            if state.outlook is not None:
+                expected.append(outlook_length(state.outlook[:K], batch.pool.length(batch.seq_ids[0]), BY_POSITION))
+            return original(batch, K)
+
+        drafter.propose = propose
+        row = _run(tiny_target, drafter, prompt)[0]
+        assert row.token_ids == plain.token_ids
+        drafted += [d for d in row.num_drafted if d > 0]
+    assert hspec.asked == [m for m in expected if m > 0], "the model drafts the outlook's length, where it drafts"
+    assert min(hspec.asked) < K <= max(hspec.asked), "this outlook should ask for fewer than K on some steps"
+    assert all(d <= m for d, m in zip(drafted, hspec.asked, strict=True))
+    hspec.asked.clear()
+    _run(tiny_target, CostAwareDrafter(hspec, tiny_target.config.vocab_size, COST, outlook=outlook), prompts[0])
+    assert set(hspec.asked) == {K}
 
 
 def test_build_drafter_takes_the_outlook_beside_the_checkpoint(tmp_path, tiny_target):

@@ -74,7 +74,8 @@ def demo_on(target: Target, drafter_kinds: Sequence[str], K: int, max_new_tokens
         print(f"{kind:<{width}} {mal_text:>6} {drafted:>8} {rate:>8.1f} {speedup:>7.2f}x")
     costs = {kind: dec.drafter.cost for kind, dec in decoders.items() if isinstance(dec.drafter, CostAwareDrafter)}
     if costs:
-        each = [f"{kind} a draft {cost.draft:.2f}, each verified token {cost.per_token:.2f}"
+        each = [f"{kind} a draft of {K} {cost.draft + K * cost.draft_per_position:.2f} (of 1 "
+                f"{cost.draft + cost.draft_per_position:.2f}), each verified token {cost.per_token:.2f}"
                 for kind, cost in costs.items()]
         print("\nthis machine's step costs, in 1-token decodes (what `:auto` drafts by): " + "; ".join(each))
         looking = [kind for kind, dec in decoders.items() if kind in costs and dec.drafter.outlook is not None]

@@ -117,11 +117,14 @@ def add_drafter_precision(p: argparse.ArgumentParser) -> None:
 
 
 def add_step_cost(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--step-cost", default=None, metavar="DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY]]",
+    from hspec.drafters.step_cost import FORM
+
+    p.add_argument("--step-cost", default=None, metavar=FORM,
                    help="the step costs `:auto` drafters choose their draft length by, in 1-token decodes: the "
                         "draft at no context, each verified token at no context, its growth per key of context, "
-                        "what verifying any drafted token costs on top (default 0), and the draft's growth per key "
-                        "of context (default 0) (e.g. 0.6,0.13,8e-5,0.08,1e-4); default: "
+                        "what verifying any drafted token costs on top (default 0), the draft's growth per key "
+                        "of context (default 0) and per position drafted (default 0) (e.g. "
+                        "0.6,0.13,8e-5,0.08,1e-4,0.05); default: "
                         "this machine's, measured on first use (~10 s) and cached under "
                         "~/.cache/hspec/step_costs/ (docs/guide/generate.md)")
 

@@ -3,23 +3,26 @@
 `measure_step_cost` times the steps of a real greedy decode, the target and the drafter running exactly as
 `KIND:auto` runs them (`decoding.step.DecodeStages.step`, its draft, verify, commit and argmax, with the caches
 as decoding leaves them), from a prompt of random tokens at a short and at a long context. The steps follow
-a fixed cycle of what each verifies, read from no timing:
+a fixed cycle of what each drafts and verifies, read from no timing:
 
-    plain, plain, drafted 0, drafted 1, drafted K     (plain: the drafter does not run; drafted n: it
-                                                       proposes K and n of them are verified)
+    plain, plain, drafted 0, drafted 1, drafted K, drafted 0 of 1
+                    (plain: the drafter does not run; drafted n: it proposes K and n of them are verified;
+                     drafted 0 of 1: it proposes 1 and none is verified)
 
 and each drafted step is divided by the second plain step of its cycle (adjacent in time, so a load that
 comes and goes weighs on both alike; the first plain step, after a drafted one, is not used). The medians
 over the cycles give, at each context S, in 1-token decodes at S:
 
-    draft(S)                 = drafted 0 / plain - 1    (the propose, and what it costs the verify after it:
+    draft(K, S)              = drafted 0 / plain - 1    (the propose, and what it costs the verify after it:
                                                          the drafter's weights pushed the target's out of the caches)
+    draft(1, S)              = drafted 0 of 1 / plain - 1
     first + n per_token(S)   = (drafted n - drafted 0) / plain,   n = 1 and K
 
-and StepCost's lines are fitted through the two contexts (S: the mean keys of each context's timed steps):
+and StepCost's lines are fitted through the two positions and the two contexts (S: the mean keys of each
+context's timed steps):
 
     verify(n, S) / decode(S) - 1 = first_token + n * (per_token + per_token_key * S)
-    draft(S) = draft + draft_per_key * S
+    draft(m, S) = draft + draft_per_position * m + draft_per_key * S
 
 So a step is charged all that a step of `KIND:auto` pays (the verify's argmax and commit, the Python around
 them, the caches as a propose leaves them), where forwards timed alone on a scratch pool would miss them.
@@ -55,39 +58,47 @@ from hspec.machine import cpu_flags, cpu_model
 from hspec.models.llama import TargetModel
 from hspec.sampling import SamplingBatch, SamplingParams, greedy_tokens
 
-METHOD = "decode steps: plain, plain, drafted 0, 1, K"  # in the cache key: costs measured otherwise are retaken
+METHOD = "decode steps: plain, plain, drafted 0, 1, K, 0 of 1"  # in the cache key: costs measured otherwise are retaken
 CONTEXTS = (128, 1024)  # the prompt lengths of the short and the long decode the lines are fitted through
 REPEATS = 24  # timed cycles per context; the median over them is kept
 WARM_UP = 3  # untimed cycles before them
 
 
 class FixedLengths(WrappingDrafter):
-    """`model` made to verify `length` of its K drafts this step (None: it does not run, the step is a plain
-    decode); the caller sets `length` before each step. Exactly `length`, whatever the model would verify (a
-    lookup without a match proposes padding): what the tokens are does not change what verifying them costs."""
+    """`model` made to draft `positions` and verify `length` of them this step (None: it does not run, the step
+    is a plain decode); the caller sets both before each step (`positions` None: K). Exactly `length`, whatever
+    the model would verify (a lookup without a match proposes padding): what the tokens are does not change what
+    verifying them costs."""
 
     def __init__(self, model: Drafter) -> None:
         super().__init__(model)
         self.kind = model.kind
         self.length: int | None = None
+        self.positions: int | None = None
 
     def propose(self, batch: DraftBatch, K: int) -> Proposal:
         B = len(batch.seq_ids)
         device = batch.anchor_tokens.device
+        tokens = torch.zeros((B, K), dtype=torch.long, device=device)  # (B, K)
         if self.length is None:
-            return Proposal(torch.zeros((B, K), dtype=torch.long, device=device), None,
-                            torch.zeros(B, dtype=torch.long, device=device))
-        proposal = self.model.propose(batch, K)
-        return Proposal(proposal.draft_tokens, proposal.draft_probs,
-                        torch.full((B,), self.length, dtype=torch.long, device=device), proposal.confidence)
+            return Proposal(tokens, None, torch.zeros(B, dtype=torch.long, device=device))
+        positions = K if self.positions is None else self.positions
+        proposal = self.model.propose(batch, positions)
+        tokens[:, :positions] = proposal.draft_tokens
+        probs = proposal.draft_probs  # (B, positions, V) or None
+        if probs is not None and positions < K:
+            probs = torch.cat([probs, probs.new_zeros((B, K - positions, probs.shape[-1]))], dim=1)
+        return Proposal(tokens, probs, torch.full((B,), self.length, dtype=torch.long, device=device))
 
 
 def _cycle_ratios(target: TargetModel, drafter: Drafter, K: int, context: int, repeats: int,
-                  generator: torch.Generator) -> tuple[dict[int, list[float]], float]:
+                  generator: torch.Generator) -> tuple[dict[tuple[int, int], list[float]], float]:
     """Decode greedily from `context` random tokens through `WARM_UP` + `repeats` cycles (module docstring), or
-    as many as the target's positions hold; returns, per draft length n in {0, 1, K}, each timed cycle's
-    seconds(drafted n) / seconds(its plain step), and the mean keys of the timed steps."""
-    lengths: tuple[int | None, ...] = (None, None, 0, 1, K) if K > 1 else (None, None, 0, 1)
+    as many as the target's positions hold; returns, per (positions drafted, drafts verified) in {(K, 0), (K, 1),
+    (K, K), (1, 0)}, each timed cycle's seconds(that step) / seconds(its plain step), and the mean keys of the
+    timed steps."""
+    drafted = [(K, 0), (K, 1), (K, K), (1, 0)] if K > 1 else [(1, 0), (1, 1)]
+    lengths: tuple[tuple[int, int] | None, ...] = (None, None, *drafted)
     cycle_growth = len(lengths) * (K + 1)  # the most positions a cycle adds (every draft accepted)
     positions = min(context + (WARM_UP + repeats) * cycle_growth, target.config.max_position_embeddings)
     device = target.embed_tokens.weight.device
@@ -98,7 +109,7 @@ def _cycle_ratios(target: TargetModel, drafter: Drafter, K: int, context: int, r
     prompt = torch.randint(0, target.config.vocab_size, (context,), generator=generator).tolist()
     sampling = SamplingBatch.from_params([SamplingParams()], device)
     generators = [torch.Generator(device=device).manual_seed(0)]
-    ratios: dict[int, list[float]] = {n: [] for n in lengths if n is not None}
+    ratios: dict[tuple[int, int], list[float]] = {step: [] for step in drafted}
     keys = []
     try:
         history = prompt + [int(greedy_tokens(stages.prefill(pool, 0, prompt))[0])]
@@ -106,19 +117,19 @@ def _cycle_ratios(target: TargetModel, drafter: Drafter, K: int, context: int, r
             if pool.length(0) + cycle_growth > positions:
                 break
             seconds: list[float] = []
-            for length in lengths:
-                fixed.length = length
+            for step in lengths:
+                fixed.positions, fixed.length = (None, None) if step is None else step
                 keys.append(pool.length(0))
                 start = time.perf_counter()
                 result = stages.step(pool, [0], [history], sampling, generators)
                 seconds.append(time.perf_counter() - start)
                 history.extend(result.new_tokens[0])
             if cycle >= WARM_UP:
-                for length, spent in zip(lengths[2:], seconds[2:]):
-                    ratios[length].append(spent / seconds[1])
+                for step, spent in zip(drafted, seconds[2:]):
+                    ratios[step].append(spent / seconds[1])
     finally:
         stages.release(pool, 0)
-    if not ratios[0]:
+    if not ratios[drafted[0]]:
         raise ValueError(f"a prompt of {context} tokens leaves the target's {target.config.max_position_embeddings}"
                          f" positions no room for {WARM_UP} + 1 cycles of {cycle_growth}; give shorter contexts")
     return ratios, statistics.mean(keys[WARM_UP * len(lengths):])
@@ -141,24 +152,27 @@ def measure_step_cost(target: TargetModel, drafter: Drafter, K: int, contexts: S
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1 timed cycle, got {repeats}")
     generator = torch.Generator().manual_seed(seed)
-    fits = []  # per context: (mean keys, draft, first_token, per_token)
+    fits = []  # per context: (mean keys, draft of K positions, per position, first_token, per_token)
     for context in (short, long):
         ratios, keys = _cycle_ratios(target, drafter, K, context, repeats, generator)
-        draft = statistics.median(ratios[0]) - 1.0
-        one = statistics.median([r1 - r0 for r0, r1 in zip(ratios[0], ratios[1])])
+        zero = ratios[(K, 0)]
+        draft = max(statistics.median(zero) - 1.0, 0.0)
+        one = statistics.median([r1 - r0 for r0, r1 in zip(zero, ratios[(K, 1)])])
         if K > 1:
-            block = statistics.median([rK - r0 for r0, rK in zip(ratios[0], ratios[K])])
+            block = statistics.median([rK - r0 for r0, rK in zip(zero, ratios[(K, K)])])
             per_token = max((block - one) / (K - 1), 0.0)
+            per_position = max((draft - max(statistics.median(ratios[(1, 0)]) - 1.0, 0.0)) / (K - 1), 0.0)
         else:
-            per_token = max(one, 0.0)
-        fits.append((keys, max(draft, 0.0), max(one - per_token, 0.0), per_token))
-    (keys_s, draft_s, first_s, token_s), (keys_l, draft_l, first_l, token_l) = fits
+            per_token, per_position = max(one, 0.0), 0.0
+        fits.append((keys, draft, min(per_position, draft / K), max(one - per_token, 0.0), per_token))
+    (keys_s, draft_s, position_s, first_s, token_s), (keys_l, draft_l, position_l, first_l, token_l) = fits
     span = max(keys_l - keys_s, 1.0)
     per_token_key = max((token_l - token_s) / span, 0.0)
     draft_per_key = max((draft_l - draft_s) / span, 0.0)
-    return StepCost(draft=max(draft_s - draft_per_key * keys_s, 0.0),
+    per_position = (position_s + position_l) / 2
+    return StepCost(draft=max(draft_s - draft_per_key * keys_s - per_position * K, 0.0),
                     per_token=max(token_s - per_token_key * keys_s, 0.0), per_token_key=per_token_key,
-                    first_token=(first_s + first_l) / 2, draft_per_key=draft_per_key)
+                    first_token=(first_s + first_l) / 2, draft_per_key=draft_per_key, draft_per_position=per_position)
 
 
 def kernels_digest() -> str:

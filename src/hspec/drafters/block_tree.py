@@ -14,7 +14,7 @@ target keeps the longest path it agrees with (decoding/tree_step.py, tree_verify
    value joins the tree next; as a child never outweighs its parent, the values join in falling order.
 3. The tree stops growing when the next node would not raise the step's expected tokens per unit of cost,
 
-       E(N) = 1 + sum of the N nodes' values,   cost(N) = StepCost.of(N, S)   (drafters/step_cost.py),
+       E(N) = 1 + sum of the N nodes' values,   cost(N) = StepCost.of(N, S, K)   (drafters/step_cost.py),
 
    the same costs `KIND:auto` reads (measured once per machine, `hspec.runtime.step_cost_of`), or at
    `max_nodes`. With falling values the first node that does not pay ends the best tree of this order.
@@ -73,10 +73,10 @@ def grow_tree(backbone: torch.Tensor, anchor: int, drafter: NeuralDrafter, cost:
 
     depth_of: list[int] = []
     offer(-1, 0, anchor, 1.0)
-    emitted, rate = 1.0, 1.0 / cost.of(0, keys)
+    emitted, rate = 1.0, 1.0 / cost.of(0, keys, K)  # the backbone drafted K positions
     while candidates and len(tokens) < max_nodes:
         value = -candidates[0][0]
-        grown = (emitted + value) / cost.of(len(tokens) + 1, keys)
+        grown = (emitted + value) / cost.of(len(tokens) + 1, keys, K)
         if tokens and grown <= rate:  # the first node always joins: the step drafts
             break
         _, _, parent, token = heapq.heappop(candidates)

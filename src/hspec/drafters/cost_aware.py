@@ -64,7 +64,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from hspec.cache.paged_pool import PagedKVPool
-from hspec.drafters.base import DraftBatch, Drafter, Proposal
+from hspec.drafters.base import DraftBatch, Drafter, Proposal, one_hot_probs
 from hspec.drafters.outlook import Outlook
 from hspec.drafters.step_cost import StepCost
 from hspec.drafters.wrapping import WrappingDrafter
@@ -99,16 +99,21 @@ class Backoff:
 
 
 def best_draft_length(estimate: Sequence[float], keys: int, cost: StepCost,
-                      outlook: Sequence[float] = ()) -> tuple[int, float]:
+                      outlook: Sequence[float] = (), positions: int | None = None,
+                      to_draft: bool = False) -> tuple[int, float]:
     """One row's draft length (module docstring, step 2) and its rate in tokens per 1-token decode.
 
     estimate: the row's a_1..a_K for this step's drafts; outlook: what the row's record alone expects at each
     position (a_k from earlier steps only). Draft n + 1 is verified when some block n + 1..K pays more than
     the n drafts do, its a_k being estimate's up to n + 1 and outlook's after: a draft whose own estimate is
     low still goes in when the drafts expected after it make up for it (the first drafted token's surcharge,
-    `StepCost.first_token`, is paid once), and the choice of draft n + 1 reads nothing of drafts n + 2..K."""
+    `StepCost.first_token`, is paid once), and the choice of draft n + 1 reads nothing of drafts n + 2..K.
+    positions: the positions the drafter drafted, paid whatever is verified (default: one per estimate);
+    to_draft: before drafting, the length n to draft and verify (n = 0: a plain step, the drafter does not run)."""
     K = len(estimate)
-    costs = [cost.of(length, keys) for length in range(K + 1)]  # a step verifying 0..K drafts
+    drafted = K if positions is None else positions
+    # a step verifying 0..K drafts
+    costs = [cost.of(length, keys, length if to_draft else drafted) for length in range(K + 1)]
     n, rate = 0, 1.0 / costs[0]
     emitted, reach = 1.0, 1.0  # E(n) and prod_{j<=n} a_j
     while n < K:
@@ -126,10 +131,12 @@ def best_draft_length(estimate: Sequence[float], keys: int, cost: StepCost,
     return n, rate
 
 
-def outlook_pays(outlook: Sequence[float], keys: int, cost: StepCost, margin: float = 1.0) -> bool:
-    """Whether a row whose outlook expects a_1..a_K (`Outlook.estimates`) drafts (module docstring, step 1): the
-    best draft length by them emits at least `margin` tokens per decode's cost, the draft's included."""
-    return best_draft_length(outlook, keys, cost)[1] >= margin
+def outlook_length(outlook: Sequence[float], keys: int, cost: StepCost, margin: float = 1.0) -> int:
+    """How many positions a row whose outlook expects a_1..a_K (`Outlook.estimates`) drafts (module docstring,
+    step 1): the best draft length by them, drafting only it, where it emits at least `margin` tokens per
+    decode's cost, the draft's included; else 0 (the row does not draft)."""
+    n, rate = best_draft_length(outlook, keys, cost, to_draft=True)
+    return n if n and rate >= margin else 0
 
 
 @dataclass
@@ -218,11 +225,13 @@ class RowState:
             self.backoff = backoff.after(self.backoff, self.paid)
             self.skip = self.backoff
 
-    def choose(self, confidence: Sequence[float], keys: int, cost: StepCost, backoff: Backoff) -> int:
+    def choose(self, confidence: Sequence[float], keys: int, cost: StepCost, backoff: Backoff,
+               positions: int | None = None) -> int:
         """How many of a model's drafts, with confidences c_1..c_K, to verify (module docstring, step 2), the
-        back-off updated and the drafts kept pending until `record` tells their verdict."""
+        back-off updated and the drafts kept pending until `record` tells their verdict. positions: those the
+        drafter drafted (default: one per confidence)."""
         outlook = self.model.estimates(len(confidence))
-        n, rate = best_draft_length(self.model.calibrated(confidence), keys, cost, outlook)
+        n, rate = best_draft_length(self.model.calibrated(confidence), keys, cost, outlook, positions)
         self.after_draft(rate, backoff)
         self.pending = (n, list(confidence[:n]), 0) if n else None
         return n
@@ -301,7 +310,8 @@ class CostAwareDrafter(RowStateDrafter):
         super().__init__(model)
         self.vocab_size = vocab_size
         self.cost = cost
-        self.free_cost = replace(cost, draft=0.0, draft_per_key=0.0)  # a row drafted without the model
+        # a row drafted without the model
+        self.free_cost = replace(cost, draft=0.0, draft_per_key=0.0, draft_per_position=0.0)
         self.backoff = backoff
         self.outlook = outlook
         self.kind = f"{model.kind}:{ADAPTIVE_LENGTH}"
@@ -316,42 +326,44 @@ class CostAwareDrafter(RowStateDrafter):
         device = batch.anchor_tokens.device
         states = [self._state(s) for s in batch.seq_ids]
         contexts = batch.pool.lengths(batch.seq_ids)  # each row's keys, read once a step
-        turns = [self._takes_turn(state, keys, K) for state, keys in zip(states, contexts)]
         # A row the drafter drafts by a lookup match (free) drafts whether or not it takes a turn, where its
         # record after such matches lets some drafts pay; where it lets none, the drafts would all be cut, so the
         # drafter is not asked for them.
+        turns = [self._positions(state, keys, K) for state, keys in zip(states, contexts)]
         matches = self.model.lookup_matches(batch)
-        drafting = [row for row in range(B) if (
-            states[row].lookup_length(K, K, contexts[row], self.free_cost, matches[row]) > 0 if matches[row]
-            else turns[row])]
+        positions = [(K if states[row].lookup_length(K, K, contexts[row], self.free_cost, matches[row]) > 0 else 0)
+                     if matches[row] else turns[row] for row in range(B)]
         for state in states:
             state.pending = None
-        num_drafts = [0] * B
-        if not drafting:
+        if not any(positions):
             return self._plain_step(B, K, device)
-        drafted = self.model.propose(batch if len(drafting) == B else batch.select(drafting), K)
-        limits = [K] * len(drafting) if drafted.num_drafts is None else drafted.num_drafts.tolist()
-        confidence = None if drafted.confidence is None else drafted.confidence.float().tolist()
-        matched = [0] * len(drafting) if drafted.match_length is None else drafted.match_length.tolist()
-        keys = [contexts[row] for row in drafting]
-        for i, row in enumerate(drafting):
-            state = states[row]
-            # Drafts without a model's confidence (lookup, n-gram) were drafted without a model: free, so
-            # they cannot fail to pay and leave the back-off alone.
-            if confidence is not None and not math.isnan(confidence[i][0]):
-                num_drafts[row] = state.choose(confidence[i][: limits[i]], keys[i], self.cost, self.backoff)
-                continue
-            num_drafts[row] = state.choose_lookup(limits[i], K, keys[i], self.free_cost, matched[i])
-        if len(drafting) == B:
-            tokens, probs = drafted.draft_tokens, drafted.draft_probs
-        else:
-            index = torch.tensor(drafting, dtype=torch.long, device=device)
-            tokens = torch.zeros((B, K), dtype=torch.long, device=device)  # (B, K); rows that skip: padding
-            tokens[index] = drafted.draft_tokens
-            probs = None  # (B, K, V), or None for one-hot drafts: the skipping rows' padding is never verified
-            if drafted.draft_probs is not None:
-                probs = torch.zeros((B, K, self.vocab_size), dtype=drafted.draft_probs.dtype, device=device)
-                probs[index] = drafted.draft_probs
+        num_drafts = [0] * B
+        tokens = torch.zeros((B, K), dtype=torch.long, device=device)  # (B, K); past a row's drafts: padding
+        probs = None  # (B, K, V) where some row's drafts have distributions; padding is never verified
+        for m in sorted(set(positions) - {0}):  # rows drafting m positions, in one call (one, mostly)
+            rows = [row for row in range(B) if positions[row] == m]
+            drafted = self.model.propose(batch.select(rows), m)
+            if len(rows) == B and m == K:  # every row drafts the whole block: the proposal as it is
+                tokens, probs = drafted.draft_tokens, drafted.draft_probs
+            else:
+                index = torch.tensor(rows, dtype=torch.long, device=device)
+                tokens[index, :m] = drafted.draft_tokens
+                if drafted.draft_probs is not None or probs is not None:
+                    if probs is None:  # earlier groups' one-hot drafts, now written out
+                        probs = one_hot_probs(tokens, self.vocab_size)
+                    probs[index, :m] = drafted.probs(self.vocab_size)
+            limits = [m] * len(rows) if drafted.num_drafts is None else drafted.num_drafts.tolist()
+            confidence = None if drafted.confidence is None else drafted.confidence.float().tolist()
+            matched = [0] * len(rows) if drafted.match_length is None else drafted.match_length.tolist()
+            for i, row in enumerate(rows):
+                state = states[row]
+                # Drafts without a model's confidence (lookup, n-gram) were drafted without a model: free, so
+                # they cannot fail to pay and leave the back-off alone.
+                if confidence is not None and not math.isnan(confidence[i][0]):
+                    num_drafts[row] = state.choose(confidence[i][: limits[i]], contexts[row], self.cost,
+                                                   self.backoff, positions=m)
+                    continue
+                num_drafts[row] = state.choose_lookup(limits[i], K, contexts[row], self.free_cost, matched[i])
         return Proposal(tokens, probs, torch.tensor(num_drafts, dtype=torch.long, device=device))
 
     def _plain_step(self, B: int, K: int, device: torch.device) -> Proposal:
@@ -364,12 +376,15 @@ class CostAwareDrafter(RowStateDrafter):
                                         torch.zeros(B, dtype=torch.long, device=device))
         return self._plain[key]
 
-    def _takes_turn(self, state: RowState, keys: int, K: int) -> bool:
-        """Whether the row drafts this step (module docstring, step 1): by the outlook where there is one and
-        the row has committed a token, else by the back-off."""
+    def _positions(self, state: RowState, keys: int, K: int) -> int:
+        """How many positions the model drafts for the row this step (0: none; module docstring, step 1): by the
+        outlook where there is one and the row has committed a token, the length it expects to pay best (all K
+        where the draft costs the same whatever its length: its confidences may then verify more), else by the
+        back-off, K or 0."""
         if self.outlook is None or state.outlook is None:
-            return state.takes_turn()
-        return outlook_pays(state.outlook[:K], keys, self.cost, self.outlook.margin)
+            return K if state.takes_turn() else 0
+        length = outlook_length(state.outlook[:K], keys, self.cost, self.outlook.margin)
+        return length if length == 0 or self.cost.draft_per_position > 0 else K
 
     def commit(self, pool: PagedKVPool, seq_ids: Sequence[int], hidden: torch.Tensor | None,
                num_committed: torch.Tensor) -> None:

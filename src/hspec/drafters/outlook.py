@@ -54,8 +54,9 @@ class Outlook:
         if self.weight.dim() != 2 or self.bias.shape != (self.weight.shape[0],):
             raise ValueError(f"an outlook needs weight (K, F) and bias (K,), got {tuple(self.weight.shape)} and "
                              f"{tuple(self.bias.shape)}")
-        if self.margin <= 0:
-            raise ValueError(f"an outlook's margin must be positive, got {self.margin}")
+        if not self.margin >= 1.0:
+            raise ValueError(f"an outlook's margin must be >= 1 (a row drafts where that beats a plain step's 1 token "
+                             f"per decode's cost by this factor), got {self.margin}")
 
     def survival(self, hidden: torch.Tensor) -> list[float]:
         """S_1..S_K for one row's hidden states (len(layers), H) or (F,): non-increasing in k. Where hspec's CPU

@@ -91,12 +91,13 @@ def cost_aware_budgets(rank_probs: torch.Tensor, coverage: float, max_budget: in
     want, cover = _wanted_branching(rank_probs, coverage)
     if len(keys) != len(want):
         raise ValueError(f"keys has {len(keys)} entries for {len(want)} rows")
+    positions = rank_probs.shape[1]  # the block drafted: K
     budgets = []
     for wanted, row_cover, s in zip(want, cover.tolist(), keys):  # Python lists: this runs every step
         best, best_score = 1, -1.0
         for budget in range(1, max_budget + 1):
             shape = _fit(wanted, budget)
-            score = tree_expected_emitted(shape, row_cover) / cost.of(tree_nodes(shape), s)
+            score = tree_expected_emitted(shape, row_cover) / cost.of(tree_nodes(shape), s, positions)
             if score > best_score:
                 best, best_score = budget, score
         budgets.append(best)
