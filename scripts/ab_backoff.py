@@ -114,6 +114,15 @@ def _rule_words(backoff: dict, outlook: bool) -> str:
             + (f", {cold} while the row's drafting never paid" if cold else ", no cold rule"))
 
 
+def _draft_words(cost: dict) -> str:
+    """A draft's cost in words: by position where it grows with them (that rule drafts the outlook's length), else
+    the whole block's (results written before `StepCost.draft_per_position` have none)."""
+    per_position = cost.get("draft_per_position", 0.0)
+    if per_position:
+        return f"{cost['draft']:.3f} + {per_position:.3f} a position drafted"
+    return f"{cost['draft']:.3f} whatever is drafted"
+
+
 def markdown(payload: dict) -> str:
     settings = payload["provenance"]["settings"]
     d, o = settings["default"], settings["other"]
@@ -125,7 +134,7 @@ def markdown(payload: dict) -> str:
              f"{_rule_words(o, settings.get('other_outlook', False))}. "
              "Step costs (1-token decodes): "
              + ("the same for both" if costs[0] == costs[1] else
-                "; ".join(f"{name} draft {c['draft']:.3f}, per token {c['per_token']:.3f}, first token "
+                "; ".join(f"{name} draft {_draft_words(c)}, per token {c['per_token']:.3f}, first token "
                           f"{c['first_token']:.3f}" for name, c in zip(("default", "other"), costs))) + ".\n",
              "| task | plain (tok/s) | default | other |", "|---|---|---|---|"]
     for row in payload["results"]:
