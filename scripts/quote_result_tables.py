@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The files that quote result tables, from the repository's root: the long comparison's tables and verdicts are
 # quoted in its folder's README, the attention's before and after in its.
-QUOTING = ("README.md", "results/comparison_long/README.md", "results/attention_scaling/README.md")
+QUOTING = ("README.md", "results/comparison_long/README.md", "results/attention_scaling/README.md",
+           "results/adaptive_length/README.md")
 BLOCK = re.compile(r"(<!-- table from (\S+\.md)(?:#([\w-]+))? -->\n)(.*?)(<!-- end of table -->)", re.S)
 
 
