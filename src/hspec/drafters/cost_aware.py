@@ -12,7 +12,8 @@ verify (docs/design.md#the-decoding-step, `drafters/step_cost.py`). So each step
    is expected to emit at least as many tokens per decode's cost as a plain step (`Outlook.margin`). Where
    the draft's cost grows with the positions drafted (`StepCost.draft_per_position`: on a Zen 1 EPYC a
    1-position H-Spec draft costs 0.22 of a decode, 7 positions 0.61), it drafts only that length, m, and
-   verifies at most m; where the draft costs the same at any length, all K.
+   verifies at most m; where the draft costs the same at any length, all K. (H-Spec's block is causal, so its
+   m drafts are the first m of K; a drafter whose block is not, as DFlash's, drafts m otherwise.)
 2. Otherwise the drafter proposes K tokens (or step 1's m) with an estimate a_k that draft k is accepted given
    the drafts before it were: its confidence c_k (the largest probability of its distribution at k, before the
    sampling transform) where it reports one, scaled by the row's own record of how often it accepted the
