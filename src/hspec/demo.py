@@ -80,7 +80,8 @@ def demo_on(target: Target, drafter_kinds: Sequence[str], K: int, max_new_tokens
         print("\nthis machine's step costs, in 1-token decodes (what `:auto` drafts by): " + "; ".join(each))
         looking = [kind for kind, dec in decoders.items() if kind in costs and dec.drafter.outlook is not None]
         if looking:
-            print("whether a row drafts, judged before drafting by the drafter's outlook "
+            print("whether a row drafts, and how many positions where each costs, judged before drafting by the "
+                  "drafter's outlook "
                   f"(docs/guide/generate.md#the-draft-length-that-pays-auto): {', '.join(looking)}")
     print(f"\nall outputs identical to plain greedy decoding ({time.perf_counter() - started:.0f} s in all)")
     return 0
