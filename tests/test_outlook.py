@@ -239,3 +239,23 @@ def test_the_outlooks_kernel_computes_the_survival_torch_does(features):
     assert survival == [min(kernel.tolist()[: k + 1]) for k in range(K)]
     with pytest.raises(RuntimeError, match=f"the weight reads {features} features, the hidden states hold"):
         torch.ops.hspec.outlook_survival(torch.zeros(features + 1), weight, bias)
+
+
+def test_greedy_and_sampled_rows_drafting_different_lengths_in_one_batch_emit_what_each_does_alone(tiny_target):
+    """Rows drafting different lengths are proposed in one call per length, and a greedy row's one-hot drafts sit
+    beside a sampled row's distributions in one proposal: each row's output is still its own."""
+    torch.manual_seed(0)
+    hspec = create_drafter("hspec", tiny_target.config, target_model=tiny_target.model)
+    outlook = _outlook(hspec, tiny_target.config.hidden_size, bias=-2.0, scale=6.0)
+    prompts = [tiny_target.tokenizer.encode_prompt(p) for p in ("one two three", "a b c d e", "hello world")]
+    params = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams()]
+
+    def run(rows, seeds):
+        drafter = CostAwareDrafter(hspec, tiny_target.config.vocab_size, BY_POSITION, outlook=outlook)
+        decoder = SpeculativeDecoder(tiny_target.model, drafter, K, eos_token_ids=())
+        return decoder.generate([prompts[r] for r in rows], [params[r] for r in rows], 24, seeds=seeds).sequences
+
+    together = run([0, 1, 2], [5, 6, 7])
+    for row, seed in zip(range(3), [5, 6, 7]):
+        alone = run([row], [seed])[0]
+        assert alone.token_ids == together[row].token_ids and alone.num_drafted == together[row].num_drafted
