@@ -30,6 +30,27 @@ def test_tau_speedup_and_groups():
     assert ci["estimate"] == pytest.approx((7 / 3) / 1.5 - 1) and ci["low"] <= ci["estimate"] <= ci["high"]
 
 
+def test_a_method_that_keeps_some_steps_plain_reports_the_share_of_steps_that_drafted():
+    rows = _records()
+    for row in rows:
+        if row["method"] == "a":  # `:auto`-like: the second of its three steps drafted nothing
+            row["num_accepted"], row["num_drafted"] = [3, 0, 0], [3, 0, 1]
+        if row["method"] == "b":  # verified drafts on every step
+            row["num_drafted"] = [3, 3, 3, 3]
+    summary = summarize(rows, ["none", "a", "b"], K=3)
+    a = summary["tasks"]["all"]["a"]
+    assert a["drafted_share"] == pytest.approx(2 / 3)
+    assert a["mean_accepted_length"] == pytest.approx((4 + 1) / 2)  # over the two steps that drafted
+    assert all("drafted_share" not in summary["tasks"]["all"][m] for m in ("b", "none"))
+    payload = {"provenance": {"command": "test", "date": "d", "commit": "c",
+                              "machine": {"cuda": None, "processor": "x", "cpu_count": 2, "torch_threads": 1,
+                                          "platform": "p", "torch": "t"},
+                              "settings": {"K": 3, "target": "tiny", "temperature": 0.0}},
+               "summary": summary, "records": rows}
+    text = render_markdown(payload, [])
+    assert "## Steps that drafted" in text and "| all | 66.7% |" in text
+
+
 def test_markdown_and_plots(tmp_path):
     from hspec.eval.plots import plot_eval
 

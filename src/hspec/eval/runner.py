@@ -246,6 +246,9 @@ def summarize(records: list[dict[str, Any]], labels: list[str], K: int,
             if units and all("lookup_steps" in u for u in units):
                 entry["lookup_share"] = (sum(u["lookup_steps"] for u in units)
                                          / max(sum(len(u["num_accepted"]) for u in units), 1))
+            drafted = [n for u in units for n in u.get("num_drafted") or ()]  # drafts verified per step
+            if 0 in drafted:  # a rule that keeps some steps plain (`:auto`, trees): the share of steps that drafted
+                entry["drafted_share"] = sum(n > 0 for n in drafted) / len(drafted)
             per_method[label] = entry
         out["tasks"][task] = per_method
     by_prompt = records_by_prompt(records)
@@ -331,6 +334,7 @@ def render_markdown(payload: dict[str, Any], images: Sequence[str] = ()) -> str:
         lines.append(f"| {m} | " + " | ".join("-" if a is None else f"{a:.3f}" for a in acc) + " |")
     lines += _k_sensitivity_table(summary)
     lines += _lookup_share_table(summary)
+    lines += _drafted_share_table(summary)
     lines += [f"\n![{name}]({name})" for name in images]
     if summary["ci"]:
         lines += ["\n## Paired bootstrap 95% CIs (best drafter by tau vs each other, a kind vs its other checkpoints; "
@@ -382,6 +386,21 @@ def _lookup_share_table(summary: dict[str, Any]) -> list[str]:
              "| task | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for task, per in summary["tasks"].items():
         lines.append(f"| {task} | " + " | ".join(f"{per[m].get('lookup_share', 0.0):.1%}" for m in labels) + " |")
+    return lines
+
+
+def _drafted_share_table(summary: dict[str, Any]) -> list[str]:
+    """Per task, the share of steps that verified drafts for each method that kept some steps plain (`:auto`:
+    tau is over the drafting steps alone; the rest were plain decode steps)."""
+    tasks = summary["tasks"]
+    labels = [m for m in next(iter(tasks.values())) if any("drafted_share" in per.get(m, {}) for per in tasks.values())]
+    if not labels:
+        return []
+    lines = ["\n## Steps that drafted (tau above is over these; the rest were plain decode steps)\n",
+             "| task | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for task, per in tasks.items():
+        lines.append(f"| {task} | " + " | ".join(f"{per[m].get('drafted_share', 1.0):.1%}" if m in per else "-"
+                                                 for m in labels) + " |")
     return lines
 
 
