@@ -66,6 +66,7 @@ class GenerationOutput:
         compare), and `tokens_per_s_with_prefill`, every new token over prefill + decode.
         """
         stats = self.acceptance()
+        summary = stats.to_dict() if stats else None  # JSON's None where NaN
         decode_tokens = self.num_new_tokens - len(self.sequences)
         steps = len(self.verify_s)
         row_steps = sum(len(s.num_drafted) for s in self.sequences)
@@ -75,9 +76,9 @@ class GenerationOutput:
             "num_tokens": self.num_new_tokens,
             "num_steps": steps,
             # over the steps that drafted; None where none did (a `:auto` run that kept to plain steps)
-            "mean_accepted_length": (stats.to_dict()["mean_accepted_length"] if stats else 1.0),
+            "mean_accepted_length": summary["mean_accepted_length"] if summary else 1.0,
             "drafted_share": drafted / row_steps if row_steps else 0.0,  # of the rows' steps, those that drafted
-            "acceptance_by_position": list(stats.to_dict()["acceptance_by_position"]) if stats else [],
+            "acceptance_by_position": list(summary["acceptance_by_position"]) if summary else [],
             "itl_ms": 1000 * self.decode_s * len(self.sequences) / max(decode_tokens, 1),
             "decode_tokens_per_s": decode_tokens / max(self.decode_s, 1e-9),
             "tokens_per_s_with_prefill": self.num_new_tokens / max(self.prefill_s + self.decode_s, 1e-9),

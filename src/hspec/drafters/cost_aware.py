@@ -342,14 +342,16 @@ class CostAwareDrafter(RowStateDrafter):
         if not any(positions):
             return self._plain_step(B, K, device)
         num_drafts = [0] * B
-        tokens = torch.zeros((B, K), dtype=torch.long, device=device)  # (B, K); past a row's drafts: padding
-        probs = None  # (B, K, V) where some row's drafts have distributions; padding is never verified
+        tokens = None  # (B, K); past a row's drafts: padding, never verified
+        probs = None  # (B, K, V) where some row's drafts have distributions
         for m in sorted(set(positions) - {0}):  # rows drafting m positions, in one call (one, mostly)
             rows = [row for row in range(B) if positions[row] == m]
             drafted = self.model.propose(batch.select(rows), m)
             if len(rows) == B and m == K:  # every row drafts the whole block: the proposal as it is
                 tokens, probs = drafted.draft_tokens, drafted.draft_probs
             else:
+                if tokens is None:
+                    tokens = torch.zeros((B, K), dtype=torch.long, device=device)
                 index = slice(None) if len(rows) == B else torch.tensor(rows, dtype=torch.long, device=device)
                 tokens[index, :m] = drafted.draft_tokens
                 if drafted.draft_probs is not None or probs is not None:

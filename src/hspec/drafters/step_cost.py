@@ -30,7 +30,7 @@ once per machine by `decoding.step_cost.measure_step_cost`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class StepCost:
         return {name: getattr(self, name) for name in FIELDS}
 
 
-FIELDS = ("draft", "per_token", "per_token_key", "first_token", "draft_per_key", "draft_per_position")
+FIELDS = tuple(field.name for field in fields(StepCost))  # in order: `StepCost.parse`'s numbers
 # `StepCost.parse`'s form, as flags name it
 FORM = "DRAFT,PER_TOKEN,PER_TOKEN_KEY[,FIRST_TOKEN[,DRAFT_PER_KEY[,DRAFT_PER_POSITION]]]"
 
