@@ -464,6 +464,32 @@ HSPEC_VNNI inline __m512i dot_with_broadcast(__m512i sums, __m512i weights, cons
   return sums;
 }
 
+// `dot_with_broadcast` on 8 lanes (AVX512-VL): the narrow tiles' vectors of one tile's 8 outputs.
+HSPEC_VNNI inline __m256i dot_with_broadcast(__m256i sums, __m256i weights, const int8_t* inputs) {
+  asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(sums) : "v"(weights), "m"(*reinterpret_cast<const int32_t*>(inputs)));
+  return sums;
+}
+
+HSPEC_VNNI inline __m512i add32(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
+HSPEC_VNNI inline __m256i add32(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+
+// Independent vpdpbusd chains per row and block: one row alone would otherwise wait out each vpdpbusd's latency
+// in turn (a tile of 8 rows has 8 chains already).
+constexpr int dot_chains(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+
+// One row's integer sums over a block, lane by lane: the 8 vpdpbusd of weights w[q] (unsigned bytes) with the
+// row's inputs 4q .. 4q + 3, spread over `Chains` sums added at the end (exact int32 sums: the same sum in
+// any order).
+template <int Chains, typename V>
+HSPEC_VNNI inline V block_dot(const V* w, const int8_t* inputs) {
+  V sums[Chains];
+  for (int c = 0; c < Chains; ++c) sums[c] = V{};
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) sums[q % Chains] = dot_with_broadcast(sums[q % Chains], w[q], inputs + 4 * q);
+  for (int c = 1; c < Chains; ++c) sums[0] = add32(sums[0], sums[c]);
+  return sums[0];
+}
+
 // 16 fp32 -> 16 bf16 rounded to nearest even, NaN to 0x7FC0: c10::BFloat16(float)'s bits, 16 lanes at once.
 HSPEC_VNNI inline __m256i bf16_of(__m512 values) {
   const __m512i bits = _mm512_castps_si512(values);
@@ -508,9 +534,7 @@ HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, const uint8_t* weig
     const int8_t* xg = x.levels.data() + g * MT * kBlock;
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
-      __m512i sums = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) sums = dot_with_broadcast(sums, w[q], xg + m * kBlock + 4 * q);
+      const __m512i sums = block_dot<dot_chains(MT)>(w, xg + m * kBlock);
       const __m512 scale = _mm512_mul_ps(step, _mm512_set1_ps(x.step[g * MT + m]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[m]);
       offsets[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
@@ -541,10 +565,8 @@ HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, const int8_t* weigh
     const int8_t* xg = x.levels.data() + g * MT * kBlock;
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
-      __m512i sums = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) sums = dot_with_broadcast(sums, w[q], xg + m * kBlock + 4 * q);
-      sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(x.shifted_sum[g * MT + m]));
+      const __m512i sums = _mm512_sub_epi32(block_dot<dot_chains(MT)>(w, xg + m * kBlock),
+                                            _mm512_set1_epi32(x.shifted_sum[g * MT + m]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(x.step[g * MT + m]), acc[m]);
     }
   }
@@ -553,6 +575,68 @@ HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, const int8_t* weigh
   const __m512 weight_scale = _mm512_load_ps(scales);
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_mul_ps(acc[m], weight_scale);
   store_wide_rows<MT>(acc, n0, out, ldo);
+}
+
+// The narrow VNNI tiles: `w4a8_tile` and `w8a8_tile` with vpdpbusd on 8 lanes, for products of at most
+// kNarrowRows rows. A wide tile reads its two tiles of 8 outputs as two streams, 8 x K bytes apart, and one or
+// two rows do too little work per byte for the core to run far ahead of its loads: on Zen 4, whose hardware
+// prefetchers followed one stream and not the two, a decode's products streamed their weights from memory at
+// about half the narrow tiles' rate (results/epyc_zen4/README.md). A narrow tile reads one tile of 8 outputs
+// after the next, in memory order, with the wide and the AVX2 tiles' bits (the same exact integer sums, then
+// the same floating-point steps in the same order).
+constexpr int64_t kNarrowRows = 2;
+
+template <int MT, typename Out>
+HSPEC_VNNI void w4a8_tile_narrow(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out,
+                                 int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[MT], offsets[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps(), offsets[m] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0xF);
+  const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
+  for (int64_t g = 0; g < blocks; ++g) {
+    __m256i w[8];
+    __m256 step, offset;
+    unpack_w4a8_block(tiles + g * kW4a8Tile, nibble, w, step, offset);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i sums = block_dot<dot_chains(MT)>(w, x.levels.data() + (g * MT + m) * kBlock);
+      const __m256 scale = _mm256_mul_ps(step, _mm256_set1_ps(x.step[g * MT + m]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[m]);
+      offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float sums[kW4a8Outputs];
+    _mm256_store_ps(sums, _mm256_add_ps(acc[m], offsets[m]));
+    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, sums[j]);
+  }
+}
+
+template <int MT, typename Out, typename Scale>
+HSPEC_VNNI void w8a8_tile_narrow(const Int8Rows& x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0,
+                                 Out* out, int64_t ldo) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i shift = _mm256_set1_epi8(static_cast<char>(0x80));
+  const int8_t* tiles = weight + n0 * k;
+  for (int64_t g = 0; g < blocks; ++g) {
+    const __m256i* tile = reinterpret_cast<const __m256i*>(tiles + g * kBlock * kW4a8Outputs);
+    __m256i w[8];
+    for (int q = 0; q < 8; ++q) w[q] = _mm256_xor_si256(_mm256_loadu_si256(tile + q), shift);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i sums = _mm256_sub_epi32(block_dot<dot_chains(MT)>(w, x.levels.data() + (g * MT + m) * kBlock),
+                                            _mm256_set1_epi32(x.shifted_sum[g * MT + m]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
+    }
+  }
+  alignas(32) float scales[kW4a8Outputs];
+  for (int j = 0; j < kW4a8Outputs; ++j) scales[j] = read(scale + n0 + j);
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float result[kW4a8Outputs];
+    _mm256_store_ps(result, _mm256_mul_ps(acc[m], _mm256_load_ps(scales)));
+    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, result[j]);
+  }
 }
 
 // One tile: MT rows times NT consecutive int8 output rows from n0, each scaled once summed.
@@ -1571,11 +1655,13 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
   const uint8_t* w = weight.data_ptr<uint8_t>();
   return product_of_rows(x, n, [&](const auto* in, auto* out) {
     const bool vnni = avx512_kernels();
-    quantized_product(in, m, k, n, out, vnni ? 2 * kW4a8Outputs : kW4a8Outputs,
+    quantized_product(in, m, k, n, out, vnni && m > kNarrowRows ? 2 * kW4a8Outputs : kW4a8Outputs,
                       [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
       constexpr int MT = decltype(rows)::value;
       if (outputs == 2 * kW4a8Outputs) {
         w4a8_tile_wide<MT>(q, k, w, n0, o, n);
+      } else if (vnni) {
+        w4a8_tile_narrow<MT>(q, k, w, n0, o, n);
       } else if constexpr (MT >= kPassRows) {
         w4a8_tile_in_passes<MT>(q, k, w, n0, o, n);
       } else {
@@ -1609,11 +1695,13 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const auto rows_with = [&](const auto* scales) {
     return product_of_rows(x, n, [&](const auto* in, auto* out) {
       const bool vnni = avx512_kernels();
-      quantized_product(in, m, k, n, out, vnni ? 2 * kW4a8Outputs : kW4a8Outputs,
+      quantized_product(in, m, k, n, out, vnni && m > kNarrowRows ? 2 * kW4a8Outputs : kW4a8Outputs,
                         [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
         constexpr int MT = decltype(rows)::value;
         if (outputs == 2 * kW4a8Outputs) {
           w8a8_tile_wide<MT>(q, k, w, scales, n0, o, n);
+        } else if (vnni) {
+          w8a8_tile_narrow<MT>(q, k, w, scales, n0, o, n);
         } else {
           w8a8_tile<MT>(q, k, w, scales, n0, o, n);
         }
