@@ -578,13 +578,15 @@ HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, const int8_t* weigh
 }
 
 // The narrow VNNI tiles: `w4a8_tile` and `w8a8_tile` with vpdpbusd on 8 lanes, for products of at most
-// kNarrowRows rows. A wide tile reads its two tiles of 8 outputs as two streams, 8 x K bytes apart, and one or
-// two rows do too little work per byte for the core to run far ahead of its loads: on Zen 4, whose hardware
+// kNarrowRows rows. A wide tile reads its two tiles of 8 outputs as two streams, 8 x K bytes apart, and a few
+// rows do too little work per byte for the core to run far ahead of its loads: on Zen 4, whose hardware
 // prefetchers followed one stream and not the two, a decode's products streamed their weights from memory at
-// about half the narrow tiles' rate (results/epyc_zen4/README.md). A narrow tile reads one tile of 8 outputs
-// after the next, in memory order, with the wide and the AVX2 tiles' bits (the same exact integer sums, then
-// the same floating-point steps in the same order).
-constexpr int64_t kNarrowRows = 2;
+// about half the narrow tiles' rate, and the verifies of 2-4 tokens likewise (results/epyc_zen4/README.md). A
+// narrow tile reads one tile of 8 outputs after the next, in memory order, with the wide and the AVX2 tiles'
+// bits (the same exact integer sums, then the same floating-point steps in the same order). From 5 rows on the
+// wide tiles stay: level with the narrow ones in an 8-token verify there, faster where the weights are in the
+// caches (a drafted block's 7 rows), and twice the outputs an instruction where 512-bit vectors run whole.
+constexpr int64_t kNarrowRows = 4;
 
 template <int MT, typename Out>
 HSPEC_VNNI void w4a8_tile_narrow(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out,
