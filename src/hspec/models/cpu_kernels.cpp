@@ -289,6 +289,22 @@ HSPEC_AVX2 inline void unpack_w4a8_block(const uint8_t* tile, __m256i nibble, __
   offset = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), step, bf16x8(tile + 144));
 }
 
+// Lane j of `values` into out[j], each converted as `store` converts one value (c10's rounding for bf16).
+template <typename Out>
+HSPEC_AVX2 inline void store8(Out* out, __m256 values) {
+  alignas(32) float lanes[kW4a8Outputs];
+  _mm256_store_ps(lanes, values);
+  for (int j = 0; j < kW4a8Outputs; ++j) store(out + j, lanes[j]);
+}
+
+// The scales of outputs n0 .. n0 + 7 as fp32 lanes.
+template <typename Scale>
+HSPEC_AVX2 inline __m256 scales8(const Scale* scale, int64_t n0) {
+  alignas(32) float lanes[kW4a8Outputs];
+  for (int j = 0; j < kW4a8Outputs; ++j) lanes[j] = read(scale + n0 + j);
+  return _mm256_load_ps(lanes);
+}
+
 // One tile: MT int8 rows (`quantize_rows`) times the 8 w4a8 outputs from n0, lane j of each vector being
 // output n0 + j. Per block and row, maddubs multiplies vector q's levels (0..15) by the row's inputs
 // 4q .. 4q + 3 (-127..127) and adds them in pairs; the 8 vectors' pair sums add up in int16 (at most 8 x 2
@@ -318,11 +334,7 @@ HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, i
       offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    alignas(32) float sums[kW4a8Outputs];
-    _mm256_store_ps(sums, _mm256_add_ps(acc[m], offsets[m]));
-    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, sums[j]);
-  }
+  for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0, _mm256_add_ps(acc[m], offsets[m]));
 }
 
 // Blocks of inputs per pass of `w4a8_tile_in_passes` (its buffers on the stack: 20 KB at 8 rows).
@@ -384,9 +396,7 @@ HSPEC_AVX2 void w4a8_tile_in_passes(const Int8Rows& x, int64_t k, const uint8_t*
     }
   }
   for (int m = 0; m < MT; ++m) {
-    alignas(32) float result[kW4a8Outputs];
-    _mm256_store_ps(result, _mm256_add_ps(_mm256_load_ps(acc[m]), _mm256_load_ps(offsets[m])));
-    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, result[j]);
+    store8(out + m * ldo + n0, _mm256_add_ps(_mm256_load_ps(acc[m]), _mm256_load_ps(offsets[m])));
   }
 }
 
@@ -422,13 +432,8 @@ HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, const int8_t* weight, co
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
     }
   }
-  alignas(32) float scales[kW4a8Outputs];
-  for (int j = 0; j < kW4a8Outputs; ++j) scales[j] = read(scale + n0 + j);
-  for (int m = 0; m < MT; ++m) {
-    alignas(32) float result[kW4a8Outputs];
-    _mm256_store_ps(result, _mm256_mul_ps(acc[m], _mm256_load_ps(scales)));
-    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, result[j]);
-  }
+  const __m256 weight_scale = scales8(scale, n0);
+  for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0, _mm256_mul_ps(acc[m], weight_scale));
 }
 
 // The wide VNNI tiles: two adjacent tiles of 8 outputs side by side in 512-bit vectors (lanes 0-7 the
@@ -607,11 +612,7 @@ HSPEC_VNNI void w4a8_tile_narrow(const Int8Rows& x, int64_t k, const uint8_t* we
       offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    alignas(32) float sums[kW4a8Outputs];
-    _mm256_store_ps(sums, _mm256_add_ps(acc[m], offsets[m]));
-    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, sums[j]);
-  }
+  for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0, _mm256_add_ps(acc[m], offsets[m]));
 }
 
 template <int MT, typename Out, typename Scale>
@@ -632,13 +633,8 @@ HSPEC_VNNI void w8a8_tile_narrow(const Int8Rows& x, int64_t k, const int8_t* wei
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
     }
   }
-  alignas(32) float scales[kW4a8Outputs];
-  for (int j = 0; j < kW4a8Outputs; ++j) scales[j] = read(scale + n0 + j);
-  for (int m = 0; m < MT; ++m) {
-    alignas(32) float result[kW4a8Outputs];
-    _mm256_store_ps(result, _mm256_mul_ps(acc[m], _mm256_load_ps(scales)));
-    for (int j = 0; j < kW4a8Outputs; ++j) store(out + m * ldo + n0 + j, result[j]);
-  }
+  const __m256 weight_scale = scales8(scale, n0);
+  for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0, _mm256_mul_ps(acc[m], weight_scale));
 }
 
 // One tile: MT rows times NT consecutive int8 output rows from n0, each scaled once summed.
