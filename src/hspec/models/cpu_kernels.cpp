@@ -593,6 +593,12 @@ HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, const int8_t* weigh
 // caches (a drafted block's 7 rows), and twice the outputs an instruction where 512-bit vectors run whole.
 constexpr int64_t kNarrowRows = 4;
 
+// Outputs per unit of `quantized_product` for a product of `rows` rows: 16 where the wide VNNI tiles take it,
+// else 8 (the narrow or the AVX2 tiles).
+inline int64_t quantized_width(bool vnni, int64_t rows) {
+  return vnni && rows > kNarrowRows ? 2 * kW4a8Outputs : kW4a8Outputs;
+}
+
 template <int MT, typename Out>
 HSPEC_VNNI void w4a8_tile_narrow(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out,
                                  int64_t ldo) {
@@ -710,7 +716,7 @@ void tiled_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, const
 
 // Every output of x's m rows times w4a8 or w8a8 weights: tiles of up to 8 rows, each quantized once
 // (`quantize_rows`) and multiplied into `width` outputs at a time (8, or 16 for the wide VNNI tiles; the last
-// 8 alone where N / 8 is odd, by the AVX2 tile, which gives the same bits) by tile(rows, quantized, n0,
+// 8 alone where N / 8 is odd, by an 8-output tile, which gives the same bits) by tile(rows, quantized, n0,
 // outputs, out), rows the tile's size as an integral constant, out the tile's first output row. Every row
 // tile runs over one unit of outputs before the next unit, so more than 8 rows (a tree's verify) read the
 // weights from memory once, not once per row tile; each output's sums are the same either way.
@@ -1653,7 +1659,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
   const uint8_t* w = weight.data_ptr<uint8_t>();
   return product_of_rows(x, n, [&](const auto* in, auto* out) {
     const bool vnni = avx512_kernels();
-    quantized_product(in, m, k, n, out, vnni && m > kNarrowRows ? 2 * kW4a8Outputs : kW4a8Outputs,
+    quantized_product(in, m, k, n, out, quantized_width(vnni, m),
                       [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
       constexpr int MT = decltype(rows)::value;
       if (outputs == 2 * kW4a8Outputs) {
@@ -1693,7 +1699,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const auto rows_with = [&](const auto* scales) {
     return product_of_rows(x, n, [&](const auto* in, auto* out) {
       const bool vnni = avx512_kernels();
-      quantized_product(in, m, k, n, out, vnni && m > kNarrowRows ? 2 * kW4a8Outputs : kW4a8Outputs,
+      quantized_product(in, m, k, n, out, quantized_width(vnni, m),
                         [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
         constexpr int MT = decltype(rows)::value;
         if (outputs == 2 * kW4a8Outputs) {
