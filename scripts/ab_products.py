@@ -4,7 +4,8 @@ A change to the product tiles must keep every output's bits (docs/fast-path.md, 
 construction") and is worth landing only if it is faster; timings from two processes on a shared CPU say
 little, so this builds the other commit's models/cpu_kernels.cpp as a second library whose operators live
 under another namespace (`hspec_baseline::`), then per shape and row count times both kernels call by call in
-alternation (each call's thread CPU time, medians), and checks their outputs equal bit for bit.
+alternation (each call's thread CPU time, medians), and checks their outputs equal bit for bit. Each side's
+weights are laid out by its own commit's pack_w4a8 and pack_w8a8.
 
 Shapes: SmolLM2-135M's (the target's layers and LM head, w4a8 and w8a8) and H-Spec's drafter's (its
 layers, pruned head of 8,192 rows and Markov W2 of rank 256); by default rows 1 (a decode, the Markov head's
@@ -31,6 +32,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -47,6 +49,7 @@ SHAPES = [("gate/up (1536 x 576)", 1536, 576), ("down (576 x 1536)", 576, 1536),
           ("k/v (192 x 576)", 192, 576), ("LM head (49152 x 576)", 49152, 576),
           ("pruned head (8192 x 576)", 8192, 576), ("Markov W2 (8192 x 256)", 8192, 256)]
 SOURCE = "src/hspec/models/cpu_kernels.cpp"
+PACKING = "src/hspec/models/formats/w4a8.py"  # pack_w4a8 and pack_w8a8: the layout each side's kernels read
 COLD_BYTES = 256 * 2**20  # the copies of each weight --cold walks through: several times any L3 of these hosts
 
 
@@ -70,6 +73,15 @@ def build_baseline(commit: str, workdir: Path) -> None:
     source.write_text(text)
     cpp_extension.load("hspec_cpu_kernels_baseline", [str(source)], extra_cflags=["-O3", "-fopenmp"],
                        build_directory=str(workdir), is_python_module=False, verbose=False)
+
+
+def baseline_packing(commit: str) -> ModuleType:
+    """`commit`'s models/formats/w4a8.py as a module: its pack_w4a8 and pack_w8a8 lay the weights out as its
+    kernels read them (imports from the rest of hspec resolve to this tree)."""
+    text = subprocess.run(["git", "show", f"{commit}:{PACKING}"], check=True, capture_output=True, text=True).stdout
+    module = ModuleType("hspec_baseline_packing")
+    exec(compile(text, f"{commit}:{PACKING}", "exec"), module.__dict__)  # noqa: S102 - a commit of this repository
+    return module
 
 
 def calls_on_copies(op, x: torch.Tensor, weight: torch.Tensor, extra: tuple, cold: bool):
@@ -103,19 +115,22 @@ def main() -> int:
         raise SystemExit(f"--rows must be positive row counts, got {args.rows!r}")
     load_beside_baseline(args.baseline)
     new, old = torch.ops.hspec, torch.ops.hspec_baseline
+    old_packing = baseline_packing(args.baseline)
     torch.manual_seed(0)
     rows_out = []
     for name, n, k in SHAPES:
         q, scale = quantize_rows(torch.randn(n, k), torch.bfloat16)
         levels, steps = quantize_groups(torch.randn(n, k), torch.bfloat16)
-        packed = {"w8a8": pack_w8a8(q), "w4a8": pack_w4a8(levels, steps)}
+        packed = {"w8a8": (pack_w8a8(q), old_packing.pack_w8a8(q)),
+                  "w4a8": (pack_w4a8(levels, steps), old_packing.pack_w4a8(levels, steps))}
         for m in row_counts:
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            for kind, weight in packed.items():
+            for kind, (weight, old_weight) in packed.items():
                 now_op, before_op = (new.w8a8_linear, old.w8a8_linear) if kind == "w8a8" else \
                     (new.w4a8_linear, old.w4a8_linear)
                 extra = (scale,) if kind == "w8a8" else ()
-                now, before = (calls_on_copies(op, x, weight, extra, args.cold) for op in (now_op, before_op))
+                now = calls_on_copies(now_op, x, weight, extra, args.cold)
+                before = calls_on_copies(before_op, x, old_weight, extra, args.cold)
 
                 same = torch.equal(now(), before())
                 us = time_pair({"baseline": before, "this tree": now}, args.rounds)

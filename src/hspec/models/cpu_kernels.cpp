@@ -263,6 +263,32 @@ HSPEC_AVX2 Int8Rows quantize_rows(const In* x, int64_t k, int64_t row0, int64_t 
 // nibbles and vector 2c + 1 in its high ones.
 constexpr int kW4a8Outputs = 8;
 constexpr int64_t kW4a8Tile = kW4a8Outputs * (kBlock / 2 + 4);
+// Bytes per 8 outputs and block of 32 inputs of a w8a8 weight (`w8a8_tile`).
+constexpr int64_t kW8a8Tile = kW4a8Outputs * kBlock;
+
+// Where the blocks of one tile of 8 outputs lie in a packed w4a8 or w8a8 weight: the tiles come in pairs
+// (2p, 2p + 1) whose blocks alternate, tile 2p's block g, then tile 2p + 1's, then block g + 1
+// (models.formats.w4a8, `_pairs_interleaved`), and a last tile where N / 8 is odd stands alone, its blocks in
+// order. Block g of the tile starts at first + g * stride; in a pair, the second tile's block g follows the
+// first's. So the VNNI tiles, which take a pair's 16 outputs at once, read one run of memory in order: on Zen 4
+// the hardware prefetchers followed one such run and not the two runs K / 32 blocks apart of tiles stored one
+// after the other, and a product of several rows with its weights in memory ran at 0.5-0.7x its speed with them
+// in the caches (results/epyc_zen4/README.md).
+struct TileBlocks {
+  const uint8_t* first;
+  int64_t stride;
+};
+
+// The TileBlocks of outputs n0 .. n0 + 7 (n0 a multiple of 8) of a packed weight of n outputs, each tile
+// `blocks` blocks of `tile_bytes`.
+inline TileBlocks tile_blocks(const void* weight, int64_t n, int64_t n0, int64_t blocks, int64_t tile_bytes) {
+  const auto* base = static_cast<const uint8_t*>(weight);
+  const int64_t tile = n0 / kW4a8Outputs;
+  if (tile < n / (2 * kW4a8Outputs) * 2) {
+    return {base + ((tile - tile % 2) * blocks + tile % 2) * tile_bytes, 2 * tile_bytes};
+  }
+  return {base + tile * blocks * tile_bytes, tile_bytes};
+}
 
 // 8 bf16 -> 8 fp32.
 HSPEC_AVX2 inline __m256 bf16x8(const uint8_t* p) {
@@ -311,33 +337,38 @@ HSPEC_AVX2 inline __m256 scales8(const Scale* scale, int64_t n0) {
 // x 15 x 127 = 30,480, no overflow) and madd adds each output's two: every output's 32 products summed
 // exactly, converted once and scaled by the weight's step times the row's. The offset term (the weight's
 // offset times the row's d * sum(q)) is summed apart and added at the end. Every output's sums run in
-// block order whatever MT, n0 or the thread.
-template <int MT, typename Out>
-HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out, int64_t ldo) {
+// block order whatever MT, n0 or the thread. Halves: the tiles of 8 outputs taken block by block (2: both
+// tiles of a pair, reading it in memory order; 1: one tile).
+template <int MT, int Halves, typename Out>
+HSPEC_AVX2 void w4a8_tile(const Int8Rows& x, int64_t k, TileBlocks tiles, int64_t n0, Out* out, int64_t ldo) {
   const int64_t blocks = k / kBlock;
-  __m256 acc[MT], offsets[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps(), offsets[m] = _mm256_setzero_ps();
+  __m256 acc[Halves][MT], offsets[Halves][MT];
+  for (int h = 0; h < Halves; ++h)
+    for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps(), offsets[h][m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(0xF);
-  const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
   for (int64_t g = 0; g < blocks; ++g) {
-    const uint8_t* tile = tiles + g * kW4a8Tile;
-    __m256i w[8];
-    __m256 step, offset;
-    unpack_w4a8_block(tile, nibble, w, step, offset);
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
-      __m256i pairs = _mm256_maddubs_epi16(w[0], inputs_in_every_lane(xm));
-      for (int q = 1; q < 8; ++q) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[q], inputs_in_every_lane(xm + 4 * q)));
-      const __m256 scale = _mm256_mul_ps(step, _mm256_set1_ps(x.step[g * MT + m]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[m]);
-      offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
+    HSPEC_UNROLL
+    for (int h = 0; h < Halves; ++h) {
+      __m256i w[8];
+      __m256 step, offset;
+      unpack_w4a8_block(tiles.first + g * tiles.stride + h * kW4a8Tile, nibble, w, step, offset);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
+        __m256i pairs = _mm256_maddubs_epi16(w[0], inputs_in_every_lane(xm));
+        for (int q = 1; q < 8; ++q) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[q], inputs_in_every_lane(xm + 4 * q)));
+        const __m256 scale = _mm256_mul_ps(step, _mm256_set1_ps(x.step[g * MT + m]));
+        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[h][m]);
+        offsets[h][m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[h][m]);
+      }
     }
   }
-  for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0, _mm256_add_ps(acc[m], offsets[m]));
+  for (int h = 0; h < Halves; ++h)
+    for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0 + h * kW4a8Outputs, _mm256_add_ps(acc[h][m], offsets[h][m]));
 }
 
-// Blocks of inputs per pass of `w4a8_tile_in_passes` (its buffers on the stack: 20 KB at 8 rows).
+// Blocks of inputs and tiles of 8 outputs per pass of `w4a8_tile_in_passes` (its buffers on the stack: 20 KB
+// at 8 rows).
 constexpr int64_t kPassBlocks = 64;
 // Fewest rows for which the AVX2 w4a8 product takes `w4a8_tile_in_passes`: one row runs faster in one pass,
 // two rows about as fast either way (results/avx2_zen1/ab_products.md; docs/fast-path.md, w4a8).
@@ -349,25 +380,25 @@ constexpr int kPassRows = 3;
 // every output gets `w4a8_tile`'s bits. In one pass the 8 unpacked weight vectors, MT rows' two sums, the
 // steps and temporaries exceed AVX2's 16 registers and GCC spills (docs/fast-path.md, w4a8); here the integer
 // pass keeps the weights and a row's two pair-sum chains in registers, and the float pass a row's two sums.
-template <int MT, typename Out>
-HSPEC_AVX2 void w4a8_tile_in_passes(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out,
+template <int MT, int Halves, typename Out>
+HSPEC_AVX2 void w4a8_tile_in_passes(const Int8Rows& x, int64_t k, TileBlocks tiles, int64_t n0, Out* out,
                                     int64_t ldo) {
   const int64_t blocks = k / kBlock;
-  alignas(32) float steps[kPassBlocks][kW4a8Outputs], offsets_of[kPassBlocks][kW4a8Outputs];
-  alignas(32) float sums[kPassBlocks][MT][kW4a8Outputs];
-  alignas(32) float acc[MT][kW4a8Outputs] = {}, offsets[MT][kW4a8Outputs] = {};
+  constexpr int64_t kRun = kPassBlocks / Halves;  // blocks a pass: the buffers as large whatever Halves
+  alignas(32) float steps[kRun][Halves][kW4a8Outputs], offsets_of[kRun][Halves][kW4a8Outputs];
+  alignas(32) float sums[kRun][Halves][MT][kW4a8Outputs];
+  alignas(32) float acc[Halves][MT][kW4a8Outputs] = {}, offsets[Halves][MT][kW4a8Outputs] = {};
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(0xF);
-  const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
-  for (int64_t g0 = 0; g0 < blocks; g0 += kPassBlocks) {
-    const int64_t run = std::min(kPassBlocks, blocks - g0);
-    for (int64_t b = 0; b < run; ++b) {
-      const uint8_t* tile = tiles + (g0 + b) * kW4a8Tile;
+  for (int64_t g0 = 0; g0 < blocks; g0 += kRun) {
+    const int64_t run = std::min(kRun, blocks - g0);
+    for (int64_t bh = 0; bh < run * Halves; ++bh) {
+      const int64_t b = bh / Halves, h = bh % Halves;
       __m256i w[8];
       __m256 step, offset;
-      unpack_w4a8_block(tile, nibble, w, step, offset);
-      _mm256_store_ps(steps[b], step);
-      _mm256_store_ps(offsets_of[b], offset);
+      unpack_w4a8_block(tiles.first + (g0 + b) * tiles.stride + h * kW4a8Tile, nibble, w, step, offset);
+      _mm256_store_ps(steps[b][h], step);
+      _mm256_store_ps(offsets_of[b][h], offset);
       const int8_t* xg = x.levels.data() + (g0 + b) * MT * kBlock;
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
@@ -380,24 +411,29 @@ HSPEC_AVX2 void w4a8_tile_in_passes(const Int8Rows& x, int64_t k, const uint8_t*
           even = _mm256_add_epi16(even, _mm256_maddubs_epi16(w[q], inputs_in_every_lane(xm + 4 * q)));
           odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(w[q + 1], inputs_in_every_lane(xm + 4 * q + 4)));
         }
-        _mm256_store_ps(sums[b][m], _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(even, odd), ones)));
+        _mm256_store_ps(sums[b][h][m], _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(even, odd), ones)));
       }
     }
+    HSPEC_UNROLL
+    for (int h = 0; h < Halves; ++h) {
+      for (int m = 0; m < MT; ++m) {
+        __m256 sum = _mm256_load_ps(acc[h][m]), offset = _mm256_load_ps(offsets[h][m]);
+        for (int64_t b = 0; b < run; ++b) {
+          const int64_t at = (g0 + b) * MT + m;
+          const __m256 scale = _mm256_mul_ps(_mm256_load_ps(steps[b][h]), _mm256_set1_ps(x.step[at]));
+          sum = _mm256_fmadd_ps(_mm256_load_ps(sums[b][h][m]), scale, sum);
+          offset = _mm256_fmadd_ps(_mm256_load_ps(offsets_of[b][h]), _mm256_set1_ps(x.step_sum[at]), offset);
+        }
+        _mm256_store_ps(acc[h][m], sum);
+        _mm256_store_ps(offsets[h][m], offset);
+      }
+    }
+  }
+  for (int h = 0; h < Halves; ++h)
     for (int m = 0; m < MT; ++m) {
-      __m256 sum = _mm256_load_ps(acc[m]), offset = _mm256_load_ps(offsets[m]);
-      for (int64_t b = 0; b < run; ++b) {
-        const int64_t at = (g0 + b) * MT + m;
-        const __m256 scale = _mm256_mul_ps(_mm256_load_ps(steps[b]), _mm256_set1_ps(x.step[at]));
-        sum = _mm256_fmadd_ps(_mm256_load_ps(sums[b][m]), scale, sum);
-        offset = _mm256_fmadd_ps(_mm256_load_ps(offsets_of[b]), _mm256_set1_ps(x.step_sum[at]), offset);
-      }
-      _mm256_store_ps(acc[m], sum);
-      _mm256_store_ps(offsets[m], offset);
+      store8(out + m * ldo + n0 + h * kW4a8Outputs,
+             _mm256_add_ps(_mm256_load_ps(acc[h][m]), _mm256_load_ps(offsets[h][m])));
     }
-  }
-  for (int m = 0; m < MT; ++m) {
-    store8(out + m * ldo + n0, _mm256_add_ps(_mm256_load_ps(acc[m]), _mm256_load_ps(offsets[m])));
-  }
 }
 
 // One tile: MT int8 rows (`quantize_rows`) times the 8 int8 outputs from n0 of a weight stored tile-major
@@ -407,33 +443,39 @@ HSPEC_AVX2 void w4a8_tile_in_passes(const Int8Rows& x, int64_t k, const uint8_t*
 // output's pairs into int32; the 8 vectors add up to every output's 32 products, exactly, converted once
 // and scaled by the row's step. The weight's scale multiplies the sum at the end. Every output's sums run
 // in block order whatever MT, n0 or the thread.
-template <int MT, typename Out, typename Scale>
-HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0,
+template <int MT, int Halves, typename Out, typename Scale>
+HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, TileBlocks tiles, const Scale* scale, int64_t n0,
                           Out* out, int64_t ldo) {
   const int64_t blocks = k / kBlock;
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[Halves][MT];
+  for (int h = 0; h < Halves; ++h)
+    for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* tiles = weight + n0 * k;
   for (int64_t g = 0; g < blocks; ++g) {
-    const __m256i* tile = reinterpret_cast<const __m256i*>(tiles + g * kBlock * kW4a8Outputs);
-    __m256i w[8], magnitude[8];
-    for (int q = 0; q < 8; ++q) {
-      w[q] = _mm256_loadu_si256(tile + q);
-      magnitude[q] = _mm256_abs_epi8(w[q]);
-    }
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
-      __m256i sums = _mm256_setzero_si256();
+    HSPEC_UNROLL
+    for (int h = 0; h < Halves; ++h) {
+      const __m256i* tile = reinterpret_cast<const __m256i*>(tiles.first + g * tiles.stride + h * kW8a8Tile);
+      __m256i w[8], magnitude[8];
       for (int q = 0; q < 8; ++q) {
-        const __m256i signed_inputs = _mm256_sign_epi8(inputs_in_every_lane(xm + 4 * q), w[q]);
-        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[q], signed_inputs), ones));
+        w[q] = _mm256_loadu_si256(tile + q);
+        magnitude[q] = _mm256_abs_epi8(w[q]);
       }
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xm = x.levels.data() + (g * MT + m) * kBlock;
+        __m256i sums = _mm256_setzero_si256();
+        for (int q = 0; q < 8; ++q) {
+          const __m256i signed_inputs = _mm256_sign_epi8(inputs_in_every_lane(xm + 4 * q), w[q]);
+          sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[q], signed_inputs), ones));
+        }
+        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[h][m]);
+      }
     }
   }
-  const __m256 weight_scale = scales8(scale, n0);
-  for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0, _mm256_mul_ps(acc[m], weight_scale));
+  HSPEC_UNROLL
+  for (int h = 0; h < Halves; ++h) {
+    const __m256 weight_scale = scales8(scale, n0 + h * kW4a8Outputs);
+    for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0 + h * kW4a8Outputs, _mm256_mul_ps(acc[h][m], weight_scale));
+  }
 }
 
 // The wide VNNI tiles: two adjacent tiles of 8 outputs side by side in 512-bit vectors (lanes 0-7 the
@@ -516,18 +558,16 @@ HSPEC_VNNI inline void store_wide_rows(const __m512* sums, int64_t n0, Out* out,
   for (int m = 0; m < MT; ++m) store16(out + m * ldo + n0, sums[m]);
 }
 
-// `w4a8_tile` over the 16 outputs from n0 (n0 a multiple of 16).
+// `w4a8_tile` over the 16 outputs of a pair of tiles from n0 (`tiles`: the pair's first).
 template <int MT, typename Out>
-HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out, int64_t ldo) {
+HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, TileBlocks tiles, int64_t n0, Out* out, int64_t ldo) {
   const int64_t blocks = k / kBlock;
   __m512 acc[MT], offsets[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps(), offsets[m] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0xF);
-  const uint8_t* first = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
-  const uint8_t* second = first + blocks * kW4a8Tile;
   for (int64_t g = 0; g < blocks; ++g) {
-    const uint8_t* a = first + g * kW4a8Tile;
-    const uint8_t* b = second + g * kW4a8Tile;
+    const uint8_t* a = tiles.first + g * tiles.stride;
+    const uint8_t* b = a + kW4a8Tile;
     __m512i w[8];
     for (int c = 0; c < 4; ++c) {
       const __m512i chunk = join(a + 32 * c, b + 32 * c);
@@ -549,22 +589,20 @@ HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, const uint8_t* weig
   store_wide_rows<MT>(acc, n0, out, ldo);
 }
 
-// `w8a8_tile` over the 16 outputs from n0 (n0 a multiple of 16). vpdpbusd takes unsigned bytes in its
+// `w8a8_tile` over the 16 outputs of a pair of tiles from n0 (`tiles`: the pair's first). vpdpbusd takes unsigned bytes in its
 // register operand and signed ones in the broadcast, so the weights enter shifted to unsigned, w + 128
 // (one XOR per vector a block, shared by the tile's rows), against the row's signed inputs, and each row's
 // 128 * sum(q) over the block (`quantize_rows`) comes off: the exact sum of w x.
 template <int MT, typename Out, typename Scale>
-HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0,
+HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, TileBlocks tiles, const Scale* scale, int64_t n0,
                                Out* out, int64_t ldo) {
   const int64_t blocks = k / kBlock;
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int8_t* first = weight + n0 * k;
-  const int8_t* second = first + kW4a8Outputs * k;
   for (int64_t g = 0; g < blocks; ++g) {
-    const int8_t* a = first + g * kBlock * kW4a8Outputs;
-    const int8_t* b = second + g * kBlock * kW4a8Outputs;
+    const uint8_t* a = tiles.first + g * tiles.stride;
+    const uint8_t* b = a + kW8a8Tile;
     __m512i w[8];
     for (int q = 0; q < 8; ++q) w[q] = _mm512_xor_si512(join(a + 32 * q, b + 32 * q), shift);
     const int8_t* xg = x.levels.data() + g * MT * kBlock;
@@ -582,65 +620,70 @@ HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, const int8_t* weigh
   store_wide_rows<MT>(acc, n0, out, ldo);
 }
 
-// The narrow VNNI tiles: `w4a8_tile` and `w8a8_tile` with vpdpbusd on 8 lanes, for products of at most
-// kNarrowRows rows. A wide tile reads its two tiles of 8 outputs as two streams, 8 x K bytes apart, and a few
-// rows do too little work per byte for the core to run far ahead of its loads: on Zen 4, whose hardware
-// prefetchers followed one stream and not the two, a decode's products streamed their weights from memory at
-// about half the narrow tiles' rate, and the verifies of 2-4 tokens likewise (results/epyc_zen4/README.md). A
-// narrow tile reads one tile of 8 outputs after the next, in memory order, with the wide and the AVX2 tiles'
-// bits (the same exact integer sums, then the same floating-point steps in the same order). From 5 rows on the
-// wide tiles stay: level with the narrow ones in an 8-token verify there, faster where the weights are in the
-// caches (a drafted block's 7 rows), and twice the outputs an instruction where 512-bit vectors run whole.
-constexpr int64_t kNarrowRows = 4;
+// The narrow VNNI tiles: `w4a8_tile` and `w8a8_tile` with vpdpbusd on 8 lanes, over `Halves` tiles of 8 outputs
+// (the two of a pair block by block, in memory order, or a last tile alone), for products of at most
+// kNarrowRows rows. With few rows a product is bound by reading its weights, and 256-bit vectors read a pair
+// as fast as the wide tiles' 512-bit ones with fewer instructions; the wide tiles take more rows, where the
+// multiply-adds bound it and a 512-bit vpdpbusd does twice the work of a 256-bit one for the same broadcast
+// operand. Both give the AVX2 tiles' bits (the same exact integer sums, then the same floating-point steps in
+// the same order).
+constexpr int64_t kNarrowRows = 2;
 
-// Outputs per unit of `quantized_product` for a product of `rows` rows: 16 where the wide VNNI tiles take it,
-// else 8 (the narrow or the AVX2 tiles).
-inline int64_t quantized_width(bool vnni, int64_t rows) {
-  return vnni && rows > kNarrowRows ? 2 * kW4a8Outputs : kW4a8Outputs;
-}
 
-template <int MT, typename Out>
-HSPEC_VNNI void w4a8_tile_narrow(const Int8Rows& x, int64_t k, const uint8_t* weight, int64_t n0, Out* out,
+template <int MT, int Halves, typename Out>
+HSPEC_VNNI void w4a8_tile_narrow(const Int8Rows& x, int64_t k, TileBlocks tiles, int64_t n0, Out* out,
                                  int64_t ldo) {
   const int64_t blocks = k / kBlock;
-  __m256 acc[MT], offsets[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps(), offsets[m] = _mm256_setzero_ps();
+  __m256 acc[Halves][MT], offsets[Halves][MT];
+  for (int h = 0; h < Halves; ++h)
+    for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps(), offsets[h][m] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi8(0xF);
-  const uint8_t* tiles = weight + (n0 / kW4a8Outputs) * blocks * kW4a8Tile;
   for (int64_t g = 0; g < blocks; ++g) {
-    __m256i w[8];
-    __m256 step, offset;
-    unpack_w4a8_block(tiles + g * kW4a8Tile, nibble, w, step, offset);
-    for (int m = 0; m < MT; ++m) {
-      const __m256i sums = block_dot<dot_chains(MT)>(w, x.levels.data() + (g * MT + m) * kBlock);
-      const __m256 scale = _mm256_mul_ps(step, _mm256_set1_ps(x.step[g * MT + m]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[m]);
-      offsets[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[m]);
+    HSPEC_UNROLL
+    for (int h = 0; h < Halves; ++h) {
+      __m256i w[8];
+      __m256 step, offset;
+      unpack_w4a8_block(tiles.first + g * tiles.stride + h * kW4a8Tile, nibble, w, step, offset);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i sums = block_dot<dot_chains(MT)>(w, x.levels.data() + (g * MT + m) * kBlock);
+        const __m256 scale = _mm256_mul_ps(step, _mm256_set1_ps(x.step[g * MT + m]));
+        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[h][m]);
+        offsets[h][m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.step_sum[g * MT + m]), offsets[h][m]);
+      }
     }
   }
-  for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0, _mm256_add_ps(acc[m], offsets[m]));
+  for (int h = 0; h < Halves; ++h)
+    for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0 + h * kW4a8Outputs, _mm256_add_ps(acc[h][m], offsets[h][m]));
 }
 
-template <int MT, typename Out, typename Scale>
-HSPEC_VNNI void w8a8_tile_narrow(const Int8Rows& x, int64_t k, const int8_t* weight, const Scale* scale, int64_t n0,
+template <int MT, int Halves, typename Out, typename Scale>
+HSPEC_VNNI void w8a8_tile_narrow(const Int8Rows& x, int64_t k, TileBlocks tiles, const Scale* scale, int64_t n0,
                                  Out* out, int64_t ldo) {
   const int64_t blocks = k / kBlock;
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[Halves][MT];
+  for (int h = 0; h < Halves; ++h)
+    for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
   const __m256i shift = _mm256_set1_epi8(static_cast<char>(0x80));
-  const int8_t* tiles = weight + n0 * k;
   for (int64_t g = 0; g < blocks; ++g) {
-    const __m256i* tile = reinterpret_cast<const __m256i*>(tiles + g * kBlock * kW4a8Outputs);
-    __m256i w[8];
-    for (int q = 0; q < 8; ++q) w[q] = _mm256_xor_si256(_mm256_loadu_si256(tile + q), shift);
-    for (int m = 0; m < MT; ++m) {
-      const __m256i sums = _mm256_sub_epi32(block_dot<dot_chains(MT)>(w, x.levels.data() + (g * MT + m) * kBlock),
-                                            _mm256_set1_epi32(x.shifted_sum[g * MT + m]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[m]);
+    HSPEC_UNROLL
+    for (int h = 0; h < Halves; ++h) {
+      const __m256i* tile = reinterpret_cast<const __m256i*>(tiles.first + g * tiles.stride + h * kW8a8Tile);
+      __m256i w[8];
+      for (int q = 0; q < 8; ++q) w[q] = _mm256_xor_si256(_mm256_loadu_si256(tile + q), shift);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i sums = _mm256_sub_epi32(block_dot<dot_chains(MT)>(w, x.levels.data() + (g * MT + m) * kBlock),
+                                              _mm256_set1_epi32(x.shifted_sum[g * MT + m]));
+        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.step[g * MT + m]), acc[h][m]);
+      }
     }
   }
-  const __m256 weight_scale = scales8(scale, n0);
-  for (int m = 0; m < MT; ++m) store8(out + m * ldo + n0, _mm256_mul_ps(acc[m], weight_scale));
+  HSPEC_UNROLL
+  for (int h = 0; h < Halves; ++h) {
+    const __m256 weight_scale = scales8(scale, n0 + h * kW4a8Outputs);
+    for (int m = 0; m < MT; ++m) {
+      store8(out + m * ldo + n0 + h * kW4a8Outputs, _mm256_mul_ps(acc[h][m], weight_scale));
+    }
+  }
 }
 
 // One tile: MT rows times NT consecutive int8 output rows from n0, each scaled once summed.
@@ -715,27 +758,28 @@ void tiled_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, const
 }
 
 // Every output of x's m rows times w4a8 or w8a8 weights: tiles of up to 8 rows, each quantized once
-// (`quantize_rows`) and multiplied into `width` outputs at a time (8, or 16 for the wide VNNI tiles; the last
-// 8 alone where N / 8 is odd, by an 8-output tile, which gives the same bits) by tile(rows, quantized, n0,
-// outputs, out), rows the tile's size as an integral constant, out the tile's first output row. Every row
-// tile runs over one unit of outputs before the next unit, so more than 8 rows (a tree's verify) read the
+// (`quantize_rows`) and multiplied into each pair of tiles of 8 outputs (`TileBlocks`), and the last 8 outputs
+// alone where N / 8 is odd, by tile(rows, halves, quantized, n0, out): rows the row tile's size and halves the
+// tiles of 8 outputs (2, or 1 for a last one alone) as integral constants, out the row tile's first output
+// row. Every row tile runs over a pair before the next pair, so more than 8 rows (a tree's verify) read the
 // weights from memory once, not once per row tile; each output's sums are the same either way.
 template <typename In, typename Out, typename Tile>
-void quantized_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, int64_t width, const Tile& tile) {
+void quantized_product(const In* x, int64_t m, int64_t k, int64_t n, Out* out, const Tile& tile) {
   std::vector<Int8Rows> quantized;
   for_each_row_tile(m, [&](auto rows, int64_t row0) {
     quantized.push_back(quantize_rows(x, k, row0, decltype(rows)::value));
   });
-  const auto unit = [&](int64_t n0, int64_t outputs) {
+  const auto unit = [&](auto halves, int64_t n0) {
     for_each_row_tile(m, [&](auto rows, int64_t row0) {
-      tile(rows, quantized[row0 / kMaxTileRows], n0, outputs, out + row0 * n);
+      tile(rows, halves, quantized[row0 / kMaxTileRows], n0, out + row0 * n);
     });
   };
-  const int64_t units = n / width;
-  at::parallel_for(0, units, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) unit(t * width, width);
+  constexpr int64_t kPair = 2 * kW4a8Outputs;
+  const int64_t pairs = n / kPair;
+  at::parallel_for(0, pairs, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) unit(std::integral_constant<int, 2>(), t * kPair);
   });
-  if (units * width < n) unit(units * width, kW4a8Outputs);
+  if (pairs * kPair < n) unit(std::integral_constant<int, 1>(), pairs * kPair);
 }
 
 // 8 lanes over the first h - h % 8 values, then the rest one by one.
@@ -1659,17 +1703,19 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
   const uint8_t* w = weight.data_ptr<uint8_t>();
   return product_of_rows(x, n, [&](const auto* in, auto* out) {
     const bool vnni = avx512_kernels();
-    quantized_product(in, m, k, n, out, quantized_width(vnni, m),
-                      [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
-      constexpr int MT = decltype(rows)::value;
-      if (outputs == 2 * kW4a8Outputs) {
-        w4a8_tile_wide<MT>(q, k, w, n0, o, n);
-      } else if (vnni) {
-        w4a8_tile_narrow<MT>(q, k, w, n0, o, n);
-      } else if constexpr (MT >= kPassRows) {
-        w4a8_tile_in_passes<MT>(q, k, w, n0, o, n);
+    quantized_product(in, m, k, n, out, [&](auto rows, auto halves, const Int8Rows& q, int64_t n0, auto* o) {
+      constexpr int MT = decltype(rows)::value, Halves = decltype(halves)::value;
+      const TileBlocks tiles = tile_blocks(w, n, n0, blocks, kW4a8Tile);
+      if (!vnni) {
+        if constexpr (MT >= kPassRows) {
+          w4a8_tile_in_passes<MT, Halves>(q, k, tiles, n0, o, n);
+        } else {
+          w4a8_tile<MT, Halves>(q, k, tiles, n0, o, n);
+        }
+      } else if constexpr (Halves == 1 || MT <= kNarrowRows) {
+        w4a8_tile_narrow<MT, Halves>(q, k, tiles, n0, o, n);
       } else {
-        w4a8_tile<MT>(q, k, w, n0, o, n);
+        w4a8_tile_wide<MT>(q, k, tiles, n0, o, n);
       }
     });
   });
@@ -1687,8 +1733,8 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   check_on_cpu(scale, "w8a8_linear", "scale");
   const int64_t blocks = x.size(1) / kBlock;
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 3 && weight.size(1) == blocks &&
-                  weight.size(2) == kBlock * kW4a8Outputs && weight.is_contiguous(),
-              "hspec::w8a8_linear: weight must be contiguous int8 (N / 8, ", blocks, ", ", kBlock * kW4a8Outputs,
+                  weight.size(2) == kW8a8Tile && weight.is_contiguous(),
+              "hspec::w8a8_linear: weight must be contiguous int8 (N / 8, ", blocks, ", ", kW8a8Tile,
               "), got ", weight.scalar_type(), " ", weight.sizes());
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0) * kW4a8Outputs;
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n && scale.is_contiguous() &&
@@ -1699,15 +1745,15 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const auto rows_with = [&](const auto* scales) {
     return product_of_rows(x, n, [&](const auto* in, auto* out) {
       const bool vnni = avx512_kernels();
-      quantized_product(in, m, k, n, out, quantized_width(vnni, m),
-                        [&](auto rows, const Int8Rows& q, int64_t n0, int64_t outputs, auto* o) {
-        constexpr int MT = decltype(rows)::value;
-        if (outputs == 2 * kW4a8Outputs) {
-          w8a8_tile_wide<MT>(q, k, w, scales, n0, o, n);
-        } else if (vnni) {
-          w8a8_tile_narrow<MT>(q, k, w, scales, n0, o, n);
+      quantized_product(in, m, k, n, out, [&](auto rows, auto halves, const Int8Rows& q, int64_t n0, auto* o) {
+        constexpr int MT = decltype(rows)::value, Halves = decltype(halves)::value;
+        const TileBlocks tiles = tile_blocks(w, n, n0, blocks, kW8a8Tile);
+        if (!vnni) {
+          w8a8_tile<MT, Halves>(q, k, tiles, scales, n0, o, n);
+        } else if constexpr (Halves == 1 || MT <= kNarrowRows) {
+          w8a8_tile_narrow<MT, Halves>(q, k, tiles, scales, n0, o, n);
         } else {
-          w8a8_tile<MT>(q, k, w, scales, n0, o, n);
+          w8a8_tile_wide<MT>(q, k, tiles, scales, n0, o, n);
         }
       });
     });

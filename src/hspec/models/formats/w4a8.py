@@ -74,7 +74,8 @@ def w8a8_fits(weight: torch.Tensor) -> bool:
 
 def pack_w4a8(levels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Levels (N, K) and bf16 steps and zeros (K/G, N, 2) (`quantize_groups`) -> the w4a8 kernel's tiles
-    (N/8, K/G, 160) uint8: for each 8 consecutive outputs and group, 128 bytes of levels (`_output_vectors`:
+    (N/8, K/G, 160) uint8, pairs of tiles interleaved (`_pairs_interleaved`): for each 8 consecutive outputs
+    and group, 128 bytes of levels (`_output_vectors`:
     4-byte input runs of the 8 outputs side by side; 32-byte chunk c holds vector 2c in its low nibbles and
     vector 2c + 1 in its high ones), then the 8 outputs' bf16 steps, then their bf16 zeros
     (models/cpu_kernels.cpp, `w4a8_tile`)."""
@@ -86,15 +87,27 @@ def pack_w4a8(levels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # last dim has size 1 and keeps a stride other than 1, which a view as bytes refuses
     step_zero = scale.to(torch.bfloat16).permute(1, 2, 0).reshape(n, 2 * groups).contiguous().view(torch.uint8)
     step_zero = step_zero.view(n // _OUTPUTS, _OUTPUTS, 2, groups, 2).permute(0, 3, 2, 1, 4)
-    return torch.cat([nibbles.reshape(n // _OUTPUTS, groups, 128),
-                      step_zero.reshape(n // _OUTPUTS, groups, 4 * _OUTPUTS)], dim=-1).contiguous()
+    return _pairs_interleaved(torch.cat([nibbles.reshape(n // _OUTPUTS, groups, 128),
+                                         step_zero.reshape(n // _OUTPUTS, groups, 4 * _OUTPUTS)], dim=-1))
 
 
 def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
-    """int8 rows (N, K) -> the w8a8 kernel's tiles (N/8, K/G, 8 G): per 8 outputs and group, the 8 vectors of
-    `_output_vectors` (models/cpu_kernels.cpp, `w8a8_tile`)."""
+    """int8 rows (N, K) -> the w8a8 kernel's tiles (N/8, K/G, 8 G), pairs of tiles interleaved
+    (`_pairs_interleaved`): per 8 outputs and group, the 8 vectors of `_output_vectors` (models/cpu_kernels.cpp,
+    `w8a8_tile`)."""
     n, k = q.shape
-    return _output_vectors(q).reshape(n // _OUTPUTS, k // INT4_GROUP, _OUTPUTS * INT4_GROUP).contiguous()
+    return _pairs_interleaved(_output_vectors(q).reshape(n // _OUTPUTS, k // INT4_GROUP, _OUTPUTS * INT4_GROUP))
+
+
+def _pairs_interleaved(tiles: torch.Tensor) -> torch.Tensor:
+    """Tiles (N/8, K/G, bytes), tile t's blocks in order -> the same (N/8, K/G, bytes) storage with each pair of
+    tiles (2p, 2p + 1) interleaved block by block: tile 2p's block g, then tile 2p + 1's block g, then block g + 1.
+    A last tile where N/8 is odd keeps its blocks in order. A product that reads both tiles of a pair (the
+    VNNI tiles' 16 outputs) then reads one run of memory in order, as the hardware prefetchers follow it, not
+    two runs K/G blocks apart (models/cpu_kernels.cpp, `TileBlocks`)."""
+    paired = tiles.shape[0] // 2 * 2
+    pairs = tiles[:paired].view(paired // 2, 2, *tiles.shape[1:]).transpose(1, 2).reshape(paired, *tiles.shape[1:])
+    return torch.cat([pairs, tiles[paired:]]).contiguous()
 
 
 def _output_vectors(weight: torch.Tensor) -> torch.Tensor:
