@@ -193,6 +193,33 @@ def test_a_w4a8_drafter_multiplies_w4a8_tiles(targets, tiny_dirs):
         assert packed is not None and packed.dtype == torch.uint8 and packed.shape[-1] == W4A8_TILE_BYTES
 
 
+@pytest.mark.parametrize("dtype,precision", [("bfloat16", "int8"), ("w4a8", "auto"), ("w4a8", "w4a8")])
+def test_kept_markov_corrections_give_the_computed_ones_bits(targets, tiny_dirs, dtype, precision):
+    """A proposer that keeps the Markov head's corrections by previous token (`Corrections`, its int8 or w4a8
+    W2) drafts what one that multiplies W2 at every slot drafts, bit for bit, on first sight of a token and
+    on the second pass over the same contexts, where every correction is a kept one."""
+    target = _target(targets, tiny_dirs, dtype)
+    drafter = _drafter(target, precision)
+    keeping = drafter.native_greedy
+    assert keeping.keep_corrections and keeping.markov == 2  # the int8 (or w4a8) W2 copy the cache is for
+    computing = copy.copy(keeping)  # the same weights (a oneDNN-packed copy does not deep-copy)
+    computing.keep_corrections = False
+    computing.proposer = computing._bind()
+    with torch.inference_mode():
+        contexts = [(batch.anchor_tokens, native_ctx) for batch, _, native_ctx in
+                    _contexts(target, drafter, (1, 5, 17, 40))]
+        outputs = [[], []]
+        for _ in range(2):
+            for anchor, native_ctx in contexts:
+                for side, native in zip(outputs, (keeping, computing)):
+                    out = native.propose(native_ctx, anchor)
+                    side.append((out.drafts, out.local, out.confidence, out.logits))
+    for kept, computed in zip(*outputs):
+        for a, b in zip(kept, computed):
+            assert torch.equal(a, b)
+    assert len({tuple(out[0][0].tolist()) for out in outputs[0]}) > 1, "every context drafted the same block"
+
+
 # H-Spec's ablations (paper §4.3, B.4) are the same class with other modules: no S_init, no Markov head, only
 # Mamba-2 or only attention layers. hspec-lasttoken-only's attention sees the block alone, which the native call
 # does not take (`NativePropose.unfit_reason`).

@@ -180,13 +180,16 @@ class NativePropose:
                 self.markov = _MARKOV_MATRIX
                 self.weights.append(markov.W2)
         self.weights = [None if w is None else w.detach() for w in self.weights]
+        # the Markov head keeps the corrections it computed, by previous token (native_propose.cpp, `Corrections`;
+        # its own int8 W2 only): the same drafts; False (then `_bind` again) to time the products every slot
+        self.keep_corrections = True
         self.proposer = self._bind()
 
     def _bind(self):  # the extension's Proposer: the weights and sizes, converted to C++ once
         return self.extension.Proposer(self.weights, self.row_invariant, self.layers, self.mask_token_id,
                                        self.vocab_size, self.injects, self.markov, self.dims, self.eps,
                                        self.mamba_eps, self.norm_kernel, self.causal, self.reads_stored_kv,
-                                       self.inv_freq)
+                                       self.inv_freq, self.keep_corrections)
 
     def __deepcopy__(self, memo: dict) -> NativePropose:
         """A deep copy of its drafter binds the copy's tensors (`memo`); the compiled extension is shared."""

@@ -41,11 +41,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <list>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -568,6 +570,46 @@ std::pair<Tensor, Tensor> rope_cos_sin(const Tensor& inv_freq, int64_t start, in
 
 }  // namespace
 
+// The Markov head's corrections W2(W1[prev]) (Vp,) by previous token, for a Proposer whose W2 is its own int8 copy
+// (markov 2, made once for inference): a slot's correction depends on that token alone, and the slots of a run of
+// steps follow the same tokens again and again, so each computed correction is kept and a later slot after the same
+// token copies it (~16 KB in bf16) where it would multiply W2 again (Vp x r, ~2 MB in int8 at 8,192 x 256, read
+// from L3 or memory): the same bits, as the product's row does not depend on anything else. The kCapacity
+// tokens used last are kept (16 MB at most in bf16).
+class Corrections {
+ public:
+  static constexpr size_t kCapacity = 1024;
+
+  // The correction after `token`, made by `make()` where it is not kept.
+  template <typename Make>
+  Tensor get(int64_t token, const Make& make) {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const auto found = index_.find(token);
+      if (found != index_.end()) {
+        order_.splice(order_.begin(), order_, found->second);
+        return found->second->second;
+      }
+    }
+    Tensor made = make();
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (index_.find(token) == index_.end()) {
+      order_.emplace_front(token, made);
+      index_[token] = order_.begin();
+      if (order_.size() > kCapacity) {
+        index_.erase(order_.back().first);
+        order_.pop_back();
+      }
+    }
+    return made;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::list<std::pair<int64_t, Tensor>> order_;  // most recently used first
+  std::unordered_map<int64_t, std::list<std::pair<int64_t, Tensor>>::iterator> index_;
+};
+
 // HSpecDrafter.block_logits (or DFlashBackbone.block_logits) then NeuralDrafter.greedy_block for one sequence,
 // bound to one drafter: its weights and sizes, converted from Python once, when it is made (converting ~130
 // optional tensors from a Python list cost ~0.15 ms a call).
@@ -578,7 +620,7 @@ std::pair<Tensor, Tensor> rope_cos_sin(const Tensor& inv_freq, int64_t start, in
 // bidirectionally (the DFlash family); attention_kernel: the attention runs hspec::block_attention (the context
 // K/V as the pool stores them, fp32 or bf16), else ATen's products (the context in the dtype the Python path
 // multiplies it in); inv_freq: the target's RoPE inverse frequencies (D/2,), or none (`propose_in_pool` needs
-// them).
+// them); keep_corrections: the Markov head keeps the corrections it computed (`Corrections`, markov 2 only).
 //
 // Both entries return the drafts as target ids (1, K) long, as draft-vocabulary indices (1, K) long, their
 // confidence (1, K) fp32, the backbone logits U (1, K, Vp) and, where timed, the sections' nanoseconds
@@ -589,9 +631,10 @@ class Proposer {
   Proposer(std::vector<OptionalTensor> weights, std::vector<bool> row_invariant, std::vector<int64_t> layers,
            int64_t mask_token_id, int64_t vocab_size, bool injects, int64_t markov, std::vector<int64_t> dims,
            double eps, double mamba_eps, bool norm_kernel, bool causal, bool attention_kernel,
-           OptionalTensor inv_freq)
+           OptionalTensor inv_freq, bool keep_corrections)
       : weights_(std::move(weights)), row_invariant_(std::move(row_invariant)), layers_(std::move(layers)),
-        mask_token_id_(mask_token_id), vocab_size_(vocab_size), markov_(markov), injects_(injects) {
+        mask_token_id_(mask_token_id), vocab_size_(vocab_size), markov_(markov), injects_(injects),
+        keep_corrections_(keep_corrections) {
     TORCH_CHECK(dims.size() == 7, "native_propose: dims must be (nh, P, N, G, Hq, Hkv, D), got ", dims.size(),
                 " values");
     sizes_ = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], eps, mamba_eps, norm_kernel, causal,
@@ -784,12 +827,15 @@ class Proposer {
         TORCH_CHECK(prev >= 0 && prev < w1->size(0), "native_propose: token ", prev, " outside the Markov head's ",
                     w1->size(0), " rows");
         Timed timed_product(t, kMarkovProduct);
-        const Tensor low_rank = w1->select(0, prev).view({1, 1, -1});  // (1, 1, r): W1[prev], as its embedding
-        correction = (markov_ == 1 ? at::matmul(low_rank, *w2) : linear(low_rank, *w2_linear)).view({-1});
-        if (correction->scalar_type() != logits.scalar_type()) {  // promoted as ATen's add would, then rounded
-          correction = correction->to(at::result_type(logits, *correction)).to(logits.scalar_type());
-        }
-        correction = correction->contiguous();
+        const auto make = [&] {
+          const Tensor low_rank = w1->select(0, prev).view({1, 1, -1});  // (1, 1, r): W1[prev], as its embedding
+          Tensor made = (markov_ == 1 ? at::matmul(low_rank, *w2) : linear(low_rank, *w2_linear)).view({-1});
+          if (made.scalar_type() != logits.scalar_type()) {  // promoted as ATen's add would, then rounded
+            made = made.to(at::result_type(logits, made)).to(logits.scalar_type());
+          }
+          return made.contiguous();
+        };
+        correction = markov_ == 2 && keep_corrections_ ? corrections_.get(prev, make) : make();
       }
       Timed timed_select(t, kMarkovSelect);
       // l_k = U_k + W2(W1[prev]) rounded to the logits' dtype (as ATen's add rounds it), in fp32
@@ -849,6 +895,8 @@ class Proposer {
   Tensor rope_cos_, rope_sin_;  // (1, T, D) the RoPE of positions rope_start_.. (`rope_rows`)
   int64_t rope_start_ = 0;
   std::mutex rope_mutex_;
+  bool keep_corrections_;
+  mutable Corrections corrections_;  // markov 2 only, where keep_corrections_
 };
 
 // The names of the sections `propose` times, in the rows' order of its timings.
@@ -857,7 +905,8 @@ std::vector<std::string> section_names() { return {kSectionNames.begin(), kSecti
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<Proposer>(module, "Proposer", "`propose` bound to one drafter's weights (native.py)")
       .def(pybind11::init<std::vector<OptionalTensor>, std::vector<bool>, std::vector<int64_t>, int64_t, int64_t,
-                          bool, int64_t, std::vector<int64_t>, double, double, bool, bool, bool, OptionalTensor>())
+                          bool, int64_t, std::vector<int64_t>, double, double, bool, bool, bool, OptionalTensor,
+                          bool>())
       .def("propose", &Proposer::propose, "H-Spec's greedy proposal for one sequence (native_propose.cpp)")
       .def("propose_in_pool", &Proposer::propose_in_pool,
            "H-Spec's greedy proposal for one sequence, its context read from the pool in place");
