@@ -305,10 +305,10 @@ def _ops_on(capability: str, cases: list, tmp_path) -> dict:
 
 
 def test_the_vnni_tiles_give_the_avx2_tiles_bits(tmp_path):
-    """With AVX512-VNNI the w4a8 and w8a8 products take vpdpbusd tiles, 8 outputs at a time up to 4 rows and 16
-    from 5 (models/cpu_kernels.cpp): every block's integer sum is exact either way and the floating-point steps
-    are the same, so every output must equal the AVX2 tiles' bit for bit: rows 1-13 (narrow tiles, wide ones,
-    two row tiles), N / 8 even and odd (a last tile of 8 beside the wide ones), bf16 and fp32 rows."""
+    """With AVX512-VNNI the w4a8 and w8a8 products take vpdpbusd tiles over pairs of 8 outputs, 256-bit for 1-2
+    rows and 512-bit from 3 (models/cpu_kernels.cpp): every block's integer sum is exact either way and the float
+    steps are the same, so every output must equal the AVX2 tiles' bits: rows 1-13 (narrow tiles, wide ones, two
+    row tiles), N / 8 even and odd (a last tile of 8 alone beside the pairs), bf16 and fp32 rows."""
     from hspec.models.native import integer_capability
 
     if not load_kernels() or integer_capability() != "avx512_vnni":

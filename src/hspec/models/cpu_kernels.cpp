@@ -255,7 +255,8 @@ HSPEC_AVX2 Int8Rows quantize_rows(const In* x, int64_t k, int64_t row0, int64_t 
   return q;
 }
 
-// w4a8 weights, tile-major (models.quantize.pack_w4a8): for each 8 consecutive outputs and block of 32 inputs
+// w4a8 weights in tiles (models.formats.w4a8.pack_w4a8; where each tile's blocks lie: `TileBlocks`): for each
+// 8 consecutive outputs and block of 32 inputs
 // 160 bytes: 128 bytes of levels, then the 8 outputs' bf16 steps and their 8 bf16 zeros; a weight is
 // level * step + (zero - 8 step) in fp32 (the same levels, steps and zeros as llama.cpp's Q4_1 blocks).
 // The levels are laid out for products whose lanes are outputs: 8 vectors of 32 levels, vector q holding
@@ -436,13 +437,13 @@ HSPEC_AVX2 void w4a8_tile_in_passes(const Int8Rows& x, int64_t k, TileBlocks til
     }
 }
 
-// One tile: MT int8 rows (`quantize_rows`) times the 8 int8 outputs from n0 of a weight stored tile-major
-// (N / 8, K / 32, 256, models.quantize.pack_w8a8: per block 8 vectors, vector q holding inputs 4q .. 4q + 3
-// of output j in bytes 4j .. 4j + 3), lane j of each vector being output n0 + j. Per vector, maddubs takes
-// |w| and the row's inputs with w's signs (both within -127..127: a pair sum fits int16) and madd adds each
-// output's pairs into int32; the 8 vectors add up to every output's 32 products, exactly, converted once
-// and scaled by the row's step. The weight's scale multiplies the sum at the end. Every output's sums run
-// in block order whatever MT, n0 or the thread.
+// One tile: MT int8 rows (`quantize_rows`) times the 8 int8 outputs from n0 of a weight stored in tiles (N / 8, K / 32,
+// 256, models.formats.w4a8.pack_w8a8, blocks where `TileBlocks` says: per block 8 vectors, vector q holding inputs 4q
+// .. 4q + 3 of output j in bytes 4j .. 4j + 3), lane j of each vector being output n0 + j. Per vector, maddubs takes
+// |w| and the row's inputs with w's signs (both within -127..127: a pair sum fits int16) and madd adds each output's
+// pairs into int32; the 8 vectors add up to every output's 32 products, exactly, converted once and scaled by the row's
+// step. The weight's scale multiplies the sum at the end. Every output's sums run in block order whatever MT, n0 or the
+// thread.
 template <int MT, int Halves, typename Out, typename Scale>
 HSPEC_AVX2 void w8a8_tile(const Int8Rows& x, int64_t k, TileBlocks tiles, const Scale* scale, int64_t n0,
                           Out* out, int64_t ldo) {
@@ -589,10 +590,10 @@ HSPEC_VNNI void w4a8_tile_wide(const Int8Rows& x, int64_t k, TileBlocks tiles, i
   store_wide_rows<MT>(acc, n0, out, ldo);
 }
 
-// `w8a8_tile` over the 16 outputs of a pair of tiles from n0 (`tiles`: the pair's first). vpdpbusd takes unsigned bytes in its
-// register operand and signed ones in the broadcast, so the weights enter shifted to unsigned, w + 128
-// (one XOR per vector a block, shared by the tile's rows), against the row's signed inputs, and each row's
-// 128 * sum(q) over the block (`quantize_rows`) comes off: the exact sum of w x.
+// `w8a8_tile` over the 16 outputs of a pair of tiles from n0 (`tiles`: the pair's first). vpdpbusd takes unsigned bytes
+// in its register operand and signed ones in the broadcast, so the weights enter shifted to unsigned, w + 128 (one XOR
+// per vector a block, shared by the tile's rows), against the row's signed inputs, and each row's 128 * sum(q) over the
+// block (`quantize_rows`) comes off: the exact sum of w x.
 template <int MT, typename Out, typename Scale>
 HSPEC_VNNI void w8a8_tile_wide(const Int8Rows& x, int64_t k, TileBlocks tiles, const Scale* scale, int64_t n0,
                                Out* out, int64_t ldo) {
@@ -1724,7 +1725,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight) {
 #endif
 }
 
-// x (M, K), each row quantized to int8 blocks of 32, times an int8 weight stored tile-major (N / 8, K / 32,
+// x (M, K), each row quantized to int8 blocks of 32, times an int8 weight stored in tiles (N / 8, K / 32,
 // 256) with one scale per output (N,) -> (M, N) in x's dtype: integer dot products per block.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
 #ifdef HSPEC_X86
